@@ -1,0 +1,39 @@
+"""The `driftlab` command line: one Typer app, one module per command group.
+
+Command modules import torch/transformers inside their functions, so `driftlab --help`
+and data-only commands start quickly.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from driftlab.cli import models, personas
+
+app = typer.Typer(
+    name="driftlab",
+    help="Measure and control instruction drift in language-model dialogs.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(models.app, name="models")
+app.add_typer(personas.app, name="personas")
+
+
+def main() -> None:
+    """Entry point that turns DriftlabError into a two-line message and exit code 2."""
+    from rich.console import Console
+
+    from driftlab.errors import DriftlabError
+
+    try:
+        app(standalone_mode=True)
+    except DriftlabError as err:  # pragma: no cover - exercised through subprocess tests
+        console = Console(stderr=True)
+        console.print(f"[bold red]Error:[/] {err.message}", highlight=False)
+        if err.hint:
+            console.print(f"[yellow]Hint:[/] {err.hint}", highlight=False)
+        sys.exit(2)
