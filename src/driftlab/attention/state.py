@@ -1,0 +1,204 @@
+"""What the attention function should do on one generate call, per batch row.
+
+`AttentionConfig` is the user-facing, serialisable description (record it in a run's
+manifest); `AttentionState` is its per-call instantiation: key masks laid out in the
+batch's padded key slots, head masks, and the pi traces it collects.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from driftlab.errors import DriftlabError
+
+Span = tuple[int, int]
+# (layer, head) pairs; head None = every head of that layer. None instead of a tuple = everywhere.
+Heads = tuple[tuple[int, int | None], ...] | None
+
+
+def parse_heads(spec: str | None) -> Heads:
+    """Parse a head selection: 'all', '3' (layer 3), '3.1' (layer 3 head 1), '0-5', '2.0,7.3'."""
+    if spec is None or spec.strip().lower() in ("", "all", "*"):
+        return None
+    out: list[tuple[int, int | None]] = []
+    for part in re.split(r"[,\s;]+", spec.strip()):
+        if not part:
+            continue
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?(?:\.(\d+))?", part)
+        if not m:
+            raise DriftlabError(
+                f"Cannot read head selection '{part}'.",
+                hint="Use 'all', a layer '3', a layer range '0-5', or layer.head pairs like '3.1,7.0'.",
+            )
+        lo, hi, head = int(m[1]), int(m[2] or m[1]), m[3]
+        if hi < lo:
+            raise DriftlabError(f"Layer range '{part}' is empty.", hint="Write ranges low-high, e.g. '0-5'.")
+        out.extend((layer, int(head) if head is not None else None) for layer in range(lo, hi + 1))
+    return tuple(out)
+
+
+def head_mask(heads: Heads, n_layers: int, n_heads: int) -> torch.Tensor:
+    """Boolean [n_layers, n_heads] mask of a head selection, with a range check."""
+    if heads is None:
+        return torch.ones(n_layers, n_heads, dtype=torch.bool)
+    mask = torch.zeros(n_layers, n_heads, dtype=torch.bool)
+    for layer, head in heads:
+        if not 0 <= layer < n_layers or (head is not None and not 0 <= head < n_heads):
+            raise DriftlabError(
+                f"Head selection ({layer}, {head}) is outside this model ({n_layers} layers x {n_heads} heads).",
+                hint=f"Layers are 0..{n_layers - 1}, heads 0..{n_heads - 1}.",
+            )
+        if head is None:
+            mask[layer] = True
+        else:
+            mask[layer, head] = True
+    return mask
+
+
+class AttentionConfig(BaseModel):
+    """An attention intervention (or plain tracing), as recorded in manifests.
+
+    * `split_k` < 1 turns on split-softmax (seed 000 Eq. 6-7) on `split_heads`.
+    * `bias` != 0 adds that value to the attention logits of the `bias_span` keys (or of
+      every other key when `bias_invert`) on `bias_heads`: InstABoost boosts the
+      instruction keys everywhere; PASTA adds log(alpha) to the non-emphasised keys on
+      profiled heads.
+    * `trace` records pi, the attention mass on the system keys, per layer and head.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    trace: bool = False
+    trace_prefill: bool = False
+    split_k: float = Field(1.0, ge=0.0, le=1.0)
+    split_heads: Heads = None
+    bias: float = 0.0
+    bias_span: str = "system"
+    bias_invert: bool = False
+    bias_heads: Heads = None
+
+    @field_validator("split_heads", "bias_heads", mode="before")
+    @classmethod
+    def _parse_heads(cls, v):
+        return parse_heads(v) if isinstance(v, str) or v is None else tuple(tuple(x) for x in v)
+
+    @property
+    def splits(self) -> bool:
+        return self.split_k != 1.0
+
+    @property
+    def biases(self) -> bool:
+        return self.bias != 0.0
+
+    @property
+    def changes_outputs(self) -> bool:
+        """True if hidden states differ from the plain model (tracing alone does not)."""
+        return self.splits or self.biases
+
+    @property
+    def active(self) -> bool:
+        return self.trace or self.changes_outputs
+
+    def fingerprint(self) -> str:
+        """A short stable description of whatever changes hidden states (prefix-cache key)."""
+        if not self.changes_outputs:
+            return ""
+        return self.model_dump_json(exclude={"trace", "trace_prefill"})
+
+
+class AttentionState:
+    """Per-call, per-row state handed to the attention function through forward kwargs."""
+
+    def __init__(
+        self,
+        config: AttentionConfig,
+        spans: Sequence[dict[str, list[Span]]],
+        n_layers: int,
+        n_heads: int,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.spans = spans
+        self.n_layers, self.n_heads, self.device = n_layers, n_heads, device
+        self.split_k = config.split_k
+        self.trace = config.trace
+        self.split_mask = head_mask(config.split_heads, n_layers, n_heads).to(device) if config.splits else None
+        self.bias_mask = head_mask(config.bias_heads, n_layers, n_heads).to(device) if config.biases else None
+        self.system_keys: torch.Tensor | None = None
+        self.bias_keys: torch.Tensor | None = None
+        self.kv_len = 0
+        self.records: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+
+    # -- layout, set by the decode loop ------------------------------------------------------
+    def on_layout(self, pads: list[int], prompt_len: int, max_len: int) -> None:
+        """Lay the row spans out in padded key slots: row b's token j sits at pads[b] + j."""
+        B = len(pads)
+        if len(self.spans) != B:
+            raise DriftlabError(f"{len(self.spans)} span sets given for a batch of {B}.")
+        system = torch.zeros(B, max_len, dtype=torch.bool)
+        for b, spans in enumerate(self.spans):
+            for s, e in spans.get("system", []):
+                system[b, pads[b] + s : pads[b] + e] = True
+        self.system_keys = system.to(self.device)
+        if self.config.biases:
+            target = torch.zeros(B, max_len, dtype=torch.bool)
+            for b, spans in enumerate(self.spans):
+                if self.config.bias_span not in spans and not self.config.bias_invert:
+                    continue
+                for s, e in spans.get(self.config.bias_span, []):
+                    target[b, pads[b] + s : pads[b] + e] = True
+                if self.config.bias_invert:
+                    target[b, pads[b] :] = ~target[b, pads[b] :]
+            self.bias_keys = (target.float() * self.config.bias).to(self.device)
+        self.kv_len = prompt_len
+        self.records = [[] for _ in range(self.n_layers)]
+
+    def forward_kwargs(self, kv_len: int) -> dict:
+        self.kv_len = kv_len
+        return {"driftlab": self}
+
+    # -- queried by the attention function ---------------------------------------------------
+    def acts_on(self, layer: int) -> bool:
+        return (
+            self.trace
+            or (self.split_mask is not None and bool(self.split_mask[layer].any()))
+            or (self.bias_mask is not None and bool(self.bias_mask[layer].any()))
+        )
+
+    def split_heads_for(self, layer: int) -> torch.Tensor | None:
+        if self.split_mask is None or not bool(self.split_mask[layer].any()):
+            return None
+        return self.split_mask[layer]
+
+    def layer_bias(self, layer: int, lo: int, hi: int) -> torch.Tensor | None:
+        """[B, H, 1, K] additive logits for this layer's keys, or None."""
+        if self.bias_mask is None or not bool(self.bias_mask[layer].any()):
+            return None
+        keys = self.bias_keys[:, lo:hi]
+        return keys[:, None, None, :] * self.bias_mask[layer][None, :, None, None].to(keys.dtype)
+
+    def record(self, layer: int, pi: torch.Tensor) -> None:
+        """Keep pi [B, H, q]: all queries on the prefill if asked, else only the last."""
+        keep = pi if (self.config.trace_prefill and not self.records[layer]) else pi[..., -1:]
+        self.records[layer].append(keep.float())
+
+    # -- results -------------------------------------------------------------------------------
+    def row_traces(self, n_steps: Sequence[int], pads: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+        """Per row: `decode` [n_tokens, L, H] (pi when predicting each generated token) and,
+        with trace_prefill, `prefill` [prompt_tokens, L, H] (pi at each prompt query)."""
+        if not self.trace or not self.records[0]:
+            return [{} for _ in n_steps]
+        per_layer_last = [torch.cat([r[..., -1:] for r in recs], dim=-1) for recs in self.records]  # [B,H,F]
+        stacked = torch.stack(per_layer_last, dim=0)  # [L, B, H, F]
+        out = []
+        for b, n in enumerate(n_steps):
+            row = {"decode": stacked[:, b, :, :n].permute(2, 0, 1).cpu()}
+            if self.config.trace_prefill:
+                pre = torch.stack([recs[0][b] for recs in self.records], dim=0)  # [L, H, q0]
+                row["prefill"] = pre[:, :, pads[b] :].permute(2, 0, 1).cpu()
+            out.append(row)
+        return out

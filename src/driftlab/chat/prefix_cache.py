@@ -1,0 +1,90 @@
+"""Reuse the key/value cache of token prefixes that were already computed.
+
+In a self-chat every new turn, and every probe, re-reads the whole dialog so far. Keeping
+the KV of each finished sequence lets the next prompt that starts with it compute only its
+new tokens (automatic prefix caching, as in vLLM). Entries are per conversation row,
+unpadded, and tagged with a fingerprint of anything that changes the hidden states
+(e.g. an attention intervention), so a cache computed under split-softmax is never reused
+for a plain run.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Entry:
+    tokens: np.ndarray  # int64 [L]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [Hkv, L, d]
+    tag: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class PrefixCache:
+    """LRU store of per-sequence KV caches, bounded in bytes."""
+
+    def __init__(self, max_bytes: int = 2 << 30) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[int, Entry] = OrderedDict()
+        self._next_id = 0
+        self.hits_tokens = 0  # statistics: tokens served from cache
+        self.lookups = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def lookup(self, tokens: np.ndarray, tag: str) -> tuple[int, Entry | None]:
+        """Longest common prefix between `tokens` and any entry with the same tag."""
+        self.lookups += 1
+        best_len, best_id = 0, None
+        for eid, entry in self._entries.items():
+            if entry.tag != tag:
+                continue
+            n = common_prefix_len(entry.tokens, tokens)
+            if n > best_len:
+                best_len, best_id = n, eid
+        if best_id is None:
+            return 0, None
+        self._entries.move_to_end(best_id)
+        self.hits_tokens += best_len
+        return best_len, self._entries[best_id]
+
+    def store(self, tokens: np.ndarray, kv: list[tuple[torch.Tensor, torch.Tensor]], tag: str) -> None:
+        """Add an entry; entries that are a prefix of it become redundant and are dropped."""
+        if len(tokens) == 0 or self.max_bytes <= 0:
+            return
+        for eid in [
+            eid
+            for eid, e in self._entries.items()
+            if e.tag == tag and len(e.tokens) <= len(tokens) and common_prefix_len(e.tokens, tokens) == len(e.tokens)
+        ]:
+            del self._entries[eid]
+        self._entries[self._next_id] = Entry(tokens, kv, tag)
+        self._next_id += 1
+        total = self.nbytes
+        while total > self.max_bytes and len(self._entries) > 1:
+            _, old = self._entries.popitem(last=False)
+            total -= old.nbytes

@@ -1,0 +1,110 @@
+"""Rendering conversations to tokens, and locating the system prompt inside them.
+
+Chat models bring their own template (from the GGUF). Base models have none: driftlab
+renders them with a plain-text dialog template and stops generation at the next speaker
+tag, so a base model can sit in the same experiments (e.g. base-vs-chat attention decay).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from driftlab.chat.base import Message
+from driftlab.errors import DriftlabError
+
+PLAIN_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}{{ m['content'] }}\n\n"
+    "{%- elif m['role'] == 'user' -%}User: {{ m['content'] }}\n"
+    "{%- else -%}Assistant: {{ m['content'] }}\n{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}Assistant:{%- endif -%}"
+)
+PLAIN_STOP = ("\nUser:", "\nAssistant:")
+
+# End-of-turn tokens used by common chat templates; any present in the vocabulary stops generation.
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>", "<|endoftext|>")
+
+SPAN_MODES = ("prefix", "content")
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A conversation as tokens, with where its system prompt sits."""
+
+    ids: list[int]
+    text: str
+    system_span: tuple[int, int] | None  # [start, end) token positions, None without system message
+
+
+class Renderer:
+    """Applies a tokenizer's chat template (or the plain one) and finds token spans."""
+
+    def __init__(self, tokenizer, span_mode: str = "prefix") -> None:
+        if span_mode not in SPAN_MODES:
+            raise DriftlabError(f"Unknown system span mode '{span_mode}'.", hint=f"Use one of {SPAN_MODES}.")
+        self.tokenizer = tokenizer
+        self.span_mode = span_mode
+        self.plain = not getattr(tokenizer, "chat_template", None)
+        if self.plain:
+            tokenizer.chat_template = PLAIN_TEMPLATE
+        self.stop_strings: tuple[str, ...] = PLAIN_STOP if self.plain else ()
+
+    def text(self, conversation: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as err:  # jinja raises TemplateError for e.g. non-alternating roles
+            raise DriftlabError(
+                f"The model's chat template rejected the conversation: {err}",
+                hint="Some templates need alternating user/assistant turns or forbid a system message.",
+            ) from err
+
+    def encode(self, text: str) -> list[int]:
+        # The template already wrote any BOS/special tokens it wants.
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def render(self, conversation: Sequence[Message], add_generation_prompt: bool = True) -> Rendered:
+        text = self.text(conversation, add_generation_prompt)
+        ids = self.encode(text)
+        span = None
+        if conversation and conversation[0]["role"] == "system":
+            span = self._system_span(conversation[0], text, ids)
+        return Rendered(ids=ids, text=text, system_span=span)
+
+    def _system_span(self, system: Message, text: str, ids: list[int]) -> tuple[int, int]:
+        """Token span of the system prompt: the rendered system turn, or only its text.
+
+        `prefix` = the tokens of the chat template applied to the system message alone, from
+        position 0 (includes the template header and any BOS, which is often an attention
+        sink). `content` = only the tokens overlapping the system prompt's characters.
+        """
+        if self.span_mode == "prefix":
+            sys_ids = self.encode(self.text([system], add_generation_prompt=False))
+            n = 0
+            for a, b in zip(sys_ids, ids, strict=False):
+                if a != b:
+                    break
+                n += 1
+            return (0, n)
+        start_char = text.find(system["content"])
+        if start_char < 0 or not system["content"]:
+            return (0, 0)
+        end_char = start_char + len(system["content"])
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        inside = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if e > start_char and s < end_char]
+        return (inside[0], inside[-1] + 1) if inside else (0, 0)
+
+    def eos_ids(self, model_config, generation_config) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(generation_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(x) for x in src)
+        if not self.plain:
+            vocab = self.tokenizer.get_vocab()
+            ids.update(vocab[t] for t in END_OF_TURN if t in vocab and t in self.tokenizer.chat_template)
+        return ids
