@@ -1,0 +1,28 @@
+"""The drift benchmark: 100 system prompts with probes and measures, and conversation starters.
+
+    from driftlab.bench import get_persona, STARTERS
+    p = get_persona("reply-in-french")
+    p.score("Bonjour ! À Londres, je visite le British Museum.")  # -> close to 1.0
+
+Importing this package is cheap; the libraries behind some measures load on first use.
+"""
+
+from driftlab.bench.measures import MEASURES
+from driftlab.bench.personas import (
+    CATEGORIES,
+    Persona,
+    get_persona,
+    load_personas,
+    load_user_personas,
+)
+from driftlab.bench.starters import STARTERS
+
+__all__ = [
+    "CATEGORIES",
+    "MEASURES",
+    "STARTERS",
+    "Persona",
+    "get_persona",
+    "load_personas",
+    "load_user_personas",
+]

@@ -11,6 +11,8 @@ import sys
 import typer
 
 from driftlab.cli import models, personas
+from driftlab.cli.chat import chat
+from driftlab.cli.theory import theory
 
 app = typer.Typer(
     name="driftlab",
@@ -21,6 +23,8 @@ app = typer.Typer(
 )
 app.add_typer(models.app, name="models")
 app.add_typer(personas.app, name="personas")
+app.command("chat")(chat)
+app.command("theory")(theory)
 
 
 def main() -> None:

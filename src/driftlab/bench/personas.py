@@ -1,0 +1,195 @@
+"""The benchmark personas: system prompt, probe question and measure, plus user-defined ones.
+
+The 100 built-in personas of seed 000 (Table 2) live in `data/personas.jsonl`, one JSON
+object per line, in the table's order. Users add their own from a JSONL or TOML file with
+the same fields; every entry is validated when loaded (unknown measure, wrong parameter,
+duplicate id) and an error names the file, line and field.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from driftlab.bench.measures import MEASURES, validate_params
+from driftlab.errors import DriftlabError
+
+Category = Literal["multiple_choice", "persona", "pattern", "memorization", "language"]
+#: The five categories of seed 000, section 3.2.
+CATEGORIES: tuple[str, ...] = get_args(Category)
+
+
+class Persona(BaseModel):
+    """One benchmark entry: a system prompt, the probe that tests it and how to score the reply.
+
+    Usable for either side of a self-chat: the agent's persona or the simulated user's.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str = Field(pattern=r"^[a-z0-9]+(?:-[a-z0-9]+)*$", description="stable slug, e.g. 'reply-in-french'")
+    category: Category
+    system_prompt: str = Field(min_length=1)
+    probe: str = Field(min_length=1)
+    measure: str = Field(description="id of a function in MEASURES")
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("measure")
+    @classmethod
+    def _known_measure(cls, name: str) -> str:
+        if name not in MEASURES:
+            close = difflib.get_close_matches(name, MEASURES, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown measure {name!r}{hint} (see `docs/personas.md` for the list)")
+        return name
+
+    @field_validator("params")
+    @classmethod
+    def _params_fit_measure(cls, params: dict[str, Any], info: Any) -> dict[str, Any]:
+        name = info.data.get("measure")
+        if name is None:  # an unknown measure was already reported on its own field
+            return params
+        return validate_params(name, params)
+
+    def score(self, text: str) -> float:
+        """How well `text` (a reply to `probe`) follows the system prompt: a float in [0, 1]."""
+        return float(MEASURES[self.measure](text, **self.params))
+
+
+@functools.cache
+def _builtin() -> tuple[Persona, ...]:
+    source = resources.files("driftlab.bench") / "data" / "personas.jsonl"
+    return tuple(_parse_jsonl(source.read_text(encoding="utf-8"), "built-in personas.jsonl", builtin=True))
+
+
+def load_personas(category: str | None = None, extra: str | Path | None = None) -> list[Persona]:
+    """The 100 built-in personas, plus the entries of a user file `extra`, optionally of one category."""
+    personas = list(_builtin())
+    if extra is not None:
+        personas += load_user_personas(extra)
+    if category is None:
+        return personas
+    if category not in CATEGORIES:
+        raise DriftlabError(f"unknown category {category!r}", hint=f"use one of: {', '.join(CATEGORIES)}")
+    return [p for p in personas if p.category == category]
+
+
+def get_persona(persona_id: str, extra: str | Path | None = None) -> Persona:
+    """The persona with this id (built-in, or from the user file `extra`)."""
+    personas = {p.id: p for p in load_personas(extra=extra)}
+    if persona_id in personas:
+        return personas[persona_id]
+    close = difflib.get_close_matches(persona_id, personas, n=3)
+    hint = f"did you mean {', '.join(close)}?" if close else "`driftlab personas list` shows all ids"
+    raise DriftlabError(f"no persona with id {persona_id!r}", hint=hint)
+
+
+def load_user_personas(path: str | Path) -> list[Persona]:
+    """Personas from a user file: JSONL (one object per line) or TOML (`[[persona]]` tables).
+
+    Ids must not clash with the built-ins or each other. Raises DriftlabError naming the
+    line and field of the first invalid entry.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DriftlabError(f"persona file not found: {path}", hint="give the path of a .jsonl or .toml file")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".toml":
+        personas = _parse_toml(text, str(path))
+    elif path.suffix == ".jsonl":
+        personas = _parse_jsonl(text, str(path))
+    else:
+        raise DriftlabError(f"unsupported persona file type: {path.name}", hint="use a .jsonl or .toml file")
+    return personas
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _parse_jsonl(text: str, source: str, builtin: bool = False) -> list[Persona]:
+    entries: list[tuple[int, Any]] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            entries.append((lineno, json.loads(line)))
+        except json.JSONDecodeError as err:
+            raise DriftlabError(
+                f"{source}, line {lineno}: not valid JSON ({err.msg}, column {err.colno})",
+                hint="each non-blank line must be one JSON object",
+            ) from None
+    return _build(entries, source, builtin)
+
+
+def _parse_toml(text: str, source: str) -> list[Persona]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise DriftlabError(
+            f"{source}: not valid TOML ({err})", hint="check the quoting around that line"
+        ) from None
+    unknown = sorted(set(data) - {"persona"})
+    if unknown or not isinstance(data.get("persona", []), list):
+        raise DriftlabError(
+            f"{source}: unexpected top-level key(s) {', '.join(unknown) or 'persona'}",
+            hint="write each entry as a [[persona]] table",
+        )
+    # tomllib reports no positions; the n-th [[persona]] header's line locates the n-th entry.
+    header_lines = [
+        i
+        for i, line in enumerate(text.splitlines(), start=1)
+        if line.strip().replace(" ", "") == "[[persona]]"
+    ]
+    tables = data.get("persona", [])
+    lines = header_lines if len(header_lines) == len(tables) else [0] * len(tables)
+    return _build(list(zip(lines, tables)), source)
+
+
+def _build(entries: list[tuple[int, Any]], source: str, builtin: bool = False) -> list[Persona]:
+    builtin_ids = set() if builtin else {p.id for p in _builtin()}
+    seen: dict[str, int] = {}
+    personas = []
+    for lineno, entry in entries:
+        where = f"{source}, line {lineno}" if lineno else source
+        if not isinstance(entry, dict):
+            raise DriftlabError(
+                f"{where}: expected an object with id, category, system_prompt, probe, measure, params"
+            )
+        try:
+            persona = Persona.model_validate(entry)
+        except ValidationError as err:
+            first = err.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or "entry"
+            message = first["msg"].removeprefix("Value error, ")
+            raise DriftlabError(f"{where}, field '{field}': {message}", hint=_hint(field)) from None
+        if persona.id in builtin_ids:
+            raise DriftlabError(
+                f"{where}, field 'id': {persona.id!r} is a built-in persona", hint="pick another id"
+            )
+        if persona.id in seen:
+            raise DriftlabError(
+                f"{where}, field 'id': {persona.id!r} already used on line {seen[persona.id]}",
+                hint="ids must be unique",
+            )
+        seen[persona.id] = lineno
+        personas.append(persona)
+    return personas
+
+
+def _hint(field: str) -> str:
+    return {
+        "id": "ids are lower-case words joined by '-', e.g. 'my-pirate'",
+        "category": f"use one of: {', '.join(CATEGORIES)}",
+        "measure": "`driftlab personas measures` lists the measure ids",
+        "params": "`driftlab personas measures` lists each measure's parameters",
+    }.get(field.split(".")[0], "see docs/personas.md for the entry format")

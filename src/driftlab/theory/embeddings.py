@@ -1,0 +1,187 @@
+"""Figure 7 (seed 000, App. A): histogram of the norms of a model's input embeddings.
+
+The simplified model of Sec. 5 puts every token on the unit sphere. The paper justifies this
+by showing that LLaMA2-7B-chat's embedding rows have norms concentrated around 1. Whether a
+given model has *concentrated* norms (small coefficient of variation) is the property that
+matters: a common scale can be absorbed into W_ov, a wide spread cannot.
+
+We read only the embedding tensor from the safetensors file(s) — no torch, no model load.
+numpy has no bfloat16, and `safe_open(framework="numpy")` refuses bf16 tensors, so we use
+safe_open to discover keys, dtype and shape, and memory-map the raw bytes at the offsets in
+the file header (bf16 -> float32 is a 16-bit left shift).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from driftlab.errors import DriftlabError
+from driftlab.theory.checks import Check, fmt
+
+# Suffixes of input-embedding tensors in common Hugging Face architectures, most specific first.
+EMBED_SUFFIXES = (
+    "embed_tokens.weight",  # Llama, Mistral, Qwen2, Gemma, SmolLM, ...
+    "wte.weight",  # GPT-2, GPT-J
+    "word_embeddings.weight",  # BLOOM, Falcon, BERT
+    "embed_in.weight",  # GPT-NeoX / Pythia
+    "tok_embeddings.weight",  # original LLaMA checkpoints
+    "embedding.weight",
+)
+
+_DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "BF16": np.uint16}
+
+
+def resolve_model_dir(name_or_path: str) -> Path:
+    """A local model directory (or a single .safetensors file) for --model.
+
+    Preset names (e.g. "smollm2-135m") and model directories go through
+    driftlab.assets.resolve_model, which validates directories and pulls the default preset
+    if needed; a bare .safetensors file is accepted as is, since Figure 7 needs nothing else.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".safetensors":
+        return path
+    from driftlab.assets import resolve_model
+
+    return Path(resolve_model(name_or_path))
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DriftlabError(
+            f"No *.safetensors file in {path}.",
+            hint="Figure 7 reads the embedding matrix from safetensors; convert the model first "
+            "(e.g. with save_pretrained) or pass another directory.",
+        )
+    return files
+
+
+def find_embedding(path: Path) -> tuple[Path, str]:
+    """(file, key) of the input-embedding matrix: by suffix, in shard order."""
+    from safetensors import safe_open
+
+    keys: dict[str, Path] = {}
+    for f in _safetensors_files(path):
+        with safe_open(str(f), framework="numpy") as st:
+            for k in st.keys():
+                keys[k] = f
+    for suffix in EMBED_SUFFIXES:
+        hits = sorted(k for k in keys if k.endswith(suffix))
+        if hits:
+            key = min(hits, key=len)  # e.g. prefer model.embed_tokens over vision towers' copies
+            return keys[key], key
+    sample = ", ".join(sorted(keys)[:8])
+    raise DriftlabError(
+        f"No input-embedding tensor found in {path} (looked for *{'/*'.join(EMBED_SUFFIXES)}).",
+        hint=f"Keys start with: {sample}",
+    )
+
+
+def _raw_tensor(file: Path, key: str) -> tuple[np.ndarray, str]:
+    """Memory-mapped tensor bytes as a numpy array (bf16 kept as uint16), plus the dtype name."""
+    with open(file, "rb") as fh:
+        (header_len,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(header_len))
+    info = header[key]
+    dtype = info["dtype"]
+    if dtype not in _DTYPES:
+        raise DriftlabError(
+            f"Unsupported embedding dtype {dtype} in {file.name}.",
+            hint="Use a float32/float16/bfloat16 checkpoint.",
+        )
+    begin, end = info["data_offsets"]
+    count = int(np.prod(info["shape"]))
+    arr = np.memmap(file, dtype=_DTYPES[dtype], mode="r", offset=8 + header_len + begin, shape=(count,))
+    if arr.nbytes != end - begin:  # pragma: no cover - corrupt file
+        raise DriftlabError(f"Tensor {key} in {file.name} has inconsistent offsets.")
+    return arr.reshape(info["shape"]), dtype
+
+
+def embedding_norms(path: Path, chunk: int = 8192) -> tuple[np.ndarray, str, str]:
+    """L2 norms of all embedding rows (float64), the tensor key and its dtype."""
+    file, key = find_embedding(path)
+    raw, dtype = _raw_tensor(file, key)
+    if raw.ndim != 2:
+        raise DriftlabError(f"Embedding tensor {key} has shape {raw.shape}, expected 2-D.")
+    norms = np.empty(raw.shape[0])
+    for start in range(0, raw.shape[0], chunk):
+        block = np.asarray(raw[start : start + chunk])
+        if dtype == "BF16":
+            block = (block.astype(np.uint32) << 16).view(np.float32)
+        norms[start : start + chunk] = np.linalg.norm(block.astype(np.float64), axis=1)
+    return norms, key, dtype
+
+
+@dataclass
+class EmbeddingResult:
+    model: str
+    key: str
+    dtype: str
+    norms: np.ndarray
+
+    @property
+    def stats(self) -> dict[str, float]:
+        n = self.norms
+        med = float(np.median(n))
+        return {
+            "rows": float(len(n)),
+            "mean": float(n.mean()),
+            "std": float(n.std()),
+            "cv": float(n.std() / n.mean()),
+            "median": med,
+            "p01": float(np.quantile(n, 0.01)),
+            "p99": float(np.quantile(n, 0.99)),
+            "within_20pct_of_median": float(np.mean(np.abs(n / med - 1) <= 0.2)),
+        }
+
+
+def run(model: str) -> EmbeddingResult:
+    path = resolve_model_dir(model)
+    norms, key, dtype = embedding_norms(path)
+    return EmbeddingResult(model=model, key=key, dtype=dtype, norms=norms)
+
+
+def checks(res: EmbeddingResult) -> list[Check]:
+    s = res.stats
+    return [
+        Check(
+            "fig7.norms",
+            f"Fig 7: embedding norms of {Path(res.model).name or res.model} are concentrated",
+            f"mean {fmt(s['mean'], 3)} ± {fmt(s['std'], 3)} (CV {fmt(s['cv'], 2)}); "
+            f"{100 * s['within_20pct_of_median']:.0f}% within ±20% of median",
+            "paper (LLaMA2-7B-chat): concentrated around 1",
+            "info",
+            f"{int(s['rows'])} rows of {res.key} ({res.dtype}); 1-99% range [{fmt(s['p01'], 3)}, {fmt(s['p99'], 3)}]",
+            s,
+        )
+    ]
+
+
+def plot(res: EmbeddingResult, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = res.stats
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    hi = np.quantile(res.norms, 0.999)
+    ax.hist(res.norms[res.norms <= hi], bins=120, density=True, color="tab:blue", alpha=0.8)
+    ax.axvline(s["median"], color="k", ls="--", lw=1, label=f"median {s['median']:.3g}")
+    ax.set_xlabel("L2 norm of embedding row")
+    ax.set_ylabel("density")
+    ax.set_title(
+        f"Embedding norms: {Path(res.model).name or res.model} ({int(s['rows'])} tokens)", fontsize=9
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
