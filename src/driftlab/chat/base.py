@@ -31,6 +31,7 @@ class Sampling(BaseModel):
     top_p: float = Field(0.9, gt=0.0, le=1.0)
     greedy: bool = False
     seed: int = 0
+    ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
 
     @model_validator(mode="after")
     def _temperature_zero_means_greedy(self) -> Sampling:

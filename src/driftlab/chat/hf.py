@@ -113,6 +113,7 @@ class HFChatBackend:
         seeds: Sequence[int] | None = None,
         attention: AttentionConfig | None = None,
         logits_hook: LogitsHook | None = None,
+        cache_store: Sequence[bool] | None = None,
     ) -> list[Reply]:
         """Generate the next assistant turn of each conversation (see ChatBackend.chat).
 
@@ -125,7 +126,7 @@ class HFChatBackend:
         spans = [{"system": [r.system_span]} if r.system_span else {} for r in rendered]
         return self.generate(
             [r.ids for r in rendered], sampling, seeds=seeds, attention=attention, spans=spans,
-            logits_hook=logits_hook,
+            logits_hook=logits_hook, cache_store=cache_store,
         )
 
     def render(self, conversation: Conversation, add_generation_prompt: bool = True) -> Rendered:
@@ -141,11 +142,13 @@ class HFChatBackend:
         attention: AttentionConfig | None = None,
         spans: Sequence[dict[str, list[tuple[int, int]]]] | None = None,
         logits_hook: LogitsHook | None = None,
+        cache_store: Sequence[bool] | None = None,
     ) -> list[Reply]:
         """Continue token prompts; one reply per prompt. The core decode loop.
 
         `spans` names token ranges of each prompt ("system", "emphasis", ...) that an
-        attention intervention refers to.
+        attention intervention refers to. `cache_store[b]` False keeps row b's KV out of
+        the prefix cache (e.g. probe replies, which no later prompt extends).
         """
         if not prompts:
             return []
@@ -203,6 +206,8 @@ class HFChatBackend:
             for b in torch.nonzero(~finished).flatten().tolist():
                 tok = int(nxt[b])
                 sampled[b].append(tok)
+                if sampling.ignore_eos:
+                    continue
                 if tok in self.eos_ids or (self.renderer.stop_strings and self._hit_stop(sampled[b])):
                     finished[b] = True
                     reasons[b] = "stop"
@@ -213,7 +218,7 @@ class HFChatBackend:
             logits = self._forward(nxt[:, None], mask, positions, cache, state)
             n_fed += 1
 
-        self._store_prefixes(prompts, sampled, n_fed, pads, cache, tags)
+        self._store_prefixes(prompts, sampled, n_fed, pads, cache, tags, cache_store)
         traces = state.row_traces([len(x) for x in sampled], pads) if state is not None else [None] * B
         replies = []
         for b in range(B):
@@ -307,12 +312,14 @@ class HFChatBackend:
             cache.update(keys.to(self.device), values.to(self.device), layer)
         return cache
 
-    def _store_prefixes(self, prompts, sampled, n_fed: int, pads, cache, tags: list[str]) -> None:
+    def _store_prefixes(self, prompts, sampled, n_fed: int, pads, cache, tags: list[str], store) -> None:
         """Keep each row's KV: its prompt plus the sampled tokens that were fed back."""
         if self.prefix_cache.max_bytes <= 0:
             return
         T = max(len(p) for p in prompts)
         for b, p in enumerate(prompts):
+            if store is not None and not store[b]:
+                continue
             fed = sampled[b][:n_fed]
             tokens = np.concatenate([p, np.asarray(fed, dtype=np.int64)])
             end = T + len(fed)

@@ -15,11 +15,11 @@ from driftlab.errors import DriftlabError
 
 PLAIN_TEMPLATE = (
     "{%- for m in messages -%}"
-    "{%- if m['role'] == 'system' -%}{{ m['content'] }}\n\n"
-    "{%- elif m['role'] == 'user' -%}User: {{ m['content'] }}\n"
-    "{%- else -%}Assistant: {{ m['content'] }}\n{%- endif -%}"
+    "{%- if m['role'] == 'system' -%}{{ m['content'] + '\n\n' }}"
+    "{%- elif m['role'] == 'user' -%}{{ 'User: ' + m['content'] + '\n' }}"
+    "{%- else -%}{{ 'Assistant: ' + m['content'] + '\n' }}{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}Assistant:{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{ 'Assistant:' }}{%- endif -%}"
 )
 PLAIN_STOP = ("\nUser:", "\nAssistant:")
 

@@ -12,6 +12,8 @@ import typer
 
 from driftlab.cli import models, personas
 from driftlab.cli.chat import chat
+from driftlab.cli.report import report
+from driftlab.cli.run import run
 from driftlab.cli.theory import theory
 
 app = typer.Typer(
@@ -24,6 +26,8 @@ app = typer.Typer(
 app.add_typer(models.app, name="models")
 app.add_typer(personas.app, name="personas")
 app.command("chat")(chat)
+app.command("run")(run)
+app.command("report")(report)
 app.command("theory")(theory)
 
 

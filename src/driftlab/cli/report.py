@@ -1,0 +1,108 @@
+"""`driftlab report RUN_DIR`: write report.html + summary.csv and print the drift table.
+
+Mounted in driftlab.cli with `app.command("report")(report)`. `driftlab run` prints the same
+table at its end with `print_summary(run_dir)`. Heavy imports (pandas, matplotlib,
+jinja2) happen inside the functions so `driftlab --help` stays fast.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from driftlab.report.metrics import RunSummary
+
+
+class ErrorDisplay(str, Enum):
+    ci = "ci"
+    std = "std"
+
+
+def summary_table(summary: RunSummary) -> Table:
+    """The per-round table (rounds as rows; agent stability, user adoption per condition) for a terminal."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    from driftlab.report.figures import model_title
+    from driftlab.report.tables import round_table
+
+    tt = round_table(summary)
+    n_pairs = summary.scores["pair"].nunique()
+    n_cond = summary.scores["condition"].nunique()
+    table = Table(
+        title=f"Instruction drift · {model_title(summary.manifest)} · {n_pairs} persona pairs"
+        + (f" × {n_cond} conditions" if n_cond > 1 else ""),
+        caption=tt.note,
+        box=box.SIMPLE_HEAD,
+    )
+    for i, col in enumerate(tt.columns):
+        table.add_column(Text(col), justify="right" if i == 0 else "left", no_wrap=i == 0)
+    for k, row in enumerate(tt.rows):
+        # Text(), not markup: "[0.31, 0.55]" would otherwise be read as a rich style tag.
+        table.add_row(*(Text(cell) for cell in row), end_section=k == len(tt.rows) - 2)
+    return table
+
+
+def print_summary(run_dir: str | Path, console: Console | None = None) -> RunSummary:
+    """Summarise a run directory and print its drift table (for the end of `driftlab run`)."""
+    from rich.console import Console
+
+    from driftlab.report.metrics import summarize_run
+
+    summary = summarize_run(run_dir)
+    console = console or Console()
+    console.print(summary_table(summary))
+    if summary.manifest.get("completed") is not True:
+        console.print("[yellow]Incomplete run:[/] these numbers cover the records written so far.")
+    return summary
+
+
+def report(
+    run_dir: Annotated[
+        Path, typer.Argument(help="A run directory (the --out of `driftlab run`).", metavar="RUN_DIR")
+    ],
+    open_browser: Annotated[
+        bool, typer.Option("--open", help="Open report.html in the default web browser.")
+    ] = False,
+    errors: Annotated[
+        ErrorDisplay,
+        typer.Option(
+            "--errors",
+            help="Figure uncertainty: ci = 95% bootstrap CI band, std = ±1 std bars (the paper's).",
+        ),
+    ] = ErrorDisplay.ci,
+    transcripts: Annotated[
+        int | None,
+        typer.Option(
+            "--transcripts", min=0, help="Transcripts of the first N persona pairs only (default: all)."
+        ),
+    ] = None,
+) -> None:
+    """Write RUN_DIR/report.html (figures, tables, transcripts) and summary.csv; print the drift table."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from driftlab.errors import DriftlabError
+    from driftlab.report.html import SUMMARY_CSV, write_report
+
+    if not run_dir.is_dir():
+        raise DriftlabError(
+            f"{run_dir} is not a directory.", hint="Give the --out directory of a `driftlab run`."
+        )
+    console = Console()
+    summary = print_summary(run_dir, console)
+    path = write_report(run_dir, errors=ErrorDisplay(errors).value, summary=summary, max_pairs=transcripts)
+    console.print(f"Report: [bold]{escape(str(path))}[/]", highlight=False)
+    console.print(f"Per-round summary: {escape(str(run_dir / SUMMARY_CSV))}", highlight=False)
+    if open_browser:
+        import webbrowser
+
+        webbrowser.open(path.resolve().as_uri())

@@ -1,0 +1,263 @@
+"""From the records of a self-chat run to the numbers of Figure 3 (seeds 000/001, Sec. 3.3).
+
+Two steps, both tidy pandas frames:
+
+    probe_scores(records, manifest)  one row per (pair, condition, round, target): the probe
+                                     repeats averaged, because the conversation, not the
+                                     sample, is the unit the paper averages over.
+    summarize(scores)                per condition x target x round x category (and "all"):
+                                     n conversations, mean, std, bootstrap 95% CI of the mean.
+    summarize_overall(scores)        the same per conversation averaged over probe rounds.
+
+Targets: "agent" is instruction stability f_B(b'_i | a_i = p_B); "user" is adoption of the
+user's persona f_A(b'_i | a_i = p_A). The CI resamples conversations with replacement
+(percentile bootstrap); with n < 2 it is undefined and reported as NaN, like the std.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import pandas as pd
+
+from driftlab.errors import DriftlabError
+
+ALL = "all"  # the category label of rows that pool every category
+TARGETS = ("agent", "user")
+TARGET_LABELS = {"agent": "agent stability", "user": "user-persona adoption"}
+SCORE_COLUMNS = ["pair", "condition", "round", "target", "persona", "category", "score", "n_repeats"]
+SUMMARY_COLUMNS = ["condition", "target", "category", "round", "n", "mean", "std", "ci_low", "ci_high"]
+OVERALL_COLUMNS = ["condition", "target", "category", "rounds", "n", "mean", "std", "ci_low", "ci_high"]
+N_RESAMPLES = 2000
+CONFIDENCE = 0.95
+
+
+# -- bootstrap --------------------------------------------------------------------------------
+def bootstrap_mean_ci(
+    values: Sequence[float] | np.ndarray,
+    n_resamples: int = N_RESAMPLES,
+    confidence: float = CONFIDENCE,
+    rng: np.random.Generator | int | None = 0,
+    chunk: int = 4_000_000,
+) -> tuple[float, float]:
+    """Percentile bootstrap CI of the mean of `values` (NaNs dropped).
+
+    Vectorised: each block of resamples is one (B, n) index matrix. Returns (nan, nan) for
+    n < 2, since one conversation says nothing about spread, and (c, c) for constant data.
+    `chunk` caps the index matrix (B * n entries) so large runs do not need large memory.
+    """
+    x = np.asarray(values, dtype=float)
+    x = x[np.isfinite(x)]
+    n = x.size
+    if n < 2:
+        return (float("nan"), float("nan"))
+    if np.ptp(x) == 0:  # every resample mean is x[0]; skip the float noise of summing
+        return (float(x[0]), float(x[0]))
+    gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+    per_block = max(1, chunk // n)
+    means = np.empty(n_resamples)
+    for start in range(0, n_resamples, per_block):
+        stop = min(n_resamples, start + per_block)
+        idx = gen.integers(0, n, size=(stop - start, n))
+        means[start:stop] = x[idx].mean(axis=1)
+    alpha = 1.0 - confidence
+    lo, hi = np.clip(np.quantile(means, [alpha / 2, 1 - alpha / 2]), x.min(), x.max())  # float noise
+    return (float(lo), float(hi))
+
+
+def _group_rng(seed: int, key: Iterable[Any]) -> np.random.Generator:
+    """One generator per summary cell, so a cell's CI does not depend on which other cells exist."""
+    return np.random.default_rng([seed, zlib.crc32(repr(tuple(key)).encode())])
+
+
+def _stats(values: np.ndarray, rng: np.random.Generator, n_resamples: int, confidence: float) -> dict:
+    x = values[np.isfinite(values)]
+    lo, hi = bootstrap_mean_ci(x, n_resamples, confidence, rng)
+    return {
+        "n": int(x.size),
+        "mean": float(x.mean()) if x.size else float("nan"),
+        "std": float(x.std(ddof=1)) if x.size > 1 else float("nan"),
+        "ci_low": lo,
+        "ci_high": hi,
+    }
+
+
+# -- scores -----------------------------------------------------------------------------------
+def _category_of(manifest: dict[str, Any]) -> dict[str, str]:
+    """persona id -> category, from the manifest's personas (falling back to its pairs)."""
+    out: dict[str, str] = {}
+    for pair in manifest.get("pairs", []):
+        out.setdefault(pair.get("agent"), pair.get("agent_category") or "unknown")
+        out.setdefault(pair.get("user"), pair.get("user_category") or "unknown")
+    for pid, persona in (manifest.get("personas") or {}).items():
+        out[pid] = persona.get("category") or out.get(pid, "unknown")
+    return out
+
+
+def probe_scores(records: Iterable[dict[str, Any]], manifest: dict[str, Any]) -> pd.DataFrame:
+    """One row per (pair, condition, round, target): the probe score averaged over repeats.
+
+    Repeats are re-samples of the same probe in the same conversation, so they are averaged
+    first; the bootstrap then resamples conversations. A missing or null score is NaN and
+    ignored in the average; `n_repeats` counts the finite scores behind each row.
+    """
+    cats = _category_of(manifest)
+    rows = [
+        {
+            "pair": int(r["pair"]),
+            "condition": r["condition"],
+            "round": int(r["round"]),
+            "target": r["target"],
+            "persona": r.get("persona", ""),
+            "score": float("nan") if r.get("score") is None else float(r["score"]),
+        }
+        for r in records
+        if r.get("kind") == "probe"
+    ]
+    if not rows:
+        return pd.DataFrame({c: pd.Series(dtype=object) for c in SCORE_COLUMNS})
+    df = pd.DataFrame(rows)
+    df["category"] = df["persona"].map(lambda p: cats.get(p, "unknown"))
+    keys = ["pair", "condition", "round", "target", "persona", "category"]
+    out = df.groupby(keys, sort=False, dropna=False)["score"].agg(["mean", "count"]).reset_index()
+    out = out.rename(columns={"mean": "score", "count": "n_repeats"})
+    order = _condition_order(manifest, out["condition"])
+    out["_c"] = out["condition"].map(order.index)
+    out = out.sort_values(["_c", "target", "pair", "round"]).drop(columns="_c").reset_index(drop=True)
+    return out[SCORE_COLUMNS]
+
+
+def _condition_order(manifest: dict[str, Any], seen: Iterable[str]) -> list[str]:
+    order = list(manifest.get("conditions") or [])
+    return order + sorted(set(seen) - set(order))
+
+
+def category_order(categories: Iterable[str]) -> list[str]:
+    """ "all" first, then the benchmark's order, then anything else alphabetically."""
+    from driftlab.bench import CATEGORIES
+
+    present = set(categories) - {ALL}
+    known = [c for c in CATEGORIES if c in present]
+    return [ALL, *known, *sorted(present - set(known))]
+
+
+def _cells(scores: pd.DataFrame):
+    """(condition, target, category, sub-frame) for every category and the pooled "all"."""
+    for (cond, target), grp in scores.groupby(["condition", "target"], sort=False):
+        for cat in category_order(grp["category"]):
+            yield cond, target, cat, grp if cat == ALL else grp[grp["category"] == cat]
+
+
+# -- summaries --------------------------------------------------------------------------------
+def summarize(
+    scores: pd.DataFrame, n_resamples: int = N_RESAMPLES, confidence: float = CONFIDENCE, seed: int = 0
+) -> pd.DataFrame:
+    """Per condition x target x category x round: n, mean, std (ddof=1), bootstrap CI of the mean."""
+    rows = []
+    for cond, target, cat, sub in _cells(scores):
+        for rnd, cell in sub.groupby("round", sort=True):
+            rng = _group_rng(seed, (cond, target, cat, int(rnd)))
+            stats = _stats(cell["score"].to_numpy(float), rng, n_resamples, confidence)
+            rows.append({"condition": cond, "target": target, "category": cat, "round": int(rnd), **stats})
+    return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+
+
+def common_rounds(scores: pd.DataFrame) -> list[int]:
+    """The probe rounds every conversation in `scores` has a score for.
+
+    A complete run gives all probe rounds. A killed run gives the rounds everyone reached,
+    so the overall mean is never biased upwards by conversations that stopped early
+    (stability falls with rounds).
+    """
+    finite = scores[np.isfinite(scores["score"].to_numpy(float))]
+    if finite.empty:
+        return []
+    per_pair = finite.groupby("pair")["round"].agg(lambda r: frozenset(int(x) for x in r))
+    return sorted(frozenset.intersection(*per_pair))
+
+
+def summarize_overall(
+    scores: pd.DataFrame, n_resamples: int = N_RESAMPLES, confidence: float = CONFIDENCE, seed: int = 0
+) -> pd.DataFrame:
+    """Stability over the whole dialog: each conversation's mean over probe rounds, then the
+    n / mean / std / CI of those per-conversation means (per condition x target x category).
+
+    The rounds are `common_rounds` of the pooled (condition, target) cell, shared by its
+    categories; they are listed in the `rounds` column.
+    """
+    rows = []
+    rounds_of: dict[tuple[str, str], list[int]] = {}
+    for cond, target, cat, sub in _cells(scores):
+        if cat == ALL:
+            rounds_of[(cond, target)] = common_rounds(sub)
+        rounds = rounds_of[(cond, target)]
+        per_conv = sub[sub["round"].isin(rounds)].groupby("pair")["score"].mean().to_numpy(float)
+        rng = _group_rng(seed, (cond, target, cat, "overall"))
+        stats = _stats(per_conv, rng, n_resamples, confidence)
+        rows.append(
+            {
+                "condition": cond,
+                "target": target,
+                "category": cat,
+                "rounds": ",".join(map(str, rounds)),
+                **stats,
+            }
+        )
+    return pd.DataFrame(rows, columns=OVERALL_COLUMNS)
+
+
+# -- a whole run ------------------------------------------------------------------------------
+class RunSummary(NamedTuple):
+    """Everything the report, the figures and the CLI table are made from."""
+
+    manifest: dict[str, Any]
+    records: list[dict[str, Any]]
+    scores: pd.DataFrame
+    per_round: pd.DataFrame
+    overall: pd.DataFrame
+
+
+def summarize_run(run_dir: str | Path, n_resamples: int = N_RESAMPLES, seed: int = 0) -> RunSummary:
+    """Load a run directory and summarise it; a DriftlabError if it has no probe records yet."""
+    from driftlab.records.rundir import RunDir
+
+    rd = RunDir(run_dir)
+    if not rd.path.is_dir():
+        raise DriftlabError(
+            f"{rd.path} does not exist.", hint="Give the --out directory of a `driftlab run`."
+        )
+    manifest = rd.read_manifest()
+    records = rd.records()
+    scores = probe_scores(records, manifest)
+    if scores.empty:
+        raise DriftlabError(
+            f"{rd.path} has no probe records yet ({len(records)} records in all).",
+            hint="Probes are scored at each probe round; wait for round "
+            f"{(manifest.get('probe_rounds') or [1])[0]} to finish, or resume the run with the same command.",
+        )
+    return RunSummary(
+        manifest=manifest,
+        records=records,
+        scores=scores,
+        per_round=summarize(scores, n_resamples=n_resamples, seed=seed),
+        overall=summarize_overall(scores, n_resamples=n_resamples, seed=seed),
+    )
+
+
+def expected_counts(manifest: dict[str, Any]) -> dict[str, int]:
+    """How many turn and probe records a complete run of this manifest holds."""
+    cfg = manifest.get("config", {})
+    n_pairs = len(manifest.get("pairs", []))
+    rounds = int(cfg.get("rounds", 0))
+    reps = int(cfg.get("probe_repeats", 1))
+    n_probe_rounds = len(manifest.get("probe_rounds", []))
+    turns = probes = 0
+    for cond in manifest.get("conditions", []):
+        turns += n_pairs * (2 * rounds - 1)  # a_1 is the starter, not a record
+        targets = 2 if cfg.get("user_probe") and cond == "persona" else 1
+        probes += n_pairs * n_probe_rounds * reps * targets
+    return {"turn": turns, "probe": probes}

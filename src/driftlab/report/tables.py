@@ -1,0 +1,115 @@
+"""Summary tables as plain strings, shared by the terminal (rich) and the HTML report.
+
+One place decides what a cell says ("0.42 [0.31, 0.55]"), so `driftlab run`, `driftlab
+report` and report.html never disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+
+from driftlab.report.metrics import ALL, CONFIDENCE, TARGET_LABELS, RunSummary, category_order
+
+CONDITION_LABELS = {"persona": "user with persona", "empty-user": "user without system prompt"}
+SHORT_CONDITION = {"empty-user": "empty-user ablation"}
+
+
+@dataclass
+class TextTable:
+    """A titled grid of strings; `note` explains the cells."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
+    note: str
+
+
+def fmt(x: float, digits: int = 2) -> str:
+    return "–" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def fmt_cell(mean: float, lo: float, hi: float) -> str:
+    """mean [lo, hi]; just the mean when the CI is undefined (n < 2)."""
+    if not math.isfinite(lo) or not math.isfinite(hi):
+        return fmt(mean)
+    return f"{fmt(mean)} [{fmt(lo)}, {fmt(hi)}]"
+
+
+def column_label(condition: str, target: str) -> str:
+    label = TARGET_LABELS.get(target, target)
+    return label if condition == "persona" else f"{label}, {SHORT_CONDITION.get(condition, condition)}"
+
+
+def series_keys(summary: RunSummary) -> list[tuple[str, str]]:
+    """(condition, target) pairs present, in manifest condition order, agent before user."""
+    df = summary.per_round
+    keys = list(dict.fromkeys(zip(df["condition"], df["target"])))
+    return keys
+
+
+def _cell_with_n(row: pd.Series, n_max: int) -> str:
+    cell = fmt_cell(row["mean"], row["ci_low"], row["ci_high"])
+    return cell if int(row["n"]) == n_max else f"{cell} (n={int(row['n'])})"
+
+
+def round_table(summary: RunSummary) -> TextTable:
+    """Rounds as rows, one column per (condition, target), pooled over categories, plus an
+    'overall' row (each conversation's mean over the common probe rounds)."""
+    pooled = summary.per_round[summary.per_round["category"] == ALL]
+    overall = summary.overall[summary.overall["category"] == ALL]
+    keys = series_keys(summary)
+    columns = ["round"]
+    n_max: dict[tuple[str, str], int] = {}
+    for key in keys:
+        cells = pooled[(pooled["condition"] == key[0]) & (pooled["target"] == key[1])]
+        n_max[key] = int(cells["n"].max())
+        columns.append(f"{column_label(*key)} (n={n_max[key]})")
+    rows = []
+    for rnd in sorted(pooled["round"].unique()):
+        row = [str(int(rnd))]
+        for key in keys:
+            cell = pooled[
+                (pooled["condition"] == key[0]) & (pooled["target"] == key[1]) & (pooled["round"] == rnd)
+            ]
+            row.append(_cell_with_n(cell.iloc[0], n_max[key]) if len(cell) else "")
+        rows.append(row)
+    row = ["overall"]
+    for key in keys:
+        cell = overall[(overall["condition"] == key[0]) & (overall["target"] == key[1])]
+        row.append(_cell_with_n(cell.iloc[0], n_max[key]) if len(cell) else "")
+    rows.append(row)
+    return TextTable(
+        title="Probe scores by round (mean over conversations)",
+        columns=columns,
+        rows=rows,
+        note=f"mean [{CONFIDENCE:.0%} bootstrap CI, conversations resampled]; scores in [0, 1], "
+        "higher = persona followed. 'overall': each conversation's mean over the probe rounds.",
+    )
+
+
+def category_table(summary: RunSummary) -> TextTable:
+    """Categories (of the persona being probed) as rows, overall stability per (condition, target)."""
+    ov = summary.overall
+    keys = series_keys(summary)
+    columns = ["category", *(column_label(*k) for k in keys)]
+    rows = []
+    for cat in category_order(ov["category"]):
+        row = [cat]
+        for key in keys:
+            cell = ov[(ov["condition"] == key[0]) & (ov["target"] == key[1]) & (ov["category"] == cat)]
+            row.append(
+                f"{fmt_cell(*cell.iloc[0][['mean', 'ci_low', 'ci_high']])} (n={int(cell.iloc[0]['n'])})"
+                if len(cell) and int(cell.iloc[0]["n"])
+                else ""
+            )
+        rows.append(row)
+    return TextTable(
+        title="Overall score by persona category",
+        columns=columns,
+        rows=rows,
+        note="Category of the persona being probed: the agent's own for stability, the user's for "
+        "adoption. Each conversation averaged over the probe rounds, then mean [95% CI] (n conversations).",
+    )

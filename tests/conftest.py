@@ -1,0 +1,36 @@
+"""Shared fixtures: the real default model, loaded once per session.
+
+The model comes from the explicit, checksummed provisioning step (`driftlab models pull`,
+run by CI's install step); if it is missing, the first fixture use pulls it, which is that
+same step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def smol_dir():
+    from driftlab.assets import resolve_model
+
+    return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smol32(smol_dir):
+    """SmolLM2-135M in float32: exact comparisons are meaningful there."""
+    from driftlab.chat.hf import HFChatBackend
+
+    return HFChatBackend(str(smol_dir), dtype="float32", prefix_cache_bytes=0)
+
+
+@pytest.fixture(scope="session")
+def smol_bf16(smol_dir):
+    from driftlab.chat.hf import HFChatBackend
+
+    return HFChatBackend(str(smol_dir), dtype="bfloat16")

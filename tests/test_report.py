@@ -1,0 +1,491 @@
+"""The results side of a self-chat run: metrics, figures, report.html and `driftlab report`.
+
+Run directories here are written by hand (manifest + records, texts in the style of a real
+SmolLM2 run), so nothing loads a model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import typer
+from scipy import stats
+from typer.testing import CliRunner
+
+from driftlab.cli.report import print_summary, report, summary_table
+from driftlab.errors import DriftlabError
+from driftlab.records.rundir import RunDir
+from driftlab.report.figures import category_figure, drift_figure
+from driftlab.report.html import score_color, write_report
+from driftlab.report.metrics import (
+    ALL,
+    bootstrap_mean_ci,
+    common_rounds,
+    expected_counts,
+    probe_scores,
+    summarize,
+    summarize_overall,
+    summarize_run,
+)
+from driftlab.report.tables import round_table
+
+# -- fixtures ---------------------------------------------------------------------------------
+PERSONAS = {
+    "reply-in-french": {
+        "id": "reply-in-french",
+        "category": "language",
+        "system_prompt": "Always reply in French.",
+        "probe": "What do you do in London as a tourist?",
+        "measure": "language",
+        "params": {"lang": "fr"},
+    },
+    "all-caps": {
+        "id": "all-caps",
+        "category": "pattern",
+        "system_prompt": "WRITE YOUR RESPONSE ENTIRELY IN CAPITAL LETTERS.",
+        "probe": "What do you do in London as a tourist?",
+        "measure": "letter_case",
+        "params": {"case": "upper"},
+    },
+    "x-equals-13": {
+        "id": "x-equals-13",
+        "category": "multiple_choice",
+        "system_prompt": "Always remember! x is equal to 13.",
+        "probe": 'What is 2 times x ? A) 20, B) 26. Only respond with "A" or "B"',
+        "measure": "choice",
+        "params": {"answer": "B"},
+    },
+    "teen-slang": {
+        "id": "teen-slang",
+        "category": "persona",
+        "system_prompt": "text like ur a teenager, use slang",
+        "probe": "What do you do in London as a tourist?",
+        "measure": "slang_words",
+        "params": {},
+    },
+}
+PAIRS = [("x-equals-13", "reply-in-french"), ("all-caps", "teen-slang"), ("reply-in-french", "all-caps")]
+STARTERS = [
+    "Do you think handwriting still matters?",
+    "Are electric cars really better for the environment?",
+    "What's your take on celebrity culture?",
+]
+# Text a model could write that breaks HTML if not escaped.
+EVIL = '<script>alert("drift")</script> & <b>bold</b>'
+
+
+def agent_score(pair: int, cond: str, rnd: int, rep: int) -> float:
+    """Deterministic scores that fall with the round, so the fixture has drift to show."""
+    base = {0: 1.0, 1: 0.8, 2: 0.6}[pair] - 0.15 * (rnd - 1) - (0.1 if cond == "empty-user" else 0.0)
+    return round(min(1.0, max(0.0, base - 0.1 * rep)), 4)
+
+
+def user_score(pair: int, rnd: int, rep: int) -> float:
+    return round(0.1 * rnd + 0.05 * rep + 0.02 * pair, 4)
+
+
+def make_run(
+    path: Path,
+    *,
+    rounds: int = 3,
+    repeats: int = 2,
+    ablation: bool = True,
+    completed: bool = True,
+    cut_after: int | None = None,
+) -> Path:
+    """A run dir as SelfChat writes it; `cut_after` keeps only the first N records (a killed run)."""
+    conditions = ["persona", "empty-user"] if ablation else ["persona"]
+    manifest = {
+        "driftlab_run": 1,
+        "created": "2026-11-21T05:56:37+0000",
+        "config": {
+            "model": "smollm2-135m",
+            "user_model": None,
+            "pairs": len(PAIRS),
+            "rounds": rounds,
+            "probe_every": 1,
+            "probe_repeats": repeats,
+            "user_probe": True,
+            "ablation": ablation,
+            "max_new_tokens": 24,
+            "temperature": 1.0,
+            "top_p": 0.9,
+            "seed": 0,
+            "steer": [],
+        },
+        "versions": {"python": "3.11.7", "driftlab": "0.1.0"},
+        "pairs": [
+            {
+                "pair": i,
+                "agent": a,
+                "user": u,
+                "starter": STARTERS[i],
+                "agent_category": PERSONAS[a]["category"],
+                "user_category": PERSONAS[u]["category"],
+            }
+            for i, (a, u) in enumerate(PAIRS)
+        ],
+        "conditions": conditions,
+        "probe_rounds": list(range(1, rounds + 1)),
+        "personas": PERSONAS,
+        "models": {"agent": {"name": "smollm2-135m", "dtype": "float32", "device": "cpu"}},
+        "attention": None,
+    }
+    if completed:
+        manifest["completed"] = True
+    records = []
+    for rnd in range(1, rounds + 1):  # the order SelfChat writes: per round, user turns then agent work
+        for cond in conditions:
+            for i, (agent, user) in enumerate(PAIRS):
+                base = {"pair": i, "condition": cond, "round": rnd, "n_tokens": 24, "seed": 1}
+                if rnd > 1:
+                    records.append(
+                        {
+                            "kind": "turn",
+                            **base,
+                            "speaker": "user",
+                            "finish_reason": "stop",
+                            "text": f"user turn {i}/{cond}/{rnd}: I visit the Tower of London.",
+                        }
+                    )
+                records.append(
+                    {
+                        "kind": "turn",
+                        **base,
+                        "speaker": "agent",
+                        "finish_reason": "length",
+                        "text": f"agent turn {i}/{cond}/{rnd}: The language of the hand {EVIL}",
+                    }
+                )
+                for rep in range(repeats):
+                    records.append(
+                        {
+                            "kind": "probe",
+                            **base,
+                            "target": "agent",
+                            "persona": agent,
+                            "repeat": rep,
+                            "finish_reason": "stop",
+                            "score": agent_score(i, cond, rnd, rep),
+                            "text": f"probe reply {i}/{cond}/{rnd}/{rep}: Bonjour {EVIL}",
+                        }
+                    )
+                    if cond == "persona":
+                        records.append(
+                            {
+                                "kind": "probe",
+                                **base,
+                                "target": "user",
+                                "persona": user,
+                                "repeat": rep,
+                                "finish_reason": "stop",
+                                "score": user_score(i, rnd, rep),
+                                "text": f"user probe reply {i}/{rnd}/{rep}: lol fr no cap",
+                            }
+                        )
+    if cut_after is not None:
+        records = records[:cut_after]
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    RunDir(path).append(records)
+    return path
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    return make_run(tmp_path_factory.mktemp("run") / "complete")
+
+
+@pytest.fixture(scope="module")
+def summary(run_dir):
+    return summarize_run(run_dir)
+
+
+@pytest.fixture(scope="module")
+def report_html(run_dir, summary) -> str:
+    return write_report(run_dir, summary=summary).read_text(encoding="utf-8")
+
+
+# -- bootstrap --------------------------------------------------------------------------------
+def loop_bootstrap(x: list[float], n_resamples: int, confidence: float, seed: int) -> tuple[float, float]:
+    """The slow, obvious reference: stdlib random, one resample at a time, sorted percentiles."""
+    rng = random.Random(seed)
+    n = len(x)
+    means = sorted(sum(x[rng.randrange(n)] for _ in range(n)) / n for _ in range(n_resamples))
+    alpha = (1 - confidence) / 2
+    return float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha))
+
+
+@pytest.mark.parametrize("dist", ["uniform", "binary", "skewed"])
+def test_bootstrap_matches_scipy_and_loop(dist: str) -> None:
+    gen = np.random.default_rng(7)
+    x = {
+        "uniform": gen.uniform(size=25),
+        "binary": (gen.uniform(size=40) < 0.3).astype(float),
+        "skewed": gen.beta(0.3, 3.0, size=30),
+    }[dist]
+    lo, hi = bootstrap_mean_ci(x, n_resamples=20000, rng=1)
+    ref = stats.bootstrap((x,), np.mean, n_resamples=20000, method="percentile", confidence_level=0.95, rng=2)
+    loop_lo, loop_hi = loop_bootstrap(list(x), 4000, 0.95, seed=3)
+    width = hi - lo
+    assert width > 0.05
+    # Monte-Carlo error of a 2.5% quantile from 20000 (4000) resamples is well under 5% (8%) of the width.
+    assert lo == pytest.approx(ref.confidence_interval.low, abs=0.05 * width)
+    assert hi == pytest.approx(ref.confidence_interval.high, abs=0.05 * width)
+    assert lo == pytest.approx(loop_lo, abs=0.08 * width)
+    assert hi == pytest.approx(loop_hi, abs=0.08 * width)
+    assert lo < x.mean() < hi
+
+
+def test_bootstrap_known_cases() -> None:
+    assert bootstrap_mean_ci([0.3] * 12) == (0.3, 0.3)  # constant: zero width, exactly the value
+    assert all(math.isnan(v) for v in bootstrap_mean_ci([0.7]))  # n=1: undefined -> NaN
+    assert all(math.isnan(v) for v in bootstrap_mean_ci([]))
+    assert all(math.isnan(v) for v in bootstrap_mean_ci([0.2, float("nan")]))  # NaN dropped -> n=1
+    x = [0.0, 0.0, 1.0, 1.0, 0.5]
+    assert bootstrap_mean_ci(x, rng=5) == bootstrap_mean_ci(x, rng=5)  # seeded
+    u = np.random.default_rng(0).uniform(size=25)
+    assert bootstrap_mean_ci(u, rng=5) != bootstrap_mean_ci(u, rng=6)  # and the seed is used
+    # Chunked resampling gives a valid CI too (tiny chunk forces many blocks).
+    lo, hi = bootstrap_mean_ci(x, n_resamples=3000, rng=5, chunk=7)
+    assert 0.0 <= lo < np.mean(x) < hi <= 1.0
+    # Two points {0, 1}: resample means are k/2 with P(0)=P(1)=1/4, so the 95% CI is [0, 1].
+    assert bootstrap_mean_ci([0.0, 1.0], n_resamples=4000) == (0.0, 1.0)
+
+
+# -- scores and summaries ---------------------------------------------------------------------
+def test_probe_scores_average_repeats_per_conversation(summary) -> None:
+    s = summary.scores
+    # 3 pairs x 3 rounds x (agent, user under persona; agent under empty-user)
+    assert len(s) == 3 * 3 * 3
+    row = s[(s.pair == 1) & (s.condition == "persona") & (s["round"] == 2) & (s.target == "agent")].iloc[0]
+    assert row.score == pytest.approx((agent_score(1, "persona", 2, 0) + agent_score(1, "persona", 2, 1)) / 2)
+    assert row.n_repeats == 2 and row.category == "pattern" and row.persona == "all-caps"
+    user = s[(s.pair == 1) & (s.target == "user")].iloc[0]
+    assert user.category == "persona"  # the category of the persona being probed (the user's)
+
+
+def test_probe_scores_ignore_missing_scores() -> None:
+    manifest = {"conditions": ["persona"], "personas": PERSONAS}
+    recs = [
+        {
+            "kind": "probe",
+            "pair": 0,
+            "condition": "persona",
+            "round": 1,
+            "target": "agent",
+            "persona": "all-caps",
+            "repeat": r,
+            "score": sc,
+        }
+        for r, sc in enumerate([0.2, None, 0.6])
+    ]
+    recs.append(
+        {"kind": "turn", "pair": 0, "condition": "persona", "round": 1, "speaker": "agent", "text": "x"}
+    )
+    s = probe_scores(recs, manifest)
+    assert len(s) == 1 and s.score.iloc[0] == pytest.approx(0.4) and s.n_repeats.iloc[0] == 2
+
+
+def test_summarize_matches_slow_reference(summary) -> None:
+    scores = summary.scores
+    per_round = summary.per_round
+    for (cond, target, rnd), cell in scores.groupby(["condition", "target", "round"]):
+        got = per_round[
+            (per_round.condition == cond)
+            & (per_round.target == target)
+            & (per_round.category == ALL)
+            & (per_round["round"] == rnd)
+        ].iloc[0]
+        vals = list(cell.score)
+        mean = sum(vals) / len(vals)
+        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
+        assert got.n == len(vals) == 3
+        assert got["mean"] == pytest.approx(mean) and got["std"] == pytest.approx(std)
+        assert min(vals) <= got.ci_low <= mean <= got.ci_high <= max(vals)
+    # per category: one conversation each -> the value itself, NaN std and CI
+    lang = per_round[(per_round.category == "language") & (per_round.target == "agent")]
+    assert set(lang.n) == {1} and lang["std"].isna().all() and lang.ci_low.isna().all()
+
+
+def test_summary_is_seeded_and_independent_of_other_cells(summary) -> None:
+    pd.testing.assert_frame_equal(summarize(summary.scores), summary.per_round)
+    pd.testing.assert_frame_equal(summarize_overall(summary.scores), summary.overall)
+    only_agent = summarize(summary.scores[summary.scores.target == "agent"])
+    cell = lambda df: df[(df.condition == "persona") & (df.target == "agent") & (df.category == ALL)]  # noqa: E731
+    pd.testing.assert_frame_equal(
+        cell(only_agent).reset_index(drop=True), cell(summary.per_round).reset_index(drop=True)
+    )
+
+
+def test_overall_is_mean_over_rounds_per_conversation(summary) -> None:
+    ov = summary.overall
+    row = ov[(ov.condition == "persona") & (ov.target == "agent") & (ov.category == ALL)].iloc[0]
+    per_conv = [
+        np.mean([agent_score(i, "persona", r, k) for r in (1, 2, 3) for k in (0, 1)]) for i in range(3)
+    ]
+    assert row.n == 3 and row.rounds == "1,2,3"
+    assert row["mean"] == pytest.approx(np.mean(per_conv))
+    assert row["std"] == pytest.approx(np.std(per_conv, ddof=1))
+
+
+def test_overall_uses_rounds_every_conversation_reached(tmp_path) -> None:
+    # Cut inside round 3: some conversations have round 3, others not.
+    full = make_run(tmp_path / "full", ablation=False)
+    n_before_r3 = sum(1 for r in RunDir(full).records() if r["round"] < 3)
+    part = make_run(tmp_path / "part", ablation=False, completed=False, cut_after=n_before_r3 + 6)
+    s = summarize_run(part)
+    agent = s.scores[(s.scores.target == "agent")]
+    assert sorted(agent[agent["round"] == 3].pair) == [0]  # only pair 0 reached round 3
+    assert common_rounds(agent) == [1, 2]
+    row = s.overall[(s.overall.target == "agent") & (s.overall.category == ALL)].iloc[0]
+    assert row.rounds == "1,2" and row.n == 3
+    expect = np.mean([agent_score(i, "persona", r, k) for i in range(3) for r in (1, 2) for k in (0, 1)])
+    assert row["mean"] == pytest.approx(expect)
+
+
+def test_expected_counts() -> None:
+    manifest = {
+        "config": {"rounds": 3, "probe_repeats": 2, "user_probe": True},
+        "pairs": [{}] * 3,
+        "conditions": ["persona", "empty-user"],
+        "probe_rounds": [1, 2, 3],
+    }
+    # turns: 3 pairs x 2 conditions x (3 agent + 2 user); probes: 3 x 3 rounds x 2 reps x (2 + 1 targets)
+    assert expected_counts(manifest) == {"turn": 30, "probe": 54}
+
+
+def test_round_table_rows(summary) -> None:
+    t = round_table(summary)
+    assert t.columns[0] == "round" and len(t.columns) == 4
+    assert [r[0] for r in t.rows] == ["1", "2", "3", "overall"]
+    pr = summary.per_round
+    first = pr[
+        (pr.condition == "persona") & (pr.target == "agent") & (pr.category == ALL) & (pr["round"] == 1)
+    ].iloc[0]
+    assert t.rows[0][1] == f"{first['mean']:.2f} [{first.ci_low:.2f}, {first.ci_high:.2f}]"
+
+
+# -- figures ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("errors", ["ci", "std"])
+def test_figures_are_pngs(summary, tmp_path, errors) -> None:
+    for fn, name in ((drift_figure, "drift.png"), (category_figure, "cats.png")):
+        path = fn(summary, tmp_path / name, errors=errors)
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        assert len(data) > 20_000  # axes, lines and text, not an empty canvas
+
+
+# -- HTML report ------------------------------------------------------------------------------
+def test_report_files_and_self_contained(run_dir, report_html) -> None:
+    for name in ("report.html", "summary.csv", "overall.csv", "drift.png", "drift_by_category.png"):
+        assert (run_dir / name).is_file(), name
+    assert report_html.count("data:image/png;base64,") == 2
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", report_html)  # nothing fetched
+    assert "<link" not in report_html
+    assert "Incomplete run" not in report_html
+
+
+def test_report_escapes_model_text(report_html) -> None:
+    assert "<script>alert" not in report_html and "<b>bold</b>" not in report_html
+    assert "&lt;script&gt;alert(&#34;drift&#34;)&lt;/script&gt; &amp; &lt;b&gt;bold&lt;/b&gt;" in report_html
+    assert "probe reply 2/empty-user/3/1: Bonjour &lt;script&gt;" in report_html
+    assert "user turn 1/persona/2: I visit the Tower of London." in report_html
+    assert "WRITE YOUR RESPONSE ENTIRELY IN CAPITAL LETTERS." in report_html  # s_B shown
+    assert report_html.count('<details class="conv"') == 3 * 2  # pairs x conditions
+
+
+def test_report_shows_probe_scores_colour_coded(report_html) -> None:
+    score = agent_score(0, "persona", 2, 1)
+    assert f'style="background: {score_color(score)}">{score:.2f}</span>' in report_html
+    assert score_color(0.0) != score_color(1.0) and score_color(float("nan")) == "#e5e5e5"
+
+
+def test_summary_csv_matches_summary(run_dir, summary, report_html) -> None:
+    csv = pd.read_csv(run_dir / "summary.csv")
+    assert list(csv.columns) == [
+        "condition",
+        "target",
+        "category",
+        "round",
+        "n",
+        "mean",
+        "std",
+        "ci_low",
+        "ci_high",
+    ]
+    assert np.allclose(csv["mean"], summary.per_round["mean"])
+
+
+def test_partial_run_reports_with_banner(tmp_path) -> None:
+    part = make_run(tmp_path / "part", completed=False, cut_after=40)
+    html = write_report(part).read_text(encoding="utf-8")
+    assert 'id="incomplete"' in html and "Incomplete run" in html
+    n_probes = sum(1 for r in RunDir(part).records() if r["kind"] == "probe")
+    assert f"{n_probes} of 54 probe replies" in html
+    assert (part / "summary.csv").is_file()
+
+
+def test_no_probes_or_not_a_run_is_a_driftlab_error(tmp_path) -> None:
+    with pytest.raises(DriftlabError, match="not a driftlab run directory"):
+        write_report(tmp_path)
+    only_turns = make_run(tmp_path / "turns", completed=False, cut_after=0)
+    with pytest.raises(DriftlabError, match="no probe records") as err:
+        summarize_run(only_turns)
+    assert err.value.hint
+
+
+# -- CLI --------------------------------------------------------------------------------------
+def cli_app() -> typer.Typer:
+    app = typer.Typer()
+    app.command("report")(report)
+
+    @app.command("noop")
+    def _noop() -> None:  # a second command keeps Typer in multi-command mode, as in driftlab
+        pass
+
+    return app
+
+
+def test_cli_report(tmp_path) -> None:
+    run = make_run(tmp_path / "run", ablation=False)
+    result = CliRunner().invoke(cli_app(), ["report", str(run), "--errors", "std"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "agent stability" in out and "user-persona adoption" in out and "empty-user" not in out
+    assert re.search(r"overall\s+\d\.\d\d \[\d\.\d\d, \d\.\d\d\]", out)  # the CI survived rich markup
+    assert str(run / "report.html") in out
+    html = (run / "report.html").read_text(encoding="utf-8")
+    assert html.count('<details class="conv"') == 3 and "Error bars: ±1 std" in html
+
+
+def test_cli_report_limits_transcripts(tmp_path) -> None:
+    run = make_run(tmp_path / "run", ablation=False)
+    result = CliRunner().invoke(cli_app(), ["report", str(run), "--transcripts", "1"])
+    assert result.exit_code == 0, result.output
+    html = (run / "report.html").read_text(encoding="utf-8")
+    assert html.count('<details class="conv"') == 1 and "first 1 of 3 persona pairs" in html
+
+
+def test_cli_report_bad_input(tmp_path) -> None:
+    result = CliRunner().invoke(cli_app(), ["report", str(tmp_path / "missing")])
+    assert isinstance(result.exception, DriftlabError)
+    result = CliRunner().invoke(cli_app(), ["report", str(tmp_path)])
+    assert isinstance(result.exception, DriftlabError) and "not a driftlab run" in str(result.exception)
+
+
+def test_print_summary_for_driftlab_run(run_dir) -> None:
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    s = print_summary(run_dir, console)
+    text = console.export_text()
+    assert "agent stability, empty-user ablation" in text and "Incomplete" not in text
+    assert summary_table(s).row_count == 4  # rounds 1-3 + overall
