@@ -97,6 +97,33 @@ class Renderer:
         inside = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if e > start_char and s < end_char]
         return (inside[0], inside[-1] + 1) if inside else (0, 0)
 
+    def turn_spans(self, conversation: Sequence[Message], eos_ids: set[int]) -> list[tuple[int, int] | None]:
+        """Token ranges of each assistant turn's generated tokens in the full rendering.
+
+        For assistant message k the range starts where generation would start (the
+        rendering of messages[:k] with the generation prompt) and ends after its first
+        end-of-turn token; None for other messages. Relies on the template rendering a
+        conversation as the concatenation of its turns, which is checked.
+        """
+        full = self.encode(self.text(conversation, add_generation_prompt=False))
+        spans: list[tuple[int, int] | None] = []
+        for k, msg in enumerate(conversation):
+            if msg["role"] != "assistant":
+                spans.append(None)
+                continue
+            start = len(self.encode(self.text(conversation[:k], add_generation_prompt=True)))
+            stop = len(self.encode(self.text(conversation[: k + 1], add_generation_prompt=False)))
+            head = self.encode(self.text(conversation[: k + 1], add_generation_prompt=False))
+            if head != full[: len(head)]:
+                raise DriftlabError(
+                    "This chat template does not render a dialog as the concatenation of its turns, "
+                    "so token positions of turns cannot be located.",
+                    hint="Use a model whose template is concatenative (ChatML, Llama, Gemma, plain).",
+                )
+            end = next((i + 1 for i in range(start, stop) if full[i] in eos_ids), stop)
+            spans.append((start, end))
+        return spans
+
     def eos_ids(self, model_config, generation_config) -> set[int]:
         ids: set[int] = set()
         for src in (getattr(generation_config, "eos_token_id", None), self.tokenizer.eos_token_id):

@@ -12,6 +12,7 @@ import typer
 
 from driftlab.cli import models, personas
 from driftlab.cli.chat import chat
+from driftlab.cli.decay import decay
 from driftlab.cli.report import report
 from driftlab.cli.run import run
 from driftlab.cli.theory import theory
@@ -28,6 +29,7 @@ app.add_typer(personas.app, name="personas")
 app.command("chat")(chat)
 app.command("run")(run)
 app.command("report")(report)
+app.command("decay")(decay)
 app.command("theory")(theory)
 
 
@@ -45,3 +47,7 @@ def main() -> None:
         if err.hint:
             console.print(f"[yellow]Hint:[/] {err.hint}", highlight=False)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -65,6 +65,7 @@ class SelfChatConfig(BaseModel):
     steer: list[str] = Field(default_factory=list, description="agent-side interventions (--steer specs)")
     persona_file: str | None = None
     batch_size: int = Field(32, ge=1, description="most conversations per generate call")
+    ignore_eos: bool = Field(False, description="fixed-length turns of max_new_tokens (benchmarks)")
 
     @field_validator("categories")
     @classmethod
@@ -81,7 +82,7 @@ class SelfChatConfig(BaseModel):
     def sampling(self) -> Sampling:
         return Sampling(
             max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-            greedy=self.greedy, seed=self.seed,
+            greedy=self.greedy, seed=self.seed, ignore_eos=self.ignore_eos,
         )
 
     @property
@@ -95,7 +96,7 @@ class SelfChatConfig(BaseModel):
     RESUME_KEYS: ClassVar[tuple[str, ...]] = (
         "model", "user_model", "pairs", "pair_ids", "categories", "rounds", "probe_every", "probe_repeats",
         "user_probe", "ablation", "fold_first_exchange", "max_new_tokens", "temperature", "top_p", "greedy",
-        "seed", "dtype", "span", "steer", "persona_file",
+        "seed", "dtype", "span", "steer", "persona_file", "ignore_eos",
     )
 
 

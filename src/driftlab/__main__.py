@@ -1,0 +1,5 @@
+"""`python -m driftlab` runs the CLI."""
+
+from driftlab.cli import main
+
+main()

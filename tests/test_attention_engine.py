@@ -1,0 +1,429 @@
+"""The attention engine against an independent eager reference, on several model families.
+
+Why these tests: the engine never materialises attention weights (extra V channels for pi,
+a second SDPA over the system keys for split-softmax, per-chunk float masks for key bias),
+so its correctness is not obvious from reading it. `attention_reference.py` computes the
+same quantities the textbook way, on the weights. We compare, in fp32:
+
+* logits of a left-padded prefill forward (max abs diff <= LOGIT_TOL at real positions) and
+  the per-query pi traces (<= PI_TOL);
+* greedy generations and decode pi traces through the backend's full decode loop;
+* exact no-ops (k = 1, bias = 0) against the plain model with torch.equal.
+
+Models: the pulled SmolLM2-135M (Llama, 9 query / 3 KV heads) and tiny random Qwen2 and
+Gemma3 models (grouped-query attention; Gemma3 adds sliding-window layers and
+`query_pre_attn_scalar` scaling). Every comparison also checks that the intervention does
+change the output, so agreement with the reference is not agreement on a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from attention_reference import NAME as REFERENCE
+from attention_reference import register_reference
+from tiny_models import make_tiny_model
+
+from driftlab.attention import ATTENTION_NAME, register
+from driftlab.attention import engine as engine_module
+from driftlab.attention.state import AttentionConfig, AttentionState, head_mask, parse_heads
+from driftlab.chat import Sampling
+from driftlab.chat.hf import HFChatBackend
+from driftlab.chat.templates import Renderer
+from driftlab.errors import DriftlabError
+
+LOGIT_TOL = 1e-4  # fp32 logits, engine (SDPA kernels) vs reference (matmul + softmax)
+PI_TOL = 1e-5  # fp32 attention mass on the system keys
+SLIDING_WINDOW = 8  # tiny Gemma3's window: every test prompt is longer
+
+CONVERSATIONS = [
+    [
+        {"role": "system", "content": "You are a pirate. Always answer like a pirate, arr, and never stop."},
+        {"role": "user", "content": "Hello! Could you tell me how to bake a loaf of bread at home?"},
+    ],
+    [
+        {"role": "system", "content": "Réponds toujours en français."},
+        {"role": "user", "content": "What is the capital of Italy?"},
+    ],
+]
+
+# Head selections valid for all three models (>= 3 layers, >= 4 heads each).
+CASES = {
+    "trace": AttentionConfig(trace=True),
+    "bias_all": AttentionConfig(bias=2.0),
+    "bias_layers": AttentionConfig(bias=2.0, bias_heads="0-1"),
+    "bias_pairs": AttentionConfig(bias=3.0, bias_heads="0.1+2.3"),
+    "bias_inverted": AttentionConfig(bias=-3.0, bias_invert=True),
+    "split_all": AttentionConfig(split_k=0.6),
+    "split_subset": AttentionConfig(split_k=0.5, split_heads="1+2.0"),
+    "split_zero": AttentionConfig(split_k=0.0, split_heads="0"),
+    "composed": AttentionConfig(
+        trace=True, split_k=0.8, split_heads="0-1", bias=-3.0, bias_invert=True, bias_heads="1.2+2"
+    ),
+}
+DECODE_CASES = ["trace", "bias_layers", "split_subset", "composed"]
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def _implementations() -> None:
+    register()
+    register_reference()
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {
+        family: make_tiny_model(family, root / family, sliding_window=SLIDING_WINDOW)
+        for family in ("qwen2", "gemma3")
+    }
+
+
+_BACKENDS: dict[str, HFChatBackend] = {}
+
+
+@pytest.fixture(scope="module", params=["smollm2", "qwen2", "gemma3"])
+def backend(request: pytest.FixtureRequest, tiny_dirs: dict[str, Path]) -> HFChatBackend:
+    """One fp32 CPU backend per model, loaded once per module (the reference is swapped in per call)."""
+    name = request.param
+    if name not in _BACKENDS:
+        path = "smollm2-135m" if name == "smollm2" else str(tiny_dirs[name])
+        _BACKENDS[name] = HFChatBackend(path, dtype="float32", device="cpu", prefix_cache_bytes=0)
+    return _BACKENDS[name]
+
+
+@pytest.fixture(scope="module")
+def smol(tiny_dirs: dict[str, Path]) -> HFChatBackend:
+    if "smollm2" not in _BACKENDS:
+        _BACKENDS["smollm2"] = HFChatBackend("smollm2-135m", dtype="float32", device="cpu", prefix_cache_bytes=0)
+    return _BACKENDS["smollm2"]
+
+
+@pytest.fixture(scope="module")
+def gemma(tiny_dirs: dict[str, Path]) -> HFChatBackend:
+    if "gemma3" not in _BACKENDS:
+        _BACKENDS["gemma3"] = HFChatBackend(str(tiny_dirs["gemma3"]), dtype="float32", device="cpu", prefix_cache_bytes=0)
+    return _BACKENDS["gemma3"]
+
+
+# -- helpers -------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def implementation(backend: HFChatBackend, name: str) -> Iterator[None]:
+    """Run the backend's model with another registered attention implementation."""
+    backend.model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        backend.model.set_attn_implementation(ATTENTION_NAME)
+
+
+def _dims(backend: HFChatBackend) -> tuple[int, int]:
+    cfg = backend.model.config.get_text_config()
+    return cfg.num_hidden_layers, cfg.num_attention_heads
+
+
+def prefill(
+    backend: HFChatBackend, cfg: AttentionConfig | None, convs=CONVERSATIONS, impl: str = ATTENTION_NAME
+) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """Full-logit forward of the left-padded batch: (logits [B, T, V], pi [B, L, H, T] or None, pads).
+
+    With a config, the state traces every query (trace_prefill) so pi can be compared too.
+    """
+    rendered = [backend.render(c) for c in convs]
+    T = max(len(r.ids) for r in rendered)
+    pads = [T - len(r.ids) for r in rendered]
+    ids = torch.full((len(convs), T), backend.pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(rendered):
+        ids[b, pads[b] :] = torch.tensor(r.ids)
+        mask[b, pads[b] :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    extra, state = {}, None
+    if cfg is not None:
+        state = AttentionState(
+            cfg.model_copy(update={"trace_prefill": cfg.trace}),
+            [{"system": [r.system_span]} for r in rendered],
+            *_dims(backend),
+            torch.device("cpu"),
+        )
+        state.on_layout(pads, T, T)
+        extra = state.forward_kwargs(T)
+    with implementation(backend, impl), torch.inference_mode():
+        out = backend.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **extra)
+    pi = None
+    if state is not None and cfg.trace:
+        pi = torch.stack([torch.stack([r[0] for r in recs]) for recs in state.records], dim=1)  # [L, B, H, T]
+        pi = pi.permute(1, 0, 2, 3)
+    return out.logits.float(), pi, pads
+
+
+def real_positions(x: torch.Tensor, pads: list[int], dim: int) -> list[torch.Tensor]:
+    """Per row, the slice of `x` at non-padding positions (padding queries are undefined)."""
+    return [x[b].narrow(dim - 1, pads[b], x.shape[dim] - pads[b]) for b in range(len(pads))]
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor, pads: list[int], dim: int) -> float:
+    return max(
+        (x - y).abs().max().item() for x, y in zip(real_positions(a, pads, dim), real_positions(b, pads, dim))
+    )
+
+
+# -- parse_heads / head_mask / config ------------------------------------------------------------
+def test_parse_heads_forms() -> None:
+    for spec in (None, "", "all", "ALL", "*", "  "):
+        assert parse_heads(spec) is None
+    assert parse_heads("3") == ((3, None),)
+    assert parse_heads("0-2") == ((0, None), (1, None), (2, None))
+    assert parse_heads("3.1,7.0") == ((3, 1), (7, 0))
+    assert parse_heads("1-2.3") == ((1, 3), (2, 3))
+    # '+' is the joiner documented for --steer (driftlab.steering), where ',' separates keys.
+    assert parse_heads("0-1+7.2") == ((0, None), (1, None), (7, 2))
+    assert parse_heads("2.0; 5") == ((2, 0), (5, None))
+
+
+@pytest.mark.parametrize("spec", ["x", "3.", ".1", "3.1.2", "-2", "1--3", "3:1"])
+def test_parse_heads_rejects_malformed(spec: str) -> None:
+    with pytest.raises(DriftlabError, match="Cannot read head selection"):
+        parse_heads(spec)
+
+
+def test_parse_heads_rejects_empty_range() -> None:
+    with pytest.raises(DriftlabError, match="is empty"):
+        parse_heads("5-3")
+
+
+def test_head_mask_layout_and_range_checks() -> None:
+    mask = head_mask(parse_heads("0+2.1+2.3"), n_layers=3, n_heads=4)
+    expected = torch.zeros(3, 4, dtype=torch.bool)
+    expected[0] = True
+    expected[2, 1] = expected[2, 3] = True
+    assert torch.equal(mask, expected)
+    assert bool(head_mask(None, 2, 3).all()) and head_mask(None, 2, 3).shape == (2, 3)
+    for heads in (((3, None),), ((0, 4),)):
+        with pytest.raises(DriftlabError, match="outside this model"):
+            head_mask(heads, n_layers=3, n_heads=4)
+
+
+def test_config_parses_and_validates_heads() -> None:
+    cfg = AttentionConfig(split_k=0.5, split_heads="1-2", bias=1.0, bias_heads=[[0, 1]])
+    assert cfg.split_heads == ((1, None), (2, None)) and cfg.bias_heads == ((0, 1),)
+    assert cfg.changes_outputs and not AttentionConfig(trace=True).changes_outputs
+    with pytest.raises(ValueError):
+        AttentionConfig(split_k=1.5)
+    with pytest.raises(DriftlabError):
+        AttentionConfig(split_heads="layer3")
+    # A model-dependent range error surfaces when the state meets the model.
+    with pytest.raises(DriftlabError, match="outside this model"):
+        AttentionState(AttentionConfig(split_k=0.5, split_heads="9"), [{}], 3, 4, torch.device("cpu"))
+
+
+# -- AttentionState layout ----------------------------------------------------------------------
+def test_on_layout_places_spans_in_padded_slots() -> None:
+    cfg = AttentionConfig(bias=2.0, bias_span="emphasis", trace=True)
+    spans = [
+        {"system": [(0, 2)], "emphasis": [(3, 4)]},
+        {"system": [(1, 3), (4, 5)]},  # no emphasis span: no bias on this row
+    ]
+    state = AttentionState(cfg, spans, n_layers=2, n_heads=3, device=torch.device("cpu"))
+    state.on_layout(pads=[2, 0], prompt_len=6, max_len=9)
+    assert state.kv_len == 6
+    assert state.system_keys.tolist() == [
+        [False, False, True, True, False, False, False, False, False],
+        [False, True, True, False, True, False, False, False, False],
+    ]
+    assert state.bias_keys.tolist() == [[0.0] * 5 + [2.0] + [0.0] * 3, [0.0] * 9]
+    bias = state.layer_bias(layer=1, lo=4, hi=7)  # a layer that keeps only slots 4..6
+    assert bias.shape == (2, 3, 1, 3)
+    assert bias[0, :, 0].tolist() == [[0.0, 2.0, 0.0]] * 3
+
+
+def test_on_layout_inverted_bias_covers_every_other_key_after_padding() -> None:
+    cfg = AttentionConfig(bias=-1.0, bias_invert=True, bias_heads="1.2")
+    state = AttentionState(cfg, [{"system": [(0, 2)]}, {}], n_layers=2, n_heads=3, device=torch.device("cpu"))
+    state.on_layout(pads=[1, 0], prompt_len=4, max_len=6)
+    # Row 0: pad slot 0 untouched, system slots 1-2 untouched, the rest (prompt + future tokens) biased.
+    assert state.bias_keys.tolist() == [[0, 0, 0, -1, -1, -1], [-1] * 6]
+    assert state.layer_bias(0, 0, 6) is None  # layer 0 has no selected head
+    assert state.layer_bias(1, 0, 6)[:, :2].abs().sum() == 0 and state.layer_bias(1, 0, 6)[:, 2].abs().sum() > 0
+    assert not state.acts_on(0) and state.acts_on(1)
+
+
+def test_on_layout_rejects_wrong_span_count() -> None:
+    state = AttentionState(AttentionConfig(trace=True), [{}], 2, 3, torch.device("cpu"))
+    with pytest.raises(DriftlabError, match="span sets"):
+        state.on_layout(pads=[0, 0], prompt_len=3, max_len=4)
+
+
+# -- prefill logits and traces against the reference ---------------------------------------------
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_matches_reference(backend: HFChatBackend, case: str) -> None:
+    cfg = CASES[case]
+    plain, _, pads = prefill(backend, None)
+    assert min(pads) == 0 and max(pads) > 0  # the batch really is left-padded
+    got, pi, _ = prefill(backend, cfg)
+    want, pi_ref, _ = prefill(backend, cfg, impl=REFERENCE)
+    assert max_diff(got, want, pads, dim=1) <= LOGIT_TOL
+    if cfg.changes_outputs:
+        assert max_diff(got, plain, pads, dim=1) > 100 * LOGIT_TOL  # the intervention did something
+    else:
+        assert max_diff(got, plain, pads, dim=1) <= LOGIT_TOL
+    if cfg.trace:
+        assert max_diff(pi, pi_ref, pads, dim=3) <= PI_TOL
+        real = torch.cat([p.flatten() for p in real_positions(pi, pads, 3)])
+        assert real.min() >= 0 and real.max() <= 1 and 0.05 < real.mean() < 0.999
+
+
+def test_noop_interventions_equal_plain_model_exactly(backend: HFChatBackend) -> None:
+    """k = 1 and bias = 0 (with head selections) must leave every logit bit-identical."""
+    plain, _, _ = prefill(backend, None)
+    for cfg in (
+        AttentionConfig(split_k=1.0, split_heads="0-1"),
+        AttentionConfig(bias=0.0, bias_heads="2.1", bias_invert=True),
+        AttentionConfig(split_k=1.0, bias=0.0),
+    ):
+        got, _, _ = prefill(backend, cfg)
+        assert torch.equal(got, plain), cfg
+    replies = backend.chat(CONVERSATIONS, Sampling(greedy=True, max_new_tokens=4),
+                           attention=AttentionConfig(split_k=1.0, bias=0.0))
+    assert [r.token_ids for r in replies] == [
+        r.token_ids for r in backend.chat(CONVERSATIONS, Sampling(greedy=True, max_new_tokens=4))
+    ]
+
+
+def test_chunked_bias_path_matches_unchunked(backend: HFChatBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = CASES["composed"]
+    whole, pi_whole, pads = prefill(backend, cfg)
+    calls: list[int] = []
+    real_sdpa = engine_module._sdpa
+
+    def counting_sdpa(query, *args, **kwargs):
+        calls.append(query.shape[2])
+        return real_sdpa(query, *args, **kwargs)
+
+    _, H = _dims(backend)
+    T = whole.shape[1]
+    monkeypatch.setattr(engine_module, "_CHUNK_ELEMS", 2 * H * T * 5)  # 5 queries per chunk (B = 2)
+    monkeypatch.setattr(engine_module, "_sdpa", counting_sdpa)
+    chunked, pi_chunked, _ = prefill(backend, cfg)
+    assert calls and max(calls) == 5  # the chunked path really ran
+    assert max_diff(chunked, whole, pads, dim=1) <= LOGIT_TOL
+    assert max_diff(pi_chunked, pi_whole, pads, dim=3) <= PI_TOL
+
+
+# -- the full decode loop -------------------------------------------------------------------------
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_greedy_decode_matches_reference(backend: HFChatBackend, case: str) -> None:
+    cfg = CASES[case].model_copy(update={"trace": True})
+    sampling = Sampling(greedy=True, max_new_tokens=12, ignore_eos=True)
+    got = backend.chat(CONVERSATIONS, sampling, attention=cfg)
+    with implementation(backend, REFERENCE):
+        want = backend.chat(CONVERSATIONS, sampling, attention=cfg)
+    plain = backend.chat(CONVERSATIONS, sampling)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.text for r in got] == [r.text for r in want]
+    L, H = _dims(backend)
+    for g, w in zip(got, want):
+        assert g.trace["decode"].shape == (12, L, H)
+        assert (g.trace["decode"] - w.trace["decode"]).abs().max() <= PI_TOL
+    if cfg.changes_outputs:
+        assert [r.token_ids for r in got] != [r.token_ids for r in plain]
+    else:
+        assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+
+
+def test_batch_rows_match_solo_runs(backend: HFChatBackend) -> None:
+    """Left padding must not leak into a row: batched = each conversation alone."""
+    cfg = CASES["composed"]
+    sampling = Sampling(greedy=True, max_new_tokens=8, ignore_eos=True)
+    batched = backend.chat(CONVERSATIONS, sampling, attention=cfg)
+    for conv, row in zip(CONVERSATIONS, batched):
+        (solo,) = backend.chat([conv], sampling, attention=cfg)
+        assert solo.token_ids == row.token_ids
+        assert (solo.trace["decode"] - row.trace["decode"]).abs().max() <= PI_TOL
+
+
+@pytest.mark.model
+def test_smollm2_long_greedy_decode_and_prefill_trace(smol: HFChatBackend) -> None:
+    """The real model over 24 tokens, with the prefill trace, under split-softmax + bias."""
+    cfg = AttentionConfig(trace=True, trace_prefill=True, split_k=0.6, bias=2.0, bias_heads="0-10")
+    sampling = Sampling(greedy=True, max_new_tokens=24)
+    got = smol.chat(CONVERSATIONS, sampling, attention=cfg)
+    with implementation(smol, REFERENCE):
+        want = smol.chat(CONVERSATIONS, sampling, attention=cfg)
+    for g, w, conv in zip(got, want, CONVERSATIONS):
+        assert g.text == w.text and g.token_ids == w.token_ids
+        assert g.trace["prefill"].shape[0] == len(smol.render(conv).ids)
+        assert (g.trace["prefill"] - w.trace["prefill"]).abs().max() <= PI_TOL
+        assert (g.trace["decode"] - w.trace["decode"]).abs().max() <= PI_TOL
+
+
+@pytest.mark.model
+def test_span_modes_prefix_and_content(smol: HFChatBackend) -> None:
+    """`content` spans are inside `prefix` spans, so pi(content) <= pi(prefix); both match the reference."""
+    sampling = Sampling(greedy=True, max_new_tokens=8, ignore_eos=True)
+    prefix_renderer = smol.renderer
+    try:
+        results = {}
+        for mode in ("prefix", "content"):
+            smol.renderer = Renderer(smol.tokenizer, mode)
+            spans = [smol.render(c).system_span for c in CONVERSATIONS]
+            trace = smol.chat(CONVERSATIONS, sampling, attention=AttentionConfig(trace=True))
+            split_cfg = AttentionConfig(trace=True, split_k=0.7)
+            split = smol.chat(CONVERSATIONS, sampling, attention=split_cfg)
+            with implementation(smol, REFERENCE):
+                ref = smol.chat(CONVERSATIONS, sampling, attention=split_cfg)
+            assert [r.token_ids for r in split] == [r.token_ids for r in ref]
+            for s, r in zip(split, ref):
+                assert (s.trace["decode"] - r.trace["decode"]).abs().max() <= PI_TOL
+            results[mode] = (spans, trace, split)
+    finally:
+        smol.renderer = prefix_renderer
+    (p_spans, p_trace, p_split), (c_spans, c_trace, c_split) = results["prefix"], results["content"]
+    for (ps, pe), (cs, ce) in zip(p_spans, c_spans):
+        assert ps == 0 and 0 < cs < ce <= pe  # content skips the template header and BOS
+    for p, c in zip(p_trace, c_trace):
+        assert p.token_ids == c.token_ids  # tracing alone never changes the text
+        assert bool((c.trace["decode"] <= p.trace["decode"] + PI_TOL).all())
+        assert (p.trace["decode"] - c.trace["decode"]).mean() > 0.01
+    assert [r.token_ids for r in p_split] != [r.token_ids for r in c_split]  # the span matters
+
+
+# -- sliding-window layers (Gemma3) --------------------------------------------------------------
+@pytest.mark.parametrize("case", ["trace", "bias_all", "split_all", "composed"])
+def test_sliding_window_decode_equals_full_recompute(gemma: HFChatBackend, case: str) -> None:
+    """KV-cached decode (sliding layers keep only the last `window` keys) = recomputing all.
+
+    The engine maps a layer's K keys onto the last K absolute slots (`state.kv_len`); if that
+    mapping were wrong for layers that keep fewer keys than the absolute length, the cached
+    decode would disagree with a no-cache forward over prompt + generated tokens, where every
+    layer sees all T keys and the mask alone applies the window.
+    """
+    cfg = CASES[case].model_copy(update={"trace": True})
+    conv = CONVERSATIONS[0]
+    rendered = gemma.render(conv)
+    T0 = len(rendered.ids)
+    assert T0 > rendered.system_span[1] + SLIDING_WINDOW  # the window has slid past the system prompt
+    (reply,) = gemma.chat([conv], Sampling(greedy=True, max_new_tokens=10, ignore_eos=True), attention=cfg)
+    ids = rendered.ids + reply.token_ids[:-1]
+    L, H = _dims(gemma)
+    state = AttentionState(cfg.model_copy(update={"trace_prefill": True}), [{"system": [rendered.system_span]}],
+                           L, H, torch.device("cpu"))
+    state.on_layout([0], len(ids), len(ids))
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        out = gemma.model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False,
+                          **state.forward_kwargs(len(ids)))
+    full_pi = state.row_traces([1], [0])[0]["prefill"][T0 - 1 :]  # pi of the queries that predicted each token
+    assert out.logits[0, T0 - 1 :].argmax(-1).tolist() == reply.token_ids
+    assert (full_pi - reply.trace["decode"]).abs().max() <= PI_TOL
+    sliding = [i for i, t in enumerate(gemma.model.config.layer_types) if t == "sliding_attention"]
+    full = [i for i in range(L) if i not in sliding]
+    assert sliding and full
+    # Physically: the sliding layers no longer see any system key, the full layer does.
+    assert bool((reply.trace["decode"][:, sliding] == 0).all())
+    assert bool((reply.trace["decode"][:, full] > 0.01).all())

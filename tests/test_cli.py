@@ -1,0 +1,80 @@
+"""The command line as a user meets it: stdout carries only results, errors are two readable lines."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+QUESTION = "What do you do in London as a tourist?"
+
+
+def driftlab(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "driftlab", *args], capture_output=True, text=True)
+
+
+@pytest.mark.model
+def test_chat_prints_only_the_reply(smol_dir):
+    from driftlab.chat import Sampling
+    from driftlab.chat.hf import HFChatBackend
+
+    args = ["chat", "--model", "smollm2-135m", "--system", "Always reply in French.", "--greedy",
+            "--max-new-tokens", "32", "--dtype", "float32", QUESTION]
+    proc = driftlab(*args)
+    assert proc.returncode == 0, proc.stderr
+    conv = [{"role": "system", "content": "Always reply in French."}, {"role": "user", "content": QUESTION}]
+    expected = HFChatBackend(str(smol_dir), dtype="float32").chat([conv], Sampling(greedy=True, max_new_tokens=32))
+    assert proc.stdout == expected[0].text + "\n"
+
+
+@pytest.mark.model
+def test_chat_split_softmax_matches_the_eager_reference(smol_dir):
+    """`--steer split-softmax:k=0.9` gives the greedy text of the slow weight-materialising reference."""
+    from attention_reference import NAME, register_reference
+    from driftlab.attention.state import AttentionConfig
+    from driftlab.chat import Sampling
+    from driftlab.chat.hf import HFChatBackend
+
+    proc = driftlab("chat", "--system", "Always reply in French.", "--greedy", "--max-new-tokens", "24",
+                    "--dtype", "float32", "--steer", "split-softmax:k=0.9", QUESTION)
+    assert proc.returncode == 0, proc.stderr
+    register_reference()
+    ref = HFChatBackend(str(smol_dir), dtype="float32", attn_implementation=NAME, prefix_cache_bytes=0)
+    conv = [{"role": "system", "content": "Always reply in French."}, {"role": "user", "content": QUESTION}]
+    want = ref.chat([conv], Sampling(greedy=True, max_new_tokens=24), attention=AttentionConfig(split_k=0.9))[0]
+    assert proc.stdout.strip() == want.text
+    plain = driftlab("chat", "--system", "Always reply in French.", "--greedy", "--max-new-tokens", "24",
+                     "--dtype", "float32", QUESTION)
+    assert plain.stdout != proc.stdout  # the intervention changes the reply
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["chat", "--steer", "foo:x=1", "hi"], "Unknown steering method 'foo'"),
+        (["chat", "--steer", "split-softmax:k=2", "hi"], "k=2.0 is outside [0, 1]"),
+        (["chat", "--steer", "bias:heads=3", "hi"], "needs value"),
+        (["chat", "--model", "no-such-model", "hi"], "Unknown model preset 'no-such-model'"),
+        (["chat", "--model", "./no/such/dir", "hi"], "does not exist"),
+        (["models", "pull", "no-such-model"], "Known presets:"),
+        (["models", "info", "gpt-17"], "Unknown model preset"),
+        (["report", "/nonexistent-run"], "is not a directory"),
+        (["run", "--out", "/tmp/x", "--pair", "nope"], "is not AGENT_ID:USER_ID"),
+        (["run", "--out", "/tmp/x", "--categories", "poetry"], "Invalid option categories"),
+    ],
+)
+def test_errors_are_two_lines_without_traceback(args, message):
+    proc = driftlab(*args)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "Error:" in proc.stderr and message in " ".join(proc.stderr.split())
+
+
+def test_models_list_json():
+    import json
+
+    proc = driftlab("models", "list", "--format", "json")
+    rows = json.loads(proc.stdout)
+    assert {r["name"] for r in rows} >= {"smollm2-135m", "qwen2.5-coder-1.5b", "gemma3-270m"}
+    assert [r["name"] for r in rows if r["default"]] == ["smollm2-135m"]

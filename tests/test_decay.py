@@ -1,0 +1,49 @@
+"""Attention decay: the teacher-forced replay gives the pi seen while decoding; the CLI writes its files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from driftlab.attention.state import AttentionConfig
+from driftlab.chat import Sampling
+from driftlab.protocol.decay import DecayTrace, agent_conversation, trace_dialogs
+
+pytestmark = pytest.mark.model
+
+
+def test_replay_reproduces_the_pi_of_decoding(smol32):
+    """pi traced token by token during generation == pi from one teacher-forced pass."""
+    system, question = "Always reply in French.", "What do you do in London as a tourist?"
+    conv = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    reply = smol32.chat([conv], Sampling(greedy=True, max_new_tokens=20), attention=AttentionConfig(trace=True))[0]
+    live = reply.trace["decode"].numpy()  # [n_tokens (+1 for EOS if stopped), L, H]
+    trace = trace_dialogs(smol32, [{"pair": 0, "system": system, "a": [question], "b": [reply.text]}])
+    n = min(len(live), len(trace.pi))
+    assert n >= 10
+    np.testing.assert_allclose(trace.pi[:n], live[:n], atol=2e-4)
+    assert (trace.round == 1).all() and (np.diff(trace.position) == 1).all()
+
+
+def test_turn_spans_cover_the_agent_tokens(smol32):
+    conv = agent_conversation("Be brief.", ["Hi!", "How are you?"], ["Hello.", "Fine, thanks."])
+    spans = smol32.renderer.turn_spans(conv, smol32.eos_ids)
+    ids = smol32.render(conv, add_generation_prompt=False).ids
+    texts = [smol32.tokenizer.decode(ids[s:e], skip_special_tokens=True) for s, e in filter(None, spans)]
+    assert texts == ["Hello.", "Fine, thanks."]
+    assert [s is None for s in spans] == [True, True, False, True, False]
+
+
+def test_decay_cli_writes_traces_and_figures(tmp_path, smol_dir):
+    from typer.testing import CliRunner
+
+    from driftlab.cli import app
+
+    result = CliRunner().invoke(app, ["decay", "--model", str(smol_dir), "--rounds", "2", "--pairs", "2",
+                                      "--max-new-tokens", "8", "--dtype", "float32", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    trace = DecayTrace.load(tmp_path / "decay.npz")
+    assert trace.pi.shape[1:] == (30, 9) and set(trace.round.tolist()) == {1, 2}
+    assert ((trace.pi >= 0) & (trace.pi <= 1)).all()
+    for name in ("decay_fig4.png", "decay_rounds.png", "decay_heatmap.png"):
+        assert (tmp_path / name).stat().st_size > 20_000

@@ -1,0 +1,57 @@
+"""The README is the contract with a newcomer: its commands and examples must stay true."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _bash_blocks() -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+
+
+def test_quick_start_has_exactly_two_commands_and_ci_runs_the_test_one():
+    quick = README.split("## Quick start", 1)[1].split("## What you can do", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", quick, flags=re.S)
+    assert len(blocks) == 2 and all(len(b.strip().splitlines()) == 1 for b in blocks)
+    install, test = (b.strip() for b in blocks)
+    assert install.startswith("pip install torch==2.13.0 && pip install -e")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f"\n{test}\n" in ci, "CI must run the README's test command verbatim"
+    for step in ("pip install torch==2.13.0", 'pip install -e ".[test]"'):
+        assert step in install and step in ci
+
+
+def test_cli_commands_in_the_readme_exist():
+    from typer.main import get_command
+
+    from driftlab.cli import app
+
+    root = get_command(app)
+    for block in _bash_blocks():
+        for line in block.replace("\\\n", " ").splitlines():
+            for cmd in re.findall(r"(?:^|&& )driftlab ([a-z]+)(?: ([a-z]+))?", line.strip()):
+                group = root.commands.get(cmd[0])
+                assert group is not None, f"driftlab {cmd[0]} (README) does not exist"
+                if hasattr(group, "commands") and cmd[1]:
+                    assert cmd[1] in group.commands, f"driftlab {cmd[0]} {cmd[1]} (README) does not exist"
+
+
+def test_documented_docs_exist():
+    for link in re.findall(r"\]\((docs/[^)]+)\)", README):
+        assert (ROOT / link).is_file(), link
+
+
+@pytest.mark.model
+def test_python_examples_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})  # noqa: S102 - the README's own examples
+    assert (tmp_path / "runs" / "api" / "report.html").is_file()
