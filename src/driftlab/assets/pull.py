@@ -251,12 +251,14 @@ def _convert(gguf: Path, out: Path, dtype: str) -> None:
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # our own progress bar shows this step
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # float32 is the fast path for GGUF dequantisation; cast once afterwards.
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     finally:
         hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
     # save_pretrained refuses quantised models: the weights are plain tensors after loading.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

@@ -3,13 +3,16 @@
 One function serves every decoder (Llama, Qwen2, Gemma3, ...). With no state it is plain
 SDPA. With an `AttentionState` it composes, per batch row:
 
-* tracing: pi = attention mass on system-prompt keys, per layer and head, obtained by
-  appending to V a channel that is 1 on system keys (one fused SDPA call gives O and pi);
+* tracing: pi = attention mass on system-prompt keys, per layer and head;
 * an additive key bias on chosen keys and (layer, head) pairs (PASTA, InstABoost);
 * exact split-softmax (seed 000 Eq. 6-7): with O_sys from a second SDPA over only the
   system keys, the reweighted output is pi^k O_sys + (1-pi^k)/(1-pi) (O - pi O_sys).
 
-Nothing materialises the T x T attention weights; a bias mask is built per query chunk.
+pi comes from log-sum-exps where the fused kernel reports them (PyTorch's CPU flash
+kernel): pi = exp(LSE_sys - LSE_all), with LSE_sys from the same second, system-only call
+that split-softmax needs anyway. Elsewhere pi comes from extra V channels that are 1 on
+system keys (one SDPA call gives O and pi). Either way nothing materialises the T x T
+attention weights; a bias mask is built per query chunk.
 """
 
 from __future__ import annotations
@@ -24,6 +27,14 @@ from driftlab.attention.state import AttentionState
 ATTENTION_NAME = "driftlab"
 _CHUNK_ELEMS = 1 << 24  # max elements of a per-head float mask built at once (64 MB in fp32)
 
+# PyTorch's fused CPU attention also returns each query's log-sum-exp. The public SDPA hides
+# it, and extra V channels (dv != d) push CPU SDPA onto its math path, which materialises
+# the weights and is 2-10x slower; so on CPU we call the kernel itself.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Attention kwargs that change the computation; with any of them set we leave it to transformers.
+_SPECIAL_KWARGS = ("softcap", "position_bias", "cache", "s_aux", "sinks", "is_causal")
+
 
 def _causal_mask(q: int, k: int, device: torch.device) -> torch.Tensor:
     """Boolean [1, 1, q, k] mask for queries that are the last q of k positions.
@@ -35,24 +46,65 @@ def _causal_mask(q: int, k: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(k, device=device)[None, :] <= rows)[None, None]
 
 
-def _sdpa(query, key, value, mask, scale, n_rep: int) -> torch.Tensor:
-    """SDPA over grouped-query heads without copying K/V when decoding one token.
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    n_rep: int,
+    *,
+    causal: bool = False,
+    lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """SDPA over grouped-query heads, without copying K/V when decoding one token.
 
     query [B, H, q, d]; key/value [B, Hkv, k, dv]; mask broadcastable to [B, H, q, k]
-    (bool: True = attend, or float additive). Returns [B, H, q, dv].
+    (bool: True = attend, or float additive; a float mask of the query dtype with `lse`).
+    Returns ([B, H, q, dv], and with `lse` the float32 log-sum-exp of the logits [B, H, q]).
     """
-    B, H, q, _ = query.shape
-    if n_rep > 1 and q == 1:
-        # Treat the n_rep query heads sharing a KV head as n_rep queries of that head.
-        qg = query.reshape(B, H // n_rep, n_rep, query.shape[-1])
+    B, H, q, d = query.shape
+    packed = n_rep > 1 and q == 1
+    if packed:
+        # The n_rep query heads sharing a KV head become n_rep queries of that head.
+        query = query.reshape(B, H // n_rep, n_rep, d)
         if mask is not None and mask.dim() == 4 and mask.shape[1] == H:
             mask = mask.reshape(B, H // n_rep, n_rep, mask.shape[-1])
-        out = F.scaled_dot_product_attention(qg, key, value, attn_mask=mask, scale=scale)
-        return out.reshape(B, H, 1, value.shape[-1])
-    if n_rep > 1:
+    elif n_rep > 1:
         key = key.repeat_interleave(n_rep, dim=1)
         value = value.repeat_interleave(n_rep, dim=1)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    if lse:
+        out, log_sum = _CPU_FLASH(query, key, value, 0.0, causal, attn_mask=mask, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scale)
+        log_sum = None
+    if packed:
+        out = out.reshape(B, H, 1, out.shape[-1])
+        log_sum = log_sum.reshape(B, H, 1) if log_sum is not None else None
+    return out, log_sum
+
+
+def _plain(module, query, key, value, attention_mask, scaling, dropout, kwargs):
+    """Attention without any driftlab state: transformers' SDPA, except one CPU decode case.
+
+    For one query with grouped-query heads and no mask, transformers asks SDPA for
+    `enable_gqa`, which PyTorch's CPU kernels serve on the math path (about 7x slower than
+    folding the query heads onto their KV head, as it does itself when a mask is present).
+    """
+    n_rep = query.shape[1] // key.shape[1]
+    if (
+        query.shape[2] == 1
+        and n_rep > 1
+        and query.device.type == "cpu"
+        and not (module.training and dropout > 0)
+        and all(kwargs.get(name) is None for name in _SPECIAL_KWARGS)
+    ):
+        scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+        out, _ = _attend(query, key, value, attention_mask, scale, n_rep)
+        return out.transpose(1, 2).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 def driftlab_attention(
@@ -68,11 +120,7 @@ def driftlab_attention(
     state: AttentionState | None = kwargs.pop("driftlab", None)
     layer = getattr(module, "layer_idx", 0)
     if state is None or not state.acts_on(layer):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
+        return _plain(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("driftlab attention does not support logit soft-capping.")
 
@@ -80,39 +128,77 @@ def driftlab_attention(
     K, dv = key.shape[2], value.shape[-1]
     n_rep = H // key.shape[1]
     scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
-    base = attention_mask if attention_mask is not None else _causal_mask(q, K, query.device)
-    if base.dtype != torch.bool:  # some models hand over an additive float mask
-        base = base > torch.finfo(base.dtype).min / 2
+    dtype, neg = query.dtype, torch.finfo(query.dtype).min
     # Keys of this call are the last K of the absolute key slots (sliding-window layers keep fewer).
     lo, hi = state.kv_len - K, state.kv_len
-    sys_keys = state.system_keys[:, lo:hi] if state.system_keys is not None else None
     bias = state.layer_bias(layer, lo, hi)  # [B, H, 1, K] or None
     split_heads = state.split_heads_for(layer)  # [H] bool or None
     need_pi = state.trace or split_heads is not None
+    sys_range = state.system_range(lo, hi) if need_pi else None  # [a, b) of this call's keys
+    sys_keys = state.system_keys[:, lo:hi] if need_pi else None
+    use_lse = (
+        need_pi and _CPU_FLASH is not None and query.device.type == "cpu" and dtype in _CPU_FLASH_DTYPES
+        and key.dtype == dtype and d == dv
+    )
+
+    base = attention_mask
+    if base is not None and base.dtype != torch.bool:  # some models hand over an additive float mask
+        base = base > neg / 2
+    # None = every key visible to every query: q == 1, or (q == K) with the causal flag.
+    causal = base is None and q == K and q > 1 and bias is None
+    if base is None and q > 1 and not causal:
+        base = _causal_mask(q, K, query.device)
 
     # Query chunks bound the size of any per-head float mask.
     step = q if bias is None else max(1, _CHUNK_ELEMS // max(1, B * H * K))
     outs, pis = [], []
     for s in range(0, q, step):
         qs = query[:, :, s : s + step]
-        m = base[:, :, s : s + step] if base.shape[2] > 1 else base
+        qc = qs.shape[2]
+        m = None if base is None else (base[:, :, s : s + step] if base.shape[2] > 1 else base)
+        # Float masks throughout: a boolean one gives NaN on fully masked (left-padding) rows.
         if bias is not None:
-            m = torch.where(m, bias.to(qs.dtype), torch.finfo(qs.dtype).min)
-        elif not m.any(dim=-1).all():
-            # Fully masked rows (left padding) would give NaN with a boolean mask.
-            m = torch.where(m, 0.0, torch.finfo(qs.dtype).min).to(qs.dtype)
-        if need_pi:
-            # Indicator channels: mass on system keys (pi) and on the rest (1 - pi), each
-            # with full relative precision even in bf16 where pi is close to 1.
-            ind = torch.stack([sys_keys, ~sys_keys], dim=-1).to(value.dtype)[:, None]
-            ind = ind.expand(B, value.shape[1], K, 2)
-            o_ext = _sdpa(qs, key, torch.cat([value, ind], dim=-1), m, scale, n_rep)
-            o, mass = o_ext[..., :dv], o_ext[..., dv:].float().clamp(0.0, 1.0)
-            pi, rest = mass[..., :1], mass[..., 1:]  # [B, H, q, 1] each
+            mf = bias.to(dtype) if m is None else torch.where(m, bias.to(dtype), neg)
         else:
-            o, pi, rest = _sdpa(qs, key, value, m, scale, n_rep), None, None
-        if split_heads is not None:
-            o = _split_softmax(qs, key, value, m, sys_keys, o, pi, rest, state.split_k, split_heads, scale, n_rep)
+            mf = None if m is None else torch.where(m, 0.0, neg).to(dtype)
+        o_sys = pi = rest = None
+        if need_pi and sys_range is not None:
+            a, b = sys_range
+            sys_slots = sys_keys[:, None, None, a:b]
+            if mf is not None:
+                m_sys = torch.where(sys_slots, mf[..., a:b], neg)
+            else:
+                if causal:
+                    sys_slots = sys_slots & _causal_mask(q, K, query.device)[:, :, s : s + step, a:b]
+                m_sys = torch.where(sys_slots, 0.0, neg).to(dtype)
+        if use_lse:
+            o, lse_all = _attend(qs, key, value, mf, scale, n_rep, causal=causal, lse=True)
+            if sys_range is not None:
+                o_sys, lse_sys = _attend(qs, key[:, :, a:b], value[:, :, a:b], m_sys, scale, n_rep, lse=True)
+                # Both LSEs come from fp32 accumulators; rest = 1 - pi keeps full precision near pi = 1.
+                delta = (lse_sys - lse_all).clamp(max=0.0)[..., None]
+                pi = delta.exp()
+                rest = -torch.expm1(delta) if split_heads is not None else None
+            else:
+                pi = torch.zeros((B, H, qc, 1), device=query.device)
+        elif need_pi:
+            # Indicator channels: mass on system keys (pi) and on the rest (1 - pi), each with
+            # full relative precision even in bf16 where pi is close to 1; zero channels pad
+            # V to a multiple of 8, which fused GPU kernels need.
+            n_extra = 2 + (-(dv + 2)) % 8
+            ind = torch.zeros((B, K, n_extra), dtype=value.dtype, device=value.device)
+            ind[..., 0] = sys_keys.to(value.dtype)
+            ind[..., 1] = (~sys_keys).to(value.dtype)
+            ind = ind[:, None].expand(B, value.shape[1], K, n_extra)
+            o_ext, _ = _attend(qs, key, torch.cat([value, ind], dim=-1), mf, scale, n_rep, causal=causal)
+            o, mass = o_ext[..., :dv], o_ext[..., dv : dv + 2].float().clamp(0.0, 1.0)
+            pi, rest = mass[..., :1], mass[..., 1:]  # [B, H, q, 1] each
+            if split_heads is not None and sys_range is not None:
+                o_sys, _ = _attend(qs, key[:, :, a:b], value[:, :, a:b], m_sys, scale, n_rep)
+        else:
+            o, _ = _attend(qs, key, value, mf, scale, n_rep, causal=causal)
+        if split_heads is not None and o_sys is not None:
+            o = _split_softmax(o, o_sys, pi, rest, state.split_k, split_heads)
         outs.append(o)
         if pi is not None:
             pis.append(pi[..., 0])
@@ -122,29 +208,21 @@ def driftlab_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _split_softmax(query, key, value, mask, sys_keys, out, pi, rest, k: float, heads, scale, n_rep):
+def _split_softmax(out, o_sys, pi, rest, k: float, heads) -> torch.Tensor:
     """Reweight attention so the system keys get pi^k of the mass, exactly, in O(T) memory.
 
     O = pi O_sys + (1 - pi) O_rest, so pi^k O_sys + (1 - pi^k) O_rest
       = pi^k O_sys + w (O - pi O_sys) with w = (1 - pi^k) / (1 - pi).
     """
-    cols = torch.nonzero(sys_keys.any(dim=0)).flatten()
-    if cols.numel() == 0:
-        return out
-    a, b = int(cols[0]), int(cols[-1]) + 1  # the key slots holding any row's system span
-    sys_slice = sys_keys[:, a:b]
-    if mask.dtype == torch.bool:
-        m_sys = mask[..., a:b] & sys_slice[:, None, None, :]
-        m_sys = torch.where(m_sys, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
-    else:
-        m_sys = torch.where(sys_slice[:, None, None, :], mask[..., a:b], torch.finfo(query.dtype).min)
-    o_sys = _sdpa(query, key[:, :, a:b], value[:, :, a:b], m_sys, scale, n_rep).float()
     pk = pi.pow(k)
     # w = (1 - (1 - r)^k) / r with r = 1 - pi measured directly; where no rest key is
     # visible (queries inside the system span) r = 0 and the rest term vanishes anyway.
-    w = torch.where(rest > 0, -torch.expm1(k * torch.log1p(-rest)) / rest.clamp_min(1e-30), torch.zeros_like(rest))
-    o32 = out.float()
-    new = pk * o_sys + w * (o32 - pi * o_sys)
+    if k == 0.0:
+        w = torch.zeros_like(rest)  # (1 - 1) / r; the formula below would give 0 * log(0) = NaN at r = 1
+    else:
+        w = torch.where(rest > 0, -torch.expm1(k * torch.log1p(-rest)) / rest.clamp_min(1e-30), torch.zeros_like(rest))
+    o32, s32 = out.float(), o_sys.float()
+    new = pk * s32 + w * (o32 - pi * s32)
     new = torch.where(pi > 0, new, o32)  # no system key visible: unchanged (o_sys is garbage there)
     return torch.where(heads[None, :, None, None], new.to(out.dtype), out)
 

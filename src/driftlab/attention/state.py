@@ -21,18 +21,22 @@ Heads = tuple[tuple[int, int | None], ...] | None
 
 
 def parse_heads(spec: str | None) -> Heads:
-    """Parse a head selection: 'all', '3' (layer 3), '3.1' (layer 3 head 1), '0-5', '2.0,7.3'."""
+    """Parse a head selection: 'all', '3' (layer 3), '3.1' (layer 3 head 1), '0-5', '2.0,7.3'.
+
+    Parts may also be joined with '+' ('0-5+7.2'), the form `--steer` documents, since ','
+    separates its keys there.
+    """
     if spec is None or spec.strip().lower() in ("", "all", "*"):
         return None
     out: list[tuple[int, int | None]] = []
-    for part in re.split(r"[,\s;]+", spec.strip()):
+    for part in re.split(r"[,+\s;]+", spec.strip()):
         if not part:
             continue
         m = re.fullmatch(r"(\d+)(?:-(\d+))?(?:\.(\d+))?", part)
         if not m:
             raise DriftlabError(
                 f"Cannot read head selection '{part}'.",
-                hint="Use 'all', a layer '3', a layer range '0-5', or layer.head pairs like '3.1,7.0'.",
+                hint="Use 'all', a layer '3', a layer range '0-5', or layer.head pairs like '3.1+7.0'.",
             )
         lo, hi, head = int(m[1]), int(m[2] or m[1]), m[3]
         if hi < lo:
@@ -126,9 +130,16 @@ class AttentionState:
         self.n_layers, self.n_heads, self.device = n_layers, n_heads, device
         self.split_k = config.split_k
         self.trace = config.trace
-        self.split_mask = head_mask(config.split_heads, n_layers, n_heads).to(device) if config.splits else None
-        self.bias_mask = head_mask(config.bias_heads, n_layers, n_heads).to(device) if config.biases else None
+        split = head_mask(config.split_heads, n_layers, n_heads) if config.splits else None
+        bias = head_mask(config.bias_heads, n_layers, n_heads) if config.biases else None
+        self.split_mask = split.to(device) if split is not None else None
+        self.bias_mask = bias.to(device) if bias is not None else None
+        # Per-layer flags on the host: asking the device tensors would sync a GPU every layer.
+        self._split_layers = split.any(dim=1).tolist() if split is not None else [False] * n_layers
+        self._bias_layers = bias.any(dim=1).tolist() if bias is not None else [False] * n_layers
+        self._acts = [self.trace or sp or bi for sp, bi in zip(self._split_layers, self._bias_layers)]
         self.system_keys: torch.Tensor | None = None
+        self.system_slots: tuple[int, int] | None = None  # [first, last + 1) slot of any row's system key
         self.bias_keys: torch.Tensor | None = None
         self.kv_len = 0
         self.records: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
@@ -144,6 +155,8 @@ class AttentionState:
             for s, e in spans.get("system", []):
                 system[b, pads[b] + s : pads[b] + e] = True
         self.system_keys = system.to(self.device)
+        slots = torch.nonzero(system.any(dim=0)).flatten().tolist()
+        self.system_slots = (slots[0], slots[-1] + 1) if slots else None
         if self.config.biases:
             target = torch.zeros(B, max_len, dtype=torch.bool)
             for b, spans in enumerate(self.spans):
@@ -163,20 +176,24 @@ class AttentionState:
 
     # -- queried by the attention function ---------------------------------------------------
     def acts_on(self, layer: int) -> bool:
-        return (
-            self.trace
-            or (self.split_mask is not None and bool(self.split_mask[layer].any()))
-            or (self.bias_mask is not None and bool(self.bias_mask[layer].any()))
-        )
+        return self._acts[layer]
 
     def split_heads_for(self, layer: int) -> torch.Tensor | None:
-        if self.split_mask is None or not bool(self.split_mask[layer].any()):
+        if not self._split_layers[layer]:
             return None
         return self.split_mask[layer]
 
+    def system_range(self, lo: int, hi: int) -> tuple[int, int] | None:
+        """[a, b) relative to a call whose keys are absolute slots [lo, hi): the slots that
+        may hold system keys (any row's), or None when none of them is among these keys."""
+        if self.system_slots is None:
+            return None
+        a, b = max(self.system_slots[0], lo), min(self.system_slots[1], hi)
+        return (a - lo, b - lo) if a < b else None
+
     def layer_bias(self, layer: int, lo: int, hi: int) -> torch.Tensor | None:
         """[B, H, 1, K] additive logits for this layer's keys, or None."""
-        if self.bias_mask is None or not bool(self.bias_mask[layer].any()):
+        if not self._bias_layers[layer]:
             return None
         keys = self.bias_keys[:, lo:hi]
         return keys[:, None, None, :] * self.bias_mask[layer][None, :, None, None].to(keys.dtype)
