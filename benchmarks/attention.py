@@ -37,7 +37,17 @@ from driftlab.attention.state import AttentionConfig
 from driftlab.chat import Sampling
 from driftlab.chat.hf import HFChatBackend
 
-SEED_TEXT = Path("/work/shared/seeds/000_d70031a65968cb35.txt")
+# Real prose for the long context: the persona-drift paper beside the repo, else the benchmark's
+# own system prompts and starters.
+SEED_TEXT = next(iter(sorted((Path(__file__).resolve().parents[2] / "shared" / "seeds").glob("000_*.txt"))), None)
+def _prose() -> str:
+    if SEED_TEXT is not None:
+        return SEED_TEXT.read_text()
+    from driftlab.bench import STARTERS, load_personas
+
+    return " ".join([p.system_prompt for p in load_personas()] + list(STARTERS)) * 4
+
+
 SYSTEM = "You are a careful science journalist. Always answer in French, in at most three sentences."
 MODES: dict[str, AttentionConfig | None] = {
     "plain SDPA": None,
@@ -90,7 +100,7 @@ class PeakMemory:
 def conversation(backend: HFChatBackend, n_tokens: int) -> list[dict]:
     """System prompt + a user turn of real text, rendered to about `n_tokens` tokens."""
     tok = backend.tokenizer
-    text_ids = tok(SEED_TEXT.read_text() * 4, add_special_tokens=False)["input_ids"]
+    text_ids = tok(_prose() * 4, add_special_tokens=False)["input_ids"]
     frame = len(backend.render([{"role": "system", "content": SYSTEM}, {"role": "user", "content": ""}]).ids)
     take = n_tokens - frame
     for _ in range(4):  # decoding and re-encoding may merge tokens; nudge to the target length

@@ -8,6 +8,7 @@ same step.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +35,12 @@ def smol_bf16(smol_dir):
     from driftlab.chat.hf import HFChatBackend
 
     return HFChatBackend(str(smol_dir), dtype="bfloat16")
+
+
+def linked_copy(src: Path, dst: Path, leave_out: str) -> Path:
+    """A model directory made of symlinks to `src`'s files, all but `leave_out` (cheap variants)."""
+    dst.mkdir()
+    for f in Path(src).iterdir():
+        if f.name != leave_out:
+            (dst / f.name).symlink_to(f)
+    return dst

@@ -6,10 +6,10 @@ import dataclasses
 import re
 import shutil
 from collections import namedtuple
-from pathlib import Path
 
 import pytest
 
+from conftest import linked_copy
 from driftlab.assets import PRESETS, get_preset, pulled_info, resolve_model
 from driftlab.assets.pull import pull, sha256_file
 from driftlab.errors import DriftlabError
@@ -114,11 +114,7 @@ def test_local_directory_model_matches_preset(smol_dir, tmp_path):
     from driftlab.chat import Sampling
     from driftlab.chat.hf import HFChatBackend
 
-    copy = tmp_path / "my-model"
-    copy.mkdir()
-    for f in Path(smol_dir).iterdir():
-        if f.name != "driftlab.json":
-            (copy / f.name).symlink_to(f)
+    copy = linked_copy(smol_dir, tmp_path / "my-model", leave_out="driftlab.json")
     conv = [{"role": "user", "content": "Name a fruit that is yellow."}]
     g = Sampling(greedy=True, max_new_tokens=12)
     by_dir = HFChatBackend(str(copy), dtype="float32").chat([conv], g)[0].text

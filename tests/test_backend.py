@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from conftest import linked_copy
 from driftlab.chat import Sampling
 from driftlab.errors import DriftlabError
 
@@ -77,11 +76,7 @@ def test_plain_template_for_models_without_chat_template(smol_dir, tmp_path):
     """A base model (no chat template) renders dialogs as plain text and stops at the next speaker."""
     from driftlab.chat.hf import HFChatBackend
 
-    copy = tmp_path / "base"
-    copy.mkdir()
-    for f in Path(smol_dir).iterdir():
-        if f.name != "chat_template.jinja":
-            (copy / f.name).symlink_to(f)
+    copy = linked_copy(smol_dir, tmp_path / "base", leave_out="chat_template.jinja")
     base = HFChatBackend(str(copy), dtype="float32")
     assert base.renderer.plain
     rendered = base.render(CONVS[0])

@@ -9,7 +9,7 @@ step for every unfinished row.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +21,6 @@ from driftlab.chat.prefix_cache import PrefixCache
 from driftlab.chat.templates import Rendered, Renderer
 from driftlab.errors import DriftlabError
 
-LogitsHook = Callable[[torch.Tensor], torch.Tensor]  # rewrites next-token logits [B, V] (e.g. CFG)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -39,10 +38,26 @@ def pick_device(device: str) -> torch.device:
         raise DriftlabError(f"Unknown device '{device}'.", hint="Use auto, cpu, cuda or cuda:N.") from None
 
 
-def pick_dtype(dtype: str) -> torch.dtype:
+def cpu_has_native_bf16() -> bool:
+    """True if the CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def pick_dtype(dtype: str, device: torch.device | None = None) -> torch.dtype:
+    """Resolve a dtype name; `auto` picks what is fastest on the device.
+
+    `auto`: bf16 on CUDA (fp16 if the GPU lacks bf16) and on CPUs with native bf16; float32
+    on other CPUs, where bf16 matmuls are emulated: measured on a 2-core AVX-512 Xeon without
+    BF16, fp32 generated 1.1x (batch 1) to 3.4x (batch 30) more tokens/s than bf16.
+    """
     if dtype == "auto":
-        # bf16 is ~2x faster than fp32 on recent CPUs and the norm on GPUs.
-        return torch.bfloat16
+        if device is not None and device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     try:
         return DTYPES[dtype]
     except KeyError:
@@ -62,7 +77,8 @@ def load_model(name_or_path: str, dtype: str = "auto", device: str = "auto", att
     from driftlab.assets import resolve_model
 
     path = resolve_model(name_or_path)
-    torch_dtype, torch_device = pick_dtype(dtype), pick_device(device)
+    torch_device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
     hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -112,7 +128,6 @@ class HFChatBackend:
         *,
         seeds: Sequence[int] | None = None,
         attention: AttentionConfig | None = None,
-        logits_hook: LogitsHook | None = None,
         cache_store: Sequence[bool] | None = None,
     ) -> list[Reply]:
         """Generate the next assistant turn of each conversation (see ChatBackend.chat).
@@ -126,7 +141,7 @@ class HFChatBackend:
         spans = [{"system": [r.system_span]} if r.system_span else {} for r in rendered]
         return self.generate(
             [r.ids for r in rendered], sampling, seeds=seeds, attention=attention, spans=spans,
-            logits_hook=logits_hook, cache_store=cache_store,
+            cache_store=cache_store,
         )
 
     def render(self, conversation: Conversation, add_generation_prompt: bool = True) -> Rendered:
@@ -141,7 +156,6 @@ class HFChatBackend:
         seeds: Sequence[int] | None = None,
         attention: AttentionConfig | None = None,
         spans: Sequence[dict[str, list[tuple[int, int]]]] | None = None,
-        logits_hook: LogitsHook | None = None,
         cache_store: Sequence[bool] | None = None,
     ) -> list[Reply]:
         """Continue token prompts; one reply per prompt. The core decode loop.
@@ -199,8 +213,6 @@ class HFChatBackend:
         logits = self._forward(ids[:, S:], mask, positions[:, S:], cache, state)
         n_fed = 0  # decode steps run: sampled[b][:n_fed] have their KV in the cache
         for step in range(sampling.max_new_tokens):
-            if logits_hook is not None:
-                logits = logits_hook(logits)
             nxt = self._sample(logits, sampling, gens)
             nxt = torch.where(finished, torch.full_like(nxt, self.pad_id), nxt)
             for b in torch.nonzero(~finished).flatten().tolist():

@@ -9,7 +9,7 @@ import typer
 ModelOpt = Annotated[
     str, typer.Option("--model", "-m", help="Preset name (see `driftlab models list`) or local HF model dir.")
 ]
-DtypeOpt = Annotated[str, typer.Option(help="auto, bfloat16, float16 or float32 (auto = bfloat16).")]
+DtypeOpt = Annotated[str, typer.Option(help="auto, bfloat16, float16 or float32 (auto: bf16 on GPUs and CPUs with native bf16, else float32).")]
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -330,10 +331,10 @@ def _model_meta(backend: ChatBackend) -> dict[str, Any]:
 
 
 class _Progress:
-    """A rich progress bar over generations (or nothing when disabled)."""
+    """A rich progress bar over generations; plain log lines when stderr is not a terminal."""
 
     def __init__(self, enabled: bool, total: int) -> None:
-        self.enabled, self.total = enabled, total
+        self.enabled, self.total, self.done = enabled, total, 0
 
     def __enter__(self) -> _Progress:
         if self.enabled:
@@ -341,15 +342,24 @@ class _Progress:
 
             from driftlab.console import err_console
 
+            self._console = err_console()
+            self._start = time.monotonic()
             self._p = Progress(TextColumn("self-chat"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                               console=err_console())
+                               console=self._console, disable=not self._console.is_terminal)
             self._p.__enter__()
             self._task = self._p.add_task("self-chat", total=self.total)
         return self
 
     def advance(self, n: int) -> None:
-        if self.enabled:
-            self._p.update(self._task, advance=n)
+        if not self.enabled:
+            return
+        self.done += n
+        self._p.update(self._task, advance=n)
+        if not self._console.is_terminal:  # e.g. a log file: one line per batch
+            elapsed = time.monotonic() - self._start
+            left = elapsed / self.done * (self.total - self.done)
+            self._console.print(f"self-chat: {self.done}/{self.total} generations, "
+                                f"{elapsed / 60:.1f} min elapsed, ~{left / 60:.1f} min left", highlight=False)
 
     def __exit__(self, *exc) -> None:
         if self.enabled:

@@ -12,6 +12,7 @@ does (the spread of single conversations). The figure says which one it shows.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Literal
 
@@ -163,7 +164,8 @@ def _figure_legend(fig: Figure, axes, note: str) -> None:
             fontsize=8,
             frameon=False,
             handlelength=3,
-            title=note,
+            # Wrapped to the figure's width (about 14 characters per inch at 7.5 pt).
+            title=textwrap.fill(note, width=max(40, int(fig.get_figwidth() * 14))),
             title_fontsize=7.5,
         )
 
