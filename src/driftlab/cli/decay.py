@@ -9,7 +9,21 @@ import typer
 
 from driftlab.cli.chat import DeviceOpt, DtypeOpt, ModelOpt
 
-CAVEAT = "Caveat: the two models are different families, so the contrast mixes instruction tuning with architecture and data."
+CAVEAT = (
+    "Caveat: the models are different families, so the contrast mixes instruction tuning with "
+    "architecture and training data."
+)
+
+
+def sliding_note(name: str, backend) -> str | None:
+    """Sliding-window layers stop seeing the system prompt once it leaves the window: say so."""
+    cfg = backend.model.config.get_text_config()
+    types = getattr(cfg, "layer_types", None) or []
+    n = sum(t == "sliding_attention" for t in types)
+    if not n:
+        return None
+    return (f"{name}: {n} of {len(types)} layers attend within a {cfg.sliding_window}-token window; "
+            "their pi is 0 once the system prompt is further back, which lowers its mean mechanically.")
 
 
 def decay(
@@ -62,14 +76,16 @@ def decay(
              round_profile(trace, layer, head, out / "decay_rounds.png"),
              drop_heatmap(trace, out / "decay_heatmap.png")]
     traces = {model: trace}
+    notes = [n for n in [sliding_note(model, backend)] if n]
     for other in compare or []:
         del backend
         backend = HFChatBackend(other, dtype=dtype, device=device, span_mode=span)
         with console.status(f"tracing the same dialogs on {other}"):
             traces[other] = trace_dialogs(backend, dialogs)
         traces[other].save(out, name=f"decay_{Path(other).name}")
+        notes += [n for n in [sliding_note(other, backend)] if n]
     if len(traces) > 1:
-        files.append(compare_figure(traces, out / "decay_compare.png", CAVEAT))
+        files.append(compare_figure(traces, out / "decay_compare.png", " ".join([CAVEAT, *notes])))
 
     table = Table(title="mean pi (attention on the system prompt) per round")
     table.add_column("model")
@@ -81,5 +97,7 @@ def decay(
         table.add_row(name, *[f"{m[i].mean():.3f}" for i in range(m.shape[0])])
     console.print(table)
     console.print(f"single-head panel: layer {layer}, head {head}")
+    for note in notes:
+        console.print(f"[yellow]note:[/] {note}")
     for f in files:
         typer.echo(str(f))

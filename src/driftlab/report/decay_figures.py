@@ -6,6 +6,7 @@ as in the paper's Figure 8, so a later round reads as a deeper colour.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,7 @@ def figure4(trace: DecayTrace, layer: int, head: int, path: str | Path) -> Path:
     """
     rounds = sorted(set(trace.round.tolist()))
     colors = _round_colors(len(rounds))
-    fig = Figure(figsize=(10, 6.2))
+    fig = Figure(figsize=(10, 6.2), layout="constrained")
     axes = fig.subplots(2, 1, sharex=True)
     series = [(trace.pi[:, layer, head], f"layer {layer}, head {head}"),
               (trace.pi.mean(axis=(1, 2)), "mean over all layers and heads")]
@@ -67,7 +68,7 @@ def round_profile(trace: DecayTrace, layer: int, head: int, path: str | Path) ->
     """Mean pi per round (tokens averaged within a dialog, then over dialogs), +-1 std across dialogs."""
     rounds = sorted(set(trace.round.tolist()))
     dialogs = sorted(set(trace.dialog.tolist()))
-    fig = Figure(figsize=(6.5, 4))
+    fig = Figure(figsize=(6.5, 4), layout="constrained")
     ax = fig.subplots()
     for values, label, color in ((trace.pi.mean(axis=(1, 2)), "mean over all heads", "#1f77b4"),
                                  (trace.pi[:, layer, head], f"layer {layer}, head {head}", "#d62728")):
@@ -89,7 +90,7 @@ def drop_heatmap(trace: DecayTrace, path: str | Path) -> Path:
     """Where the decay happens: mean pi in the first round minus the last, per layer and head."""
     m = trace.round_means()
     drop = m[0] - m[-1]
-    fig = Figure(figsize=(max(5, 0.45 * trace.n_heads + 2), max(4, 0.22 * trace.n_layers + 1.5)))
+    fig = Figure(figsize=(max(5, 0.45 * trace.n_heads + 2), max(4, 0.22 * trace.n_layers + 1.5)), layout="constrained")
     ax = fig.subplots()
     lim = float(np.abs(drop).max()) or 1.0
     im = ax.imshow(drop, aspect="auto", cmap="RdBu_r", vmin=-lim, vmax=lim, origin="lower")
@@ -102,7 +103,7 @@ def drop_heatmap(trace: DecayTrace, path: str | Path) -> Path:
 
 def compare_figure(traces: dict[str, DecayTrace], path: str | Path, caveat: str | None = None) -> Path:
     """Figure 8: pi (mean over heads) along the steps of each agent turn, one line per round, per model."""
-    fig = Figure(figsize=(5.2 * len(traces), 4.2))
+    fig = Figure(figsize=(5.2 * len(traces), 4.6), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(traces), sharey=True))
     for ax, (name, trace) in zip(axes, traces.items(), strict=True):
         rounds = sorted(set(trace.round.tolist()))
@@ -122,5 +123,7 @@ def compare_figure(traces: dict[str, DecayTrace], path: str | Path, caveat: str 
     axes[0].set_ylabel(r"$\pi(t)$, mean over layers and heads")
     axes[-1].legend(fontsize=8)
     title = "Attention to the system prompt, by round (deeper colour = later round)"
-    fig.suptitle(title + (f"\n{caveat}" if caveat else ""), fontsize=10)
+    fig.suptitle(title, fontsize=10)
+    if caveat:
+        fig.supxlabel(textwrap.fill(caveat, width=int(fig.get_figwidth() * 15)), fontsize=8, color="0.3")
     return _save(fig, path)
