@@ -5,7 +5,7 @@ and how does that compare with what a user without driftlab would do — run tra
 eager attention with `output_attentions=True` and sum the returned weights over the system
 keys? The eager path materialises T x T weights per layer; the engine never does.
 
-Setup: default model (smollm2-135m), dtype auto (bf16), batch 1, greedy, EOS ignored, a
+Setup: default model (smollm2-135m), dtype auto (fp32 on CPUs without native bf16), batch 1, greedy, EOS ignored, a
 system prompt plus a user turn of real text (seed 000's paper) cut to the context length,
 prefix cache off. Every mode runs the same prompt; modes are interleaved within a repeat so
 slow drift of a shared machine hits them alike, and the best repeat is kept.
@@ -256,7 +256,7 @@ def run(quick: bool = False) -> Result:
     torch.set_num_threads(threads)
     diff = [(first_pi[("tracing", c)] - first_pi[(EAGER, c)]).abs() for c in contexts]
     res.notes.append(
-        "sanity: pi of the last prompt query, engine trace vs eager weights (both bf16), max abs diff "
+        f"sanity: pi of the last prompt query, engine trace vs eager weights (both {str(backend.model.dtype).removeprefix('torch.')}), max abs diff "
         f"{max(d[0].max().item() for d in diff):.1e} in layer 0, {max(d.max().item() for d in diff):.1e} "
         "over all layers (the two kernels' rounding compounds through the layers)."
     )
