@@ -256,6 +256,12 @@ def _convert(gguf: Path, out: Path, dtype: str) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # float32 is the fast path for GGUF dequantisation; cast once afterwards.
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except (ImportError, ValueError, OSError, KeyError) as err:
+        raise DriftlabError(
+            f"transformers could not load {gguf.name}: {err}",
+            hint="Reinstall driftlab's dependencies (`pip install -e .` pulls gguf and accelerate), then "
+            "run the pull again; the verified wheels are kept.",
+        ) from err
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
