@@ -28,6 +28,7 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
+from rich.text import Text
 
 from driftlab.assets.registry import Artifact, Preset, get_preset
 from driftlab.assets.store import MARKER, cache_root, model_dir, preset_dir
@@ -129,6 +130,13 @@ def _verify(path: Path, expected: str, what: str, preset: Preset) -> None:
         )
 
 
+class _BytesColumn(DownloadColumn):
+    """Byte counts for download/extract tasks, nothing for the conversion step."""
+
+    def render(self, task):
+        return super().render(task) if task.fields.get("bytes", True) else Text("")
+
+
 @contextmanager
 def _progress(console: Console, enabled: bool) -> Iterator[Progress]:
     progress = Progress(
@@ -136,7 +144,7 @@ def _progress(console: Console, enabled: bool) -> Iterator[Progress]:
         TextColumn("{task.description}"),
         BarColumn(),
         TaskProgressColumn(),
-        DownloadColumn(),
+        _BytesColumn(),
         TimeElapsedColumn(),
         console=console,
         disable=not enabled,
@@ -214,7 +222,7 @@ def pull(
             )
 
         # 3. convert once to safetensors
-        task = progress.add_task(f"Convert to safetensors ({dtype})", total=None)
+        task = progress.add_task(f"Convert to safetensors ({dtype})", total=None, bytes=False)
         tmp = final.with_name("hf.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         _convert(gguf, tmp, dtype)
