@@ -98,14 +98,14 @@ class RunDir:
             "versions": versions(),
             **plan,
         }
-        tmp = self.manifest_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
-        os.replace(tmp, self.manifest_path)
+        self._write_manifest(manifest)
         return False
 
     def update_manifest(self, **fields: Any) -> None:
-        manifest = self.read_manifest()
-        manifest.update(fields)
+        self._write_manifest({**self.read_manifest(), **fields})
+
+    def _write_manifest(self, manifest: dict[str, Any]) -> None:
+        """Atomically: a reader never sees a half-written manifest."""
         tmp = self.manifest_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
         os.replace(tmp, self.manifest_path)
