@@ -215,8 +215,9 @@ class HFChatBackend:
         for step in range(sampling.max_new_tokens):
             nxt = self._sample(logits, sampling, gens)
             nxt = torch.where(finished, torch.full_like(nxt, self.pad_id), nxt)
+            tokens = nxt.tolist()  # one device-to-host copy per step, not one per row
             for b in torch.nonzero(~finished).flatten().tolist():
-                tok = int(nxt[b])
+                tok = tokens[b]
                 sampled[b].append(tok)
                 if sampling.ignore_eos:
                     continue
