@@ -121,7 +121,7 @@ def test_context_overflow_is_explained(smol32):
 
 
 def test_bad_dtype_and_device():
-    from driftlab.chat.hf import pick_device, pick_dtype
+    from driftlab.chat.loading import pick_device, pick_dtype
 
     with pytest.raises(DriftlabError, match="Unknown dtype 'float8'"):
         pick_dtype("float8")
