@@ -1,14 +1,27 @@
-"""Speed and memory of the attention engine's modes against plain SDPA and the eager path.
+"""Speed and memory of the attention engine's modes against two SDPA baselines and the eager path.
 
 What it answers: does tracing pi, a key bias or split-softmax cost much over plain decoding,
-and how does that compare with what a user without driftlab would do — run transformers'
-eager attention with `output_attentions=True` and sum the returned weights over the system
-keys? The eager path materialises T x T weights per layer; the engine never does.
+and how does that compare with what a user without driftlab would do: run stock transformers
+(SDPA) for plain decoding, or eager attention with `output_attentions=True` and sum the
+returned weights over the system keys for pi? The eager path materialises T x T weights per
+layer; the engine never does.
 
-Setup: default model (smollm2-135m), dtype auto (fp32 on CPUs without native bf16), batch 1, greedy, EOS ignored, a
-system prompt plus a user turn of real text (seed 000's paper) cut to the context length,
-prefix cache off. Every mode runs the same prompt; modes are interleaved within a repeat so
-slow drift of a shared machine hits them alike, and the best repeat is kept.
+Two baselines, one model each (same weights, same decode loop, same prompt):
+* "driftlab SDPA (GQA-folded)": driftlab's attention function with no intervention, i.e.
+  `engine._plain`. On CPU, decoding one query with grouped-query heads, it folds the query
+  heads onto their KV head and calls SDPA itself (transformers would ask SDPA for
+  `enable_gqa`, which CPU kernels serve on the slow math path); everywhere else (prefill,
+  CUDA) it is transformers' SDPA function. The engine's modes are measured against it.
+* "stock transformers SDPA": the model loaded with `attn_implementation="sdpa"`, no driftlab
+  attention code at all.
+
+Setup: default model (smollm2-135m), dtype auto (fp32 on CPUs without native bf16), batch 1,
+greedy, EOS ignored, a system prompt plus a user turn of real text (seed 000's paper) cut to
+the context length, prefix cache off, torch intra-op threads pinned (1 on CPU, see `run`).
+Protocol: every variant is warmed up at every context first (untimed); then each of N
+repeats runs every variant once per context, interleaved (the order rotates between repeats,
+so slow drift of a shared machine hits all alike), and the best repeat is kept. Every ratio
+asserts that both sides ran the same prompt length and the same number of decode steps.
 
 * decode tokens/s = 1 / median time of one decode forward (the backend's own `_forward`,
   timed per call; the median ignores bursts from other processes);
@@ -29,17 +42,22 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from common import Result
 
-from driftlab.attention.state import AttentionConfig
-from driftlab.chat import Sampling
+from driftlab.chat import Sampling, chat
 from driftlab.chat.hf import HFChatBackend
+from driftlab.steering import Interventions
 
 # Real prose for the long context: the persona-drift paper beside the repo, else the benchmark's
 # own system prompts and starters.
-SEED_TEXT = next(iter(sorted((Path(__file__).resolve().parents[2] / "shared" / "seeds").glob("000_*.txt"))), None)
+SEED_TEXT = next(
+    iter(sorted((Path(__file__).resolve().parents[2] / "shared" / "seeds").glob("000_*.txt"))), None
+)
+
+
 def _prose() -> str:
     if SEED_TEXT is not None:
         return SEED_TEXT.read_text()
@@ -49,13 +67,16 @@ def _prose() -> str:
 
 
 SYSTEM = "You are a careful science journalist. Always answer in French, in at most three sentences."
-MODES: dict[str, AttentionConfig | None] = {
-    "plain SDPA": None,
-    "tracing": AttentionConfig(trace=True),
-    "key bias": AttentionConfig(bias=2.0),  # InstABoost-style, every layer and head
-    "split-softmax": AttentionConfig(split_k=0.9),  # every layer and head
-}
+DRIFTLAB_SDPA = "driftlab SDPA (GQA-folded)"
+STOCK_SDPA = "stock transformers SDPA"
 EAGER = "eager output_attentions"
+# The engine's modes (--steer specs), all on driftlab's attention function.
+MODES: dict[str, list[str]] = {
+    DRIFTLAB_SDPA: [],
+    "tracing": ["trace"],
+    "key bias": ["bias:value=2.0"],  # InstABoost-style, system keys, every layer and head
+    "split-softmax": ["split-softmax:k=0.9"],  # every layer and head
+}
 
 
 # -- memory ----------------------------------------------------------------------------------------
@@ -104,7 +125,10 @@ def conversation(backend: HFChatBackend, n_tokens: int) -> list[dict]:
     frame = len(backend.render([{"role": "system", "content": SYSTEM}, {"role": "user", "content": ""}]).ids)
     take = n_tokens - frame
     for _ in range(4):  # decoding and re-encoding may merge tokens; nudge to the target length
-        conv = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": tok.decode(text_ids[:take])}]
+        conv = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": tok.decode(text_ids[:take])},
+        ]
         got = len(backend.render(conv).ids)
         if got == n_tokens:
             break
@@ -134,11 +158,13 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def eager_run(backend: HFChatBackend, conv: list[dict], n_new: int, calls: list[float]) -> torch.Tensor:
+def eager_run(
+    backend: HFChatBackend, conv: list[dict], n_new: int, calls: list[float]
+) -> tuple[torch.Tensor, list[int]]:
     """What a user without the engine does: eager attention, output_attentions=True, pi from the weights.
 
     Greedy, one token per step with a KV cache; pi [n_new, L, H] for the query that predicts
-    each new token, like the engine's decode trace.
+    each new token, like the engine's decode trace; and the n_new greedy token ids.
     """
     from transformers import DynamicCache
 
@@ -147,126 +173,181 @@ def eager_run(backend: HFChatBackend, conv: list[dict], n_new: int, calls: list[
     s, e = rendered.system_span
     ids = torch.tensor([rendered.ids], device=backend.device)
     cache = DynamicCache(config=model.config)
-    pis = []
+    pis, tokens = [], []
     with torch.inference_mode():
         for _ in range(n_new):
             sync()
             t = time.perf_counter()
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True, output_attentions=True, logits_to_keep=1)
+            out = model(
+                input_ids=ids, past_key_values=cache, use_cache=True, output_attentions=True, logits_to_keep=1
+            )
             sync()
             calls.append(time.perf_counter() - t)
             pis.append(torch.stack([a[0, :, -1, s:e].float().sum(-1) for a in out.attentions]))
             ids = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(int(ids))
             del out
-    return torch.stack(pis)
+    return torch.stack(pis), tokens
 
 
 # -- the benchmark ---------------------------------------------------------------------------------
+class Run(NamedTuple):  # (a dataclass needs sys.modules, which run.py's loader skips)
+    """One measured call: per-forward times, wall time, peak memory and what was computed."""
+
+    calls: list[float]
+    wall: float
+    mb: float
+    prompt_len: int
+    tokens: list[int]
+    pi: torch.Tensor | None  # [n_new, L, H] when the variant traces pi
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(prompt tokens, forwards after the prefill): what a timing ratio must hold equal."""
+        return self.prompt_len, len(self.calls) - 1
+
+
 def run(quick: bool = False) -> Result:
     contexts = (64, 256) if quick else (256, 2048)
     n_decode = 8 if quick else 64
-    repeats = 1 if quick else 2
+    repeats = 2 if quick else 3
     big = contexts[-1]
-    backend = HFChatBackend("smollm2-135m", dtype="auto", prefix_cache_bytes=0)
-    threads = torch.get_num_threads()
-    if backend.device.type == "cpu":
-        # With 2+ OpenMP threads, any other busy process on the (shared) cores stalls every
-        # parallel region at its barrier: we saw single decode steps swing from 60 ms to 2.5 s.
-        # One thread gives stable ratios; absolute speeds are then per core.
-        torch.set_num_threads(1)
-    timer = TimedBackend(backend)
-    memory = PeakMemory(backend.device)
-    sampling = Sampling(greedy=True, max_new_tokens=n_decode + 1, ignore_eos=True)  # prefill + n_decode steps
-    convs = {ctx: conversation(backend, ctx) for ctx in contexts}
-    backend.chat([convs[contexts[0]]], sampling.model_copy(update={"max_new_tokens": 2}))  # warm-up
+    default_threads = torch.get_num_threads()
+    drift = HFChatBackend("smollm2-135m", dtype="auto", prefix_cache_bytes=0)
+    stock = HFChatBackend("smollm2-135m", dtype="auto", prefix_cache_bytes=0, attn_implementation="sdpa")
+    assert stock.model.config._attn_implementation == "sdpa" != drift.model.config._attn_implementation
+    # With 2+ OpenMP threads, any other busy process on the (shared) cores stalls every parallel
+    # region at its barrier: we saw single decode steps swing from 60 ms to 2.5 s. One thread
+    # gives stable ratios; absolute speeds are then per core. On CUDA the count hardly matters.
+    threads = 1 if drift.device.type == "cpu" else default_threads
+    torch.set_num_threads(threads)
+    print(f"torch.set_num_threads({threads}) (process default {default_threads})", flush=True)
+    timers = {id(drift): TimedBackend(drift), id(stock): TimedBackend(stock)}
+    memory = PeakMemory(drift.device)
+    convs = {ctx: conversation(drift, ctx) for ctx in contexts}
+    lens = {ctx: len(drift.render(convs[ctx]).ids) for ctx in contexts}
+    assert all(len(stock.render(convs[c]).ids) == lens[c] for c in contexts)
+    steer = {name: Interventions.parse(specs) for name, specs in MODES.items()}
 
-    names = [*MODES, EAGER]
-    step_s = {(n, c): math.inf for n in names for c in contexts}  # median decode step, best repeat
-    prefill_s = {(n, c): math.inf for n in names for c in contexts}
-    total_s = {(n, c): math.inf for n in names for c in contexts}
+    def measure(name: str, ctx: int, n_new: int) -> Run:
+        """Generate n_new tokens (1 prefill + n_new - 1 decode forwards) with variant `name`."""
+        backend = drift if name in MODES else stock
+        timer = timers[id(backend)]
+        timer.calls = []
+        conv = convs[ctx]
+        t = time.perf_counter()
+        if name == EAGER:
+            model = stock.model
+            model.set_attn_implementation("eager")
+            try:
+                (pi, tokens), mb = memory.measure(lambda: eager_run(stock, conv, n_new, timer.calls))
+            finally:
+                model.set_attn_implementation("sdpa")
+        else:
+            sampling = Sampling(greedy=True, max_new_tokens=n_new, ignore_eos=True)
+            (reply,), mb = memory.measure(lambda: chat(backend, [conv], sampling, steer=steer.get(name)))
+            pi = reply.trace["decode"] if reply.trace else None
+            tokens = list(reply.token_ids)
+            assert reply.n_tokens == n_new, (name, reply.n_tokens)
+        wall = time.perf_counter() - t
+        assert len(timer.calls) == n_new, (name, len(timer.calls))
+        return Run(list(timer.calls), wall, mb, len(backend.render(conv).ids), tokens, pi)
+
+    names = [STOCK_SDPA, *MODES, EAGER]
+    for ctx in contexts:  # warm-up: every variant, every prompt shape, untimed
+        for name in names:
+            measure(name, ctx, 2)
+
+    last: dict[tuple[str, int], Run] = {}  # the latest run of each variant and context
+    step_s: dict[tuple[str, int], float] = {}  # median decode step, best repeat
+    prefill_s: dict[tuple[str, int], float] = {}
+    total_s: dict[tuple[str, int], float] = {}
     peak_mb = {n: 0.0 for n in names}
-    first_pi: dict[tuple[str, int], torch.Tensor] = {}  # pi of the last prompt query, [L, H]
-    for _ in range(repeats):
+    for r in range(repeats):
+        order = names[r % len(names) :] + names[: r % len(names)]  # rotate: no fixed neighbour
         for ctx in contexts:
-            for name in names:
-                timer.calls = []
-                t = time.perf_counter()
-                if name == EAGER:
-                    engine = backend.model.config._attn_implementation
-                    backend.model.set_attn_implementation("eager")
-                    try:
-                        pi, mb = memory.measure(lambda c=convs[ctx]: eager_run(backend, c, n_decode + 1, timer.calls))
-                    finally:
-                        backend.model.set_attn_implementation(engine)
-                    first_pi[(name, ctx)] = pi[0]
-                else:
-                    (reply,), mb = memory.measure(
-                        lambda c=convs[ctx], a=MODES[name]: backend.chat([c], sampling, attention=a)
-                    )
-                    assert reply.n_tokens == n_decode + 1
-                    if reply.trace:
-                        first_pi[(name, ctx)] = reply.trace["decode"][0]
-                wall = time.perf_counter() - t
-                assert len(timer.calls) == n_decode + 1
+            for name in order:
+                m = measure(name, ctx, n_decode + 1)
                 key = (name, ctx)
-                prefill_s[key] = min(prefill_s[key], timer.calls[0])
-                step_s[key] = min(step_s[key], statistics.median(timer.calls[1:]))
-                total_s[key] = min(total_s[key], wall)
+                assert key not in last or m.shape == last[key].shape
+                last[key] = m
+                prefill_s[key] = min(prefill_s.get(key, math.inf), m.calls[0])
+                step_s[key] = min(step_s.get(key, math.inf), statistics.median(m.calls[1:]))
+                total_s[key] = min(total_s.get(key, math.inf), m.wall)
                 if ctx == big:
-                    peak_mb[name] = max(peak_mb[name], mb)
+                    peak_mb[name] = max(peak_mb[name], m.mb)
 
-    lens = {ctx: len(backend.render(convs[ctx]).ids) for ctx in contexts}
+    def ratio(table: dict[tuple[str, int], float], a: str, b: str, ctx: int = big) -> float:
+        """table[a] / table[b], only when both sides did the same work."""
+        sa, sb = last[(a, ctx)].shape, last[(b, ctx)].shape
+        assert sa == sb and sa[1] == n_decode, (a, sa, b, sb)
+        return table[(a, ctx)] / table[(b, ctx)]
+
     res = Result(
         title=(
-            f"attention modes: {backend.name} ({backend.model.dtype}, {backend.device}), batch 1, greedy, "
-            f"{n_decode} decode steps, best of {repeats}"
+            f"attention modes: {drift.name} ({drift.model.dtype}, {drift.device}), batch 1, greedy, "
+            f"{n_decode} decode steps, best of {repeats} interleaved repeats, torch threads {threads}"
         ),
         columns=[
-            "mode",
+            "variant",
             *[f"decode tok/s @{c}" for c in contexts],
-            f"decode vs plain @{big}",
+            f"decode vs driftlab SDPA @{big}",
+            f"decode vs stock SDPA @{big}",
             f"prefill s @{big}",
             f"{big}+{n_decode} s",
-            "eager / mode",
+            "eager / variant",
             f"peak MiB @{big}+{n_decode}",
         ],
     )
-    plain = "plain SDPA"
     for name in names:
         res.rows.append(
             [
                 name,
                 *[f"{1 / step_s[(name, c)]:.1f}" for c in contexts],
-                f"{step_s[(name, big)] / step_s[(plain, big)]:.3f}x",
+                f"{ratio(step_s, name, DRIFTLAB_SDPA):.3f}x",
+                f"{ratio(step_s, name, STOCK_SDPA):.3f}x",
                 f"{prefill_s[(name, big)]:.2f}",
                 f"{total_s[(name, big)]:.2f}",
-                f"{total_s[(EAGER, big)] / total_s[(name, big)]:.2f}x",
+                f"{ratio(total_s, EAGER, name):.2f}x",
                 f"{peak_mb[name]:.0f}",
             ]
         )
+    same = {c: last[(DRIFTLAB_SDPA, c)].tokens == last[(STOCK_SDPA, c)].tokens for c in contexts}
     res.notes = [
-        f"prompt lengths (tokens): {lens}; system prompt of {backend.render(convs[big]).system_span[1]} tokens "
+        f"prompt lengths (tokens): {lens}; system prompt of {drift.render(convs[big]).system_span[1]} tokens "
         "(span mode prefix). Bias = +2 on the system keys, split-softmax k = 0.9, both on every layer and head.",
-        "decode tok/s = 1 / median per-step forward time; 'eager / mode' = wall time of the eager "
-        f"output_attentions run over that mode's, for {big}-token prefill + {n_decode} decode steps.",
+        "decode tok/s = 1 / median per-step forward time; 'decode vs X' = that median over X's (lower is "
+        f"faster); 'eager / variant' = wall time of the eager output_attentions run over the variant's, for "
+        f"{big}-token prefill + {n_decode} decode steps. Each ratio checked: same prompt length and step count.",
+        f"{DRIFTLAB_SDPA} = driftlab's attention function without interventions (engine._plain: GQA folded "
+        f"into SDPA for CPU decode, transformers' SDPA otherwise); {STOCK_SDPA} = attn_implementation='sdpa'.",
+        f"greedy tokens of the two SDPA baselines identical: {same} (in bf16 their different "
+        "reduction orders may flip a near-tie token; in fp32 they agreed on 40 tokens at 256 and 2048).",
         f"peak memory method: {memory.method}; extra over what was resident before the call "
         "(model weights excluded).",
-        f"torch threads: {torch.get_num_threads()} (process default {threads}).",
+        f"torch threads: {torch.get_num_threads()} pinned (process default {default_threads}); "
+        f"warm-up: every variant at every context before timing.",
     ]
-    torch.set_num_threads(threads)
-    diff = [(first_pi[("tracing", c)] - first_pi[(EAGER, c)]).abs() for c in contexts]
+    torch.set_num_threads(default_threads)
+    diff = [(last[("tracing", c)].pi[0] - last[(EAGER, c)].pi[0]).abs() for c in contexts]
     res.notes.append(
-        f"sanity: pi of the last prompt query, engine trace vs eager weights (both {str(backend.model.dtype).removeprefix('torch.')}), max abs diff "
+        f"sanity: pi of the last prompt query, engine trace vs eager weights (both "
+        f"{str(drift.model.dtype).removeprefix('torch.')}), max abs diff "
         f"{max(d[0].max().item() for d in diff):.1e} in layer 0, {max(d.max().item() for d in diff):.1e} "
         "over all layers (the two kernels' rounding compounds through the layers)."
     )
     if quick:
         res.notes.append(f"--quick: the RESULT ratios are at context {big}, not 2048.")
-    ratio = {name: step_s[(name, big)] / step_s[(plain, big)] for name in MODES}
     res.results = {
-        "tracing_overhead": f"{ratio['tracing']:.3f}",
-        "bias_overhead": f"{ratio['key bias']:.3f}",
-        "split_softmax_overhead": f"{ratio['split-softmax']:.3f}",
-        "eager_slowdown": f"{total_s[(EAGER, big)] / total_s[('split-softmax', big)]:.2f}",
+        "torch_threads": str(threads),
+        "tracing_overhead": f"{ratio(step_s, 'tracing', DRIFTLAB_SDPA):.3f}",
+        "bias_overhead": f"{ratio(step_s, 'key bias', DRIFTLAB_SDPA):.3f}",
+        "split_softmax_overhead": f"{ratio(step_s, 'split-softmax', DRIFTLAB_SDPA):.3f}",
+        "driftlab_sdpa_vs_stock_sdpa": f"{ratio(step_s, DRIFTLAB_SDPA, STOCK_SDPA):.3f}",
+        "tracing_vs_stock_sdpa": f"{ratio(step_s, 'tracing', STOCK_SDPA):.3f}",
+        "bias_vs_stock_sdpa": f"{ratio(step_s, 'key bias', STOCK_SDPA):.3f}",
+        "split_softmax_vs_stock_sdpa": f"{ratio(step_s, 'split-softmax', STOCK_SDPA):.3f}",
+        "eager_slowdown": f"{ratio(total_s, EAGER, 'split-softmax'):.2f}",
+        "eager_slowdown_vs_stock_sdpa": f"{ratio(total_s, EAGER, STOCK_SDPA):.2f}",
     }
     return res

@@ -10,7 +10,7 @@ from __future__ import annotations
 from common import Result, best_time
 
 from driftlab.bench import STARTERS
-from driftlab.chat import Sampling
+from driftlab.chat import Sampling, chat
 from driftlab.chat.hf import HFChatBackend
 
 
@@ -25,7 +25,7 @@ def run(quick: bool = False) -> Result:
     tps = {}
     for batch in (1, 4, 16):
         convs = [[{"role": "user", "content": STARTERS[i % len(STARTERS)]}] for i in range(batch)]
-        seconds = best_time(lambda convs=convs: backend.chat(convs, sampling), repeats=1 if quick else 2)
+        seconds = best_time(lambda convs=convs: chat(backend, convs, sampling), repeats=1 if quick else 2)
         tps[batch] = batch * new_tokens / seconds
         res.rows.append(
             [batch, f"{seconds:.2f}", f"{tps[batch]:.1f}", f"{tps[batch] / batch:.1f}", f"{tps[batch] / tps[1]:.2f}x"]

@@ -1,9 +1,13 @@
 """An independent, slow reference for the attention engine: it materialises the weights.
 
-Registered as attention implementation "driftlab_reference". It reads the same per-row
-inputs (system key slots, bias, heads) from the AttentionState but computes everything the
-textbook way: logits = QK^T * scale + mask (+ bias), softmax, then (for split-softmax) the
-reweighting of seed 000 Eq. 7 applied to the weights themselves, then weights @ V.
+Registered as attention implementation "driftlab_reference". From the AttentionState it
+reads only the raw inputs the caller gave — the AttentionConfig, the per-row token spans
+and the left-padding of each row — and builds everything else itself with plain loops:
+which key slots are system/biased keys, which (layer, head) pairs are selected. None of
+the engine's layout code (on_layout, head_mask, system_range, layer_bias) is used, so a
+bug there shows up as a disagreement. Then it computes the textbook way: logits = QK^T *
+scale + mask (+ bias), softmax, the split-softmax reweighting of seed 000 Eq. 7 applied to
+the weights themselves, then weights @ V.
 """
 
 from __future__ import annotations
@@ -11,6 +15,24 @@ from __future__ import annotations
 import torch
 
 NAME = "driftlab_reference"
+
+
+def _selected(heads, layer: int, n_heads: int) -> list[bool]:
+    """Is each head of `layer` in the selection? (None = every head of every layer.)"""
+    if heads is None:
+        return [True] * n_heads
+    return [any(sel_layer == layer and (sel_head is None or sel_head == h) for sel_layer, sel_head in heads)
+            for h in range(n_heads)]
+
+
+def _key_slots(state, span_name: str, n_slots: int) -> torch.Tensor:
+    """[B, n_slots] bool: absolute key slot p of row b holds a token of span `span_name`."""
+    out = torch.zeros(len(state.pads), n_slots, dtype=torch.bool)
+    for b, (pad, spans) in enumerate(zip(state.pads, state.spans)):
+        for start, end in spans.get(span_name, []):
+            for token in range(start, end):
+                out[b, pad + token] = True
+    return out
 
 
 def reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -28,24 +50,32 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
         allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask > -1e30
     layer = module.layer_idx
     if state is not None:
-        lo, hi = state.kv_len - K, state.kv_len
-        bias = state.layer_bias(layer, lo, hi)
-        if bias is not None:
-            logits = logits + bias.float()
+        cfg = state.config
+        total = state.kv_len  # this call's keys are the last K of `total` absolute slots
+        sys = _key_slots(state, "system", total)[:, total - K :]  # [B, K]
+        if cfg.bias != 0.0:
+            target = _key_slots(state, cfg.bias_span, total)
+            if cfg.bias_invert:
+                for b, pad in enumerate(state.pads):
+                    target[b, pad:] = ~target[b, pad:]
+            target = target[:, total - K :]
+            heads = torch.tensor(_selected(cfg.bias_heads, layer, H))
+            bias = target[:, None, None, :].float() * cfg.bias * heads[None, :, None, None].float()
+            logits = logits + bias
     logits = logits.masked_fill(~allowed, float("-inf"))
     weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
     if state is not None:
-        sys = state.system_keys[:, lo:hi][:, None, None, :]  # [B, 1, 1, K]
-        pi = (weights * sys).sum(-1, keepdim=True)  # [B, H, q, 1]
-        heads = state.split_heads_for(layer)
-        if heads is not None:
-            k = state.split_k
+        sys4 = sys[:, None, None, :]
+        pi = (weights * sys4).sum(-1, keepdim=True)  # [B, H, q, 1]
+        if cfg.split_k != 1.0:
+            k = cfg.split_k
+            heads = torch.tensor(_selected(cfg.split_heads, layer, H))
             up = torch.where(pi > 0, pi.pow(k) / pi, torch.zeros_like(pi))
             down = torch.where(pi < 1, (1 - pi.pow(k)) / (1 - pi), torch.zeros_like(pi))
-            new = torch.where(sys, weights * up, weights * down)
+            new = torch.where(sys4, weights * up, weights * down)
             new = torch.where(pi > 0, new, weights)
             weights = torch.where(heads[None, :, None, None], new, weights)
-        if state.trace:
+        if cfg.trace:
             state.record(layer, pi[..., 0])
     out = torch.matmul(weights, value).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None

@@ -44,3 +44,19 @@ def linked_copy(src: Path, dst: Path, leave_out: str) -> Path:
         if f.name != leave_out:
             (dst / f.name).symlink_to(f)
     return dst
+
+
+MODEL_FIXTURES = {"smol_dir", "smol32", "smol_bf16", "smol"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that loads the real model is marked `model`, whether or not it says so.
+
+    A test uses the real model through these fixtures (or a `smollm2` parameter); marking by
+    fixture means a new test cannot forget the marker and slip into the fast suite
+    (`-m "not model and not network"`).
+    """
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if MODEL_FIXTURES & set(item.fixturenames) or "smollm2" in params.values():
+            item.add_marker(pytest.mark.model)

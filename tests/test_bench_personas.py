@@ -1,9 +1,19 @@
 """The 100 built-in personas: data faithful to seed 000's Table 2, and every measure separating
-replies that follow the persona from replies that drift."""
+replies that follow the persona from replies that drift.
+
+fixtures/seed000_table2.txt is Appendix E, Table 2 of seed 000 copied verbatim from the seed's
+text (shared/seeds/000_d70031a65968cb35.txt, from the "Table 2:" caption to the end of the file;
+only a final newline added): the tab-separated rows, with the text's blank page-break lines.
+"""
 
 from __future__ import annotations
 
+import inspect
 import json
+import os
+import re
+import subprocess
+import sys
 from collections import Counter
 from importlib import resources
 from pathlib import Path
@@ -12,10 +22,13 @@ import pytest
 
 from bench_cases import CASES
 from driftlab.bench import CATEGORIES, MEASURES, STARTERS, Persona, get_persona, load_personas
+from driftlab.bench.measures import validate_params
 from driftlab.errors import DriftlabError
 
 PERSONAS = load_personas()
-SEED = next(iter(sorted((Path(__file__).resolve().parents[2] / "shared" / "seeds").glob("000_*.txt"))), None)
+TESTS = Path(__file__).resolve().parent
+TABLE_2 = TESTS / "fixtures" / "seed000_table2.txt"
+REPO = TESTS.parent
 
 
 def test_one_hundred_unique_personas() -> None:
@@ -40,11 +53,9 @@ def test_personas_that_share_a_prompt_differ_in_probe() -> None:
         assert len({p.probe for p in ps}) == len(ps)
 
 
-@pytest.mark.skipif(SEED is None, reason="seed 000 text not found beside the repository")
 def test_text_matches_table_2_of_seed_000() -> None:
     """Each system prompt and probe is the table's text, in the table's order."""
-    assert SEED is not None
-    lines = SEED.read_text(encoding="utf-8").splitlines()
+    lines = TABLE_2.read_text(encoding="utf-8").splitlines()
     header = lines.index("System Prompt s_B\tProbe Question p_B")
     rows = [line.split("\t") for line in lines[header + 1 :] if "\t" in line]
     # The table wraps one long prompt over two rows; the benchmark joins them.
@@ -79,14 +90,117 @@ def test_scores_are_floats_in_range_for_odd_replies(persona: Persona) -> None:
         assert isinstance(s, float) and 0.0 <= s <= 1.0, (text, s)
 
 
-def test_scores_are_deterministic() -> None:
-    for p in PERSONAS:
-        for text in CASES[p.id].compliant[:1] + CASES[p.id].violating[:1]:
-            assert p.score(text) == p.score(text)
+def _score_all_cases() -> dict[str, float]:
+    return {
+        f"{p.id}/{i}": p.score(text)
+        for p in PERSONAS
+        for i, text in enumerate(CASES[p.id].compliant + CASES[p.id].violating)
+    }
 
 
-def test_every_builtin_measure_id_is_registered() -> None:
-    assert {p.measure for p in PERSONAS} <= set(MEASURES)
+# Scores every case in a fresh interpreter, personas and replies in reverse order, the
+# global `random` state disturbed first: no state left by earlier calls (caches, langdetect's
+# factory, lazily loaded lexicons) and no set/dict order (PYTHONHASHSEED) may change a score.
+_FRESH_SCORER = """
+import json, random, sys
+random.seed(12345); random.random()
+from bench_cases import CASES
+from driftlab.bench import load_personas
+out = {}
+for p in reversed(load_personas()):
+    texts = CASES[p.id].compliant + CASES[p.id].violating
+    for i in reversed(range(len(texts))):
+        out[f"{p.id}/{i}"] = p.score(texts[i])
+json.dump(out, sys.stdout)
+"""
+
+
+def test_scores_are_reproducible_in_fresh_processes() -> None:
+    here = _score_all_cases()  # this process has scored (and warmed up) everything before
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FRESH_SCORER],
+            env={**env, "PYTHONHASHSEED": seed},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in ("1", "2")
+    ]
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        fresh = json.loads(out)
+        assert fresh.keys() == here.keys()
+        differ = {k: (here[k], fresh[k]) for k in here if fresh[k] != here[k]}  # exact: JSON keeps floats
+        assert not differ, differ
+
+
+def test_language_scores_ignore_langdetect_seed_set_elsewhere() -> None:
+    from langdetect import DetectorFactory
+
+    texts = [c for p in PERSONAS if p.category == "language" for c in CASES[p.id].compliant]
+    texts += ["Bonjour !", "Hello les amis", "Merci beaucoup", "Il fait beau today"]  # short: seed-sensitive
+    lang = get_persona("reply-in-french")
+    before = [lang.score(t) for t in texts]
+    saved = DetectorFactory.seed
+    try:
+        DetectorFactory.seed = 7  # e.g. another library seeding langdetect its own way
+        after = [lang.score(t) for t in texts]
+    finally:
+        DetectorFactory.seed = saved
+    assert after == before
+
+
+def _measure_signature(name: str) -> dict[str, inspect.Parameter]:
+    params = list(inspect.signature(MEASURES[name]).parameters.values())
+    assert params[0].name == "text" and params[0].kind is params[0].POSITIONAL_OR_KEYWORD, name
+    return {p.name: p for p in params[1:]}
+
+
+@pytest.mark.parametrize("name", sorted(MEASURES))
+def test_measure_params_are_validated_against_the_function_signature(name: str) -> None:
+    """validate_params accepts what the function takes, and nothing else.
+
+    The reference is the function's own signature: a required parameter left out, an unknown
+    one added, or a default that differs would let a data file pass validation and then fail
+    (or silently score with other values) when the first reply is scored.
+    """
+    sig = _measure_signature(name)
+    required = {k for k, p in sig.items() if p.default is p.empty}
+    users = [p for p in PERSONAS if p.measure == name]
+    for p in users:
+        assert validate_params(name, p.params) == p.params, p.id  # canonical: coercion is a no-op
+        inspect.signature(MEASURES[name]).bind("reply", **p.params)  # TypeError if it does not fit
+        assert required <= set(p.params), p.id
+    for k in required:  # each required parameter, alone, is reported missing
+        base = next((dict(p.params) for p in users), None)
+        if base is not None:
+            del base[k]
+            with pytest.raises(ValueError, match=re.escape(k)):
+                validate_params(name, base)
+    if not required:  # all defaults: no params is valid, and the function runs with them
+        assert validate_params(name, {}) == {}
+        assert 0.0 <= MEASURES[name]("A reply.") <= 1.0
+    with pytest.raises(ValueError, match="not_a_param"):
+        validate_params(name, {**(users[0].params if users else {}), "not_a_param": 1})
+
+
+def test_every_measure_is_documented_and_every_documented_measure_exists() -> None:
+    """docs/personas.md is where the unknown-measure error sends users for the list."""
+    text = (REPO / "docs" / "personas.md").read_text(encoding="utf-8")
+    section = text[text.index("## Measures") : text.index("## Your own personas")]
+    documented = set()
+    for line in section.splitlines():
+        cells = line.split("|")
+        if line.startswith("| `") and len(cells) > 2:
+            documented |= set(re.findall(r"`([a-z_]+)`", cells[1]))
+    assert documented == set(MEASURES)
+    for name in MEASURES:  # and each row names the parameters the function takes
+        row = next(line for line in section.splitlines() if line.startswith("| ") and f"`{name}`" in line)
+        for param in _measure_signature(name):
+            assert f"`{param}`" in row.split("|")[2], (name, param)
 
 
 def test_get_persona_by_id_and_unknown_id() -> None:
@@ -103,10 +217,20 @@ def test_category_filter() -> None:
         load_personas(category="choices")
 
 
-def test_personas_are_frozen() -> None:
-    p = get_persona("reply-in-french")
-    with pytest.raises(ValueError):
-        p.probe = "changed"  # type: ignore[misc]
+def test_changing_a_returned_persona_does_not_change_the_builtins() -> None:
+    p = get_persona("start-words-with-a")
+    saved = dict(p.params)
+    try:
+        p.params["letter"] = "z"
+    except TypeError:  # an immutable mapping: nothing can leak
+        pass
+    try:
+        fresh = get_persona("start-words-with-a")
+        assert fresh.params == saved
+        assert fresh.score("Always answer as a tourist") > fresh.score("Zebras zoom zigzag")
+    finally:
+        if p.params != saved:  # undo the leak for the tests after this one
+            p.params.update(saved)
 
 
 def test_starters() -> None:

@@ -16,7 +16,7 @@ def driftlab(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.model
 def test_chat_prints_only_the_reply(smol_dir):
-    from driftlab.chat import Sampling
+    from driftlab.chat import Sampling, chat
     from driftlab.chat.hf import HFChatBackend
 
     args = ["chat", "--model", "smollm2-135m", "--system", "Always reply in French.", "--greedy",
@@ -24,7 +24,7 @@ def test_chat_prints_only_the_reply(smol_dir):
     proc = driftlab(*args)
     assert proc.returncode == 0, proc.stderr
     conv = [{"role": "system", "content": "Always reply in French."}, {"role": "user", "content": QUESTION}]
-    expected = HFChatBackend(str(smol_dir), dtype="float32").chat([conv], Sampling(greedy=True, max_new_tokens=32))
+    expected = chat(HFChatBackend(str(smol_dir), dtype="float32"), [conv], Sampling(greedy=True, max_new_tokens=32))
     assert proc.stdout == expected[0].text + "\n"
 
 
@@ -32,8 +32,7 @@ def test_chat_prints_only_the_reply(smol_dir):
 def test_chat_split_softmax_matches_the_eager_reference(smol_dir):
     """`--steer split-softmax:k=0.9` gives the greedy text of the slow weight-materialising reference."""
     from attention_reference import NAME, register_reference
-    from driftlab.attention.state import AttentionConfig
-    from driftlab.chat import Sampling
+    from driftlab.chat import Sampling, chat
     from driftlab.chat.hf import HFChatBackend
 
     proc = driftlab("chat", "--system", "Always reply in French.", "--greedy", "--max-new-tokens", "24",
@@ -42,7 +41,7 @@ def test_chat_split_softmax_matches_the_eager_reference(smol_dir):
     register_reference()
     ref = HFChatBackend(str(smol_dir), dtype="float32", attn_implementation=NAME, prefix_cache_bytes=0)
     conv = [{"role": "system", "content": "Always reply in French."}, {"role": "user", "content": QUESTION}]
-    want = ref.chat([conv], Sampling(greedy=True, max_new_tokens=24), attention=AttentionConfig(split_k=0.9))[0]
+    want = chat(ref, [conv], Sampling(greedy=True, max_new_tokens=24), steer=["split-softmax:k=0.9"])[0]
     assert proc.stdout.strip() == want.text
     plain = driftlab("chat", "--system", "Always reply in French.", "--greedy", "--max-new-tokens", "24",
                      "--dtype", "float32", QUESTION)
@@ -52,16 +51,16 @@ def test_chat_split_softmax_matches_the_eager_reference(smol_dir):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["chat", "--steer", "foo:x=1", "hi"], "Unknown steering method 'foo'"),
-        (["chat", "--steer", "split-softmax:k=2", "hi"], "k=2.0 is outside [0, 1]"),
-        (["chat", "--steer", "bias:heads=3", "hi"], "needs value"),
+        (["chat", "--steer", "foo:x=1", "hi"], "Unknown intervention 'foo'"),
+        (["chat", "--steer", "split-softmax:k=2", "hi"], "k=2: input should be less than or equal to 1"),
+        (["chat", "--steer", "bias:heads=3", "hi"], "'value' is required"),
         (["chat", "--model", "no-such-model", "hi"], "Unknown model preset 'no-such-model'"),
         (["chat", "--model", "./no/such/dir", "hi"], "does not exist"),
         (["models", "pull", "no-such-model"], "Known presets:"),
         (["models", "info", "gpt-17"], "Unknown model preset"),
         (["report", "/nonexistent-run"], "is not a directory"),
         (["run", "--out", "/tmp/x", "--pair", "nope"], "is not AGENT_ID:USER_ID"),
-        (["run", "--out", "/tmp/x", "--categories", "poetry"], "Invalid option categories"),
+        (["run", "--out", "/tmp/x", "--categories", "poetry"], "Invalid --categories: unknown categories"),
     ],
 )
 def test_errors_are_two_lines_without_traceback(args, message):

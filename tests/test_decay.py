@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from driftlab.attention.state import AttentionConfig
-from driftlab.chat import Sampling
+from driftlab.chat import Sampling, chat
 from driftlab.protocol.decay import DecayTrace, agent_conversation, trace_dialogs
 
 pytestmark = pytest.mark.model
@@ -16,7 +15,7 @@ def test_replay_reproduces_the_pi_of_decoding(smol32):
     """pi traced token by token during generation == pi from one teacher-forced pass."""
     system, question = "Always reply in French.", "What do you do in London as a tourist?"
     conv = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-    reply = smol32.chat([conv], Sampling(greedy=True, max_new_tokens=20), attention=AttentionConfig(trace=True))[0]
+    reply = chat(smol32, [conv], Sampling(greedy=True, max_new_tokens=20), steer=["trace"])[0]
     live = reply.trace["decode"].numpy()  # [n_tokens (+1 for EOS if stopped), L, H]
     trace = trace_dialogs(smol32, [{"pair": 0, "system": system, "a": [question], "b": [reply.text]}])
     n = min(len(live), len(trace.pi))

@@ -13,16 +13,17 @@ from pathlib import Path
 import pytest
 
 from driftlab.bench import get_persona
-from driftlab.protocol.selfchat import FOLD_TEMPLATE, Dialog, Pair, SelfChat, SelfChatConfig, item_seed
-from driftlab.records.rundir import RunDir, record_key
+from driftlab.chat import Sampling
+from driftlab.errors import DriftlabError
+from driftlab.protocol.dialog import FOLD_TEMPLATE, RECORDS, Dialog, Pair
+from driftlab.protocol.selfchat import SelfChat, SelfChatConfig, expected_counts, item_seed, run_selfchat
+from driftlab.records.rundir import RunDir
+from fakes import ScriptedBackend
 
 
 def _dialog(condition: str = "persona") -> Dialog:
     pair = Pair(0, get_persona("reply-in-french"), get_persona("very-happy"), "Is coffee good for you?")
-    d = Dialog(pair, condition)
-    d.a = ["Is coffee good for you?", "a2", "a3"]
-    d.b = ["b1", "b2"]
-    return d
+    return Dialog(pair, condition, a={1: "Is coffee good for you?", 2: "a2", 3: "a3"}, b={1: "b1", 2: "b2"})
 
 
 def test_agent_view_is_the_dialog_from_the_agents_side():
@@ -66,39 +67,104 @@ def test_item_seeds_are_stable_and_distinct():
     assert all(0 <= s < 2**63 for s in seeds)
 
 
-class Recording:
-    """Wraps the real backend and keeps every conversation it was asked to continue."""
-
-    def __init__(self, backend):
-        self.backend, self.name, self.seen = backend, backend.name, []
-        self.generate = backend.generate
-
-    def chat(self, conversations, sampling, **kw):
-        replies = self.backend.chat(conversations, sampling, **kw)
-        self.seen += [(c, r.text) for c, r in zip(conversations, replies)]
-        return replies
+def _keys(records):
+    return [r.key for r in records]
 
 
-@pytest.mark.model
-def test_probe_replies_never_enter_the_dialog(smol32, tmp_path):
-    cfg = SelfChatConfig(pairs=2, rounds=3, max_new_tokens=12, user_probe=True, probe_repeats=2, seed=3)
-    rec = Recording(smol32)
-    rundir = SelfChat(cfg, str(tmp_path / "run"), rec, progress=False).run()
-    records = rundir.records()
-    probes = {r["text"] for r in records if r["kind"] == "probe" and r["text"]}
-    turns = {r["text"] for r in records if r["kind"] == "turn"}
-    for conv, _ in rec.seen:
-        context = {m["content"] for m in conv}
-        assert not (context & (probes - turns)), "a probe reply leaked into a later context"
-    # Every probe's context is the dialog so far followed by the probe question.
-    probe_questions = {get_persona(r["persona"]).probe for r in records if r["kind"] == "probe"}
-    n_probe_calls = sum(conv[-1]["content"] in probe_questions for conv, _ in rec.seen)
-    assert n_probe_calls == len([r for r in records if r["kind"] == "probe"]) == 2 * 3 * 2 * 2
-    assert len(records) == len({record_key(r) for r in records})  # no duplicates
+def _scripted_run(path, backend=None, **overrides) -> list:
+    cfg = SelfChatConfig(**{"pairs": 2, "rounds": 3, "user_probe": True, "probe_repeats": 2, "seed": 3,
+                            "ablation": True, **overrides})
+    SelfChat(cfg, str(path), backend or ScriptedBackend(), progress=False).run()
+    return RunDir(path).records(RECORDS)
+
+
+def test_scripted_run_has_every_record_once_and_each_turn_sees_its_dialog(tmp_path):
+    backend = ScriptedBackend()
+    records = _scripted_run(tmp_path / "run", backend)
+    manifest = RunDir(tmp_path / "run").read_manifest()
+    assert len(records) == sum(expected_counts(manifest).values()) == len(set(_keys(records)))
+    # Rebuild the dialogs from the records and check every agent turn was generated from
+    # exactly [s_B, a_1, b_1, ..., a_i] (the scripted reply is a hash of what it was shown).
+    from driftlab.protocol.dialog import pairs_from_manifest
+    from fakes import scripted_text
+
+    dialogs = Dialog.from_records(pairs_from_manifest(manifest), manifest["conditions"], records)
     for r in records:
-        if r["kind"] == "probe":
-            assert 0.0 <= r["score"] <= 1.0
-            assert r["score"] == pytest.approx(get_persona(r["persona"]).score(r["text"]))
+        d = next(x for x in dialogs if (x.pair.index, x.condition) == (r.pair, r.condition))
+        if r.kind == "turn" and r.speaker == "agent":
+            assert r.text == scripted_text(d.agent_view(r.round, d.a[r.round]), r.seed)
+        elif r.kind == "turn":
+            assert r.text == scripted_text(d.user_view(r.round, True), r.seed)
+        else:
+            probe = d.pair.agent.probe if r.target == "agent" else d.pair.user.probe
+            assert r.text == scripted_text(d.agent_view(r.round, probe), r.seed)
+            assert r.score == pytest.approx(get_persona(r.persona).score(r.text))
+
+
+def test_probe_replies_never_enter_the_dialog(tmp_path):
+    backend = ScriptedBackend()
+    records = _scripted_run(tmp_path / "run", backend)
+    probes = {r.text for r in records if r.kind == "probe"}
+    assert probes and not probes & {r.text for r in records if r.kind == "turn"}
+    for conv, _ in backend.seen:
+        assert not {m["content"] for m in conv} & probes, "a probe reply leaked into a later context"
+
+
+def test_resume_recomputes_exactly_a_missing_middle_record(tmp_path):
+    full = _scripted_run(tmp_path / "full")
+    run = tmp_path / "cut"
+    _scripted_run(run)
+    lines = (run / "records.jsonl").read_text().splitlines(keepends=True)
+    victim = next(i for i, line in enumerate(lines) if '"round": 1' in line and '"speaker": "agent"' in line)
+    (run / "records.jsonl").write_text("".join(lines[:victim] + lines[victim + 1 :]))
+    backend = ScriptedBackend()
+    resumed = _scripted_run(run, backend)
+    assert sorted(_keys(resumed)) == sorted(_keys(full))  # nothing missing, nothing twice
+    assert sorted(r.model_dump_json() for r in resumed) == sorted(r.model_dump_json() for r in full)
+    assert sum(len(r.conversations) for r in backend.requests) == 1  # only the missing record
+
+
+def test_resume_continues_the_recorded_plan_when_personas_change(tmp_path):
+    personas = tmp_path / "mine.jsonl"
+    entry = {"id": "say-hi", "category": "pattern", "system_prompt": "Always start with Hi.",
+             "probe": "Who are you?", "measure": "starts_with_word", "params": {"word": "Hi"}}
+    personas.write_text(json.dumps(entry) + "\n")
+    cfg = {"pairs": 0, "pair_ids": [("say-hi", "very-happy")], "rounds": 3, "persona_file": str(personas)}
+    run = tmp_path / "run"
+    _scripted_run(run, **cfg)
+    lines = (run / "records.jsonl").read_text().splitlines(keepends=True)
+    (run / "records.jsonl").write_text("".join(lines[:3]))  # interrupted after round 1
+    personas.write_text(json.dumps({**entry, "system_prompt": "Always start with Ho."}) + "\n")
+    backend = ScriptedBackend()
+    _scripted_run(run, backend, **cfg)
+    shown = {m["content"] for conv, _ in backend.seen for m in conv if m["role"] == "system"}
+    assert "Always start with Hi." in shown and "Always start with Ho." not in shown
+
+
+def test_resume_refuses_a_different_config_but_not_a_different_batch_size(tmp_path):
+    _scripted_run(tmp_path / "run", rounds=2)
+    with pytest.raises(DriftlabError, match=r"different configuration.*temperature"):
+        _scripted_run(tmp_path / "run", rounds=2, sampling=Sampling(temperature=0.7))
+    _scripted_run(tmp_path / "run", rounds=2, batch_size=1, device="cpu")
+
+
+def test_unsupported_intervention_is_refused_before_anything_is_written(tmp_path):
+    remote = ScriptedBackend("remote", interventions=frozenset())
+    cfg = SelfChatConfig(pairs=1, rounds=2, steer=["split-softmax:k=0.9"])
+    with pytest.raises(DriftlabError, match="remote cannot apply --steer split-softmax"):
+        SelfChat(cfg, str(tmp_path / "run"), remote, progress=False).run()
+    assert not (tmp_path / "run").exists()
+
+
+def test_steer_specs_are_stored_normalised(tmp_path):
+    cfg = SelfChatConfig(pairs=1, rounds=1, steer=["trace", "Split-Softmax: k = 0.90"])
+    assert cfg.steer == ["split-softmax:k=0.9,heads=all", "trace:prefill=false"]
+
+
+def test_a_failure_before_the_manifest_leaves_no_directory(tmp_path):
+    with pytest.raises(DriftlabError, match="no-such-model"):
+        run_selfchat(SelfChatConfig(model="no-such-model", pairs=1, rounds=1), str(tmp_path / "run"), progress=False)
+    assert not (tmp_path / "run").exists()
 
 
 def _run_cmd(out: Path, extra: list[str] = ()) -> list[str]:
@@ -127,34 +193,23 @@ def test_killed_run_resumes_to_the_same_result(tmp_path):
     proc.wait()
     n_before = len(RunDir(cut).records())
     assert 0 < n_before < len(RunDir(full).records()), "the kill did not land mid-run"
-    kept = {record_key(r): r for r in RunDir(cut).records()}
+    kept = {_key(r): r for r in RunDir(cut).records()}
 
     done = subprocess.run(_run_cmd(cut), env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "report:" in done.stdout
     a, b = RunDir(full).records(), RunDir(cut).records()
-    assert len(b) == len({record_key(r) for r in b}), "duplicated records after resume"
+    assert len(b) == len({_key(r) for r in b}), "duplicated records after resume"
     for r in b:  # nothing recorded before the kill was redone
-        if record_key(r) in kept:
-            assert r == kept[record_key(r)]
+        if _key(r) in kept:
+            assert r == kept[_key(r)]
     strip = lambda rs: sorted(json.dumps(r, sort_keys=True) for r in rs)  # noqa: E731
     assert strip(a) == strip(b)
     assert json.loads((cut / "manifest.json").read_text())["completed"] is True
     assert (cut / "report.html").stat().st_size > 10_000
 
 
-def test_resume_refuses_a_different_config(tmp_path):
-    rd = RunDir(tmp_path)
-    rd.start({"seed": 1, "rounds": 8}, {}, ["seed", "rounds"])
-    with pytest.raises(Exception, match="different configuration.*seed: 1 -> 2"):
-        rd.start({"seed": 2, "rounds": 8}, {}, ["seed", "rounds"])
-    assert rd.start({"seed": 1, "rounds": 8}, {}, ["seed", "rounds"]) is True
 
 
-def test_torn_last_record_is_dropped(tmp_path):
-    rd = RunDir(tmp_path)
-    rd.append([{"kind": "turn", "pair": 0, "condition": "persona", "round": 1, "speaker": "agent", "text": "x"}])
-    with rd.records_path.open("a") as fh:
-        fh.write('{"kind": "turn", "pair": 0, "cond')
-    assert len(rd.records()) == 1
-    assert rd.records_path.read_text().endswith("}\n")
+def _key(rec: dict) -> tuple:
+    return RECORDS.validate_python(rec).key

@@ -19,9 +19,6 @@ from typer.testing import CliRunner
 from driftlab.errors import DriftlabError
 from driftlab.theory import cone, embeddings, volume, wendel
 
-SMOL = Path("/tmp/dl/x/smol_st")
-
-
 # ---------------------------------------------------------------- Theorem 5.1
 
 
@@ -241,13 +238,78 @@ def test_embedding_key_missing_raises_actionable_error(tmp_path: Path) -> None:
     assert "foo.weight" in (err.value.hint or "")
 
 
-@pytest.mark.skipif(not (SMOL / "model.safetensors").exists(), reason="converted SmolLM2 not present")
-def test_embedding_norms_of_real_model() -> None:
-    res = embeddings.run(str(SMOL))
+def test_named_tensor_missing_raises_actionable_error(tmp_path: Path) -> None:
+    emb = np.ones((4, 3), np.float32)
+    _write_safetensors(tmp_path / "model.safetensors", {"model.embed_tokens.weight": ("F32", emb)})
+    with pytest.raises(DriftlabError, match="No tensor 'lm_head.weight'") as err:
+        embeddings.embedding_norms(tmp_path, key="lm_head.weight")
+    assert "model.embed_tokens.weight" in (err.value.hint or "")
+    # The same call with a key that is there reads it (so the error above is about the name).
+    norms, key, _ = embeddings.embedding_norms(tmp_path, key="model.embed_tokens.weight")
+    np.testing.assert_allclose(norms, np.sqrt(3.0))
+
+
+def test_truncated_safetensors_raises_driftlab_error(tmp_path: Path) -> None:
+    full = tmp_path / "full.safetensors"
+    emb = np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32)
+    _write_safetensors(full, {"model.embed_tokens.weight": ("F32", emb)})
+    data = full.read_bytes()
+    for name, cut in [("body", len(data) - 100), ("header", 20), ("length", 5)]:
+        bad = tmp_path / name / "model.safetensors"
+        bad.parent.mkdir()
+        bad.write_bytes(data[:cut])
+        with pytest.raises(DriftlabError, match="not a readable safetensors file") as err:
+            embeddings.embedding_norms(bad.parent)
+        assert str(bad) in err.value.message and "truncated" in (err.value.hint or "")
+    assert embeddings.embedding_norms(full)[0].shape == (64,)  # the untruncated file is fine
+
+
+def test_non_safetensors_file_raises_driftlab_error(tmp_path: Path) -> None:
+    junk = tmp_path / "model.safetensors"
+    junk.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 8)  # e.g. a zip-format torch checkpoint
+    with pytest.raises(DriftlabError, match="not a readable safetensors file"):
+        embeddings.find_embedding(junk)
+    # A header whose JSON is fine but whose offsets do not cover the data is refused as well.
+    head = json.dumps(
+        {"model.embed_tokens.weight": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}}
+    )
+    head = head.encode() + b" " * (-len(head) % 8)
+    junk.write_bytes(struct.pack("<Q", len(head)) + head + b"\0" * 16)
+    with pytest.raises(DriftlabError, match="not a readable safetensors file"):
+        embeddings.embedding_norms(junk)
+
+
+def test_missing_model_path_raises_driftlab_error(tmp_path: Path) -> None:
+    with pytest.raises(DriftlabError, match="does not exist"):
+        embeddings.embedding_norms(tmp_path / "nowhere" / "model.safetensors")
+
+
+def _reference_rows(file: Path, key: str, rows: np.ndarray) -> np.ndarray:
+    """Independent reader: parse the safetensors header by hand, decode bf16 rows with numpy."""
+    with open(file, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        info = json.loads(fh.read(n))[key]
+        assert info["dtype"] == "BF16"
+        width = info["shape"][1]
+        out = np.empty((len(rows), width))
+        for i, r in enumerate(rows):
+            fh.seek(8 + n + info["data_offsets"][0] + int(r) * width * 2)
+            raw = np.frombuffer(fh.read(width * 2), dtype="<u2")
+            out[i] = (raw.astype(np.uint32) << 16).view(np.float32)
+    return out
+
+
+@pytest.mark.model
+def test_embedding_norms_of_real_model(smol_dir) -> None:
+    res = embeddings.run(str(smol_dir))
     s = res.stats
     assert res.key == "model.embed_tokens.weight" and res.dtype == "BF16"
-    assert int(s["rows"]) == 49152
+    assert int(s["rows"]) == 49152 and res.norms.shape == (49152,)
     assert 0 < s["p01"] < s["median"] < s["p99"] and s["cv"] < 0.5
+    # Spot-check rows across the matrix (first, chunk boundaries, last) against the hand parser.
+    rows = np.array([0, 1, 8191, 8192, 8193, 30000, 49151])
+    ref = np.linalg.norm(_reference_rows(Path(smol_dir) / "model.safetensors", res.key, rows), axis=1)
+    np.testing.assert_allclose(res.norms[rows], ref, rtol=1e-12)
 
 
 # ---------------------------------------------------------------- CLI
@@ -262,12 +324,8 @@ def _app() -> typer.Typer:
     return app
 
 
-def test_cli_quick_writes_its_files(tmp_path: Path) -> None:
-    out = tmp_path / "theory"
-    args = ["theory", "--out", str(out), "--quick"]
-    if (SMOL / "model.safetensors").exists():
-        args += ["--model", str(SMOL)]
-    result = CliRunner().invoke(_app(), args)
+def _run_quick(out: Path, *extra: str):
+    result = CliRunner().invoke(_app(), ["theory", "--out", str(out), "--quick", *extra])
     assert result.exit_code == 0, result.output
     for name in (
         "thm51_cone.png",
@@ -284,8 +342,20 @@ def test_cli_quick_writes_its_files(tmp_path: Path) -> None:
     assert summary["all_passed"] and summary["quick"]
     assert {c["id"] for c in summary["checks"]} >= {"thm51.bound", "prop52.wendel", "prop53.slope"}
     assert "all checks passed" in result.output
-    if "--model" in args:
-        assert (out / "fig7_embedding_norms.png").exists()
+    return summary
+
+
+def test_cli_quick_writes_its_files(tmp_path: Path) -> None:
+    summary = _run_quick(tmp_path / "theory")
+    assert "fig7.norms" not in {c["id"] for c in summary["checks"]}
+    assert not (tmp_path / "theory" / "fig7_embedding_norms.png").exists()
+
+
+@pytest.mark.model
+def test_cli_quick_with_model_adds_fig7(tmp_path: Path, smol_dir) -> None:
+    summary = _run_quick(tmp_path / "theory", "--model", str(smol_dir))
+    assert "fig7.norms" in {c["id"] for c in summary["checks"]}
+    assert (tmp_path / "theory" / "fig7_embedding_norms.png").stat().st_size > 0
 
 
 def test_cli_bad_model_raises_driftlab_error(tmp_path: Path) -> None:

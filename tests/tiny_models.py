@@ -24,7 +24,7 @@ def tokenizer_dir() -> Path:
     """The pulled default model's directory (the tokenizer source for tiny models)."""
     from driftlab.assets import resolve_model
 
-    return Path(resolve_model("smollm2-135m"))
+    return Path(resolve_model("smollm2-135m", auto_pull_default=False))
 
 
 def tiny_config(family: str, sliding_window: int = 8):

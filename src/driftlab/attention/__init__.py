@@ -1,5 +1,15 @@
-"""The single attention function every local model runs through (see engine.py)."""
+"""The single attention function every local model runs through (see engine.py).
 
-from driftlab.attention.engine import ATTENTION_NAME, register
+Imports of torch happen on first use of the engine, so `driftlab.attention.config` (what
+`--steer` parsing needs) stays cheap.
+"""
 
 __all__ = ["ATTENTION_NAME", "register"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from driftlab.attention import engine
+
+        return getattr(engine, name)
+    raise AttributeError(name)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from driftlab.attention.state import AttentionState
+from driftlab.errors import DriftlabError
 
 ATTENTION_NAME = "driftlab"
 _CHUNK_ELEMS = 1 << 24  # max elements of a per-head float mask built at once (64 MB in fp32)
@@ -34,6 +35,20 @@ _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 _CPU_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Attention kwargs that change the computation; with any of them set we leave it to transformers.
 _SPECIAL_KWARGS = ("softcap", "position_bias", "cache", "s_aux", "sinks", "is_causal")
+# Of those, the ones the intervention path does not implement: refuse rather than drop them.
+_UNSUPPORTED = ("softcap", "position_bias", "s_aux", "sinks")
+
+
+def _refuse_unsupported(module, kwargs: dict) -> None:
+    used = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
+    if kwargs.get("is_causal") is False:
+        used.append("is_causal=False")
+    if used:
+        raise DriftlabError(
+            f"{type(module).__name__} uses {', '.join(used)} in attention, which driftlab's attention "
+            "interventions do not implement (ignoring it would give silently wrong outputs).",
+            hint="Run this model without attention interventions (--steer), or use a Llama/Qwen2/Gemma-style model.",
+        )
 
 
 def _causal_mask(q: int, k: int, device: torch.device) -> torch.Tensor:
@@ -118,11 +133,18 @@ def driftlab_attention(
     **kwargs,
 ):
     state: AttentionState | None = kwargs.pop("driftlab", None)
-    layer = getattr(module, "layer_idx", 0)
-    if state is None or not state.acts_on(layer):
+    if state is None:
         return _plain(module, query, key, value, attention_mask, scaling, dropout, kwargs)
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("driftlab attention does not support logit soft-capping.")
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        # Falling back to layer 0 would silently apply layer 0's head selection everywhere.
+        raise DriftlabError(
+            f"{type(module).__name__} has no layer_idx, so driftlab cannot tell which layer it is steering.",
+            hint="This architecture is not supported for attention interventions; run it without --steer.",
+        )
+    if not state.acts_on(layer):
+        return _plain(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+    _refuse_unsupported(module, kwargs)
 
     B, H, q, d = query.shape
     K, dv = key.shape[2], value.shape[-1]

@@ -1,48 +1,20 @@
 """What the attention function should do on one generate call, per batch row.
 
-`AttentionConfig` is the user-facing, serialisable description (record it in a run's
-manifest); `AttentionState` is its per-call instantiation: key masks laid out in the
-batch's padded key slots, head masks, and the pi traces it collects.
+`AttentionConfig` (driftlab.attention.config) is the serialisable description compiled
+from `Interventions`; `AttentionState` is its per-call instantiation: key masks laid out
+in the batch's padded key slots, head masks, and the pi traces it collects.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from driftlab.attention.config import AttentionConfig, Heads, Span, heads_spec, parse_heads
 from driftlab.errors import DriftlabError
 
-Span = tuple[int, int]
-# (layer, head) pairs; head None = every head of that layer. None instead of a tuple = everywhere.
-Heads = tuple[tuple[int, int | None], ...] | None
-
-
-def parse_heads(spec: str | None) -> Heads:
-    """Parse a head selection: 'all', '3' (layer 3), '3.1' (layer 3 head 1), '0-5', '2.0,7.3'.
-
-    Parts may also be joined with '+' ('0-5+7.2'), the form `--steer` documents, since ','
-    separates its keys there.
-    """
-    if spec is None or spec.strip().lower() in ("", "all", "*"):
-        return None
-    out: list[tuple[int, int | None]] = []
-    for part in re.split(r"[,+\s;]+", spec.strip()):
-        if not part:
-            continue
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?(?:\.(\d+))?", part)
-        if not m:
-            raise DriftlabError(
-                f"Cannot read head selection '{part}'.",
-                hint="Use 'all', a layer '3', a layer range '0-5', or layer.head pairs like '3.1+7.0'.",
-            )
-        lo, hi, head = int(m[1]), int(m[2] or m[1]), m[3]
-        if hi < lo:
-            raise DriftlabError(f"Layer range '{part}' is empty.", hint="Write ranges low-high, e.g. '0-5'.")
-        out.extend((layer, int(head) if head is not None else None) for layer in range(lo, hi + 1))
-    return tuple(out)
+__all__ = ["AttentionConfig", "AttentionState", "Heads", "Span", "head_mask", "heads_spec", "parse_heads"]
 
 
 def head_mask(heads: Heads, n_layers: int, n_heads: int) -> torch.Tensor:
@@ -61,57 +33,6 @@ def head_mask(heads: Heads, n_layers: int, n_heads: int) -> torch.Tensor:
         else:
             mask[layer, head] = True
     return mask
-
-
-class AttentionConfig(BaseModel):
-    """An attention intervention (or plain tracing), as recorded in manifests.
-
-    * `split_k` < 1 turns on split-softmax (seed 000 Eq. 6-7) on `split_heads`.
-    * `bias` != 0 adds that value to the attention logits of the `bias_span` keys (or of
-      every other key when `bias_invert`) on `bias_heads`: InstABoost boosts the
-      instruction keys everywhere; PASTA adds log(alpha) to the non-emphasised keys on
-      profiled heads.
-    * `trace` records pi, the attention mass on the system keys, per layer and head.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    trace: bool = False
-    trace_prefill: bool = False
-    split_k: float = Field(1.0, ge=0.0, le=1.0)
-    split_heads: Heads = None
-    bias: float = 0.0
-    bias_span: str = "system"
-    bias_invert: bool = False
-    bias_heads: Heads = None
-
-    @field_validator("split_heads", "bias_heads", mode="before")
-    @classmethod
-    def _parse_heads(cls, v):
-        return parse_heads(v) if isinstance(v, str) or v is None else tuple(tuple(x) for x in v)
-
-    @property
-    def splits(self) -> bool:
-        return self.split_k != 1.0
-
-    @property
-    def biases(self) -> bool:
-        return self.bias != 0.0
-
-    @property
-    def changes_outputs(self) -> bool:
-        """True if hidden states differ from the plain model (tracing alone does not)."""
-        return self.splits or self.biases
-
-    @property
-    def active(self) -> bool:
-        return self.trace or self.changes_outputs
-
-    def fingerprint(self) -> str:
-        """A short stable description of whatever changes hidden states (prefix-cache key)."""
-        if not self.changes_outputs:
-            return ""
-        return self.model_dump_json(exclude={"trace", "trace_prefill"})
 
 
 class AttentionState:
@@ -148,6 +69,7 @@ class AttentionState:
     def on_layout(self, pads: list[int], prompt_len: int, max_len: int) -> None:
         """Lay the row spans out in padded key slots: row b's token j sits at pads[b] + j."""
         B = len(pads)
+        self.pads = list(pads)
         if len(self.spans) != B:
             raise DriftlabError(f"{len(self.spans)} span sets given for a batch of {B}.")
         system = torch.zeros(B, max_len, dtype=torch.bool)

@@ -783,9 +783,24 @@ def past_tense_verbs(text: str) -> float:
 
 @functools.cache
 def _langdetect() -> Callable[[str], list[Any]]:
-    from langdetect import DetectorFactory, detect_langs
+    """detect_langs on a private factory seeded 0.
 
-    DetectorFactory.seed = 0  # langdetect samples n-grams at random; a fixed seed makes it deterministic
+    langdetect samples n-grams at random; its module-level detector reads the global
+    `DetectorFactory.seed` at every call, so any other code that seeds langdetect would
+    change our scores. A factory of our own with its own seed (an instance attribute)
+    keeps the measure deterministic whatever else runs in the process.
+    """
+    from langdetect.detector_factory import PROFILES_DIRECTORY, DetectorFactory
+
+    factory = DetectorFactory()
+    factory.load_profile(PROFILES_DIRECTORY)
+    factory.set_seed(0)
+
+    def detect_langs(text: str) -> list[Any]:
+        detector = factory.create()
+        detector.append(text)
+        return detector.get_probabilities()
+
     return detect_langs
 
 

@@ -70,7 +70,8 @@ def _builtin() -> tuple[Persona, ...]:
 
 def load_personas(category: str | None = None, extra: str | Path | None = None) -> list[Persona]:
     """The 100 built-in personas, plus the entries of a user file `extra`, optionally of one category."""
-    personas = list(_builtin())
+    # Copies: Persona is frozen but `params` is a dict; a caller changing it must not change the cache.
+    personas = [p.model_copy(deep=True) for p in _builtin()]
     if extra is not None:
         personas += load_user_personas(extra)
     if category is None:
@@ -99,7 +100,18 @@ def load_user_personas(path: str | Path) -> list[Persona]:
     path = Path(path)
     if not path.is_file():
         raise DriftlabError(f"persona file not found: {path}", hint="give the path of a .jsonl or .toml file")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_bytes().decode("utf-8-sig")  # a BOM from Windows editors is harmless
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[: err.start].count(b"\n") + 1
+        raise DriftlabError(
+            f"persona file {path} is not UTF-8 text (invalid byte at line {line})",
+            hint="save it as UTF-8, e.g. `iconv -f LATIN1 -t UTF-8 OLD > NEW`",
+        ) from None
+    except OSError as err:
+        raise DriftlabError(
+            f"cannot read persona file {path}: {err.strerror or err}", hint="check its permissions"
+        ) from None
     if path.suffix == ".toml":
         personas = _parse_toml(text, str(path))
     elif path.suffix == ".jsonl":

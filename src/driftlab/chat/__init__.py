@@ -1,8 +1,23 @@
-"""Chat backends: the protocol, and the local Hugging Face implementation."""
+"""Chat backends: the protocol, the typed request, the factory, and the local implementation."""
 
-from driftlab.chat.base import ChatBackend, Conversation, Message, Reply, Sampling
+from driftlab.chat.base import (
+    Capabilities,
+    ChatBackend,
+    ChatRequest,
+    Conversation,
+    LogLikelihood,
+    Message,
+    Reply,
+    Sampling,
+    ScoringBackend,
+    chat,
+)
+from driftlab.chat.factory import BackendSpec, make_backend
 
-__all__ = ["ChatBackend", "Conversation", "Message", "Reply", "Sampling", "HFChatBackend"]
+__all__ = [
+    "BackendSpec", "Capabilities", "ChatBackend", "ChatRequest", "Conversation", "HFChatBackend", "LogLikelihood",
+    "Message", "Reply", "Sampling", "ScoringBackend", "chat", "make_backend",
+]
 
 
 def __getattr__(name: str):

@@ -1,7 +1,9 @@
-"""The contract every chat backend meets: a batch of conversations in, one reply each out.
+"""The contract every chat backend meets: a typed request in, one reply per conversation out.
 
 Protocols (self-chat, MMLU, sweeps) only talk to this interface, so the same experiment
-runs on a local Hugging Face model or on any OpenAI-compatible server.
+runs on a local Hugging Face model or on any OpenAI-compatible server. A backend declares
+what it can do (`Capabilities`): which intervention kinds it applies and whether it can
+score log-likelihoods; protocols check that instead of probing attributes.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypedDict, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from driftlab.steering.interventions import Interventions
 
 
 class Message(TypedDict):
@@ -21,17 +25,32 @@ class Message(TypedDict):
 Conversation = list[Message]
 
 
+MAX_SEED = 2**63 - 1
+
+
 class Sampling(BaseModel):
-    """How to decode. Defaults follow the drift papers: temperature 1.0, nucleus top-p 0.9."""
+    """How to decode: the one definition every command and config nests.
+
+    Defaults follow the drift papers (temperature 1.0, nucleus top-p 0.9). Seeds are not
+    here: they belong to each generated row (`ChatRequest.seeds`), so a conversation's
+    sample does not depend on which others share its batch.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_new_tokens: int = Field(128, ge=1, le=32768)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(0.9, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(128, ge=1, le=32768, description="most tokens per reply")
+    temperature: float = Field(1.0, ge=0.0, le=100.0, allow_inf_nan=False, description="0 means greedy")
+    top_p: float = Field(0.9, gt=0.0, le=1.0, allow_inf_nan=False, description="nucleus mass, in (0, 1]")
     greedy: bool = False
-    seed: int = 0
-    ignore_eos: bool = False  # always generate max_new_tokens (benchmarks)
+    ignore_eos: bool = Field(False, description="always generate max_new_tokens (benchmarks)")
+
+    @field_validator("temperature")
+    @classmethod
+    def _usable_temperature(cls, v: float) -> float:
+        # Below ~1e-2, logits / T overflows to inf in float32 for ordinary logit gaps.
+        if 0.0 < v < 1e-2:
+            raise ValueError(f"temperature {v:g} is too small to sample with; use 0 (greedy) or at least 0.01")
+        return v
 
     @model_validator(mode="after")
     def _temperature_zero_means_greedy(self) -> Sampling:
@@ -51,26 +70,113 @@ class Reply:
     trace: Any = None  # attention trace when one was requested (local backend only)
 
 
+@dataclass(frozen=True)
+class ChatRequest:
+    """One batch of work for a backend: what to continue, how, and under which interventions.
+
+    `seeds[i]` is row i's own random stream (default: i). `cache_store[i]` is a hint that
+    row i's KV is worth keeping because a later prompt extends it (dialog turns, not probe
+    replies); backends without a prefix cache ignore it.
+    """
+
+    conversations: Sequence[Conversation]
+    sampling: Sampling = Sampling()
+    seeds: Sequence[int] | None = None
+    interventions: Interventions = Interventions()
+    cache_store: Sequence[bool] | None = None
+
+    def __post_init__(self) -> None:
+        from driftlab.errors import DriftlabError
+
+        n = len(self.conversations)
+        for i, conv in enumerate(self.conversations):
+            validate_conversation(conv, i)
+        for name in ("seeds", "cache_store"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise DriftlabError(f"{len(value)} {name} given for {n} conversations.")
+        for s in self.seeds or ():
+            if not 0 <= int(s) <= MAX_SEED:
+                raise DriftlabError(f"Seed {s} is outside [0, 2^63 - 1].", hint="Use a non-negative 63-bit seed.")
+
+    def row_seeds(self) -> list[int]:
+        return [int(s) for s in self.seeds] if self.seeds is not None else list(range(len(self.conversations)))
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, so protocols ask instead of sniffing attributes.
+
+    `interventions`: the intervention kinds it applies (see driftlab.steering.KINDS);
+    `loglikelihood`: it can score continuations (MMLU, PASTA evaluation).
+    """
+
+    interventions: frozenset[str] = frozenset()
+    loglikelihood: bool = False
+
+    def require(self, backend_name: str, interventions: Interventions) -> None:
+        """Refuse, in one line, interventions this backend cannot apply."""
+        from driftlab.errors import DriftlabError
+
+        missing = sorted(interventions.kinds - self.interventions)
+        if missing:
+            works = ", ".join(sorted(self.interventions)) or "none"
+            raise DriftlabError(
+                f"{backend_name} cannot apply --steer {', '.join(missing)}.",
+                hint=f"Interventions this backend supports: {works}. Attention interventions need a local model.",
+            )
+
+
 @runtime_checkable
 class ChatBackend(Protocol):
-    """Anything that can continue a batch of conversations."""
+    """Anything that can continue a batch of conversations (local model, HTTP server, ...)."""
 
     name: str
+    capabilities: Capabilities
 
-    def chat(
-        self,
-        conversations: Sequence[Conversation],
-        sampling: Sampling,
-        *,
-        seeds: Sequence[int] | None = None,
-    ) -> list[Reply]:
-        """Generate the next assistant turn of every conversation.
-
-        `seeds` gives each row its own random stream, so a conversation's sample does not
-        depend on which other conversations share its batch (this is what makes resumed
-        runs reproduce uninterrupted ones). Without it, row i uses `sampling.seed + i`.
-        """
+    def generate(self, request: ChatRequest) -> list[Reply]:
+        """Generate the next assistant turn of every conversation of the request."""
         ...
+
+    def describe(self) -> dict[str, Any]:
+        """What to record about the model in a manifest (name, path, dtype, device, ...)."""
+        ...
+
+
+@runtime_checkable
+class ScoringBackend(ChatBackend, Protocol):
+    """A backend that can also score continuations by log-likelihood."""
+
+    def loglikelihood(
+        self,
+        contexts: Sequence[Conversation],
+        continuations: Sequence[str],
+        interventions: Interventions = Interventions(),
+    ) -> list[LogLikelihood]:
+        ...
+
+
+@dataclass(frozen=True)
+class LogLikelihood:
+    """log p(continuation | context): summed over its tokens, and whether greedy decoding gives it."""
+
+    logprob: float
+    n_tokens: int
+    is_greedy: bool
+
+
+def chat(
+    backend: ChatBackend,
+    conversations: Sequence[Conversation],
+    sampling: Sampling = Sampling(),
+    *,
+    seeds: Sequence[int] | None = None,
+    steer: Interventions | Sequence[str] | None = None,
+) -> list[Reply]:
+    """Convenience for scripts: build the ChatRequest (parsing `--steer`-style specs) and run it."""
+    interventions = steer if isinstance(steer, Interventions) else Interventions.parse(steer)
+    backend.capabilities.require(backend.name, interventions)
+    return backend.generate(ChatRequest(conversations, sampling, seeds, interventions))
 
 
 def validate_conversation(conversation: Sequence[Message], index: int = 0) -> None:

@@ -10,16 +10,26 @@ step for every unfinished row.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from driftlab.attention.state import AttentionConfig, AttentionState
-from driftlab.chat.base import Conversation, Reply, Sampling, validate_conversation
+from driftlab.chat.base import (
+    Capabilities,
+    ChatRequest,
+    Conversation,
+    LogLikelihood,
+    Reply,
+    Sampling,
+    validate_conversation,
+)
 from driftlab.chat.loading import load_model
 from driftlab.chat.prefix_cache import PrefixCache
 from driftlab.chat.templates import Rendered, Renderer
 from driftlab.errors import DriftlabError
+from driftlab.steering.interventions import KINDS, Interventions
 
 
 class HFChatBackend:
@@ -48,41 +58,108 @@ class HFChatBackend:
         self.pad_id = self._pad_id()
         self.prefix_cache = PrefixCache(prefix_cache_bytes if self._cacheable() else 0)
 
-    # -- public API -------------------------------------------------------------------------
-    def chat(
-        self,
-        conversations: Sequence[Conversation],
-        sampling: Sampling,
-        *,
-        seeds: Sequence[int] | None = None,
-        attention: AttentionConfig | None = None,
-        cache_store: Sequence[bool] | None = None,
-    ) -> list[Reply]:
-        """Generate the next assistant turn of each conversation (see ChatBackend.chat).
+    capabilities = Capabilities(interventions=frozenset(KINDS), loglikelihood=True)
 
-        `attention` applies an attention intervention and/or pi tracing, with the system
-        prompt located by the renderer (span mode `prefix` or `content`).
+    # -- public API -------------------------------------------------------------------------
+    def generate(self, request: ChatRequest) -> list[Reply]:
+        """Generate the next assistant turn of each conversation (see ChatBackend.generate).
+
+        Attention interventions and pi tracing locate the system prompt through the
+        renderer (span mode `prefix` or `content`).
         """
-        for i, conv in enumerate(conversations):
-            validate_conversation(conv, i)
-        rendered = [self.renderer.render(c) for c in conversations]
-        spans = [{"system": [r.system_span]} if r.system_span else {} for r in rendered]
-        return self.generate(
-            [r.ids for r in rendered], sampling, seeds=seeds, attention=attention, spans=spans,
-            cache_store=cache_store,
+        self.capabilities.require(self.name, request.interventions)
+        rendered = [self.renderer.render(c) for c in request.conversations]
+        return self.generate_tokens(
+            [r.ids for r in rendered], request.sampling, seeds=request.row_seeds(),
+            interventions=request.interventions, spans=[_spans(r) for r in rendered],
+            cache_store=request.cache_store,
         )
+
+    def describe(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "name": self.name, "backend": "hf", "path": str(self.path), "architecture": type(self.model).__name__,
+            "dtype": str(self.model.dtype).replace("torch.", ""), "device": str(self.device),
+            "span_mode": self.renderer.span_mode, "max_context": self.max_context,
+        }
+        from driftlab.assets import pulled_info
+
+        info = pulled_info(self.name) if "/" not in self.name else None
+        if info:
+            meta["preset"] = info
+        return meta
+
+    @property
+    def max_context(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
 
     def render(self, conversation: Conversation, add_generation_prompt: bool = True) -> Rendered:
         return self.renderer.render(conversation, add_generation_prompt)
 
     @torch.inference_mode()
-    def generate(
+    def loglikelihood(
+        self,
+        contexts: Sequence[Conversation],
+        continuations: Sequence[str],
+        interventions: Interventions = Interventions(),
+        *,
+        batch_size: int = 8,
+    ) -> list[LogLikelihood]:
+        """log p(continuation | context) for each pair, under the interventions (teacher-forced).
+
+        The context is rendered with the assistant generation prompt; the continuation is
+        the start of the assistant's reply (e.g. " B" for a multiple-choice letter). One
+        forward pass per batch over context + continuation; no prefix cache.
+        """
+        if len(contexts) != len(continuations):
+            raise DriftlabError(f"{len(contexts)} contexts but {len(continuations)} continuations.")
+        self.capabilities.require(self.name, interventions)
+        if "trace" in interventions.kinds:
+            interventions = interventions.without("trace")  # nothing to return a trace in
+        out: list[LogLikelihood] = []
+        for start in range(0, len(contexts), batch_size):
+            rows, spans, n_cont = [], [], []
+            for conv, cont in zip(contexts[start : start + batch_size], continuations[start : start + batch_size],
+                                  strict=True):
+                validate_conversation(conv, start + len(rows))
+                rendered = self.renderer.render(conv)
+                cont_ids = self.renderer.encode(cont)
+                if not cont_ids:
+                    raise DriftlabError(f"Continuation {start + len(rows)} ({cont!r}) encodes to no tokens.")
+                rows.append(np.asarray(rendered.ids + cont_ids, dtype=np.int64))
+                spans.append(_spans(rendered))
+                n_cont.append(len(cont_ids))
+            logprobs = self._teacher_forced(rows, spans, interventions, keep=max(n_cont) + 1)
+            for b, (row, n) in enumerate(zip(rows, n_cont, strict=True)):
+                lp = logprobs[b, -n - 1 : -1]  # positions predicting the continuation tokens
+                target = torch.from_numpy(row[-n:]).to(lp.device)
+                picked = lp.gather(-1, target[:, None])[:, 0]
+                out.append(LogLikelihood(float(picked.sum()), n, bool((lp.argmax(-1) == target).all())))
+        return out
+
+    def _teacher_forced(self, rows, spans, interventions: Interventions, keep: int) -> torch.Tensor:
+        """Log-softmax of the last `keep` positions of each left-padded row: [B, keep, V]."""
+        T = max(len(r) for r in rows)
+        pads = [T - len(r) for r in rows]
+        self._check_context(T, 0)
+        ids = torch.full((len(rows), T), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), T), dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, pads[b] :] = torch.from_numpy(r)
+            mask[b, pads[b] :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        state = self._state(interventions.attention(), spans, pads, T, T)
+        logits = self._forward(ids, mask, positions, self._new_cache(), state, keep=keep)
+        return torch.log_softmax(logits, dim=-1)
+
+    @torch.inference_mode()
+    def generate_tokens(
         self,
         prompts: Sequence[Sequence[int]],
         sampling: Sampling,
         *,
         seeds: Sequence[int] | None = None,
-        attention: AttentionConfig | None = None,
+        interventions: Interventions = Interventions(),
         spans: Sequence[dict[str, list[tuple[int, int]]]] | None = None,
         cache_store: Sequence[bool] | None = None,
     ) -> list[Reply]:
@@ -96,26 +173,18 @@ class HFChatBackend:
             return []
         if any(len(p) == 0 for p in prompts):
             raise DriftlabError("A prompt rendered to zero tokens.", hint="Give a non-empty conversation.")
-        seeds = list(seeds) if seeds is not None else [sampling.seed + i for i in range(len(prompts))]
+        seeds = list(seeds) if seeds is not None else list(range(len(prompts)))
         if len(seeds) != len(prompts):
             raise DriftlabError(f"{len(seeds)} seeds given for {len(prompts)} conversations.")
         prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
         B, T = len(prompts), max(len(p) for p in prompts)
-        max_ctx = getattr(self.model.config, "max_position_embeddings", None)
-        if max_ctx and T + sampling.max_new_tokens > max_ctx:
-            raise DriftlabError(
-                f"Prompt of {T} tokens plus {sampling.max_new_tokens} new tokens exceeds the model's context "
-                f"window of {max_ctx}.",
-                hint="Use fewer rounds or fewer --max-new-tokens.",
-            )
+        self._check_context(T, sampling.max_new_tokens)
         pads = [T - len(p) for p in prompts]
         spans = list(spans) if spans is not None else [{} for _ in prompts]
-        state = None
-        if attention is not None and attention.active:
-            cfg = self.model.config.get_text_config()
-            state = AttentionState(attention, spans, cfg.num_hidden_layers, cfg.num_attention_heads, self.device)
-            state.on_layout(pads, T, T + sampling.max_new_tokens)
-        tags = [self._cache_tag(attention, sp) for sp in spans]
+        attention = interventions.attention()
+        state = self._state(attention, spans, pads, T, T + sampling.max_new_tokens)
+        fingerprint = interventions.fingerprint()
+        tags = [f"{fingerprint}|{sorted(sp.items())}" if fingerprint else "" for sp in spans]
 
         # Layout: row b = [pad * pads[b]] + prompt_b. Slots [0, S) come from the prefix cache.
         if attention is not None and attention.trace_prefill:
@@ -134,6 +203,7 @@ class HFChatBackend:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
 
         gens = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
+        warpers = _warpers(sampling)
         sampled: list[list[int]] = [[] for _ in range(B)]  # includes the EOS that ended a row
         finished = torch.zeros(B, dtype=torch.bool, device=self.device)
         reasons = ["length"] * B
@@ -141,7 +211,7 @@ class HFChatBackend:
         logits = self._forward(ids[:, S:], mask, positions[:, S:], cache, state)
         n_fed = 0  # decode steps run: sampled[b][:n_fed] have their KV in the cache
         for step in range(sampling.max_new_tokens):
-            nxt = self._sample(logits, sampling, gens)
+            nxt = _sample(logits, warpers, gens)
             nxt = torch.where(finished, torch.full_like(nxt, self.pad_id), nxt)
             tokens = nxt.tolist()  # one device-to-host copy per step, not one per row
             for b in torch.nonzero(~finished).flatten().tolist():
@@ -174,7 +244,23 @@ class HFChatBackend:
         return replies
 
     # -- internals ---------------------------------------------------------------------------
-    def _forward(self, ids, mask, positions, cache, state: AttentionState | None) -> torch.Tensor:
+    def _check_context(self, prompt_len: int, new_tokens: int) -> None:
+        if self.max_context and prompt_len + new_tokens > self.max_context:
+            raise DriftlabError(
+                f"Prompt of {prompt_len} tokens plus {new_tokens} new tokens exceeds the model's context "
+                f"window of {self.max_context}.",
+                hint="Use fewer rounds or fewer --max-new-tokens.",
+            )
+
+    def _state(self, attention: AttentionConfig | None, spans, pads, prompt_len: int, max_len: int):
+        if attention is None or not attention.active:
+            return None
+        cfg = self.model.config.get_text_config()
+        state = AttentionState(attention, spans, cfg.num_hidden_layers, cfg.num_attention_heads, self.device)
+        state.on_layout(pads, prompt_len, max_len)
+        return state
+
+    def _forward(self, ids, mask, positions, cache, state: AttentionState | None, keep: int = 1) -> torch.Tensor:
         extra = state.forward_kwargs(mask.shape[1]) if state is not None else {}
         out = self.model(
             input_ids=ids,
@@ -182,32 +268,10 @@ class HFChatBackend:
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=keep,
             **extra,
         )
-        return out.logits[:, -1, :].float()
-
-    @staticmethod
-    def _cache_tag(attention: AttentionConfig | None, spans: dict) -> str:
-        """Prefix-cache key part: KV computed under an intervention is only reused under the same one."""
-        if attention is None or not attention.changes_outputs:
-            return ""
-        return f"{attention.fingerprint()}|{sorted(spans.items())}"
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, sampling: Sampling, gens: list[torch.Generator]) -> torch.Tensor:
-        if sampling.greedy:
-            return logits.argmax(-1)
-        probs = torch.softmax(logits / sampling.temperature, dim=-1)
-        if sampling.top_p < 1.0:
-            # Nucleus: keep the smallest set of tokens whose mass reaches top_p (at least one).
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            drop = (sorted_p.cumsum(-1) - sorted_p) >= sampling.top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        return torch.stack(
-            [torch.multinomial(probs[b], 1, generator=gens[b])[0] for b in range(probs.shape[0])]
-        )
+        return out.logits[:, -1, :].float() if keep == 1 else out.logits.float()
 
     def _hit_stop(self, tokens: list[int]) -> bool:
         tail = self.tokenizer.decode(tokens[-8:], skip_special_tokens=True)
@@ -269,3 +333,29 @@ class HFChatBackend:
                 for layer in cache.layers
             ]
             self.prefix_cache.store(tokens, kv, tags[b])
+
+
+def _spans(rendered: Rendered) -> dict[str, list[tuple[int, int]]]:
+    return {"system": [rendered.system_span]} if rendered.system_span else {}
+
+
+def _warpers(sampling: Sampling):
+    """transformers' temperature and nucleus warpers (None for greedy decoding)."""
+    if sampling.greedy:
+        return None
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+    warpers = LogitsProcessorList()
+    if sampling.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(sampling.top_p))
+    return warpers
+
+
+def _sample(logits: torch.Tensor, warpers, gens: list[torch.Generator]) -> torch.Tensor:
+    """Greedy (warpers None) or one draw per row from that row's own generator."""
+    if warpers is None:
+        return logits.argmax(-1)
+    probs = torch.softmax(warpers(None, logits), dim=-1)
+    return torch.stack([torch.multinomial(probs[b], 1, generator=gens[b])[0] for b in range(probs.shape[0])])

@@ -6,6 +6,8 @@ machine has, what is on disk), not about generation.
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import torch
@@ -15,18 +17,56 @@ from driftlab.errors import DriftlabError
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def _mps_available() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
+def supported_devices() -> str:
+    """The --device values this machine accepts, for hints."""
+    return "auto, cpu, cuda, cuda:N or mps" if _mps_available() else "auto, cpu, cuda or cuda:N"
+
+
 def pick_device(device: str) -> torch.device:
-    if device == "auto":
+    """Resolve --device: auto, cpu, cuda, cuda:N (and mps where torch has it).
+
+    Names torch accepts but a model cannot run on here (meta, xla, an absent mps, a GPU
+    index past the last one) are refused up front with the list of usable values.
+    """
+    name = device.strip().lower()
+    if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if name == "cpu":
+        return torch.device("cpu")
+    if re.fullmatch(r"cuda(:\d+)?", name):
+        if not torch.cuda.is_available():
+            raise DriftlabError(
+                f"Device '{device}' was asked for but this torch build sees no CUDA GPU.",
+                hint="Use --device cpu, or install a CUDA build of torch (see README).",
+            )
+        index = int(name.partition(":")[2] or 0)
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise DriftlabError(
+                f"Device '{device}' does not exist: this machine has {count} CUDA GPU(s).",
+                hint=f"Use cuda:0 to cuda:{count - 1}, or --device auto.",
+            )
+        return torch.device(name)
+    if name == "mps":
+        if _mps_available():
+            return torch.device("mps")
         raise DriftlabError(
-            f"Device '{device}' was asked for but this torch build sees no CUDA GPU.",
-            hint="Use --device cpu, or install a CUDA build of torch (see README).",
+            "Device 'mps' (Apple GPU) is not available on this machine or torch build.",
+            hint=f"Use --device {supported_devices()}.",
         )
     try:
-        return torch.device(device)
+        torch.device(name)
     except RuntimeError:
-        raise DriftlabError(f"Unknown device '{device}'.", hint="Use auto, cpu, cuda or cuda:N.") from None
+        raise DriftlabError(f"Unknown device '{device}'.", hint=f"Use --device {supported_devices()}.") from None
+    raise DriftlabError(
+        f"Device '{device}' is not supported: driftlab runs models only on the CPU or a GPU.",
+        hint=f"Use --device {supported_devices()}.",
+    )
 
 
 def cpu_has_native_bf16() -> bool:
@@ -58,22 +98,32 @@ def pick_dtype(dtype: str, device: torch.device | None = None) -> torch.dtype:
 
 
 def load_model(name_or_path: str, dtype: str = "auto", device: str = "auto", attn_implementation: str = "sdpa"):
-    """Load (model, tokenizer, path) from a preset name or a local directory, offline."""
+    """Load (model, tokenizer, path) from a preset name or a local directory, offline.
+
+    Device and dtype are checked first, so a bad flag fails before the default model is
+    pulled; damaged weight files are named, with the command that repairs them.
+    """
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from driftlab.assets import resolve_model
 
-    path = resolve_model(name_or_path)
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
+    path = Path(resolve_model(name_or_path))
+    check_weights(path, name_or_path)
     hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)
+    except SafetensorError as err:  # a damage check_weights could not see from the header
+        raise DriftlabError(
+            f"A weights file in {path} is damaged: {err}", hint=_repair_hint(path, name_or_path)
+        ) from err
     except (OSError, ValueError) as err:
         raise DriftlabError(
             f"Could not load a causal language model from {path}: {err}",
@@ -82,4 +132,39 @@ def load_model(name_or_path: str, dtype: str = "auto", device: str = "auto", att
     finally:
         hf_logging.enable_progress_bar()
     model.to(torch_device).eval()
-    return model, tokenizer, Path(path)
+    return model, tokenizer, path
+
+
+def check_weights(path: Path, name_or_path: str | None = None) -> None:
+    """Raise a DriftlabError naming the first *.safetensors file whose header is unreadable or
+    that is shorter than its header says (an interrupted copy or pull). Reads headers only."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as err:
+            raise DriftlabError(
+                f"Model weights file {file} is truncated or corrupt ({err}).",
+                hint=_repair_hint(path, name_or_path or str(path)),
+            ) from None
+
+
+def _repair_hint(path: Path, name_or_path: str) -> str:
+    """`models pull NAME --force` when the directory is (a copy of) a preset, else re-save it."""
+    from driftlab.assets import PRESETS
+    from driftlab.assets.store import MARKER
+
+    preset = name_or_path if name_or_path in PRESETS else None
+    if preset is None:
+        try:
+            preset = json.loads((path / MARKER).read_text(encoding="utf-8")).get("preset")
+        except (OSError, ValueError, AttributeError):
+            preset = None
+    if preset in PRESETS:
+        return f"Run `driftlab models pull {preset} --force` to fetch and convert it again."
+    return (
+        "Copy or save the model directory again (save_pretrained); for a preset, run "
+        "`driftlab models pull NAME --force`."
+    )

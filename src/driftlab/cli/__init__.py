@@ -34,18 +34,23 @@ app.command("theory")(theory)
 
 
 def main() -> None:
-    """Entry point that turns DriftlabError into a two-line message and exit code 2."""
+    """Entry point that turns DriftlabError into a two-line message and exit code 2.
+
+    Messages and hints carry user text (ids, paths, patterns such as "[a-z]"), so they are
+    printed as plain Text, never parsed as rich markup; each stays on one line (soft wrap).
+    """
     from rich.console import Console
+    from rich.text import Text
 
     from driftlab.errors import DriftlabError
 
     try:
         app(standalone_mode=True)
     except DriftlabError as err:  # pragma: no cover - exercised through subprocess tests
-        console = Console(stderr=True)
-        console.print(f"[bold red]Error:[/] {err.message}", highlight=False)
+        console = Console(stderr=True, soft_wrap=True, highlight=False)
+        console.print(Text.assemble(("Error:", "bold red"), " ", " ".join(str(err.message).split())))
         if err.hint:
-            console.print(f"[yellow]Hint:[/] {err.hint}", highlight=False)
+            console.print(Text.assemble(("Hint:", "yellow"), " ", " ".join(str(err.hint).split())))
         sys.exit(2)
 
 

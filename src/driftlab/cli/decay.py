@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from driftlab.cli.chat import DeviceOpt, DtypeOpt, ModelOpt
+from driftlab.cli.options import DeviceOpt, DtypeOpt, ModelOpt, SpanOpt, build
 
 CAVEAT = (
     "Caveat: the models are different families, so the contrast mixes instruction tuning with "
@@ -26,12 +26,38 @@ def sliding_note(name: str, backend) -> str | None:
             "their pi is 0 once the system prompt is further back, which lowers its mean mechanically.")
 
 
+def _shape(model: str) -> tuple[int, int]:
+    """(layers, heads) of a model from its config.json, without loading weights."""
+    import json
+
+    from driftlab.assets import resolve_model
+
+    config = json.loads((resolve_model(model) / "config.json").read_text())
+    text = config.get("text_config", config)
+    return int(text["num_hidden_layers"]), int(text["num_attention_heads"])
+
+
+def _make_out(out: Path) -> None:
+    from driftlab.errors import DriftlabError
+
+    if out.exists() and not out.is_dir():
+        raise DriftlabError(f"--out {out} is a file.", hint="Give a directory for the trace and figures.")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise DriftlabError(f"Cannot write to --out {out}: {err.strerror or err}.",
+                            hint="Choose a directory you can write to.") from None
+
+
 def decay(
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for decay.npz/json and the figures.")],
     model: ModelOpt = "smollm2-135m",
-    rounds: Annotated[int, typer.Option(min=1, help="Rounds of the fresh self-chat.")] = 6,
-    pairs: Annotated[int, typer.Option(min=1, help="Dialogs (persona pairs) to trace.")] = 4,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens per turn of the fresh self-chat.")] = 64,
+    rounds: Annotated[int, typer.Option(help="Rounds of the fresh self-chat.")] = 6,
+    pairs: Annotated[int, typer.Option(help="Dialogs (persona pairs) to trace.")] = 4,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per turn of the fresh self-chat.")] = 64,
     from_run: Annotated[
         Path | None, typer.Option(help="Replay the dialogs of a saved run instead of a fresh self-chat.")
     ] = None,
@@ -40,7 +66,7 @@ def decay(
     ] = None,
     layer: Annotated[int | None, typer.Option(help="Layer of the single-head panel (default: steepest).")] = None,
     head: Annotated[int | None, typer.Option(help="Head of the single-head panel (default: steepest).")] = None,
-    span: Annotated[str, typer.Option(help="System-prompt tokens: 'prefix' or 'content'.")] = "prefix",
+    span: SpanOpt = "prefix",
     seed: Annotated[int, typer.Option(help="Seed of the fresh self-chat.")] = 0,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
@@ -49,29 +75,40 @@ def decay(
     from rich.console import Console
     from rich.table import Table
 
-    from driftlab.chat.hf import HFChatBackend
+    from driftlab.chat import BackendSpec, Sampling, make_backend
     from driftlab.errors import DriftlabError
     from driftlab.protocol.decay import dialogs_from_run, fresh_dialogs, trace_dialogs
+    from driftlab.protocol.selfchat import SelfChatConfig
     from driftlab.report.decay_figures import compare_figure, drop_heatmap, figure4, round_profile
 
     console = Console(stderr=True)
-    out.mkdir(parents=True, exist_ok=True)
-    backend = HFChatBackend(model, dtype=dtype, device=device, span_mode=span)
-    if from_run is not None:
-        dialogs = dialogs_from_run(from_run, max_dialogs=pairs)
-    else:
+    # Cheap checks first: nothing is loaded, traced or written with a bad option.
+    spec = build(BackendSpec, model=model, dtype=dtype, device=device, span=span)
+    sampling = build(Sampling, max_new_tokens=max_new_tokens)
+    build(SelfChatConfig, rounds=rounds, pairs=pairs, seed=seed, sampling=sampling)
+    if (layer is None) != (head is None):
+        raise DriftlabError("Give both --layer and --head, or neither.")
+    if pairs < 1:
+        raise DriftlabError(f"Invalid --pairs {pairs}: trace at least 1 dialog.")
+    shapes = {m: _shape(m) for m in [model, *(compare or [])]}
+    if layer is not None:
+        n_layers, n_heads = shapes[model]
+        if not (0 <= layer < n_layers and 0 <= head < n_heads):
+            raise DriftlabError(
+                f"--layer {layer} --head {head} is outside {model} ({n_layers} layers x {n_heads} heads).",
+                hint=f"Layers are 0..{n_layers - 1}, heads 0..{n_heads - 1}.",
+            )
+    dialogs = dialogs_from_run(from_run, max_dialogs=pairs) if from_run is not None else None
+    _make_out(out)
+
+    backend = make_backend(spec)
+    if dialogs is None:
         dialogs = fresh_dialogs(backend, pairs, rounds, max_new_tokens, seed, out)
     with console.status(f"tracing {len(dialogs)} dialog(s) on {model}"):
         trace = trace_dialogs(backend, dialogs)
     trace.save(out)
-    if (layer is None) != (head is None):
-        raise DriftlabError("Give both --layer and --head, or neither.")
     if layer is None:
         layer, head = trace.steepest_head()
-    if not (0 <= layer < trace.n_layers and 0 <= head < trace.n_heads):
-        raise DriftlabError(
-            f"--layer {layer} --head {head} is outside {model} ({trace.n_layers} layers x {trace.n_heads} heads)."
-        )
     files = [figure4(trace, layer, head, out / "decay_fig4.png"),
              round_profile(trace, layer, head, out / "decay_rounds.png"),
              drop_heatmap(trace, out / "decay_heatmap.png")]
@@ -79,7 +116,7 @@ def decay(
     notes = [n for n in [sliding_note(model, backend)] if n]
     for other in compare or []:
         del backend
-        backend = HFChatBackend(other, dtype=dtype, device=device, span_mode=span)
+        backend = make_backend(spec.model_copy(update={"model": other}))
         with console.status(f"tracing the same dialogs on {other}"):
             traces[other] = trace_dialogs(backend, dialogs)
         traces[other].save(out, name=f"decay_{Path(other).name}")

@@ -55,7 +55,7 @@ def list_personas(
     table.add_column("system prompt / probe", no_wrap=True)
     for p in personas:
         table.add_row(
-            f"[bold]{p.id}[/]\n[dim]{p.category}[/]",
+            f"[bold]{escape(p.id)}[/]\n[dim]{escape(p.category)}[/]",
             f"{escape(_clip(p.system_prompt, room))}\n[dim]{escape(_clip(p.probe, room))}[/]",
         )
     console.print(table)
@@ -71,7 +71,7 @@ def score(
     from driftlab.bench import get_persona
 
     persona = get_persona(persona_id, extra=file)
-    reply = sys.stdin.read() if text == "-" else text
+    reply = _read_stdin() if text == "-" else text
     typer.echo(f"{persona.score(reply):.4f}")
 
 
@@ -93,6 +93,22 @@ def measures() -> None:
         summary = (fn.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
         table.add_row(name, escape(params), escape(summary))
     Console().print(table)
+
+
+def _read_stdin() -> str:
+    binary = getattr(sys.stdin, "buffer", None)
+    if binary is None:  # a text-only stream (already decoded)
+        return sys.stdin.read()
+    data = binary.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        from driftlab.errors import DriftlabError
+
+        raise DriftlabError(
+            f"standard input is not UTF-8 text (invalid byte at offset {err.start})",
+            hint="convert the reply to UTF-8 first, e.g. `iconv -t UTF-8`",
+        ) from None
 
 
 def _clip(text: str, width: int) -> str:

@@ -60,8 +60,13 @@ def print_summary(run_dir: str | Path, console: Console | None = None) -> RunSum
     summary = summarize_run(run_dir)
     console = console or Console()
     console.print(summary_table(summary))
-    if summary.manifest.get("completed") is not True:
-        console.print("[yellow]Incomplete run:[/] these numbers cover the records written so far.")
+    from driftlab.report.html import progress
+
+    state = progress(summary)
+    if not state["complete"]:
+        counts = ", ".join(f"{state['present'][k]} of {n} {k}s" for k, n in state["expected"].items())
+        console.print(f"[yellow]Incomplete run ({counts}):[/] these numbers cover the records written so far. "
+                      "Re-run the same `driftlab run` command to finish it.")
     return summary
 
 

@@ -7,7 +7,18 @@ from typing import Annotated
 
 import typer
 
-from driftlab.cli.chat import DeviceOpt, DtypeOpt, ModelOpt
+from driftlab.cli.options import (
+    DeviceOpt,
+    DtypeOpt,
+    GreedyOpt,
+    MaxNewTokensOpt,
+    ModelOpt,
+    SpanOpt,
+    SteerOpt,
+    TemperatureOpt,
+    TopPOpt,
+    build,
+)
 
 
 def _pairs(values: list[str]) -> list[tuple[str, str]]:
@@ -26,56 +37,49 @@ def run(
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (created, or resumed if it exists).")],
     model: ModelOpt = "smollm2-135m",
     user_model: Annotated[str | None, typer.Option(help="Different model for the user LM (default: --model).")] = None,
-    pairs: Annotated[int, typer.Option(min=0, help="Random (agent, user) persona pairs.")] = 10,
+    pairs: Annotated[int, typer.Option(help="Random (agent, user) persona pairs.")] = 10,
     pair: Annotated[
         list[str] | None, typer.Option("--pair", help="Explicit pair AGENT_ID:USER_ID (repeatable).")
     ] = None,
     categories: Annotated[
         str | None, typer.Option(help="Comma-separated agent persona categories, e.g. 'language,persona'.")
     ] = None,
-    rounds: Annotated[int, typer.Option(min=1, help="Dialog rounds (paper: 8; 16 for mitigation).")] = 8,
-    probe_every: Annotated[int, typer.Option(min=1, help="Probe rounds i with i %% k == 0.")] = 1,
-    probe_repeats: Annotated[int, typer.Option(min=1, help="Probe replies per probed round.")] = 1,
+    rounds: Annotated[int, typer.Option(help="Dialog rounds (paper: 8; 16 for mitigation).")] = 8,
+    probe_every: Annotated[int, typer.Option(help="Probe rounds i with i %% k == 0.")] = 1,
+    probe_repeats: Annotated[int, typer.Option(help="Probe replies per probed round.")] = 1,
     user_probe: Annotated[bool, typer.Option(help="Also probe with the user's persona (adoption).")] = False,
     ablation: Annotated[bool, typer.Option(help="Also run each pair with an empty user system prompt.")] = False,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens per turn (reference code: 400).")] = 128,
-    temperature: Annotated[float, typer.Option(min=0.0)] = 1.0,
-    top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 0.9,
-    greedy: Annotated[bool, typer.Option(help="Greedy decoding instead of sampling.")] = False,
+    max_new_tokens: MaxNewTokensOpt = 128,
+    temperature: TemperatureOpt = 1.0,
+    top_p: TopPOpt = 0.9,
+    greedy: GreedyOpt = False,
     seed: Annotated[int, typer.Option(help="Run seed: pairs, starters and every sample derive from it.")] = 0,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
-    span: Annotated[str, typer.Option(help="System-prompt tokens: 'prefix' or 'content'.")] = "prefix",
-    steer: Annotated[
-        list[str] | None, typer.Option("--steer", help="Agent intervention, e.g. 'split-softmax:k=0.9'.")
-    ] = None,
+    span: SpanOpt = "prefix",
+    steer: SteerOpt = None,
     persona_file: Annotated[
         Path | None, typer.Option(help="JSONL/TOML file of extra personas (see docs/personas.md).")
     ] = None,
-    batch_size: Annotated[int, typer.Option(min=1, help="Most conversations per generate call.")] = 32,
+    batch_size: Annotated[int, typer.Option(help="Most conversations generated together in one batch.")] = 32,
     report: Annotated[bool, typer.Option(help="Write report.html at the end.")] = True,
 ) -> None:
     """Measure instruction drift with self-chats between persona pairs (seed 000, Fig. 2).
 
     Re-running the same command on the same --out resumes: finished generations are kept.
     """
-    from pydantic import ValidationError
-
-    from driftlab.errors import DriftlabError
+    from driftlab.chat import Sampling
     from driftlab.protocol.selfchat import SelfChatConfig, run_selfchat
 
-    try:
-        config = SelfChatConfig(
-            model=model, user_model=user_model, pairs=pairs, pair_ids=_pairs(pair or []),
-            categories=[c.strip() for c in categories.split(",")] if categories else None,
-            rounds=rounds, probe_every=probe_every, probe_repeats=probe_repeats, user_probe=user_probe,
-            ablation=ablation, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            greedy=greedy, seed=seed, dtype=dtype, device=device, span=span, steer=steer or [],
-            persona_file=str(persona_file) if persona_file else None, batch_size=batch_size,
-        )
-    except ValidationError as err:
-        first = err.errors()[0]
-        raise DriftlabError(f"Invalid option {first['loc'][0]}: {first['msg']}.") from None
+    sampling = build(Sampling, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy)
+    config = build(
+        SelfChatConfig, {"pair_ids": "--pair", "persona_file": "--persona-file"},
+        model=model, user_model=user_model, pairs=pairs, pair_ids=_pairs(pair or []),
+        categories=[c.strip() for c in categories.split(",")] if categories else None,
+        rounds=rounds, probe_every=probe_every, probe_repeats=probe_repeats, user_probe=user_probe,
+        ablation=ablation, sampling=sampling, seed=seed, dtype=dtype, device=device, span=span,
+        steer=steer or [], persona_file=str(persona_file) if persona_file else None, batch_size=batch_size,
+    )
     rundir = run_selfchat(config, str(out))
     typer.echo(f"records: {rundir.records_path}")
     if report and any(r["kind"] == "probe" for r in rundir.records()):

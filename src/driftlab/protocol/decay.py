@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from driftlab.attention.state import AttentionConfig
 from driftlab.chat.base import Conversation, Sampling
 from driftlab.errors import DriftlabError
+from driftlab.steering.interventions import Interventions, Trace
 
 
 @dataclass
@@ -91,30 +91,18 @@ def agent_conversation(system: str, a: list[str], b: list[str]) -> Conversation:
 
 
 def dialogs_from_run(run_dir: str | Path, max_dialogs: int | None = None) -> list[dict[str, Any]]:
-    """The complete agent-side dialogs of a saved run (condition 'persona')."""
+    """The agent-side dialogs of a saved run (condition 'persona'), each up to its last complete round."""
+    from driftlab.protocol.dialog import RECORDS, Dialog, pairs_from_manifest
     from driftlab.records.rundir import RunDir
 
     rd = RunDir(run_dir)
-    manifest, records = rd.read_manifest(), rd.records()
-    pairs = {p["pair"]: p for p in manifest["pairs"]}
-    personas = manifest["personas"]
-    turns: dict[tuple[int, int, str], str] = {
-        (r["pair"], r["round"], r["speaker"]): r["text"]
-        for r in records
-        if r["kind"] == "turn" and r["condition"] == "persona"
-    }
+    manifest = rd.read_manifest()
     out = []
-    for index, pair in sorted(pairs.items()):
-        a, b, r = [pair["starter"]], [], 1
-        while (index, r, "agent") in turns:
-            b.append(turns[(index, r, "agent")])
-            if (index, r + 1, "user") not in turns:
-                break
-            a.append(turns[(index, r + 1, "user")])
-            r += 1
-        if b:
-            out.append({"pair": index, "system": personas[pair["agent"]]["system_prompt"],
-                        "agent": pair["agent"], "a": a[: len(b)], "b": b})
+    for d in Dialog.from_records(pairs_from_manifest(manifest), ["persona"], rd.records(RECORDS)):
+        n = d.rounds_complete()
+        if n:
+            out.append({"pair": d.pair.index, "system": d.pair.agent.system_prompt, "agent": d.pair.agent.id,
+                        "a": [d.a[i] for i in range(1, n + 1)], "b": [d.b[i] for i in range(1, n + 1)]})
     if not out:
         raise DriftlabError(f"{run_dir} has no agent turns to replay.", hint="Run `driftlab run` first.")
     return out[:max_dialogs] if max_dialogs else out
@@ -125,14 +113,15 @@ def fresh_dialogs(backend, pairs: int, rounds: int, max_new_tokens: int, seed: i
     from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
 
     cfg = SelfChatConfig(model=backend.name, pairs=pairs, rounds=rounds, probe_every=rounds + 1,
-                         max_new_tokens=max_new_tokens, seed=seed)
+                         sampling=Sampling(max_new_tokens=max_new_tokens), seed=seed,
+                         span=backend.renderer.span_mode)
     rundir = SelfChat(cfg, str(out / "selfchat"), backend).run()
     return dialogs_from_run(rundir.path)
 
 
 def trace_dialogs(backend, dialogs: list[dict[str, Any]], batch_size: int = 4) -> DecayTrace:
     """Replay dialogs teacher-forced with pi tracing; keep the positions generating agent tokens."""
-    config = AttentionConfig(trace=True, trace_prefill=True)
+    trace = Interventions(items=(Trace(prefill=True),))
     rows: dict[str, list] = {"pi": [], "dialog": [], "round": [], "step": [], "position": []}
     systems = []
     for start in range(0, len(dialogs), batch_size):
@@ -145,8 +134,8 @@ def trace_dialogs(backend, dialogs: list[dict[str, Any]], batch_size: int = 4) -
             spans.append({"system": [rendered.system_span]} if rendered.system_span else {})
             turn_spans.append([s for s in backend.renderer.turn_spans(conv, backend.eos_ids) if s is not None])
             systems.append(rendered.system_span)
-        replies = backend.generate(prompts, Sampling(greedy=True, max_new_tokens=1), attention=config,
-                                   spans=spans, cache_store=[False] * len(chunk))
+        replies = backend.generate_tokens(prompts, Sampling(greedy=True, max_new_tokens=1), interventions=trace,
+                                          spans=spans, cache_store=[False] * len(chunk))
         for j, (reply, tspans) in enumerate(zip(replies, turn_spans, strict=True)):
             pre = reply.trace["prefill"].numpy()  # [T, L, H]; pi at query p predicts token p+1
             for rnd, (s, e) in enumerate(tspans, start=1):

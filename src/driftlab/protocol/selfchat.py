@@ -8,7 +8,9 @@ persona?). Probe replies never enter the dialog.
 
 Every generation has its own seed, derived from (run seed, pair, condition, round, what,
 repeat), so results do not depend on how work is batched, and a resumed run continues
-exactly where the killed one stopped.
+exactly where the killed one stopped: it continues the plan recorded in its manifest
+(pairs, personas, starters as they were), recomputes exactly the records that are
+missing, in dependency order, and never writes one twice.
 
 Schedule, per round i, batched over all conversations:
     user call    a_i for every dialog (i >= 2; a_1 is the starter)
@@ -18,25 +20,25 @@ Schedule, per round i, batched over all conversations:
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from driftlab.assets.registry import DEFAULT_MODEL
-from driftlab.bench import STARTERS, Persona, get_persona, load_personas
-from driftlab.chat.base import ChatBackend, Conversation, Sampling
+from driftlab.bench import STARTERS, get_persona, load_personas
+from driftlab.bench.personas import Persona
+from driftlab.chat.base import MAX_SEED, ChatBackend, ChatRequest, Conversation, Sampling
+from driftlab.chat.factory import BackendSpec, Dtype, SpanMode, make_backend
 from driftlab.errors import DriftlabError
-from driftlab.records.rundir import RunDir, record_key
-
-Condition = Literal["persona", "empty-user"]
-
-# How the reference implementation (likenneth/persona_drift) shows the user LM the first
-# exchange, so the user LM's own dialog starts with a user turn as chat templates expect.
-FOLD_TEMPLATE = 'In the last round, you asked me: "{a}" and I answered: "{b}"'
+from driftlab.protocol.dialog import RECORDS, Dialog, Pair, ProbeRecord, TurnRecord, pairs_from_manifest
+from driftlab.protocol.registry import register
+from driftlab.records.rundir import RunDir
+from driftlab.steering.interventions import Interventions
 
 
 class SelfChatConfig(BaseModel):
@@ -44,29 +46,28 @@ class SelfChatConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = DEFAULT_MODEL
+    model: str = Field(DEFAULT_MODEL, min_length=1)
     user_model: str | None = Field(None, description="a different model for the user LM; default: same as model")
     pairs: int = Field(10, ge=0, description="random (agent, user) persona pairs to draw")
     pair_ids: list[tuple[str, str]] = Field(default_factory=list, description="explicit (agent, user) pairs")
     categories: list[str] | None = Field(None, description="draw agent personas from these categories only")
-    rounds: int = Field(8, ge=1)
+    rounds: int = Field(8, ge=1, le=1000)
     probe_every: int = Field(1, ge=1, description="probe rounds i with i % probe_every == 0")
-    probe_repeats: int = Field(1, ge=1)
+    probe_repeats: int = Field(1, ge=1, le=1000)
     user_probe: bool = False
     ablation: bool = Field(False, description="also run every pair with an empty user system prompt")
     fold_first_exchange: bool = True
-    max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(0.9, gt=0.0, le=1.0)
-    greedy: bool = False
-    seed: int = 0
-    dtype: str = "auto"
+    sampling: Sampling = Sampling()
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="run seed: pairs, starters and every sample derive from it")
+    dtype: Dtype = "auto"
     device: str = "auto"
-    span: str = "prefix"
-    steer: list[str] = Field(default_factory=list, description="agent-side interventions (--steer specs)")
+    span: SpanMode = "prefix"
+    steer: list[str] = Field(default_factory=list, description="agent-side interventions, normalised --steer specs")
     persona_file: str | None = None
-    batch_size: int = Field(32, ge=1, description="most conversations per generate call")
-    ignore_eos: bool = Field(False, description="fixed-length turns of max_new_tokens (benchmarks)")
+    batch_size: int = Field(32, ge=1, le=4096, description="most conversations per generate call")
+
+    # Fields that may change between a run and its resume (they do not change results).
+    RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("device", "batch_size", "persona_file")
 
     @field_validator("categories")
     @classmethod
@@ -79,12 +80,14 @@ class SelfChatConfig(BaseModel):
                 raise ValueError(f"unknown categories {bad}; use {list(CATEGORIES)}")
         return v
 
+    @field_validator("steer")
+    @classmethod
+    def _normalise_steer(cls, v: list[str]) -> list[str]:
+        return Interventions.parse(v).specs()  # a bad spec raises its own one-line DriftlabError
+
     @property
-    def sampling(self) -> Sampling:
-        return Sampling(
-            max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-            greedy=self.greedy, seed=self.seed, ignore_eos=self.ignore_eos,
-        )
+    def interventions(self) -> Interventions:
+        return Interventions.parse(self.steer)
 
     @property
     def conditions(self) -> list[str]:
@@ -93,24 +96,25 @@ class SelfChatConfig(BaseModel):
     def probe_rounds(self) -> list[int]:
         return [i for i in range(1, self.rounds + 1) if i % self.probe_every == 0]
 
-    # Fields that must match to resume a run; the rest (device, batch size) may change.
-    RESUME_KEYS: ClassVar[tuple[str, ...]] = (
-        "model", "user_model", "pairs", "pair_ids", "categories", "rounds", "probe_every", "probe_repeats",
-        "user_probe", "ablation", "fold_first_exchange", "max_new_tokens", "temperature", "top_p", "greedy",
-        "seed", "dtype", "span", "steer", "persona_file", "ignore_eos",
-    )
+    def backend_spec(self, user: bool = False) -> BackendSpec:
+        model = (self.user_model or self.model) if user else self.model
+        return BackendSpec(model=model, dtype=self.dtype, device=self.device, span=self.span)
 
-
-@dataclass
-class Pair:
-    index: int
-    agent: Persona
-    user: Persona
-    starter: str
+    def check_inputs(self) -> None:
+        """Cheap checks of named data (persona ids, persona file) before anything is loaded or written."""
+        pool = load_personas(extra=self.persona_file)
+        agents = [p for p in pool if self.categories is None or p.category in self.categories]
+        for a, u in self.pair_ids:
+            get_persona(a, self.persona_file), get_persona(u, self.persona_file)
+        if self.pairs and not agents:
+            raise DriftlabError(f"No personas in categories {self.categories}.", hint="See `driftlab personas list`.")
+        if not self.pair_ids and not self.pairs:
+            raise DriftlabError("No persona pairs to run.", hint="Use --pairs N or --pair AGENT_ID:USER_ID.")
 
 
 def draw_pairs(config: SelfChatConfig) -> list[Pair]:
     """Explicit pairs first, then `pairs` random ones (agent from `categories`, user != agent)."""
+    config.check_inputs()
     extra = config.persona_file
     pool = load_personas(extra=extra)
     agents = [p for p in pool if config.categories is None or p.category in config.categories]
@@ -122,9 +126,14 @@ def draw_pairs(config: SelfChatConfig) -> list[Pair]:
         agent = rng.choice(agents)
         user = rng.choice([p for p in pool if p.id != agent.id])
         out.append(Pair(len(out), agent, user, rng.choice(STARTERS)))
-    if not out:
-        raise DriftlabError("No persona pairs to run.", hint="Use --pairs N or --pair AGENT_ID:USER_ID.")
     return out
+
+
+def input_hashes(config: SelfChatConfig) -> dict[str, str]:
+    """sha256 of the data a plan is drawn from, so a changed data set is noticed on resume."""
+    digest = lambda obj: hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()  # noqa: E731
+    pool = [p.model_dump() for p in load_personas(extra=config.persona_file)]
+    return {"personas": digest(pool), "starters": digest(list(STARTERS))}
 
 
 def item_seed(seed: int, *parts: Any) -> int:
@@ -133,35 +142,30 @@ def item_seed(seed: int, *parts: Any) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-@dataclass
-class Dialog:
-    """One conversation of the self-chat: a pair under a condition, with its turns so far."""
+def expected_counts(manifest: dict[str, Any]) -> dict[str, int]:
+    """How many turn and probe records a complete run of this manifest holds."""
+    cfg = manifest.get("config", {})
+    n_pairs = len(manifest.get("pairs", []))
+    rounds = int(cfg.get("rounds", 0))
+    reps = int(cfg.get("probe_repeats", 1))
+    n_probe_rounds = len(manifest.get("probe_rounds", []))
+    turns = probes = 0
+    for cond in manifest.get("conditions", []):
+        turns += n_pairs * (2 * rounds - 1)  # a_1 is the starter, not a record
+        targets = 2 if cfg.get("user_probe") and cond == "persona" else 1
+        probes += n_pairs * n_probe_rounds * reps * targets
+    return {"turn": turns, "probe": probes}
 
-    pair: Pair
-    condition: str
-    a: list[str] = field(default_factory=list)  # user LM turns a_1..a_n
-    b: list[str] = field(default_factory=list)  # agent turns b_1..b_n
 
-    def agent_view(self, round_: int, last_user: str) -> Conversation:
-        """What the agent sees at round i: [s_B, a_1, b_1, ..., a_{i-1}, b_{i-1}, last_user]."""
-        conv: Conversation = [{"role": "system", "content": self.pair.agent.system_prompt}]
-        for j in range(round_ - 1):
-            conv += [{"role": "user", "content": self.a[j]}, {"role": "assistant", "content": self.b[j]}]
-        conv.append({"role": "user", "content": last_user})
-        return conv
+register("selfchat", RECORDS, expected_counts)
 
-    def user_view(self, round_: int, fold: bool) -> Conversation:
-        """What the user LM sees before writing a_i (i >= 2): the dialog with roles swapped."""
-        conv: Conversation = []
-        if self.condition == "persona":
-            conv.append({"role": "system", "content": self.pair.user.system_prompt})
-        if fold:
-            conv.append({"role": "user", "content": FOLD_TEMPLATE.format(a=self.a[0], b=self.b[0])})
-        else:
-            conv += [{"role": "assistant", "content": self.a[0]}, {"role": "user", "content": self.b[0]}]
-        for j in range(1, round_ - 1):
-            conv += [{"role": "assistant", "content": self.a[j]}, {"role": "user", "content": self.b[j]}]
-        return conv
+
+def resume_guarantee(dtype: str) -> str:
+    """What a resumed run promises, by compute dtype (recorded in the manifest)."""
+    if dtype == "float32":
+        return "exact: a resumed run writes the records an uninterrupted run would (tested in float32)"
+    return (f"records written before the interruption are kept; in {dtype}, regenerated ones can differ from an "
+            "uninterrupted run's (a dialog prefix recomputed in one pass rounds differently than the cached one)")
 
 
 @dataclass
@@ -171,81 +175,87 @@ class Job:
     record: dict[str, Any]
     conversation: Conversation
     seed: int
-    backend: str  # "agent" or "user"
+    role: str  # "agent" or "user"
     keep_cache: bool
     score: Callable[[str], float] | None = None
 
 
 class SelfChat:
-    """Runs (or resumes) a self-chat experiment into a run directory."""
+    """Runs (or resumes) a self-chat experiment into a run directory, on given backends.
+
+    Backends are passed in (see `make_backend`), so a sweep reuses one loaded model for
+    every point. The agent backend must support the config's interventions.
+    """
 
     def __init__(
         self,
         config: SelfChatConfig,
-        out: str,
+        out: str | RunDir,
         agent: ChatBackend,
         user: ChatBackend | None = None,
         progress: bool = True,
     ) -> None:
         self.config = config
-        self.rundir = RunDir(out)
+        self.rundir = out if isinstance(out, RunDir) else RunDir(out)
         self.agent = agent
         self.user = user or agent
         self.progress = progress
-        from driftlab.steering import parse_steer
-
-        self.attention = parse_steer(config.steer)
-        if self.attention is not None and not hasattr(agent, "generate"):
-            raise DriftlabError(
-                "Attention interventions (--steer) need a local model.",
-                hint="Run the agent on a local Hugging Face model, or drop --steer.",
-            )
-
-    def plan(self) -> tuple[list[Pair], list[Dialog]]:
-        pairs = draw_pairs(self.config)
-        dialogs = [Dialog(p, c) for c in self.config.conditions for p in pairs]
-        return pairs, dialogs
+        self.interventions = config.interventions
+        agent.capabilities.require(agent.name, self.interventions)
 
     def run(self) -> RunDir:
         cfg = self.config
-        pairs, dialogs = self.plan()
+        with self.rundir.writing():
+            manifest = self._start()
+            pairs = pairs_from_manifest(manifest)
+            records = self.rundir.records(RECORDS)
+            done = {r.key for r in records}
+            dialogs = Dialog.from_records(pairs, manifest["conditions"], records)
+            total = sum(expected_counts(manifest).values()) - len(done)
+            with _Progress(self.progress, total) as bar:
+                for i in range(1, cfg.rounds + 1):
+                    # Dependency order: a_i needs rounds < i; b_i and the probes of round i need a_i.
+                    self._run_jobs([self._user_job(d, i) for d in dialogs if i > 1 and i not in d.a], dialogs, bar)
+                    agent_jobs = [self._agent_job(d, i) for d in dialogs if i not in d.b]
+                    agent_jobs += [self._probe_job(d, rec, persona) for d in dialogs
+                                   for rec, persona in self._probe_specs(d, i) if _key(rec) not in done]
+                    self._run_jobs(agent_jobs, dialogs, bar)
+            self.rundir.update_manifest(completed=True)
+        return self.rundir
+
+    def _start(self) -> dict[str, Any]:
+        """Write the manifest (new run) or check it (resume), before any generation."""
+        cfg = self.config
+        agent_meta = self.agent.describe()
+        max_ctx = agent_meta.get("max_context")
+        if max_ctx and cfg.sampling.max_new_tokens >= max_ctx:
+            raise DriftlabError(
+                f"--max-new-tokens {cfg.sampling.max_new_tokens} does not fit the model's context window "
+                f"of {max_ctx} tokens.", hint="Use far fewer tokens per turn; the dialog itself needs room too.",
+            )
+        hashes = input_hashes(cfg)
+        if self.rundir.exists():
+            manifest = self.rundir.start(cfg.model_dump(mode="json"), {}, cfg.RESUME_IGNORES)
+            changed = [k for k, v in hashes.items() if manifest.get("inputs", {}).get(k) != v]
+            if changed and self.progress:
+                from driftlab.console import err_console
+
+                err_console().print(
+                    f"note: the {' and '.join(changed)} changed since this run started; it continues with the "
+                    "plan recorded in its manifest.", highlight=False, markup=False)
+            return manifest
+        pairs = draw_pairs(cfg)
         plan = {
-            "pairs": [
-                {"pair": p.index, "agent": p.agent.id, "user": p.user.id, "starter": p.starter,
-                 "agent_category": p.agent.category, "user_category": p.user.category}
-                for p in pairs
-            ],
+            "pairs": [p.plan_entry() for p in pairs],
             "conditions": cfg.conditions,
             "probe_rounds": cfg.probe_rounds(),
             "personas": {p.id: p.model_dump() for pair in pairs for p in (pair.agent, pair.user)},
-            "models": {"agent": _model_meta(self.agent), "user": _model_meta(self.user)},
-            "attention": self.attention.model_dump() if self.attention else None,
+            "inputs": hashes,
+            "models": {"agent": agent_meta, "user": self.user.describe()},
+            "interventions": self.interventions.specs(),
+            "resume": resume_guarantee(agent_meta.get("dtype", "unknown")),
         }
-        self.rundir.start(cfg.model_dump(mode="json"), plan, cfg.RESUME_KEYS)
-        done = {record_key(r): r for r in self.rundir.records()}
-        for d in dialogs:
-            d.a.append(d.pair.starter)
-            for i in range(1, cfg.rounds + 1):
-                if (key := ("turn", d.pair.index, d.condition, i, "user")) in done and i > 1:
-                    d.a.append(done[key]["text"])
-                if (key := ("turn", d.pair.index, d.condition, i, "agent")) in done:
-                    d.b.append(done[key]["text"])
-
-        total = self._count_todo(dialogs, done)
-        with _Progress(self.progress, total) as bar:
-            for i in range(1, cfg.rounds + 1):
-                user_jobs = [self._user_job(d, i) for d in dialogs if i > 1 and len(d.a) < i]
-                self._run_jobs(user_jobs, dialogs, bar)
-                agent_jobs = [self._agent_job(d, i) for d in dialogs if len(d.b) < i]
-                agent_jobs += [
-                    self._probe_job(d, rec, persona)
-                    for d in dialogs
-                    for rec, persona in self._probe_specs(d, i)
-                    if record_key(rec) not in done
-                ]
-                self._run_jobs(agent_jobs, dialogs, bar)
-        self.rundir.update_manifest(completed=True)
-        return self.rundir
+        return self.rundir.start(cfg.model_dump(mode="json"), plan, cfg.RESUME_IGNORES)
 
     # -- jobs ----------------------------------------------------------------------------------
     def _base(self, d: Dialog, i: int) -> dict[str, Any]:
@@ -258,7 +268,7 @@ class SelfChat:
 
     def _agent_job(self, d: Dialog, i: int) -> Job:
         rec = {"kind": "turn", **self._base(d, i), "speaker": "agent"}
-        conv = d.agent_view(i, d.a[i - 1])
+        conv = d.agent_view(i, d.a[i])
         return Job(rec, conv, item_seed(self.config.seed, d.pair.index, d.condition, i, "agent"), "agent", True)
 
     def _probe_specs(self, d: Dialog, i: int) -> list[tuple[dict[str, Any], Persona]]:
@@ -284,50 +294,30 @@ class SelfChat:
         size = self.config.batch_size
         for start in range(0, len(jobs), size):
             chunk = jobs[start : start + size]
-            backend = self.user if chunk[0].backend == "user" else self.agent
-            extra: dict[str, Any] = {}
-            if hasattr(backend, "generate"):
-                extra["cache_store"] = [j.keep_cache for j in chunk]
-                if chunk[0].backend == "agent" and self.attention is not None:
-                    extra["attention"] = self.attention
-            replies = backend.chat(
-                [j.conversation for j in chunk], self.config.sampling, seeds=[j.seed for j in chunk], **extra
+            agent_side = chunk[0].role == "agent"
+            request = ChatRequest(
+                [j.conversation for j in chunk], self.config.sampling, seeds=[j.seed for j in chunk],
+                interventions=self.interventions if agent_side else Interventions(),
+                cache_store=[j.keep_cache for j in chunk],
             )
+            replies = (self.agent if agent_side else self.user).generate(request)
             records = []
             for job, reply in zip(chunk, replies, strict=True):
-                rec = {**job.record, "text": reply.text, "n_tokens": reply.n_tokens,
-                       "finish_reason": reply.finish_reason, "seed": job.seed}
+                fields = {**job.record, "text": reply.text, "n_tokens": reply.n_tokens,
+                          "finish_reason": reply.finish_reason, "seed": job.seed}
                 if job.score is not None:
-                    rec["score"] = job.score(reply.text)
+                    records.append(ProbeRecord(**fields, score=job.score(reply.text)))
+                    continue
+                rec = TurnRecord(**fields)
                 records.append(rec)
-                d = by_key[(rec["pair"], rec["condition"])]
-                if rec["kind"] == "turn":
-                    (d.a if rec["speaker"] == "user" else d.b).append(reply.text)
+                d = by_key[(rec.pair, rec.condition)]
+                (d.a if rec.speaker == "user" else d.b)[rec.round] = reply.text
             self.rundir.append(records)
             bar.advance(len(chunk))
 
-    def _count_todo(self, dialogs: list[Dialog], done: dict) -> int:
-        cfg = self.config
-        n = 0
-        for d in dialogs:
-            n += (cfg.rounds - len(d.a)) + (cfg.rounds - len(d.b))
-            for i in cfg.probe_rounds():
-                n += sum(record_key(rec) not in done for rec, _ in self._probe_specs(d, i))
-        return n
 
-
-def _model_meta(backend: ChatBackend) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": getattr(backend, "name", type(backend).__name__)}
-    model = getattr(backend, "model", None)
-    if model is not None:
-        meta.update(path=str(getattr(backend, "path", "")), dtype=str(model.dtype).replace("torch.", ""),
-                    device=str(model.device), architecture=type(model).__name__)
-        from driftlab.assets import pulled_info
-
-        info = pulled_info(meta["name"]) if "/" not in meta["name"] else None
-        if info:
-            meta["preset"] = info
-    return meta
+def _key(rec: dict[str, Any]) -> tuple:
+    return ("probe", rec["pair"], rec["condition"], rec["round"], rec["target"], rec["repeat"])
 
 
 class _Progress:
@@ -367,12 +357,15 @@ class _Progress:
 
 
 def run_selfchat(config: SelfChatConfig, out: str, progress: bool = True) -> RunDir:
-    """Load the model(s) named in `config` and run the experiment into `out`."""
-    from driftlab.chat.hf import HFChatBackend
+    """Check inputs, lock the run directory, load the model(s) named in `config`, run into `out`.
 
-    agent = HFChatBackend(config.model, dtype=config.dtype, device=config.device, span_mode=config.span)
-    user = None
-    if config.user_model and config.user_model != config.model:
-        user = HFChatBackend(config.user_model, dtype=config.dtype, device=config.device, span_mode=config.span)
-    return SelfChat(config, out, agent, user, progress=progress).run()
-
+    The lock is taken before the (slow) model load, so a second process on the same `out`
+    fails at once instead of duplicating work; a failure before the manifest is written
+    leaves no directory behind.
+    """
+    config.check_inputs()
+    rundir = RunDir(out)
+    with rundir.writing():
+        agent = make_backend(config.backend_spec())
+        user = make_backend(config.backend_spec(user=True)) if config.user_model not in (None, config.model) else None
+        return SelfChat(config, rundir, agent, user, progress=progress).run()

@@ -26,7 +26,6 @@ from driftlab.report.metrics import (
     SUMMARY_COLUMNS,
     TARGET_LABELS,
     RunSummary,
-    expected_counts,
     summarize_run,
 )
 from driftlab.report.tables import CONDITION_LABELS, TextTable, category_table, fmt, round_table
@@ -76,6 +75,7 @@ def _model_line(meta: dict[str, Any] | None, fallback: str) -> str:
 def header_rows(manifest: dict[str, Any]) -> list[tuple[str, str]]:
     """(label, value) rows for the header: models, config, steering, versions, dates."""
     cfg = manifest.get("config", {})
+    cfg = {**cfg, **(cfg.get("sampling") or {})}  # format 2 nests sampling settings
     models = manifest.get("models") or {}
     rows = [("agent model", _model_line(models.get("agent"), cfg.get("model", "?")))]
     user_line = _model_line(models.get("user"), cfg.get("user_model") or cfg.get("model", "?"))
@@ -93,8 +93,6 @@ def header_rows(manifest: dict[str, Any]) -> list[tuple[str, str]]:
         ("config", ", ".join(f"{k}={cfg[k]}" for k in CONFIG_KEYS if k in cfg and cfg[k] is not None))
     )
     steer = ", ".join(cfg.get("steer") or []) or "none"
-    if manifest.get("attention"):
-        steer += f" · attention: {manifest['attention']}"
     rows.append(("steering", steer))
     rows.append(("versions", ", ".join(f"{k} {v}" for k, v in (manifest.get("versions") or {}).items())))
     rows.append(("created", str(manifest.get("created", "?"))))
@@ -104,12 +102,16 @@ def header_rows(manifest: dict[str, Any]) -> list[tuple[str, str]]:
 
 def progress(summary: RunSummary) -> dict[str, Any]:
     """Records present vs. expected, for the 'incomplete' banner."""
-    expected = expected_counts(summary.manifest)
+    from driftlab.protocol.registry import protocol_of
+
+    expected = protocol_of(summary.manifest).expected_counts(summary.manifest)
     present = {"turn": 0, "probe": 0}
     for r in summary.records:
         if r.get("kind") in present:
             present[r["kind"]] += 1
-    return {"complete": summary.manifest.get("completed") is True, "expected": expected, "present": present}
+    # A manifest marked completed whose records are short (lines removed or lost) is incomplete too.
+    complete = summary.manifest.get("completed") is True and all(present[k] >= n for k, n in expected.items())
+    return {"complete": complete, "expected": expected, "present": present}
 
 
 # -- transcripts ------------------------------------------------------------------------------

@@ -11,11 +11,13 @@ Two steps, both tidy pandas frames:
 
 Targets: "agent" is instruction stability f_B(b'_i | a_i = p_B); "user" is adoption of the
 user's persona f_A(b'_i | a_i = p_A). The CI resamples conversations with replacement
-(percentile bootstrap); with n < 2 it is undefined and reported as NaN, like the std.
+(BCa bootstrap, scipy.stats.bootstrap; percentile where BCa is undefined); with n < 2 it is
+undefined and reported as NaN, like the std.
 """
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -44,12 +46,18 @@ def bootstrap_mean_ci(
     rng: np.random.Generator | int | None = 0,
     chunk: int = 4_000_000,
 ) -> tuple[float, float]:
-    """Percentile bootstrap CI of the mean of `values` (NaNs dropped).
+    """BCa bootstrap CI of the mean of `values` (NaNs dropped), by `scipy.stats.bootstrap`.
 
-    Vectorised: each block of resamples is one (B, n) index matrix. Returns (nan, nan) for
-    n < 2, since one conversation says nothing about spread, and (c, c) for constant data.
-    `chunk` caps the index matrix (B * n entries) so large runs do not need large memory.
+    The wrapper handles what scipy does not: (nan, nan) for n < 2, since one conversation
+    says nothing about spread; (c, c) for constant data; and a percentile interval (from the
+    same resamples) where BCa is undefined (its jackknife is degenerate, e.g. binary data
+    with a single 1). The interval is clipped to [min, max] of the data against float noise.
+    `rng` seeds the resampling; `chunk` caps the entries (resamples x n) drawn at once.
     """
+    import warnings
+
+    from scipy import stats
+
     x = np.asarray(values, dtype=float)
     x = x[np.isfinite(x)]
     n = x.size
@@ -58,15 +66,34 @@ def bootstrap_mean_ci(
     if np.ptp(x) == 0:  # every resample mean is x[0]; skip the float noise of summing
         return (float(x[0]), float(x[0]))
     gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
-    per_block = max(1, chunk // n)
-    means = np.empty(n_resamples)
-    for start in range(0, n_resamples, per_block):
-        stop = min(n_resamples, start + per_block)
-        idx = gen.integers(0, n, size=(stop - start, n))
-        means[start:stop] = x[idx].mean(axis=1)
-    alpha = 1.0 - confidence
-    lo, hi = np.clip(np.quantile(means, [alpha / 2, 1 - alpha / 2]), x.min(), x.max())  # float noise
+    with warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):
+        warnings.simplefilter("ignore", stats.DegenerateDataWarning)  # NaN interval, handled below
+        res = stats.bootstrap(
+            (x,),
+            np.mean,
+            n_resamples=n_resamples,
+            batch=max(1, chunk // n),
+            vectorized=True,
+            confidence_level=confidence,
+            method="BCa",
+            **{_rng_keyword(): gen},
+        )
+    lo, hi = res.confidence_interval.low, res.confidence_interval.high
+    if not (np.isfinite(lo) and np.isfinite(hi)):  # BCa undefined: percentile of the same resamples
+        alpha = (1.0 - confidence) / 2
+        lo, hi = np.quantile(res.bootstrap_distribution, [alpha, 1 - alpha])
+    lo, hi = np.clip([lo, hi], x.min(), x.max())
     return (float(lo), float(hi))
+
+
+@functools.cache
+def _rng_keyword() -> str:
+    """scipy >= 1.15 takes `rng=`; older versions the (same-meaning, for a Generator) `random_state=`."""
+    import inspect
+
+    from scipy import stats
+
+    return "rng" if "rng" in inspect.signature(stats.bootstrap).parameters else "random_state"
 
 
 def _group_rng(seed: int, key: Iterable[Any]) -> np.random.Generator:
@@ -231,7 +258,9 @@ def summarize_run(run_dir: str | Path, n_resamples: int = N_RESAMPLES, seed: int
             f"{rd.path} does not exist.", hint="Give the --out directory of a `driftlab run`."
         )
     manifest = rd.read_manifest()
-    records = rd.records()
+    from driftlab.protocol.registry import protocol_of
+
+    records = [r.model_dump() for r in rd.records(protocol_of(manifest).records)]
     scores = probe_scores(records, manifest)
     if scores.empty:
         raise DriftlabError(
@@ -246,18 +275,3 @@ def summarize_run(run_dir: str | Path, n_resamples: int = N_RESAMPLES, seed: int
         per_round=summarize(scores, n_resamples=n_resamples, seed=seed),
         overall=summarize_overall(scores, n_resamples=n_resamples, seed=seed),
     )
-
-
-def expected_counts(manifest: dict[str, Any]) -> dict[str, int]:
-    """How many turn and probe records a complete run of this manifest holds."""
-    cfg = manifest.get("config", {})
-    n_pairs = len(manifest.get("pairs", []))
-    rounds = int(cfg.get("rounds", 0))
-    reps = int(cfg.get("probe_repeats", 1))
-    n_probe_rounds = len(manifest.get("probe_rounds", []))
-    turns = probes = 0
-    for cond in manifest.get("conditions", []):
-        turns += n_pairs * (2 * rounds - 1)  # a_1 is the starter, not a record
-        targets = 2 if cfg.get("user_probe") and cond == "persona" else 1
-        probes += n_pairs * n_probe_rounds * reps * targets
-    return {"turn": turns, "probe": probes}

@@ -5,18 +5,19 @@ by showing that LLaMA2-7B-chat's embedding rows have norms concentrated around 1
 given model has *concentrated* norms (small coefficient of variation) is the property that
 matters: a common scale can be absorbed into W_ov, a wide spread cannot.
 
-We read only the embedding tensor from the safetensors file(s) — no torch, no model load.
-numpy has no bfloat16, and `safe_open(framework="numpy")` refuses bf16 tensors, so we use
-safe_open to discover keys, dtype and shape, and memory-map the raw bytes at the offsets in
-the file header (bf16 -> float32 is a 16-bit left shift).
+We read only the embedding tensor from the safetensors file(s), never the model: through
+`safetensors.safe_open(framework="pt")` and its lazy `get_slice`, a block of rows at a time.
+The torch framework because numpy has no bfloat16 (`framework="np"` refuses bf16 tensors);
+each block is upcast to float64 before the norm. safetensors validates the header (and that
+it covers the whole file) on open; its errors become DriftlabErrors naming the file.
 """
 
 from __future__ import annotations
 
-import json
-import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ EMBED_SUFFIXES = (
     "embedding.weight",
 )
 
-_DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "BF16": np.uint16}
+_DTYPES = ("F32", "F64", "F16", "BF16")  # the float types we read (safetensors dtype names)
 
 
 def resolve_model_dir(name_or_path: str) -> Path:
@@ -52,6 +53,8 @@ def resolve_model_dir(name_or_path: str) -> Path:
 
 
 def _safetensors_files(path: Path) -> list[Path]:
+    if not path.exists():
+        raise DriftlabError(f"{path} does not exist.", hint="Check the --model path.")
     if path.is_file():
         return [path]
     files = sorted(path.glob("*.safetensors"))
@@ -64,13 +67,30 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+@contextmanager
+def _open(file: Path):
+    """safe_open(file) whose failures (missing, truncated, not safetensors) are DriftlabErrors."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except FileNotFoundError as exc:
+        raise DriftlabError(f"{file} does not exist.", hint="Check the --model path.") from exc
+    except (SafetensorError, OSError) as exc:
+        raise DriftlabError(
+            f"{file} is not a readable safetensors file ({exc}).",
+            hint="The file may be truncated (an interrupted download) or in another format; "
+            "download or convert it again.",
+        ) from exc
+    with handle as st:
+        yield st
+
+
 def find_embedding(path: Path) -> tuple[Path, str]:
     """(file, key) of the input-embedding matrix: by suffix, in shard order."""
-    from safetensors import safe_open
-
     keys: dict[str, Path] = {}
     for f in _safetensors_files(path):
-        with safe_open(str(f), framework="numpy") as st:
+        with _open(f) as st:
             for k in st.keys():
                 keys[k] = f
     for suffix in EMBED_SUFFIXES:
@@ -85,39 +105,46 @@ def find_embedding(path: Path) -> tuple[Path, str]:
     )
 
 
-def _raw_tensor(file: Path, key: str) -> tuple[np.ndarray, str]:
-    """Memory-mapped tensor bytes as a numpy array (bf16 kept as uint16), plus the dtype name."""
-    with open(file, "rb") as fh:
-        (header_len,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(header_len))
-    info = header[key]
-    dtype = info["dtype"]
+def _tensor_slice(st: Any, file: Path, key: str) -> tuple[Any, str, list[int]]:
+    """The lazy slice of `key` in an open file, its dtype name and shape (DriftlabError if absent)."""
+    if key not in st.keys():
+        sample = ", ".join(sorted(st.keys())[:8])
+        raise DriftlabError(f"No tensor {key!r} in {file.name}.", hint=f"Keys start with: {sample}")
+    sl = st.get_slice(key)
+    dtype = sl.get_dtype()
     if dtype not in _DTYPES:
         raise DriftlabError(
             f"Unsupported embedding dtype {dtype} in {file.name}.",
             hint="Use a float32/float16/bfloat16 checkpoint.",
         )
-    begin, end = info["data_offsets"]
-    count = int(np.prod(info["shape"]))
-    arr = np.memmap(file, dtype=_DTYPES[dtype], mode="r", offset=8 + header_len + begin, shape=(count,))
-    if arr.nbytes != end - begin:  # pragma: no cover - corrupt file
-        raise DriftlabError(f"Tensor {key} in {file.name} has inconsistent offsets.")
-    return arr.reshape(info["shape"]), dtype
+    return sl, dtype, list(sl.get_shape())
 
 
-def embedding_norms(path: Path, chunk: int = 8192) -> tuple[np.ndarray, str, str]:
-    """L2 norms of all embedding rows (float64), the tensor key and its dtype."""
-    file, key = find_embedding(path)
-    raw, dtype = _raw_tensor(file, key)
-    if raw.ndim != 2:
-        raise DriftlabError(f"Embedding tensor {key} has shape {raw.shape}, expected 2-D.")
-    norms = np.empty(raw.shape[0])
-    for start in range(0, raw.shape[0], chunk):
-        block = np.asarray(raw[start : start + chunk])
-        if dtype == "BF16":
-            block = (block.astype(np.uint32) << 16).view(np.float32)
-        norms[start : start + chunk] = np.linalg.norm(block.astype(np.float64), axis=1)
+def embedding_norms(path: Path, chunk: int = 8192, key: str | None = None) -> tuple[np.ndarray, str, str]:
+    """L2 norms of all embedding rows (float64), the tensor key and its dtype.
+
+    `key` names the tensor (in a single file, or the first shard holding it); by default
+    it is found by suffix (`find_embedding`).
+    """
+    if key is None:
+        file, key = find_embedding(path)
+    else:
+        files = _safetensors_files(path)
+        file = next((f for f in files if _has_key(f, key)), files[0])  # absent: error names files[0]
+    with _open(file) as st:
+        sl, dtype, shape = _tensor_slice(st, file, key)
+        if len(shape) != 2:
+            raise DriftlabError(f"Embedding tensor {key} has shape {tuple(shape)}, expected 2-D.")
+        norms = np.empty(shape[0])
+        for start in range(0, shape[0], chunk):
+            block = sl[start : start + chunk].double().numpy()  # bf16/f16/f32 -> f64 exactly
+            norms[start : start + chunk] = np.linalg.norm(block, axis=1)
     return norms, key, dtype
+
+
+def _has_key(file: Path, key: str) -> bool:
+    with _open(file) as st:
+        return key in st.keys()
 
 
 @dataclass

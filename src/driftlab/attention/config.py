@@ -1,0 +1,94 @@
+"""What the attention engine is asked to do, as data: head selections and AttentionConfig.
+
+No torch here, so parsing `--steer` and validating configs stays cheap; the per-call
+tensors live in `driftlab.attention.state`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from driftlab.errors import DriftlabError
+
+Span = tuple[int, int]
+# (layer, head) pairs; head None = every head of that layer. None instead of a tuple = everywhere.
+Heads = tuple[tuple[int, int | None], ...] | None
+
+
+def parse_heads(spec: str | None) -> Heads:
+    """Parse a head selection: 'all', '3' (layer 3), '3.1' (layer 3 head 1), '0-5', '2.0,7.3'.
+
+    Parts may also be joined with '+' ('0-5+7.2'), the form `--steer` documents, since ','
+    separates its keys there.
+    """
+    if spec is None or spec.strip().lower() in ("", "all", "*"):
+        return None
+    out: list[tuple[int, int | None]] = []
+    for part in re.split(r"[,+\s;]+", spec.strip()):
+        if not part:
+            continue
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?(?:\.(\d+))?", part)
+        if not m:
+            raise DriftlabError(
+                f"Cannot read head selection '{part}'.",
+                hint="Use 'all', a layer '3', a layer range '0-5', or layer.head pairs like '3.1+7.0'.",
+            )
+        lo, hi, head = int(m[1]), int(m[2] or m[1]), m[3]
+        if hi < lo:
+            raise DriftlabError(f"Layer range '{part}' is empty.", hint="Write ranges low-high, e.g. '0-5'.")
+        out.extend((layer, int(head) if head is not None else None) for layer in range(lo, hi + 1))
+    return tuple(out)
+
+
+def heads_spec(heads: Heads) -> str:
+    """The text form of a head selection that `parse_heads` reads back ('all', '3+5.1')."""
+    if heads is None:
+        return "all"
+    return "+".join(f"{layer}" if head is None else f"{layer}.{head}" for layer, head in heads)
+
+
+class AttentionConfig(BaseModel):
+    """What the attention engine does on one call (compiled from `Interventions`).
+
+    * `split_k` < 1 turns on split-softmax (seed 000 Eq. 6-7) on `split_heads`.
+    * `bias` != 0 adds that value to the attention logits of the `bias_span` keys (or of
+      every other key when `bias_invert`) on `bias_heads`: InstABoost boosts the
+      instruction keys everywhere; PASTA adds log(alpha) to the non-emphasised keys on
+      profiled heads.
+    * `trace` records pi, the attention mass on the system keys, per layer and head.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    trace: bool = False
+    trace_prefill: bool = False
+    split_k: float = Field(1.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    split_heads: Heads = None
+    bias: float = Field(0.0, allow_inf_nan=False)
+    bias_span: str = "system"
+    bias_invert: bool = False
+    bias_heads: Heads = None
+
+    @field_validator("split_heads", "bias_heads", mode="before")
+    @classmethod
+    def _parse_heads(cls, v):
+        return parse_heads(v) if isinstance(v, str) or v is None else tuple(tuple(x) for x in v)
+
+    @property
+    def splits(self) -> bool:
+        return self.split_k != 1.0
+
+    @property
+    def biases(self) -> bool:
+        return self.bias != 0.0
+
+    @property
+    def changes_outputs(self) -> bool:
+        """True if hidden states differ from the plain model (tracing alone does not)."""
+        return self.splits or self.biases
+
+    @property
+    def active(self) -> bool:
+        return self.trace or self.changes_outputs

@@ -1,0 +1,137 @@
+"""The self-chat's data: persona pairs, typed records, and dialogs rebuilt from records.
+
+Every consumer of a self-chat run (resume, attention-decay replay, the HTML report) gets
+its dialogs from `Dialog.from_records`, so there is one reading of what a run contains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from driftlab.bench import Persona, get_persona
+from driftlab.chat.base import Conversation
+
+Condition = Literal["persona", "empty-user"]
+
+# How the reference implementation (likenneth/persona_drift) shows the user LM the first
+# exchange, so the user LM's own dialog starts with a user turn as chat templates expect.
+FOLD_TEMPLATE = 'In the last round, you asked me: "{a}" and I answered: "{b}"'
+
+
+class _Record(BaseModel):
+    # extra="allow": a newer driftlab may add fields; readers keep them.
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    pair: int = Field(ge=0)
+    condition: Condition
+    round: int = Field(ge=1)
+    text: str
+    n_tokens: int = Field(ge=0)
+    finish_reason: Literal["stop", "length"]
+    seed: int | None = None
+
+
+class TurnRecord(_Record):
+    """A dialog turn: the user LM's a_i (i >= 2; a_1 is the starter) or the agent's b_i."""
+
+    kind: Literal["turn"] = "turn"
+    speaker: Literal["user", "agent"]
+
+    @property
+    def key(self) -> tuple:
+        return ("turn", self.pair, self.condition, self.round, self.speaker)
+
+
+class ProbeRecord(_Record):
+    """A probe reply b'_i and its score by the probed persona's measure (never part of the dialog)."""
+
+    kind: Literal["probe"] = "probe"
+    target: Literal["agent", "user"]
+    persona: str
+    repeat: int = Field(ge=0)
+    score: float | None = Field(None, ge=0.0, le=1.0)
+
+    @property
+    def key(self) -> tuple:
+        return ("probe", self.pair, self.condition, self.round, self.target, self.repeat)
+
+
+SelfChatRecord = Annotated[Union[TurnRecord, ProbeRecord], Field(discriminator="kind")]  # noqa: UP007
+RECORDS: TypeAdapter = TypeAdapter(SelfChatRecord)
+
+
+@dataclass
+class Pair:
+    index: int
+    agent: Persona
+    user: Persona
+    starter: str
+
+    def plan_entry(self) -> dict[str, Any]:
+        return {"pair": self.index, "agent": self.agent.id, "user": self.user.id, "starter": self.starter,
+                "agent_category": self.agent.category, "user_category": self.user.category}
+
+
+def pairs_from_manifest(manifest: dict[str, Any]) -> list[Pair]:
+    """The pairs a run was planned with, personas as recorded (not as the data is today)."""
+    recorded = {pid: Persona.model_validate(p) for pid, p in (manifest.get("personas") or {}).items()}
+    persona = lambda pid: recorded.get(pid) or get_persona(pid)  # noqa: E731
+    return [Pair(p["pair"], persona(p["agent"]), persona(p["user"]), p["starter"]) for p in manifest.get("pairs", [])]
+
+
+@dataclass
+class Dialog:
+    """One conversation of the self-chat: a pair under a condition, its turns keyed by round.
+
+    `a[i]` is the user LM's turn of round i (a[1] is the starter), `b[i]` the agent's reply.
+    Keyed, not listed, so a missing record in the middle stays a hole to fill, never a shift.
+    """
+
+    pair: Pair
+    condition: str
+    a: dict[int, str] = field(default_factory=dict)
+    b: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.a.setdefault(1, self.pair.starter)
+
+    @classmethod
+    def from_records(cls, pairs: Iterable[Pair], conditions: Iterable[str], records: Iterable[Any]) -> list[Dialog]:
+        """One dialog per (condition, pair), in that order, filled with the turn records."""
+        dialogs = {(c, p.index): cls(p, c) for c in conditions for p in pairs}
+        for r in records:
+            if r.kind == "turn" and (d := dialogs.get((r.condition, r.pair))) is not None:
+                (d.a if r.speaker == "user" else d.b)[r.round] = r.text
+        return list(dialogs.values())
+
+    def rounds_complete(self) -> int:
+        """n such that rounds 1..n all have both turns (the dialog prefix that can be replayed)."""
+        n = 0
+        while n + 1 in self.a and n + 1 in self.b:
+            n += 1
+        return n
+
+    def agent_view(self, round_: int, last_user: str) -> Conversation:
+        """What the agent sees at round i: [s_B, a_1, b_1, ..., a_{i-1}, b_{i-1}, last_user]."""
+        conv: Conversation = [{"role": "system", "content": self.pair.agent.system_prompt}]
+        for j in range(1, round_):
+            conv += [{"role": "user", "content": self.a[j]}, {"role": "assistant", "content": self.b[j]}]
+        conv.append({"role": "user", "content": last_user})
+        return conv
+
+    def user_view(self, round_: int, fold: bool) -> Conversation:
+        """What the user LM sees before writing a_i (i >= 2): the dialog with roles swapped."""
+        conv: Conversation = []
+        if self.condition == "persona":
+            conv.append({"role": "system", "content": self.pair.user.system_prompt})
+        if fold:
+            conv.append({"role": "user", "content": FOLD_TEMPLATE.format(a=self.a[1], b=self.b[1])})
+        else:
+            conv += [{"role": "assistant", "content": self.a[1]}, {"role": "user", "content": self.b[1]}]
+        for j in range(2, round_):
+            conv += [{"role": "assistant", "content": self.a[j]}, {"role": "user", "content": self.b[j]}]
+        return conv

@@ -1,0 +1,227 @@
+"""Inference-time interventions as one typed value: `Interventions`.
+
+Each intervention is a small pydantic model that says where it acts (its `hook`):
+
+* `conversation` — edits what the model is shown (e.g. system-prompt repetition); works
+  on every backend, local or remote;
+* `attention` — changes or reads attention inside the model (split-softmax, key bias,
+  InstABoost, tracing); needs a backend with the driftlab attention engine;
+* `logits` — mixes next-token distributions (e.g. classifier-free guidance).
+
+`Interventions` composes several of them (one per kind), is parsed from the `--steer`
+text grammar with one-line errors, prints back a normalised spec (what manifests store),
+and has a `fingerprint` of whatever changes outputs (the prefix-cache key: KV computed
+under an intervention is only reused under the same one). Backends declare which kinds
+they support (`Capabilities`); measures never see any of this (solver/scorer split).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Annotated, ClassVar, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from driftlab.attention.config import AttentionConfig, Heads, heads_spec, parse_heads
+from driftlab.errors import DriftlabError
+
+Hook = Literal["conversation", "attention", "logits"]
+_FINITE = Field(allow_inf_nan=False)
+
+
+class _Intervention(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    hook: ClassVar[Hook]
+    form: ClassVar[str]  # how to write it, shown in errors and --help
+    changes_outputs: ClassVar[bool] = True
+
+    def spec(self) -> str:
+        """Normalised text form: every field, in declaration order (stable across runs)."""
+        parts = []
+        for name in type(self).model_fields:
+            if name == "kind":
+                continue
+            value = getattr(self, name)
+            if name == "heads":
+                value = heads_spec(value)
+            elif isinstance(value, bool):
+                value = str(value).lower()
+            parts.append(f"{name}={value}")
+        return f"{self.kind}:{','.join(parts)}" if parts else self.kind
+
+    def attention_fields(self) -> dict:
+        """The AttentionConfig fields this intervention sets (attention hook only)."""
+        return {}
+
+
+class _WithHeads(_Intervention):
+    @field_validator("heads", mode="before", check_fields=False)
+    @classmethod
+    def _parse_heads(cls, v):
+        return parse_heads(v) if isinstance(v, str) or v is None else tuple(tuple(x) for x in v)
+
+
+class SplitSoftmax(_WithHeads):
+    """Split-softmax (seed 000 Eq. 6-7): the system prompt keeps pi^k of the attention mass."""
+
+    kind: Literal["split-softmax"] = "split-softmax"
+    k: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+    heads: Heads = None
+    hook: ClassVar[Hook] = "attention"
+    form: ClassVar[str] = "split-softmax:k=0.9[,heads=0-5+7.2]"
+
+    def attention_fields(self) -> dict:
+        return {"split_k": self.k, "split_heads": self.heads}
+
+
+class KeyBias(_WithHeads):
+    """An additive logit bias on the keys of a span (or on every other key with `invert`)."""
+
+    kind: Literal["bias"] = "bias"
+    value: Annotated[float, _FINITE]
+    span: str = "system"
+    invert: bool = False
+    heads: Heads = None
+    hook: ClassVar[Hook] = "attention"
+    form: ClassVar[str] = "bias:value=2.0[,span=system][,invert=true][,heads=3+5.1]"
+
+    def attention_fields(self) -> dict:
+        return {"bias": self.value, "bias_span": self.span, "bias_invert": self.invert, "bias_heads": self.heads}
+
+
+class InstABoost(_Intervention):
+    """InstABoost (Guardieiro et al., 2025): multiply the attention weights of the instruction
+    (system) keys by m in every layer and head and renormalise, i.e. add log m to their logits."""
+
+    kind: Literal["instaboost"] = "instaboost"
+    m: Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+    hook: ClassVar[Hook] = "attention"
+    form: ClassVar[str] = "instaboost:m=5"
+
+    def attention_fields(self) -> dict:
+        return {"bias": math.log(self.m), "bias_span": "system"}
+
+
+class Trace(_Intervention):
+    """Record pi, the attention mass on the system prompt, per layer and head (changes nothing)."""
+
+    kind: Literal["trace"] = "trace"
+    prefill: bool = False
+    hook: ClassVar[Hook] = "attention"
+    form: ClassVar[str] = "trace[:prefill=true]"
+    changes_outputs: ClassVar[bool] = False
+
+    def attention_fields(self) -> dict:
+        return {"trace": True, "trace_prefill": self.prefill}
+
+
+Intervention = Annotated[Union[SplitSoftmax, KeyBias, InstABoost, Trace], Field(discriminator="kind")]  # noqa: UP007
+KINDS: dict[str, type[_Intervention]] = {c.model_fields["kind"].default: c for c in (SplitSoftmax, KeyBias, InstABoost, Trace)}
+_ADAPTER: TypeAdapter = TypeAdapter(Intervention)
+
+
+class Interventions(BaseModel):
+    """A composition of interventions, at most one of each kind (order does not matter)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    items: tuple[Intervention, ...] = ()
+
+    @model_validator(mode="after")
+    def _compatible(self) -> Interventions:
+        kinds = [i.kind for i in self.items]
+        for kind in sorted(set(kinds)):
+            if kinds.count(kind) > 1:
+                raise ValueError(f"--steer {kind} is given {kinds.count(kind)} times; give it once")
+        if "bias" in kinds and "instaboost" in kinds:
+            raise ValueError("bias and instaboost both set the key bias; use one of them")
+        # Canonical order, so equal compositions compare (and fingerprint) equal.
+        object.__setattr__(self, "items", tuple(sorted(self.items, key=lambda i: i.kind)))
+        return self
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def parse(cls, specs: Sequence[str] | None) -> Interventions:
+        """Read `--steer` specs (`NAME[:key=value,...]`), each validated with a one-line error."""
+        items = [_parse_one(s) for s in specs or []]
+        try:
+            return cls(items=tuple(items))
+        except ValidationError as err:
+            raise DriftlabError(_first_error(err)) from None
+
+    # -- what backends and protocols ask ---------------------------------------------------
+    @property
+    def kinds(self) -> frozenset[str]:
+        return frozenset(i.kind for i in self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def by_hook(self, hook: Hook) -> tuple[_Intervention, ...]:
+        return tuple(i for i in self.items if i.hook == hook)
+
+    def specs(self) -> list[str]:
+        """Normalised specs (recorded in manifests; `Interventions.parse(x.specs()) == x`)."""
+        return [i.spec() for i in self.items]
+
+    def fingerprint(self) -> str:
+        """Identity of everything that changes outputs ('' = plain model): the prefix-cache key."""
+        return ";".join(i.spec() for i in self.items if i.changes_outputs)
+
+    def attention(self) -> AttentionConfig | None:
+        """The attention engine's per-call config, or None when no attention hook is set."""
+        fields: dict = {}
+        for item in self.by_hook("attention"):
+            fields.update(item.attention_fields())
+        return AttentionConfig(**fields) if fields else None
+
+    def without(self, *kinds: str) -> Interventions:
+        return Interventions(items=tuple(i for i in self.items if i.kind not in kinds))
+
+
+def _parse_one(spec: str) -> _Intervention:
+    name, _, body = spec.strip().partition(":")
+    name = name.strip().lower()
+    if name not in KINDS:
+        raise DriftlabError(
+            f"Unknown intervention '{name}' in --steer {spec!r}.",
+            hint="Known: " + "; ".join(c.form for c in KINDS.values()),
+        )
+    form = KINDS[name].form
+    fields: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in body.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip().lower()
+        if not sep or not key or not value.strip():
+            raise DriftlabError(f"Cannot read '{part}' in --steer {spec!r}.", hint=f"Write it as {form}.")
+        if key == "kind" or key in fields:
+            raise DriftlabError(f"--steer {spec!r} sets '{key}' twice." if key in fields else
+                                f"--steer {spec!r}: 'kind' is not a setting.", hint=f"Write it as {form}.")
+        fields[key] = value.strip()
+    try:
+        return _ADAPTER.validate_python({"kind": name, **fields})
+    except ValidationError as err:
+        raise DriftlabError(f"--steer {spec!r}: {_first_error(err, fields)}", hint=f"Write it as {form}.") from None
+
+
+def _first_error(err: ValidationError, given: dict[str, str] | None = None) -> str:
+    e = err.errors()[0]
+    key = next((str(p) for p in reversed(e["loc"]) if isinstance(p, str) and p in (given or {})), None)
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "extra_forbidden":
+        return f"unknown setting '{e['loc'][-1]}'."
+    if e["type"] == "missing":
+        return f"'{e['loc'][-1]}' is required."
+    if key is not None:
+        return f"{key}={given[key]}: {msg[0].lower() + msg[1:]}."
+    return msg[0].upper() + msg[1:] + "."

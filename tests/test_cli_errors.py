@@ -1,0 +1,357 @@
+"""Bad input as a user meets it, through the real `driftlab` entry point.
+
+Every case must: exit with code 2, print one "Error: ..." line (and at most one "Hint: ..."
+line) on stderr and nothing on stdout, show no traceback, and change nothing on disk (the
+case's scratch directory, which is also its working directory, and the model cache).
+
+To add a case, append a `Case` row to CASES. `argv`, `env` values and `stdin` may use these
+placeholders, filled from the case's scratch directory:
+
+    {ws}             the scratch directory (also the working directory)
+    {bad_utf8}       a persona file (.jsonl) written in Latin-1, not UTF-8
+    {cache_file}     a regular file (to point DRIFTLAB_CACHE at)
+    {ro_dir}         a directory nobody can write to (case skipped where none exists)
+    {corrupt_model}  a copy of the default model whose model.safetensors is truncated
+                     (only for `model=True` cases: it needs the pulled model)
+
+Unless a case sets it, DRIFTLAB_CACHE is `{ws}/cache` (which must stay absent) for fast cases
+and the real cache for `model=True` cases; pip is pointed at a dead index, so no case can
+reach the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from conftest import linked_copy
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    argv: tuple[str, ...]
+    expect: tuple[str, ...]  # substrings of the "Error:" line (whitespace-normalised)
+    env: Mapping[str, str] = field(default_factory=dict)
+    hint: str | None = None  # substring of the "Hint:" line, if one is expected
+    stdin: bytes | None = None
+    model: bool = False  # needs the pulled default model (or loads one): marked `model`
+    xfail: str | None = None  # a known gap: the reason, until someone fixes it
+
+
+LATIN1 = "latin1-personas.jsonl"
+NOT_UTF8 = ("is not UTF-8", LATIN1)
+CACHE_HINT = "DRIFTLAB_CACHE"
+DEVICES = "auto, cpu, cuda"
+
+CASES = [
+    # -- text that looks like rich markup is printed as is, never parsed
+    Case("score-id-closing-tag", ("personas", "score", "[/bold]", "hi"), ("no persona with id '[/bold]'",)),
+    Case("score-id-brackets", ("personas", "score", "x[a-z]", "hi"), ("no persona with id 'x[a-z]'",)),
+    Case("list-category-markup", ("personas", "list", "--category", "[red]x"), ("unknown category '[red]x'",)),
+    # -- persona files and stdin that are not UTF-8
+    Case("list-file-latin1", ("personas", "list", "--file", "{bad_utf8}"), NOT_UTF8, hint="UTF-8"),
+    Case("score-file-latin1", ("personas", "score", "reply-in-french", "hi", "--file", "{bad_utf8}"), NOT_UTF8),
+    Case("score-stdin-latin1", ("personas", "score", "reply-in-french", "-"), ("standard input is not UTF-8",),
+         stdin="Très bien, merci.".encode("latin-1")),
+    # -- models
+    Case("models-list-format", ("models", "list", "--format", "xml"), ("Unknown --format 'xml'",),
+         hint="--format json"),
+    Case("pull-cache-is-file", ("models", "pull", "smollm2-135m"), ("DRIFTLAB_CACHE={cache_file}", "is a file"),
+         env={"DRIFTLAB_CACHE": "{cache_file}"}, hint=CACHE_HINT),
+    Case("pull-cache-under-file", ("models", "pull", "smollm2-135m"), ("lies under {cache_file}", "is a file"),
+         env={"DRIFTLAB_CACHE": "{cache_file}/driftlab"}, hint=CACHE_HINT),
+    Case("pull-cache-read-only", ("models", "pull", "smollm2-135m"), ("DRIFTLAB_CACHE={ro_dir}", "not writable"),
+         env={"DRIFTLAB_CACHE": "{ro_dir}"}, hint=CACHE_HINT),
+    Case("pull-cache-read-only-subdir", ("models", "pull", "qwen2.5-coder-0.5b"), ("not writable",),
+         env={"DRIFTLAB_CACHE": "{ro_dir}/driftlab"}, hint=CACHE_HINT),
+    # the automatic pull of the default model (run needs a model; device and dtype pass first;
+    # test_assets.py checks the read-only variants through resolve_model)
+    Case("auto-pull-cache-is-file", ("run", "--out", "{ws}/run", "--device", "cpu"), ("is a file",),
+         env={"DRIFTLAB_CACHE": "{cache_file}"}, hint=CACHE_HINT),
+    # -- devices torch knows but driftlab cannot run on (refused before any model is loaded or
+    #    pulled; the other device names are checked in-process below, without a CLI start-up
+    #    that imports transformers)
+    Case("device-meta", ("run", "--out", "{ws}/run", "--device", "meta"), ("Device 'meta' is not supported",),
+         hint=DEVICES),
+    Case("device-mps", ("run", "--out", "{ws}/run", "--device", "mps"), ("Device 'mps'", "not available"),
+         hint=DEVICES, xfail="an Apple GPU is there" if sys.platform == "darwin" else None),
+    Case("decay-device-meta", ("decay", "--out", "{ws}/decay", "--device", "meta"),
+         ("Device 'meta' is not supported",)),
+    # -- damaged model files and files only read after the model is loaded
+    Case("run-corrupt-weights", ("run", "--model", "{corrupt_model}", "--out", "{ws}/run", "--device", "cpu"),
+         ("{corrupt_model}/model.safetensors", "truncated or corrupt"),
+         hint="driftlab models pull smollm2-135m --force", model=True),
+    # -- sampling and run options: validated once (by the models the library uses) before anything
+    #    is loaded or written
+    Case("run-top-p-zero", ("run", "--out", "{ws}/run", "--top-p", "0"), ("Invalid --top-p 0.0", "greater than 0")),
+    Case("chat-top-p-zero", ("chat", "--top-p", "0", "hi"), ("Invalid --top-p 0.0",)),
+    Case("run-tiny-temperature", ("run", "--out", "{ws}/run", "--temperature", "1e-45"),
+         ("Invalid --temperature", "too small to sample with")),
+    Case("run-seed-too-big", ("run", "--out", "{ws}/run", "--seed", str(2**63)), ("Invalid --seed",)),
+    Case("chat-seed-negative", ("chat", "--seed", "-1", "hi"), ("Invalid --seed -1",)),
+    Case("run-huge-max-new-tokens", ("run", "--out", "{ws}/run", "--max-new-tokens", "1000000000"),
+         ("Invalid --max-new-tokens 1000000000", "32768")),
+    Case("run-zero-rounds", ("run", "--out", "{ws}/run", "--rounds", "0"), ("Invalid --rounds 0",)),
+    Case("run-zero-pairs", ("run", "--out", "{ws}/run", "--pairs", "0"), ("No persona pairs to run",)),
+    Case("run-unknown-pair-id", ("run", "--out", "{ws}/run", "--pair", "nope:very-happy"),
+         ("no persona with id 'nope'",)),
+    Case("run-bad-span", ("run", "--out", "{ws}/run", "--span", "middle"), ("Invalid --span middle",)),
+    Case("run-bad-dtype", ("run", "--out", "{ws}/run", "--dtype", "float8"), ("Invalid --dtype float8",)),
+    # -- --steer: one grammar, one-line errors, no silent overwrite
+    Case("chat-steer-nan", ("chat", "--steer", "bias:value=nan", "hi"), ("value=nan", "finite number")),
+    Case("run-steer-twice", ("run", "--out", "{ws}/run", "--steer", "split-softmax:k=0.9",
+                             "--steer", "split-softmax:k=0.5"), ("split-softmax is given 2 times",)),
+    Case("run-steer-bad-bool", ("run", "--out", "{ws}/run", "--steer", "bias:value=1,invert=ture"),
+         ("invert=ture",)),
+    # -- --out that cannot be a run directory
+    Case("run-out-is-file", ("run", "--out", "{cache_file}", "--pairs", "1"), ("is a file",)),
+    Case("run-out-unwritable", ("run", "--out", "{ro_dir}/run", "--pairs", "1"), ("Cannot write the run directory",)),
+    Case("decay-out-is-file", ("decay", "--out", "{cache_file}"), ("is a file",), model=True),
+    Case("decay-out-unwritable", ("decay", "--out", "{ro_dir}/decay"), ("Cannot write to --out",), model=True),
+    # -- cheap decay options, checked before any model loads or trace runs
+    Case("decay-layer-without-head", ("decay", "--out", "{ws}/d", "--layer", "1"), ("Give both --layer and --head",)),
+    Case("decay-layer-out-of-range", ("decay", "--out", "{ws}/d", "--layer", "99", "--head", "0"),
+         ("--layer 99 --head 0 is outside smollm2-135m (30 layers x 9 heads)",), model=True),
+    Case("decay-unknown-compare", ("decay", "--out", "{ws}/d", "--compare", "no-such-model"),
+         ("Unknown model preset 'no-such-model'",), model=True),
+    Case("decay-pairs-zero", ("decay", "--out", "{ws}/d", "--pairs", "0"), ("Invalid --pairs 0",)),
+    # -- damaged run directories: readers name the line, and never modify the files
+    *[Case(f"report-{name}", ("report", f"{{{name}}}"), (message,), hint=hint) for name, (_, _, message, hint) in {
+        "run_nul": (None, None, "records.jsonl line 2 is not a valid record", "Remove line 2"),
+        "run_latin1": (None, None, "records.jsonl line 2 is not a valid record", "Remove line 2"),
+        "run_empty_object": (None, None, "line 2 is not a valid record: Unable to extract tag", "Remove line 2"),
+        "manifest_empty": (None, None, "is not a driftlab manifest", None),
+        "manifest_list": (None, None, "is not a driftlab manifest", None),
+    }.items()],
+    Case("run-persona-file-latin1",
+         ("run", "--persona-file", "{bad_utf8}", "--out", "{ws}/run", "--pairs", "1", "--rounds", "1",
+          "--device", "cpu", "--dtype", "float32"), NOT_UTF8, model=True),
+]
+
+
+MANIFEST = json.dumps({
+    "driftlab_run": 2, "protocol": "selfchat", "completed": True,
+    "config": {"rounds": 1, "probe_repeats": 1, "user_probe": False},
+    "pairs": [{"pair": 0, "agent": "reply-in-french", "user": "very-happy", "starter": "Hi?"}],
+    "conditions": ["persona"], "probe_rounds": [1], "personas": {},
+})
+GOOD_RECORD = json.dumps({"kind": "turn", "pair": 0, "condition": "persona", "round": 1, "speaker": "agent",
+                          "text": "x", "n_tokens": 1, "finish_reason": "stop", "seed": 1}).encode() + b"\n"
+BAD_RUNS = {  # placeholder -> (manifest text, the bad second records line)
+    "run_nul": (MANIFEST, b"\x00\x00\x00\n"),
+    "run_latin1": (MANIFEST, '{"text": "café"}\n'.encode("latin-1")),
+    "run_empty_object": (MANIFEST, b"{}\n"),
+    "manifest_empty": ("{}", b""),
+    "manifest_list": ("[]", b""),
+}
+
+
+def _params():
+    for case in CASES:
+        marks = [pytest.mark.model] if case.model else []
+        if case.xfail:
+            marks.append(pytest.mark.xfail(reason=case.xfail, strict=False))
+        yield pytest.param(case, id=case.name, marks=marks)
+
+
+# --------------------------------------------------------------------------- the scratch directory
+
+
+def _can_write(directory: Path) -> bool:
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
+def _unwritable_dir(ws: Path, request) -> Path:
+    ro = ws / "read-only"
+    ro.mkdir()
+    ro.chmod(0o555)
+    request.addfinalizer(lambda: ro.exists() and ro.chmod(0o755))  # so that tmp_path can be removed
+    if not _can_write(ro):
+        return ro
+    ro.chmod(0o755)
+    ro.rmdir()
+    # root ignores permission bits: use a directory of a kernel filesystem instead.
+    for candidate in (Path("/sys/fs"), Path("/proc/sys")):
+        if candidate.is_dir() and not _can_write(candidate):
+            return candidate
+    pytest.skip("no unwritable directory to test with (running as root without /sys?)")
+
+
+def _build(case: Case, ws: Path, request) -> dict[str, str]:
+    used = " ".join([*case.argv, *case.env.values(), *case.expect])
+    values = {"ws": str(ws)}
+    if "{bad_utf8}" in used:
+        bad = ws / LATIN1
+        line = '{"id": "cafe-au-lait", "category": "persona", "system_prompt": "Tu parles d\'un café.", '
+        line += '"probe": "Où es-tu ?", "measure": "language", "params": {"lang": "fr"}}\n'
+        bad.write_bytes(line.encode("latin-1"))
+        values["bad_utf8"] = str(bad)
+    if "{cache_file}" in used:
+        (ws / "cache-file").write_text("not a directory\n")
+        values["cache_file"] = str(ws / "cache-file")
+    if "{ro_dir}" in used:
+        values["ro_dir"] = str(_unwritable_dir(ws, request))
+    for name, (manifest, bad_line) in BAD_RUNS.items():
+        if "{" + name + "}" in used:
+            run = ws / name
+            run.mkdir()
+            (run / "manifest.json").write_text(manifest)
+            (run / "records.jsonl").write_bytes(GOOD_RECORD + bad_line)
+            values[name] = str(run)
+    if "{corrupt_model}" in used:
+        src = Path(request.getfixturevalue("smol_dir"))
+        copy = linked_copy(src, ws / "corrupt-model", leave_out="model.safetensors")
+        target = copy / "model.safetensors"
+        assert not target.exists() and not target.is_symlink()  # never write through to the real file
+        with (src / "model.safetensors").open("rb") as fh:
+            target.write_bytes(fh.read(1 << 20))
+        values["corrupt_model"] = str(copy)
+    return values
+
+
+def _snapshot(*roots: Path) -> dict[str, tuple]:
+    """Every path under `roots` with its type and mode, and for files their size and mtime
+    (symlinks not followed). Directory mtimes are left out: a command may create and remove
+    a scratch entry (a run directory it tidies up on failure); what is left is what counts."""
+    state: dict[str, tuple] = {}
+    for root in roots:
+        if not root.exists() and not root.is_symlink():
+            state[str(root)] = ("absent",)
+            continue
+        for dirpath, dirnames, filenames in os.walk(root):
+            for name in [".", *dirnames, *filenames]:
+                path = Path(dirpath) / name
+                st = path.lstat()
+                is_dir = path.is_dir() and not path.is_symlink()
+                state[str(path)] = (st.st_mode,) if is_dir else (st.st_mode, st.st_size, st.st_mtime_ns)
+    return state
+
+
+# --------------------------------------------------------------------------- the test
+
+
+@pytest.mark.parametrize("case", _params())
+def test_bad_input_is_one_clean_error(case: Case, tmp_path, request):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    values = _build(case, ws, request)
+    fill = lambda text: text.format(**values)  # noqa: E731
+
+    env = dict(os.environ)
+    env.update(
+        PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_CONFIG_FILE=os.devnull, PIP_FIND_LINKS="",
+        PIP_EXTRA_INDEX_URL="",
+    )  # fmt: skip
+    if not case.model:
+        env["DRIFTLAB_CACHE"] = str(ws / "cache")
+    env.update({k: fill(v) for k, v in case.env.items()})
+    from driftlab.assets.store import cache_root
+
+    cache = Path(env["DRIFTLAB_CACHE"]).expanduser() if env.get("DRIFTLAB_CACHE") else cache_root()
+    watched = [ws]
+    if ws not in cache.parents and cache != ws and not str(cache).startswith(("/sys/", "/proc/")):
+        watched.append(cache)  # the real model cache, for model cases
+
+    before = _snapshot(*watched)
+    proc = subprocess.run(
+        [sys.executable, "-m", "driftlab", *map(fill, case.argv)],
+        input=case.stdin if case.stdin is not None else b"",
+        capture_output=True, cwd=ws, env=env, timeout=600,
+    )  # fmt: skip
+    stderr = proc.stderr.decode("utf-8", "replace")
+    stdout = proc.stdout.decode("utf-8", "replace")
+
+    assert "Traceback" not in stderr, stderr
+    assert proc.returncode == 2, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("Error: ")]
+    hints = [line for line in lines if line.startswith("Hint: ")]
+    assert len(errors) == 1 and len(hints) <= 1 and len(lines) == len(errors) + len(hints), stderr
+    message = " ".join(errors[0].split())
+    for want in case.expect:
+        assert " ".join(fill(want).split()) in message, stderr
+    if case.hint is not None:
+        assert hints and fill(case.hint) in hints[0], stderr
+    assert stdout.strip() == "", stdout
+    after = _snapshot(*watched)
+    changed = sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+    assert not changed, f"the failed command changed files on disk: {changed}"
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("meta", "Device 'meta' is not supported"),
+        ("xla", "Device 'xla' is not supported"),
+        ("cpu:0", "Device 'cpu:0' is not supported"),
+        ("tpu", "Unknown device 'tpu'"),
+        ("cuda:x", "Unknown device 'cuda:x'"),
+        ("cuda:99", "Device 'cuda:99'"),  # no GPU: "sees no CUDA GPU"; with GPUs: "does not exist"
+    ],
+)
+def test_unusable_devices_are_refused(device, message):
+    from driftlab.chat.loading import pick_device
+    from driftlab.errors import DriftlabError
+
+    with pytest.raises(DriftlabError) as err:
+        pick_device(device)
+    assert message in err.value.message
+    assert "cuda" in (err.value.hint or "").lower()
+
+
+def test_mps_only_where_torch_has_it():
+    import torch
+
+    from driftlab.chat.loading import pick_device
+    from driftlab.errors import DriftlabError
+
+    if torch.backends.mps.is_available():
+        assert pick_device("mps").type == "mps"
+    else:
+        with pytest.raises(DriftlabError, match="'mps' .*not available"):
+            pick_device("mps")
+
+
+def test_usable_devices_resolve():
+    import torch
+
+    from driftlab.chat.loading import pick_device
+
+    assert pick_device("cpu") == torch.device("cpu")
+    assert pick_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        last = torch.cuda.device_count() - 1
+        assert pick_device(f"cuda:{last}") == torch.device(f"cuda:{last}")
+        assert pick_device("cuda").type == "cuda"
+
+
+@pytest.mark.parametrize("columns", [None, "60"])
+def test_models_list_never_clips_preset_names(columns, tmp_path):
+    """`driftlab models list | grep NAME` finds every preset, piped or in a narrow terminal."""
+    from driftlab.assets import PRESETS
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    env["DRIFTLAB_CACHE"] = str(tmp_path)
+    if columns:
+        env["COLUMNS"] = columns
+    proc = subprocess.run([sys.executable, "-m", "driftlab", "models", "list"], capture_output=True, text=True,
+                          env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for name in PRESETS:
+        assert any(name in line.split() for line in proc.stdout.splitlines() if "│" in line), (name, proc.stdout)
+    assert "…" not in "".join(line.split("│")[1] for line in proc.stdout.splitlines() if line.count("│") > 2)

@@ -1,0 +1,77 @@
+"""The `--steer` grammar and the Interventions model: composition, normalisation, one-line errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from driftlab.chat.base import Capabilities
+from driftlab.errors import DriftlabError
+from driftlab.steering import Interventions
+
+
+def test_several_kinds_compose_into_one_attention_config():
+    iv = Interventions.parse(["split-softmax:k=0.8,heads=0-1", "bias:value=-3,invert=true,heads=2.1", "trace"])
+    cfg = iv.attention()
+    assert (cfg.split_k, cfg.split_heads) == (0.8, ((0, None), (1, None)))
+    assert (cfg.bias, cfg.bias_invert, cfg.bias_heads) == (-3.0, True, ((2, 1),))
+    assert cfg.trace and iv.kinds == {"split-softmax", "bias", "trace"}
+
+
+def test_the_same_kind_twice_is_an_error_not_an_overwrite():
+    with pytest.raises(DriftlabError, match="split-softmax is given 2 times"):
+        Interventions.parse(["split-softmax:k=0.9", "split-softmax:k=0.5"])
+    with pytest.raises(DriftlabError, match="both set the key bias"):
+        Interventions.parse(["bias:value=1", "instaboost:m=2"])
+
+
+def test_specs_are_normalised_and_round_trip():
+    iv = Interventions.parse(["trace", " Split-Softmax : k = 0.90 , heads = 3+1.2 "])
+    assert iv.specs() == ["split-softmax:k=0.9,heads=3+1.2", "trace:prefill=false"]
+    assert Interventions.parse(iv.specs()) == iv
+    # Order does not matter for identity (the prefix-cache key) ...
+    assert Interventions.parse(["trace", "bias:value=1"]) == Interventions.parse(["bias:value=1", "trace"])
+    # ... and tracing, which changes no output, is not part of it.
+    assert Interventions.parse(["split-softmax:k=0.9", "trace"]).fingerprint() == \
+        Interventions.parse(["split-softmax:k=0.9"]).fingerprint() != ""
+    assert Interventions.parse(["trace"]).fingerprint() == ""
+
+
+def test_instaboost_is_a_log_m_bias_on_the_system_keys():
+    cfg = Interventions.parse(["instaboost:m=5"]).attention()
+    assert cfg.bias == pytest.approx(math.log(5)) and cfg.bias_span == "system" and cfg.bias_heads is None
+    assert Interventions.parse(["instaboost:m=1"]).attention().bias == 0.0
+
+
+@pytest.mark.parametrize(
+    "specs, message",
+    [
+        (["foo:x=1"], "Unknown intervention 'foo'"),
+        (["split-softmax:k=2"], "k=2: input should be less than or equal to 1"),
+        (["split-softmax"], "'k' is required"),
+        (["split-softmax:k=0.5,q=1"], "unknown setting 'q'"),
+        (["split-softmax:k=0.5,k=0.6"], "sets 'k' twice"),
+        (["split-softmax:k"], "Cannot read 'k'"),
+        (["split-softmax:k=nan"], "k=nan: input should be a finite number"),
+        (["bias:value=nan"], "value=nan: input should be a finite number"),
+        (["bias:value=inf"], "value=inf: input should be a finite number"),
+        (["bias:value=1,invert=ture"], "invert=ture: input should be a valid boolean"),
+        (["bias:heads=3"], "'value' is required"),
+        (["instaboost:m=0"], "m=0: input should be greater than 0"),
+        (["split-softmax:k=0.5,heads=layer3"], "Cannot read head selection 'layer3'"),
+        (["trace:prefill=maybe"], "prefill=maybe"),
+    ],
+)
+def test_bad_specs_are_one_line_errors(specs, message):
+    with pytest.raises(DriftlabError) as err:
+        Interventions.parse(specs)
+    assert message in str(err.value) and "\n" not in err.value.message
+
+
+def test_capabilities_refuse_what_a_backend_cannot_apply():
+    remote = Capabilities(interventions=frozenset({"trace"}))
+    remote.require("server", Interventions.parse(["trace"]))
+    with pytest.raises(DriftlabError, match="server cannot apply --steer bias, split-softmax") as err:
+        remote.require("server", Interventions.parse(["split-softmax:k=0.9", "bias:value=1", "trace"]))
+    assert "supports: trace" in err.value.hint
