@@ -35,7 +35,7 @@ class ScriptedBackend:
         fp = request.interventions.fingerprint()
         out = []
         for conv, seed in zip(request.conversations, request.row_seeds(), strict=True):
-            text = scripted_text(conv, seed, fp)
+            text = scripted_text(request.interventions.model_view(conv), seed, fp)
             out.append(Reply(text=text, n_tokens=2, finish_reason="stop"))
         return out
 
@@ -46,5 +46,5 @@ class ScriptedBackend:
     def seen(self) -> list[tuple[list, str]]:
         """(conversation, reply text) of every row served, in order."""
         fp = lambda r: r.interventions.fingerprint()  # noqa: E731
-        return [(c, scripted_text(c, s, fp(r))) for r in self.requests
+        return [(c, scripted_text(r.interventions.model_view(c), s, fp(r))) for r in self.requests
                 for c, s in zip(r.conversations, r.row_seeds(), strict=True)]

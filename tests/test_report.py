@@ -545,3 +545,22 @@ def test_print_summary_for_driftlab_run(run_dir) -> None:
     text = console.export_text()
     assert "agent stability, empty-user ablation" in text and "Incomplete" not in text
     assert summary_table(s).row_count == 4  # rounds 1-3 + overall
+
+
+def test_a_completed_manifest_with_short_records_is_reported_incomplete(tmp_path) -> None:
+    """Lines removed from a finished run (e.g. after a corruption hint) must not pass as complete."""
+    from rich.console import Console
+
+    from driftlab.cli.report import print_summary
+
+    short = make_run(tmp_path / "short", completed=True, cut_after=40)
+    html = write_report(short).read_text(encoding="utf-8")
+    assert 'id="incomplete"' in html
+    console = Console(record=True, width=200)
+    print_summary(short, console)
+    assert "Incomplete run" in console.export_text()
+    full = make_run(tmp_path / "full", completed=True)
+    console = Console(record=True, width=200)
+    print_summary(full, console)
+    assert "Incomplete" not in console.export_text()
+    assert 'id="incomplete"' not in write_report(full).read_text(encoding="utf-8")

@@ -213,3 +213,18 @@ def test_killed_run_resumes_to_the_same_result(tmp_path):
 
 def _key(rec: dict) -> tuple:
     return RECORDS.validate_python(rec).key
+
+
+def test_spr_copies_are_seen_by_the_agent_only(tmp_path):
+    backend = ScriptedBackend()
+    records = _scripted_run(tmp_path / "run", backend, steer=["spr:p=1"], ablation=False)
+    agent_rows = [(c, r) for r in backend.requests if r.interventions for c in r.conversations]
+    user_rows = [c for r in backend.requests if not r.interventions for c in r.conversations]
+    assert agent_rows and user_rows
+    for conv, request in agent_rows:  # the protocol hands over the dialog; the backend shows the copies
+        view = request.interventions.model_view(conv)
+        n_user = sum(m["role"] == "user" for m in conv)
+        assert sum(m["role"] == "system" for m in view) == n_user  # the original + one per later turn
+    for conv in user_rows:
+        assert sum(m["role"] == "system" for m in conv) <= 1  # the user LM never sees s_B repeated
+    assert len(records) == len({r.key for r in records})

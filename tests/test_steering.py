@@ -75,3 +75,43 @@ def test_capabilities_refuse_what_a_backend_cannot_apply():
     with pytest.raises(DriftlabError, match="server cannot apply --steer bias, split-softmax") as err:
         remote.require("server", Interventions.parse(["split-softmax:k=0.9", "bias:value=1", "trace"]))
     assert "supports: trace" in err.value.hint
+
+
+# -- system-prompt repetition (a conversation edit) ------------------------------------------------
+def _dialog(n_users: int) -> list[dict]:
+    conv = [{"role": "system", "content": "Always reply in French."}]
+    for i in range(n_users):
+        conv += [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+    return conv[:-1]
+
+
+def test_spr_p0_is_the_identity_and_p1_repeats_before_every_later_user_turn():
+    conv = _dialog(4)
+    assert Interventions.parse(["spr:p=0"]).model_view(conv) == conv
+    view = Interventions.parse(["spr:p=1"]).model_view(conv)
+    roles = [m["role"] for m in view]
+    assert roles == ["system", "user", "assistant"] + ["system", "user", "assistant"] * 2 + ["system", "user"]
+    assert all(m["content"] == conv[0]["content"] for m in view if m["role"] == "system")
+    assert [m for m in view if m["role"] != "system"] == conv[1:]  # nothing else changes
+    no_system = conv[1:]
+    assert Interventions.parse(["spr:p=1"]).model_view(no_system) == no_system
+
+
+def test_spr_draws_are_seeded_stable_across_turns_and_about_p():
+    spr = Interventions.parse(["spr:p=0.3,seed=4"])
+    long = _dialog(400)
+    view = spr.model_view(long)
+    repeats = sum(m["role"] == "system" for m in view) - 1
+    assert 0.3 * 399 - 4 * (399 * 0.21) ** 0.5 < repeats < 0.3 * 399 + 4 * (399 * 0.21) ** 0.5
+    # A dialog's prefix gets the same copies at every later turn (so its KV cache stays valid) ...
+    short = spr.model_view(_dialog(37))
+    assert view[: len(short) - 1] == short[:-1]
+    # ... and another seed draws other ones.
+    assert Interventions.parse(["spr:p=0.3,seed=5"]).model_view(long) != view
+
+
+def test_cfg_alpha_is_at_least_one():
+    with pytest.raises(DriftlabError, match="alpha=0.5: input should be greater than or equal to 1"):
+        Interventions.parse(["cfg:alpha=0.5"])
+    assert Interventions.parse(["cfg:alpha=1"]).guidance() is None
+    assert Interventions.parse(["cfg:alpha=2.5", "spr:p=0.5"]).guidance() == 2.5

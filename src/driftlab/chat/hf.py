@@ -35,6 +35,8 @@ from driftlab.steering.interventions import KINDS, Interventions
 class HFChatBackend:
     """A local chat model. Thread-unsafe by design: one generate call at a time."""
 
+    capabilities = Capabilities(interventions=frozenset(KINDS), loglikelihood=True)
+
     def __init__(
         self,
         model: str = "smollm2-135m",
@@ -58,22 +60,30 @@ class HFChatBackend:
         self.pad_id = self._pad_id()
         self.prefix_cache = PrefixCache(prefix_cache_bytes if self._cacheable() else 0)
 
-    capabilities = Capabilities(interventions=frozenset(KINDS), loglikelihood=True)
-
     # -- public API -------------------------------------------------------------------------
     def generate(self, request: ChatRequest) -> list[Reply]:
         """Generate the next assistant turn of each conversation (see ChatBackend.generate).
 
-        Attention interventions and pi tracing locate the system prompt through the
-        renderer (span mode `prefix` or `content`).
+        Conversation-hook interventions (system-prompt repetition) edit what the model is
+        shown; attention interventions and pi tracing locate the system prompt through the
+        renderer (span mode `prefix` or `content`); classifier-free guidance decodes each
+        conversation together with a copy without its system prompt, as extra rows of the
+        same batch with their own KV cache, and samples from the mixed distribution.
         """
-        self.capabilities.require(self.name, request.interventions)
-        rendered = [self.renderer.render(c) for c in request.conversations]
-        return self.generate_tokens(
-            [r.ids for r in rendered], request.sampling, seeds=request.row_seeds(),
-            interventions=request.interventions, spans=[_spans(r) for r in rendered],
-            cache_store=request.cache_store,
+        iv = request.interventions
+        self.capabilities.require(self.name, iv)
+        convs = [iv.model_view(c) for c in request.conversations]
+        rendered = [self.renderer.render(c) for c in convs]
+        seeds, store = request.row_seeds(), request.cache_store
+        alpha = iv.guidance()
+        if alpha is not None:
+            rendered += [self.renderer.render(_without_system(c)) for c in convs]
+            seeds, store = seeds * 2, (list(store) * 2 if store is not None else None)
+        replies = self.generate_tokens(
+            [r.ids for r in rendered], request.sampling, seeds=seeds, interventions=iv,
+            spans=[_spans(r) for r in rendered], cache_store=store, guidance=alpha,
         )
+        return replies[: len(convs)]
 
     def describe(self) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -107,34 +117,50 @@ class HFChatBackend:
         """log p(continuation | context) for each pair, under the interventions (teacher-forced).
 
         The context is rendered with the assistant generation prompt; the continuation is
-        the start of the assistant's reply (e.g. " B" for a multiple-choice letter). One
-        forward pass per batch over context + continuation; no prefix cache.
+        the start of the assistant's reply (e.g. "B" for a multiple-choice letter). Pairs
+        that differ only in their last token (the four letters of one question) share one
+        forward pass; `batch_size` such passes run together. No prefix cache.
         """
         if len(contexts) != len(continuations):
             raise DriftlabError(f"{len(contexts)} contexts but {len(continuations)} continuations.")
         self.capabilities.require(self.name, interventions)
         if "trace" in interventions.kinds:
             interventions = interventions.without("trace")  # nothing to return a trace in
-        out: list[LogLikelihood] = []
-        for start in range(0, len(contexts), batch_size):
-            rows, spans, n_cont = [], [], []
-            for conv, cont in zip(contexts[start : start + batch_size], continuations[start : start + batch_size],
-                                  strict=True):
-                validate_conversation(conv, start + len(rows))
-                rendered = self.renderer.render(conv)
-                cont_ids = self.renderer.encode(cont)
-                if not cont_ids:
-                    raise DriftlabError(f"Continuation {start + len(rows)} ({cont!r}) encodes to no tokens.")
-                rows.append(np.asarray(rendered.ids + cont_ids, dtype=np.int64))
-                spans.append(_spans(rendered))
-                n_cont.append(len(cont_ids))
-            logprobs = self._teacher_forced(rows, spans, interventions, keep=max(n_cont) + 1)
-            for b, (row, n) in enumerate(zip(rows, n_cont, strict=True)):
-                lp = logprobs[b, -n - 1 : -1]  # positions predicting the continuation tokens
-                target = torch.from_numpy(row[-n:]).to(lp.device)
-                picked = lp.gather(-1, target[:, None])[:, 0]
-                out.append(LogLikelihood(float(picked.sum()), n, bool((lp.argmax(-1) == target).all())))
-        return out
+        alpha = interventions.guidance()
+        rows, plain_rows, spans, n_cont = [], [], [], []
+        for i, (conv, cont) in enumerate(zip(contexts, continuations, strict=True)):
+            validate_conversation(conv, i)
+            conv = interventions.model_view(conv)
+            cont_ids = self.renderer.encode(cont)
+            if not cont_ids:
+                raise DriftlabError(f"Continuation {i} ({cont!r}) encodes to no tokens.")
+            rendered = self.renderer.render(conv)
+            rows.append(np.asarray(rendered.ids + cont_ids, dtype=np.int64))
+            spans.append(_spans(rendered))
+            n_cont.append(len(cont_ids))
+            if alpha is not None:
+                plain_rows.append(np.asarray(self.renderer.render(_without_system(conv)).ids + cont_ids))
+        # One pass per distinct row-without-its-last-token: the positions read never see that token.
+        members: dict[tuple[bytes, int], list[int]] = {}
+        for i, (row, n) in enumerate(zip(rows, n_cont, strict=True)):
+            members.setdefault((row[:-1].tobytes(), n), []).append(i)
+        groups = list(members.values())  # each: the pairs sharing one forward pass, first one representing them
+        out: dict[int, LogLikelihood] = {}
+        for start in range(0, len(groups), batch_size):
+            chunk = [g[0] for g in groups[start : start + batch_size]]
+            keep = max(n_cont[i] for i in chunk) + 1
+            logprobs = self._teacher_forced([rows[i] for i in chunk], [spans[i] for i in chunk], interventions, keep)
+            if alpha is not None:  # rows end with the same continuation, so positions align from the end
+                plain = self._teacher_forced([plain_rows[i] for i in chunk], [{} for _ in chunk], interventions, keep)
+                logprobs = torch.log_softmax(_guide(torch.cat([logprobs, plain]), alpha), dim=-1)
+            for b, group in enumerate(groups[start : start + batch_size]):
+                for i in group:
+                    n = n_cont[i]
+                    lp = logprobs[b, -n - 1 : -1]  # positions predicting the continuation tokens
+                    target = torch.from_numpy(rows[i][-n:]).to(lp.device)
+                    picked = lp.gather(-1, target[:, None])[:, 0]
+                    out[i] = LogLikelihood(float(picked.sum()), n, bool((lp.argmax(-1) == target).all()))
+        return [out[i] for i in range(len(rows))]
 
     def _teacher_forced(self, rows, spans, interventions: Interventions, keep: int) -> torch.Tensor:
         """Log-softmax of the last `keep` positions of each left-padded row: [B, keep, V]."""
@@ -162,12 +188,15 @@ class HFChatBackend:
         interventions: Interventions = Interventions(),
         spans: Sequence[dict[str, list[tuple[int, int]]]] | None = None,
         cache_store: Sequence[bool] | None = None,
+        guidance: float | None = None,
     ) -> list[Reply]:
         """Continue token prompts; one reply per prompt. The core decode loop.
 
         `spans` names token ranges of each prompt ("system", "emphasis", ...) that an
         attention intervention refers to. `cache_store[b]` False keeps row b's KV out of
-        the prefix cache (e.g. probe replies, which no later prompt extends).
+        the prefix cache (e.g. probe replies, which no later prompt extends). With
+        `guidance` (CFG's alpha) the second half of the prompts are the unconditional rows
+        of the first half: both halves are fed the token sampled from the mixed logits.
         """
         if not prompts:
             return []
@@ -208,10 +237,16 @@ class HFChatBackend:
         finished = torch.zeros(B, dtype=torch.bool, device=self.device)
         reasons = ["length"] * B
 
+        if guidance is not None and B % 2:
+            raise DriftlabError("Guided decoding needs an unconditional row for every conditional one.")
         logits = self._forward(ids[:, S:], mask, positions[:, S:], cache, state)
         n_fed = 0  # decode steps run: sampled[b][:n_fed] have their KV in the cache
         for step in range(sampling.max_new_tokens):
-            nxt = _sample(logits, warpers, gens)
+            if guidance is None:
+                nxt = _sample(logits, warpers, gens)
+            else:
+                half = _sample(_guide(logits, guidance), warpers, gens[: B // 2])
+                nxt = torch.cat([half, half])
             nxt = torch.where(finished, torch.full_like(nxt, self.pad_id), nxt)
             tokens = nxt.tolist()  # one device-to-host copy per step, not one per row
             for b in torch.nonzero(~finished).flatten().tolist():
@@ -233,7 +268,9 @@ class HFChatBackend:
         traces = state.row_traces([len(x) for x in sampled], pads) if state is not None else [None] * B
         replies = []
         for b in range(B):
-            toks = sampled[b][:-1] if sampled[b] and sampled[b][-1] in self.eos_ids else sampled[b]
+            # A final EOS ends the reply and is not part of it; with ignore_eos it is just a token.
+            ended = not sampling.ignore_eos and sampled[b] and sampled[b][-1] in self.eos_ids
+            toks = sampled[b][:-1] if ended else sampled[b]
             text = self.tokenizer.decode(toks, skip_special_tokens=True)
             if self.renderer.stop_strings:
                 text = self._cut_stop(text)
@@ -337,6 +374,18 @@ class HFChatBackend:
 
 def _spans(rendered: Rendered) -> dict[str, list[tuple[int, int]]]:
     return {"system": [rendered.system_span]} if rendered.system_span else {}
+
+
+def _without_system(conversation: Conversation) -> Conversation:
+    """The unconditional conversation of CFG: every system message (and repeated copy) removed."""
+    return [m for m in conversation if m["role"] != "system"]
+
+
+def _guide(logits: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Seed 000 Eq. 5 over a batch whose second half is unconditional: lu + alpha (lc - lu)."""
+    n = logits.shape[0] // 2
+    cond, uncond = torch.log_softmax(logits[:n], dim=-1), torch.log_softmax(logits[n:], dim=-1)
+    return uncond + alpha * (cond - uncond)
 
 
 def _warpers(sampling: Sampling):

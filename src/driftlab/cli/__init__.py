@@ -10,9 +10,10 @@ import sys
 
 import typer
 
-from driftlab.cli import models, personas
+from driftlab.cli import data, models, personas
 from driftlab.cli.chat import chat
 from driftlab.cli.decay import decay
+from driftlab.cli.mmlu import mmlu
 from driftlab.cli.report import report
 from driftlab.cli.run import run
 from driftlab.cli.theory import theory
@@ -26,10 +27,12 @@ app = typer.Typer(
 )
 app.add_typer(models.app, name="models")
 app.add_typer(personas.app, name="personas")
+app.add_typer(data.app, name="data")
 app.command("chat")(chat)
 app.command("run")(run)
 app.command("report")(report)
 app.command("decay")(decay)
+app.command("mmlu")(mmlu)
 app.command("theory")(theory)
 
 

@@ -27,7 +27,7 @@ SpanOpt = Annotated[str, typer.Option(
 SteerOpt = Annotated[list[str] | None, typer.Option(
     "--steer",
     help="Intervention, repeatable and composable: 'split-softmax:k=0.9[,heads=0-5]', 'instaboost:m=5', "
-         "'bias:value=2.0[,heads=3+5.1]', 'trace'.",
+         "'spr:p=0.5', 'cfg:alpha=1.5', 'bias:value=2.0[,heads=3+5.1]', 'trace' (see docs/steering.md).",
 )]
 MaxNewTokensOpt = Annotated[int, typer.Option(help="Most tokens per reply (1-32768).")]
 TemperatureOpt = Annotated[float, typer.Option(help="Sampling temperature (0 = greedy).")]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -60,7 +60,7 @@ class ProbeRecord(_Record):
         return ("probe", self.pair, self.condition, self.round, self.target, self.repeat)
 
 
-SelfChatRecord = Annotated[Union[TurnRecord, ProbeRecord], Field(discriminator="kind")]  # noqa: UP007
+SelfChatRecord = Annotated[TurnRecord | ProbeRecord, Field(discriminator="kind")]
 RECORDS: TypeAdapter = TypeAdapter(SelfChatRecord)
 
 

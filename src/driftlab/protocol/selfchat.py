@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -30,10 +29,10 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from driftlab.assets.registry import DEFAULT_MODEL
-from driftlab.bench import STARTERS, get_persona, load_personas
-from driftlab.bench.personas import Persona
+from driftlab.bench import STARTERS, Persona, get_persona, load_personas
 from driftlab.chat.base import MAX_SEED, ChatBackend, ChatRequest, Conversation, Sampling
 from driftlab.chat.factory import BackendSpec, Dtype, SpanMode, make_backend
+from driftlab.console import WorkProgress
 from driftlab.errors import DriftlabError
 from driftlab.protocol.dialog import RECORDS, Dialog, Pair, ProbeRecord, TurnRecord, pairs_from_manifest
 from driftlab.protocol.registry import register
@@ -100,28 +99,32 @@ class SelfChatConfig(BaseModel):
         model = (self.user_model or self.model) if user else self.model
         return BackendSpec(model=model, dtype=self.dtype, device=self.device, span=self.span)
 
-    def check_inputs(self) -> None:
-        """Cheap checks of named data (persona ids, persona file) before anything is loaded or written."""
+    def persona_pool(self) -> tuple[list[Persona], list[Persona]]:
+        """(every persona, those agents are drawn from), after checking the named data.
+
+        Cheap (no model): run before anything is loaded or written, so an unknown pair id,
+        an empty category or an unreadable persona file fails at once.
+        """
         pool = load_personas(extra=self.persona_file)
         agents = [p for p in pool if self.categories is None or p.category in self.categories]
-        for a, u in self.pair_ids:
-            get_persona(a, self.persona_file), get_persona(u, self.persona_file)
+        for ids in self.pair_ids:
+            for pid in ids:
+                get_persona(pid, self.persona_file)  # raises with close matches for an unknown id
         if self.pairs and not agents:
             raise DriftlabError(f"No personas in categories {self.categories}.", hint="See `driftlab personas list`.")
         if not self.pair_ids and not self.pairs:
             raise DriftlabError("No persona pairs to run.", hint="Use --pairs N or --pair AGENT_ID:USER_ID.")
+        return pool, agents
 
 
 def draw_pairs(config: SelfChatConfig) -> list[Pair]:
     """Explicit pairs first, then `pairs` random ones (agent from `categories`, user != agent)."""
-    config.check_inputs()
-    extra = config.persona_file
-    pool = load_personas(extra=extra)
-    agents = [p for p in pool if config.categories is None or p.category in config.categories]
+    pool, agents = config.persona_pool()
+    by_id = {p.id: p for p in pool}
     rng = random.Random(config.seed)
     out: list[Pair] = []
     for a, u in config.pair_ids:
-        out.append(Pair(len(out), get_persona(a, extra), get_persona(u, extra), rng.choice(STARTERS)))
+        out.append(Pair(len(out), by_id[a], by_id[u], rng.choice(STARTERS)))
     for _ in range(config.pairs):
         agent = rng.choice(agents)
         user = rng.choice([p for p in pool if p.id != agent.id])
@@ -212,7 +215,7 @@ class SelfChat:
             done = {r.key for r in records}
             dialogs = Dialog.from_records(pairs, manifest["conditions"], records)
             total = sum(expected_counts(manifest).values()) - len(done)
-            with _Progress(self.progress, total) as bar:
+            with WorkProgress("self-chat", total, self.progress) as bar:
                 for i in range(1, cfg.rounds + 1):
                     # Dependency order: a_i needs rounds < i; b_i and the probes of round i need a_i.
                     self._run_jobs([self._user_job(d, i) for d in dialogs if i > 1 and i not in d.a], dialogs, bar)
@@ -289,7 +292,7 @@ class SelfChat:
                          rec["repeat"])
         return Job(rec, d.agent_view(rec["round"], persona.probe), seed, "agent", False, persona.score)
 
-    def _run_jobs(self, jobs: list[Job], dialogs: list[Dialog], bar: _Progress) -> None:
+    def _run_jobs(self, jobs: list[Job], dialogs: list[Dialog], bar: WorkProgress) -> None:
         by_key = {(d.pair.index, d.condition): d for d in dialogs}
         size = self.config.batch_size
         for start in range(0, len(jobs), size):
@@ -320,42 +323,6 @@ def _key(rec: dict[str, Any]) -> tuple:
     return ("probe", rec["pair"], rec["condition"], rec["round"], rec["target"], rec["repeat"])
 
 
-class _Progress:
-    """A rich progress bar over generations; plain log lines when stderr is not a terminal."""
-
-    def __init__(self, enabled: bool, total: int) -> None:
-        self.enabled, self.total, self.done = enabled, total, 0
-
-    def __enter__(self) -> _Progress:
-        if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            from driftlab.console import err_console
-
-            self._console = err_console()
-            self._start = time.monotonic()
-            self._p = Progress(TextColumn("self-chat"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                               console=self._console, disable=not self._console.is_terminal)
-            self._p.__enter__()
-            self._task = self._p.add_task("self-chat", total=self.total)
-        return self
-
-    def advance(self, n: int) -> None:
-        if not self.enabled:
-            return
-        self.done += n
-        self._p.update(self._task, advance=n)
-        if not self._console.is_terminal:  # e.g. a log file: one line per batch
-            elapsed = time.monotonic() - self._start
-            left = elapsed / self.done * (self.total - self.done)
-            self._console.print(f"self-chat: {self.done}/{self.total} generations, "
-                                f"{elapsed / 60:.1f} min elapsed, ~{left / 60:.1f} min left", highlight=False)
-
-    def __exit__(self, *exc) -> None:
-        if self.enabled:
-            self._p.__exit__(*exc)
-
-
 def run_selfchat(config: SelfChatConfig, out: str, progress: bool = True) -> RunDir:
     """Check inputs, lock the run directory, load the model(s) named in `config`, run into `out`.
 
@@ -363,7 +330,7 @@ def run_selfchat(config: SelfChatConfig, out: str, progress: bool = True) -> Run
     fails at once instead of duplicating work; a failure before the manifest is written
     leaves no directory behind.
     """
-    config.check_inputs()
+    config.persona_pool()
     rundir = RunDir(out)
     with rundir.writing():
         agent = make_backend(config.backend_spec())

@@ -284,7 +284,7 @@ def render_html(
         full_table=_frame_table(
             summary.per_round,
             "Every cell (summary.csv)",
-            "std: across conversations (ddof=1); CI: percentile bootstrap of the mean; NaN (–) when n < 2.",
+            "std: across conversations (ddof=1); CI: BCa bootstrap of the mean (scipy); NaN (–) when n < 2.",
         ),
         conversations=transcripts(summary, max_pairs),
         n_pairs=len(summary.manifest.get("pairs", [])),

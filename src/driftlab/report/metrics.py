@@ -17,7 +17,6 @@ undefined and reported as NaN, like the std.
 
 from __future__ import annotations
 
-import functools
 import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -76,7 +75,7 @@ def bootstrap_mean_ci(
             vectorized=True,
             confidence_level=confidence,
             method="BCa",
-            **{_rng_keyword(): gen},
+            rng=gen,
         )
     lo, hi = res.confidence_interval.low, res.confidence_interval.high
     if not (np.isfinite(lo) and np.isfinite(hi)):  # BCa undefined: percentile of the same resamples
@@ -84,16 +83,6 @@ def bootstrap_mean_ci(
         lo, hi = np.quantile(res.bootstrap_distribution, [alpha, 1 - alpha])
     lo, hi = np.clip([lo, hi], x.min(), x.max())
     return (float(lo), float(hi))
-
-
-@functools.cache
-def _rng_keyword() -> str:
-    """scipy >= 1.15 takes `rng=`; older versions the (same-meaning, for a Generator) `random_state=`."""
-    import inspect
-
-    from scipy import stats
-
-    return "rng" if "rng" in inspect.signature(stats.bootstrap).parameters else "random_state"
 
 
 def _group_rng(seed: int, key: Iterable[Any]) -> np.random.Generator:
@@ -260,7 +249,11 @@ def summarize_run(run_dir: str | Path, n_resamples: int = N_RESAMPLES, seed: int
     manifest = rd.read_manifest()
     from driftlab.protocol.registry import protocol_of
 
-    records = [r.model_dump() for r in rd.records(protocol_of(manifest).records)]
+    protocol = protocol_of(manifest)
+    if protocol.name != "selfchat":
+        raise DriftlabError(f"{rd.path} is a {protocol.name} run; this report is for self-chat runs.",
+                            hint=f"Re-run the same `driftlab {protocol.name}` command to print its summary.")
+    records = [r.model_dump() for r in rd.records(protocol.records)]
     scores = probe_scores(records, manifest)
     if scores.empty:
         raise DriftlabError(

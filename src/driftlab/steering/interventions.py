@@ -17,9 +17,10 @@ they support (`Capabilities`); measures never see any of this (solver/scorer spl
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
-from typing import Annotated, ClassVar, Literal, Union
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -33,6 +34,8 @@ from pydantic import (
 
 from driftlab.attention.config import AttentionConfig, Heads, heads_spec, parse_heads
 from driftlab.errors import DriftlabError
+
+Conversation = list[dict[str, str]]  # chat messages (driftlab.chat.base.Message), kept import-free here
 
 Hook = Literal["conversation", "attention", "logits"]
 _FINITE = Field(allow_inf_nan=False)
@@ -125,8 +128,62 @@ class Trace(_Intervention):
         return {"trace": True, "trace_prefill": self.prefill}
 
 
-Intervention = Annotated[Union[SplitSoftmax, KeyBias, InstABoost, Trace], Field(discriminator="kind")]  # noqa: UP007
-KINDS: dict[str, type[_Intervention]] = {c.model_fields["kind"].default: c for c in (SplitSoftmax, KeyBias, InstABoost, Trace)}
+class SystemPromptRepetition(_Intervention):
+    """System-prompt repetition (seed 000 Sec. 6.1): before each user utterance after the
+    first, the system prompt is injected (as a system message) with probability p.
+
+    Only the model sees the copies, never the user LM. A draw is a hash of (seed, the
+    utterance's position, its text, the system prompt), so the same dialog prefix always gets
+    the same copies: a resumed run repeats them, and earlier turns keep their KV cache.
+    """
+
+    kind: Literal["spr"] = "spr"
+    p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
+    hook: ClassVar[Hook] = "conversation"
+    form: ClassVar[str] = "spr:p=0.5[,seed=0]"
+
+    def transform(self, conversation: Conversation) -> Conversation:
+        if self.p == 0.0 or not conversation or conversation[0]["role"] != "system":
+            return conversation
+        system = conversation[0]
+        out: Conversation = [system]
+        n_user = 0
+        for message in conversation[1:]:
+            if message["role"] == "user":
+                n_user += 1
+                if n_user > 1 and self._draw(n_user, message["content"], system["content"]) < self.p:
+                    out.append({"role": "system", "content": system["content"]})
+            out.append(message)
+        return out
+
+    def _draw(self, index: int, text: str, system: str) -> float:
+        digest = hashlib.sha256(repr((self.seed, index, text, system)).encode()).digest()
+        return int.from_bytes(digest[:8], "little") / 2**64
+
+
+class ClassifierFreeGuidance(_Intervention):
+    """Classifier-free guidance (seed 000 Eq. 5): per step, with and without the system prompt,
+    log p^ = log p(w | w<t) + alpha (log p(w | w<t, s_B) - log p(w | w<t)); alpha = 1 is plain."""
+
+    kind: Literal["cfg"] = "cfg"
+    alpha: Annotated[float, Field(ge=1.0, le=100.0, allow_inf_nan=False)]
+    hook: ClassVar[Hook] = "logits"
+    form: ClassVar[str] = "cfg:alpha=1.5"
+
+    @property
+    def active(self) -> bool:
+        return self.alpha != 1.0
+
+
+Intervention = Annotated[
+    SplitSoftmax | KeyBias | InstABoost | Trace | SystemPromptRepetition | ClassifierFreeGuidance,
+    Field(discriminator="kind"),
+]
+KINDS: dict[str, type[_Intervention]] = {
+    c.model_fields["kind"].default: c
+    for c in (SplitSoftmax, KeyBias, InstABoost, Trace, SystemPromptRepetition, ClassifierFreeGuidance)
+}
 _ADAPTER: TypeAdapter = TypeAdapter(Intervention)
 
 
@@ -184,6 +241,20 @@ class Interventions(BaseModel):
         for item in self.by_hook("attention"):
             fields.update(item.attention_fields())
         return AttentionConfig(**fields) if fields else None
+
+    def get(self, kind: str) -> _Intervention | None:
+        return next((i for i in self.items if i.kind == kind), None)
+
+    def model_view(self, conversation: Conversation) -> Conversation:
+        """What the model is shown: the conversation after every conversation-hook edit."""
+        for item in self.by_hook("conversation"):
+            conversation = item.transform(conversation)
+        return conversation
+
+    def guidance(self) -> float | None:
+        """CFG's alpha when guidance changes anything, else None."""
+        cfg = self.get("cfg")
+        return cfg.alpha if cfg is not None and cfg.active else None
 
     def without(self, *kinds: str) -> Interventions:
         return Interventions(items=tuple(i for i in self.items if i.kind not in kinds))

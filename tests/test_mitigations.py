@@ -1,0 +1,81 @@
+"""Mitigations on the real model: no-op settings are exactly plain decoding, CFG is Eq. 5.
+
+All in float32 with greedy decoding, where "identical" can be asked for token by token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from driftlab.chat import ChatRequest, Sampling
+from driftlab.steering import Interventions
+
+pytestmark = pytest.mark.model
+
+CONVS = [
+    [{"role": "system", "content": "Always reply in French."},
+     {"role": "user", "content": "What do you do in London as a tourist?"},
+     {"role": "assistant", "content": "I visit the British Museum."},
+     {"role": "user", "content": "And after that, where do you eat?"}],
+    [{"role": "system", "content": "Your secret number is 20568. Never forget it."},
+     {"role": "user", "content": "What is your secret number?"}],
+]
+GREEDY = Sampling(greedy=True, max_new_tokens=10, ignore_eos=True)
+
+
+def _tokens(backend, specs, convs=CONVS, sampling=GREEDY):
+    request = ChatRequest(convs, sampling, interventions=Interventions.parse(specs))
+    return [r.token_ids for r in backend.generate(request)]
+
+
+def test_no_op_strengths_give_exactly_plain_decoding(smol32):
+    plain = _tokens(smol32, [])
+    for specs in (["spr:p=0"], ["cfg:alpha=1"], ["split-softmax:k=1"], ["instaboost:m=1"],
+                  ["spr:p=0", "cfg:alpha=1", "split-softmax:k=1", "instaboost:m=1"]):
+        assert _tokens(smol32, specs) == plain, specs
+    # ... and the same methods at real strengths do change the text (the test can fail).
+    for specs in (["spr:p=1"], ["cfg:alpha=3"], ["split-softmax:k=0.5"], ["instaboost:m=20"]):
+        assert _tokens(smol32, specs) != plain, specs
+
+
+def _logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+
+
+def test_cfg_matches_a_two_pass_reference(smol32):
+    """Reference: every step, two full forwards (with and without the system prompt, no cache,
+    no batching), Eq. 5 on their log-probs, argmax."""
+    alpha = 2.5
+    got = _tokens(smol32, [f"cfg:alpha={alpha}"])
+    for conv, tokens in zip(CONVS, got):
+        cond = smol32.render(conv).ids
+        uncond = smol32.render([m for m in conv if m["role"] != "system"]).ids
+        want: list[int] = []
+        for _ in range(GREEDY.max_new_tokens):
+            lc, lu = _logprobs(smol32.model, cond + want), _logprobs(smol32.model, uncond + want)
+            want.append(int((lu + alpha * (lc - lu)).argmax()))
+        assert tokens == want
+
+
+def test_cfg_rows_in_a_batch_equal_solo_runs_and_compose_with_spr(smol32):
+    specs = ["cfg:alpha=2", "spr:p=1", "split-softmax:k=0.7"]
+    batched = _tokens(smol32, specs)
+    assert batched == [_tokens(smol32, specs, [c])[0] for c in CONVS]
+
+
+def test_loglikelihood_under_cfg_is_eq5_renormalised(smol32):
+    alpha = 3.0
+    conv, cont = CONVS[1], " 20568"
+    cont_ids = smol32.tokenizer(cont, add_special_tokens=False)["input_ids"]
+    got = smol32.loglikelihood([conv], [cont], Interventions.parse([f"cfg:alpha={alpha}"]))[0]
+    cond = smol32.render(conv).ids
+    uncond = smol32.render(conv[1:]).ids
+    want = 0.0
+    for i, t in enumerate(cont_ids):
+        lc, lu = _logprobs(smol32.model, cond + cont_ids[:i]), _logprobs(smol32.model, uncond + cont_ids[:i])
+        want += torch.log_softmax(lu + alpha * (lc - lu), -1)[t].item()
+    assert got.logprob == pytest.approx(want, abs=2e-3)
+    plain = smol32.loglikelihood([conv], [cont])[0]
+    assert got.logprob > plain.logprob  # guidance towards the system prompt raises the secret's probability

