@@ -49,7 +49,7 @@ def _once(backend: HFChatBackend, cfg: SelfChatConfig, cache: bool, cache_bytes:
 
 
 def run(quick: bool = False) -> Result:
-    pairs, rounds, tokens, repeats = (2, 2, 8, 1) if quick else (2, 8, 64, 2)
+    pairs, rounds, tokens, repeats = (2, 2, 8, 1) if quick else (4, 8, 64, 2)
     threads = torch.get_num_threads()
     torch.set_num_threads(threads)  # pinned for the whole run
     backend = HFChatBackend("smollm2-135m", dtype="auto")

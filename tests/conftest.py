@@ -37,6 +37,35 @@ def smol_bf16(smol_dir):
     return HFChatBackend(str(smol_dir), dtype="bfloat16")
 
 
+def unwritable_dir(base: Path, request) -> Path:
+    """A directory nobody can write: `base`/read-only (chmod 555), or, as root (who ignores
+    permission bits), a directory of a kernel filesystem. Skips where neither exists."""
+    ro = base / "read-only"
+    ro.mkdir()
+    ro.chmod(0o555)
+    request.addfinalizer(lambda: ro.exists() and ro.chmod(0o755))  # so that tmp_path can be removed
+    if not _can_write(ro):
+        return ro
+    ro.chmod(0o755)
+    ro.rmdir()
+    for candidate in (Path("/sys/fs"), Path("/proc/sys")):
+        if candidate.is_dir() and not _can_write(candidate):
+            return candidate
+    pytest.skip("no unwritable directory to test with (running as root without /sys?)")
+
+
+def _can_write(directory: Path) -> bool:
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
 def linked_copy(src: Path, dst: Path, leave_out: str) -> Path:
     """A model directory made of symlinks to `src`'s files, all but `leave_out` (cheap variants)."""
     dst.mkdir()

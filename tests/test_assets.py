@@ -9,7 +9,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from collections import namedtuple
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 from filelock import FileLock
 
 from conftest import linked_copy
+from conftest import unwritable_dir as shared_unwritable_dir
 from driftlab.assets import PRESETS, get_preset, model_dir, pulled_info, resolve_model
 from driftlab.assets.pull import pull, sha256_file
 from driftlab.assets.store import MARKER, pull_lock_path
@@ -136,32 +136,9 @@ def test_local_directory_model_matches_preset(smol_dir, tmp_path):
 # --------------------------------------------------------------------------- unusable caches
 
 
-def _can_write(directory: Path) -> bool:
-    try:
-        fd, probe = tempfile.mkstemp(dir=directory)
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(probe)
-    return True
-
-
 @pytest.fixture
-def unwritable_dir(tmp_path):
-    """A directory nobody can write: chmod 555, or (as root, who ignores that) /sys/fs."""
-    ro = tmp_path / "read-only"
-    ro.mkdir()
-    ro.chmod(0o555)
-    if not _can_write(ro):
-        yield ro
-        ro.chmod(0o755)
-        return
-    ro.chmod(0o755)
-    for candidate in (Path("/sys/fs"), Path("/proc/sys")):
-        if candidate.is_dir() and not _can_write(candidate):
-            yield candidate
-            return
-    pytest.skip("no unwritable directory to test with")
+def unwritable_dir(tmp_path, request):
+    return shared_unwritable_dir(tmp_path, request)
 
 
 def _listing(root: Path) -> list[str]:

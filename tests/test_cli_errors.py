@@ -25,14 +25,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from conftest import linked_copy
+from conftest import linked_copy, unwritable_dir
 
 
 @dataclass(frozen=True)
@@ -166,32 +165,6 @@ def _params():
 # --------------------------------------------------------------------------- the scratch directory
 
 
-def _can_write(directory: Path) -> bool:
-    try:
-        fd, probe = tempfile.mkstemp(dir=directory)
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(probe)
-    return True
-
-
-def _unwritable_dir(ws: Path, request) -> Path:
-    ro = ws / "read-only"
-    ro.mkdir()
-    ro.chmod(0o555)
-    request.addfinalizer(lambda: ro.exists() and ro.chmod(0o755))  # so that tmp_path can be removed
-    if not _can_write(ro):
-        return ro
-    ro.chmod(0o755)
-    ro.rmdir()
-    # root ignores permission bits: use a directory of a kernel filesystem instead.
-    for candidate in (Path("/sys/fs"), Path("/proc/sys")):
-        if candidate.is_dir() and not _can_write(candidate):
-            return candidate
-    pytest.skip("no unwritable directory to test with (running as root without /sys?)")
-
-
 def _build(case: Case, ws: Path, request) -> dict[str, str]:
     used = " ".join([*case.argv, *case.env.values(), *case.expect])
     values = {"ws": str(ws)}
@@ -205,7 +178,7 @@ def _build(case: Case, ws: Path, request) -> dict[str, str]:
         (ws / "cache-file").write_text("not a directory\n")
         values["cache_file"] = str(ws / "cache-file")
     if "{ro_dir}" in used:
-        values["ro_dir"] = str(_unwritable_dir(ws, request))
+        values["ro_dir"] = str(unwritable_dir(ws, request))
     for name, (manifest, bad_line) in BAD_RUNS.items():
         if "{" + name + "}" in used:
             run = ws / name

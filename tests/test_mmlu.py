@@ -154,6 +154,7 @@ def test_letter_scoring_matches_a_slow_reference(tiny, tmp_path):
     assert s["plain"]["accuracy"] == pytest.approx(sum(r.correct for r in records) / 12)
 
 
+@pytest.mark.model
 def test_turn_history_steered_condition_and_resume(tiny, tmp_path):
     from driftlab.protocol.mmlu import MMLU, RECORDS, summarize
     from driftlab.records.rundir import RunDir
@@ -176,3 +177,48 @@ def test_turn_history_steered_condition_and_resume(tiny, tmp_path):
     MMLU(config, str(out), tiny, progress=False).run()
     assert (out / "records.jsonl").read_bytes() == before
     assert set(summarize(out)) >= {"plain", "steered", "drop"}
+
+
+# -- calibration ---------------------------------------------------------------------------------
+@pytest.mark.model
+def test_calibration_on_a_tiny_model_writes_points_and_resumes(tiny, tmp_path):
+    from driftlab.protocol.calibrate import CalibrationConfig, calibrate
+
+    mmlu = MMLUConfig(model=tiny.name, n=12, turn=0, data=str(RAW))
+    config = CalibrationConfig(method="instaboost", max_drop=0.2, steps=2, mmlu=mmlu)
+    summary = calibrate(config, tmp_path / "cal", tiny, progress=False)
+    points = summary["points"]
+    assert 1 <= len(points) <= 3 and points[-1]["strength"] == 1.0
+    assert all(p["steer"].startswith("instaboost:m=") for p in points)
+    if summary["best"] is not None:
+        assert summary["best"]["within"] and summary["best"]["drop"] <= 0.2
+        stronger = [p for p in points if p["strength"] > summary["best"]["strength"]]
+        assert all(not p["within"] for p in stronger)
+    assert (tmp_path / "cal" / "calibration.png").stat().st_size > 5000
+    files = sorted((tmp_path / "cal").rglob("records.jsonl"))
+    before = [f.read_bytes() for f in files]
+    assert calibrate(config, tmp_path / "cal", tiny, progress=False) == summary  # resumed: nothing recomputed
+    assert [f.read_bytes() for f in files] == before
+
+
+@pytest.mark.parametrize("budget, expect", [(0.03, 0.3), (0.2, 1.0), (0.001, None)])
+def test_calibration_search_finds_the_strongest_setting_within_budget(tiny, tmp_path, monkeypatch, budget, expect):
+    """The search logic alone, on a known monotone drop(s) = 0.1 s: bisection must land within
+    1/2^steps below the true boundary s* = budget / 0.1, or report that no strength fits."""
+    from driftlab.protocol import calibrate as cal
+
+    last: list = []  # the config of the MMLU run the search asked for last
+    monkeypatch.setattr(cal.MMLU, "run", lambda self: last.append(self.config))
+    monkeypatch.setattr(cal, "correctness", lambda where: {"plain": {0: 1.0}, "steered": {0: 0.0}})
+    monkeypatch.setattr(cal, "drop", lambda plain, steered: {"n": 1, "mean": 0.1 * _strength_of(last[-1].steer),
+                                                               "ci": (0.0, 0.2)})
+    config = cal.CalibrationConfig(method="spr", max_drop=budget, steps=6, mmlu=MMLUConfig(n=1, turn=0, data=str(RAW)))
+    summary = cal.calibrate(config, tmp_path / "cal", tiny, progress=False)
+    if expect is None:
+        assert summary["best"] is None and "cannot be met" in summary["note"]
+    else:
+        assert expect - 1 / 2**6 <= summary["best"]["strength"] <= expect + 1e-9
+
+
+def _strength_of(steer: list[str]) -> float:
+    return float(steer[0].split("p=")[1].split(",")[0]) if steer else 0.0

@@ -11,11 +11,13 @@ import sys
 import typer
 
 from driftlab.cli import data, models, personas
+from driftlab.cli.calibrate import calibrate
 from driftlab.cli.chat import chat
 from driftlab.cli.decay import decay
 from driftlab.cli.mmlu import mmlu
 from driftlab.cli.report import report
 from driftlab.cli.run import run
+from driftlab.cli.sweep import sweep
 from driftlab.cli.theory import theory
 
 app = typer.Typer(
@@ -33,6 +35,8 @@ app.command("run")(run)
 app.command("report")(report)
 app.command("decay")(decay)
 app.command("mmlu")(mmlu)
+app.command("calibrate")(calibrate)
+app.command("sweep")(sweep)
 app.command("theory")(theory)
 
 

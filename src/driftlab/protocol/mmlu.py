@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from driftlab.assets.registry import DEFAULT_MODEL
 from driftlab.chat.base import MAX_SEED, Conversation, Sampling, ScoringBackend
@@ -126,6 +126,7 @@ class MMLUConfig(BaseModel):
     span: SpanMode = "prefix"
     batch_size: int = Field(8, ge=1, le=1024, description="questions scored per forward pass")
     data: str | None = Field(None, description="an MMLU jsonl file instead of the pulled data set")
+    plain: bool = Field(True, description="also measure without the interventions (the baseline)")
 
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("device", "batch_size")
 
@@ -134,9 +135,15 @@ class MMLUConfig(BaseModel):
     def _normalise_steer(cls, v: list[str]) -> list[str]:
         return Interventions.parse(v).specs()
 
+    @model_validator(mode="after")
+    def _something_to_measure(self) -> MMLUConfig:
+        if not self.plain and not self.steer:
+            raise ValueError("nothing to measure: no baseline (plain=False) and no --steer")
+        return self
+
     @property
     def conditions(self) -> list[str]:
-        return ["plain", "steered"] if self.steer else ["plain"]
+        return ["plain"] * self.plain + ["steered"] * bool(self.steer)
 
     def interventions(self, condition: str) -> Interventions:
         return Interventions.parse(self.steer) if condition == "steered" else Interventions()
@@ -189,12 +196,17 @@ class MMLU:
 
     def run(self) -> RunDir:
         cfg = self.config
-        questions = stratified_subset(load_questions(cfg.data), cfg.n, cfg.seed)
+        pool = load_questions(cfg.data)
         with self.rundir.writing():
-            plan = {"questions": [q.index for q in questions], "conditions": cfg.conditions,
-                    "interventions": Interventions.parse(cfg.steer).specs(),
+            plan = {"questions": [q.index for q in stratified_subset(pool, cfg.n, cfg.seed)],
+                    "conditions": cfg.conditions, "interventions": Interventions.parse(cfg.steer).specs(),
                     "models": {"agent": self.backend.describe()}}
-            self.rundir.start(cfg.model_dump(mode="json"), plan, cfg.RESUME_IGNORES, protocol="mmlu")
+            manifest = self.rundir.start(cfg.model_dump(mode="json"), plan, cfg.RESUME_IGNORES, protocol="mmlu")
+            by_index = {q.index: q for q in pool}
+            if any(i not in by_index for i in manifest["questions"]):  # a resumed run asks what it planned
+                raise DriftlabError(f"The MMLU data no longer holds the questions {self.rundir.path} was started with.",
+                                    hint="Resume with the original data file, or start a new --out directory.")
+            questions = [by_index[i] for i in manifest["questions"]]
             done = {r.key for r in self.rundir.records(RECORDS)}
             todo = {c: [q for q in questions if ("answer", c, q.index) not in done] for c in cfg.conditions}
             with WorkProgress("mmlu", sum(map(len, todo.values())), self.progress, unit="questions") as bar:
@@ -252,24 +264,40 @@ def run_mmlu(config: MMLUConfig, out: str, progress: bool = True) -> RunDir:
         return MMLU(config, rundir, make_backend(config.backend_spec()), progress=progress).run()
 
 
-def summarize(run_dir: str | Path) -> dict[str, Any]:
-    """Accuracy per condition with a 95% CI, and the drop (plain - steered) with a paired CI."""
+def correctness(run_dir: str | Path) -> dict[str, dict[int, float]]:
+    """condition -> question index -> 1.0 if answered correctly, from a run's records."""
+    out: dict[str, dict[int, float]] = defaultdict(dict)
+    for r in RunDir(run_dir).records(RECORDS):
+        out[r.condition][r.index] = float(r.correct)
+    return out
+
+
+def accuracy(correct: dict[int, float]) -> dict[str, Any]:
+    """Accuracy over questions with a 95% bootstrap CI."""
     from driftlab.report.metrics import bootstrap_mean_ci
 
-    rd = RunDir(run_dir)
-    manifest = rd.read_manifest()
-    correct: dict[str, dict[int, float]] = defaultdict(dict)
-    for r in rd.records(RECORDS):
-        correct[r.condition][r.index] = float(r.correct)
+    x = np.array(list(correct.values()))
+    lo, hi = bootstrap_mean_ci(x) if x.size else (float("nan"), float("nan"))
+    return {"n": int(x.size), "accuracy": float(x.mean()) if x.size else float("nan"), "ci": (lo, hi)}
+
+
+def drop(plain: dict[int, float], steered: dict[int, float]) -> dict[str, Any]:
+    """Accuracy drop (plain - steered) over the questions both answered, with a paired 95% CI."""
+    from driftlab.report.metrics import bootstrap_mean_ci
+
+    common = sorted(set(plain) & set(steered))
+    diff = np.array([plain[i] - steered[i] for i in common])
+    lo, hi = bootstrap_mean_ci(diff) if diff.size else (float("nan"), float("nan"))
+    return {"n": int(diff.size), "mean": float(diff.mean()) if diff.size else float("nan"), "ci": (lo, hi)}
+
+
+def summarize(run_dir: str | Path) -> dict[str, Any]:
+    """Accuracy per condition with a 95% CI, and the drop (plain - steered) with a paired CI."""
+    manifest = RunDir(run_dir).read_manifest()
+    correct = correctness(run_dir)
     out: dict[str, Any] = {"n": len(manifest.get("questions", [])), "turn": manifest["config"].get("turn")}
     for condition in manifest.get("conditions", []):
-        x = np.array(list(correct[condition].values()))
-        lo, hi = bootstrap_mean_ci(x) if x.size else (float("nan"), float("nan"))
-        out[condition] = {"n": int(x.size), "accuracy": float(x.mean()) if x.size else float("nan"),
-                          "ci": (lo, hi)}
-    if "steered" in correct:
-        common = sorted(set(correct["plain"]) & set(correct["steered"]))
-        diff = np.array([correct["plain"][i] - correct["steered"][i] for i in common])
-        lo, hi = bootstrap_mean_ci(diff) if diff.size else (float("nan"), float("nan"))
-        out["drop"] = {"n": int(diff.size), "mean": float(diff.mean()) if diff.size else float("nan"), "ci": (lo, hi)}
+        out[condition] = accuracy(correct[condition])
+    if "plain" in correct and "steered" in correct:
+        out["drop"] = drop(correct["plain"], correct["steered"])
     return out

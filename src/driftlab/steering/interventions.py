@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from typing import Annotated, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -35,7 +35,8 @@ from pydantic import (
 from driftlab.attention.config import AttentionConfig, Heads, heads_spec, parse_heads
 from driftlab.errors import DriftlabError
 
-Conversation = list[dict[str, str]]  # chat messages (driftlab.chat.base.Message), kept import-free here
+if TYPE_CHECKING:  # driftlab.chat.base imports this module
+    from driftlab.chat.base import Conversation
 
 Hook = Literal["conversation", "attention", "logits"]
 _FINITE = Field(allow_inf_nan=False)

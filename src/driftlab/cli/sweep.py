@@ -1,0 +1,75 @@
+"""`driftlab sweep`: stability vs MMLU cost for each mitigation over a grid of strengths (Fig. 5/6)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from driftlab.cli.options import DeviceOpt, DtypeOpt, MaxNewTokensOpt, ModelOpt, SpanOpt, build
+
+
+def sweep(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Sweep directory (created, or resumed if it exists).")],
+    model: ModelOpt = "smollm2-135m",
+    methods: Annotated[str, typer.Option(help="Comma-separated methods with their default grids.")] = (
+        "split-softmax,spr,cfg,instaboost"),
+    point: Annotated[list[str] | None, typer.Option(
+        "--point", help="A grid point as a --steer spec (repeatable); replaces the default grids.")] = None,
+    pairs: Annotated[int, typer.Option(help="Use the first N of the 20 ordered pairs of the paper's 5 personas.")] = 20,
+    rounds: Annotated[int, typer.Option(help="Dialog rounds per self-chat (paper: 16 for mitigation).")] = 8,
+    max_new_tokens: MaxNewTokensOpt = 64,
+    mmlu_n: Annotated[int, typer.Option(help="MMLU questions per point.")] = 100,
+    mmlu_turn: Annotated[int, typer.Option(help="Ask MMLU at this turn of the agent's dialog (paper: 4).")] = 4,
+    match_drop: Annotated[float | None, typer.Option(
+        help="Fig. 6 compares methods at this MMLU drop (default: the median drop of the grid).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of dialogs, samples and questions.")] = 0,
+    data: Annotated[Path | None, typer.Option(help="An MMLU jsonl file instead of `driftlab data pull mmlu`.")] = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    span: SpanOpt = "prefix",
+    batch_size: Annotated[int, typer.Option(help="Most conversations generated together in one batch.")] = 32,
+) -> None:
+    """Measure persona stability and MMLU drop for every (method, strength), then plot the trade-off.
+
+    One model load serves every point; each point's self-chat and MMLU runs are resumable
+    run directories under OUT/points/. Writes sweep.csv, sweep_tradeoff.png (Fig. 5),
+    sweep_rounds.png (Fig. 6) and sweep.html.
+    """
+    from driftlab.chat import BackendSpec, Sampling, make_backend
+    from driftlab.errors import DriftlabError
+    from driftlab.protocol.mmlu import load_questions
+    from driftlab.protocol.sweep import GRID, SweepConfig, paper_pairs, run_sweep
+    from driftlab.report.sweep import write_sweep_report
+    from driftlab.steering import Interventions
+
+    if point:
+        grid: dict[str, list[str]] = {}
+        for spec in point:
+            iv = Interventions.parse([spec])
+            grid.setdefault(next(iter(iv.kinds)), []).append(iv.specs()[0])
+    else:
+        chosen = [m.strip() for m in methods.split(",") if m.strip()]
+        unknown = [m for m in chosen if m not in GRID]
+        if unknown or not chosen:
+            raise DriftlabError(f"Invalid --methods {methods!r}.", hint=f"Use some of: {', '.join(GRID)}.")
+        grid = {m: GRID[m] for m in chosen}
+    if not 1 <= pairs <= 20:
+        raise DriftlabError(f"Invalid --pairs {pairs}: use 1 to 20.")
+    sampling = build(Sampling, max_new_tokens=max_new_tokens)
+    config = build(SweepConfig, model=model, grid=grid, pair_ids=paper_pairs()[:pairs], rounds=rounds,
+                   sampling=sampling, seed=seed, mmlu_n=mmlu_n, mmlu_turn=mmlu_turn,
+                   data=str(data) if data else None, dtype=dtype, device=device, span=span, batch_size=batch_size)
+    spec = build(BackendSpec, model=model, dtype=dtype, device=device, span=span)
+    load_questions(config.data)  # the data set must be there before the model loads
+    from driftlab.records.rundir import RunDir
+
+    with RunDir(out).writing():
+        table = run_sweep(config, out, make_backend(spec))
+    page = write_sweep_report(out, match_drop)
+    from rich.console import Console
+
+    Console(stderr=True).print(table[["spec", "stability", "mmlu_accuracy", "mmlu_drop"]].to_string(index=False),
+                               highlight=False, markup=False)
+    typer.echo(str(page))

@@ -1,0 +1,74 @@
+"""The trade-off sweep: grid validation, the paper's pairs, a tiny end-to-end run that resumes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from driftlab.bench import get_persona
+from driftlab.chat import Sampling
+from driftlab.protocol.sweep import SweepConfig, paper_pairs, point_dir, run_sweep
+from driftlab.report.sweep import matched_points, write_sweep_report
+
+RAW = Path(__file__).parent / "fixtures" / "mmlu_raw_sample.jsonl"
+
+
+def test_paper_pairs_are_the_20_ordered_pairs_of_one_persona_per_category():
+    pairs = paper_pairs()
+    assert len(pairs) == 20 == len(set(pairs))
+    ids = {a for a, _ in pairs}
+    assert len(ids) == 5 and {get_persona(i).category for i in ids} == {
+        "multiple_choice", "persona", "pattern", "memorization", "language"}
+    assert all(a != u for a, u in pairs)
+
+
+def test_grid_is_validated_and_normalised():
+    cfg = SweepConfig(grid={"split-softmax": ["split-softmax:k=.5"]})
+    assert cfg.grid == {"split-softmax": ["split-softmax:k=0.5,heads=all"]}
+    assert cfg.points()[0] == ("plain", "")
+    with pytest.raises(ValueError, match="unknown method 'ss'"):
+        SweepConfig(grid={"ss": ["split-softmax:k=0.5"]})
+    with pytest.raises(ValueError, match="must list spr specs"):
+        SweepConfig(grid={"spr": ["cfg:alpha=2"]})
+
+
+def test_matched_points_pick_the_closest_drop_per_method():
+    table = pd.DataFrame({
+        "method": ["plain", "a", "a", "b", "b"], "spec": ["plain", "a1", "a2", "b1", "b2"],
+        "mmlu_drop": [0.0, 0.01, 0.06, 0.04, 0.2], "stability": [0.1, 0.2, 0.3, 0.4, 0.5],
+    })
+    target, rows = matched_points(table, 0.05)
+    assert target == 0.05 and sorted(rows.spec) == ["a2", "b1"]
+    target, _ = matched_points(table)
+    assert target == pytest.approx(0.05)  # the median drop of the grid points
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from driftlab.chat.hf import HFChatBackend
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model("qwen2", tmp_path_factory.mktemp("tiny") / "qwen2")
+    return HFChatBackend(str(path), dtype="float32", device="cpu")
+
+
+@pytest.mark.model
+def test_tiny_sweep_end_to_end_and_resume(tiny, tmp_path):
+    cfg = SweepConfig(model=tiny.name, grid={"split-softmax": ["split-softmax:k=0.5"], "spr": ["spr:p=1"]},
+                      pair_ids=paper_pairs()[:2], rounds=2, sampling=Sampling(max_new_tokens=4), mmlu_n=4,
+                      mmlu_turn=2, history_tokens=4, data=str(RAW))
+    table = run_sweep(cfg, tmp_path / "sweep", tiny, progress=False)
+    assert list(table.spec) == ["plain", "split-softmax:k=0.5,heads=all", "spr:p=1.0,seed=0"]
+    assert table.loc[0, "mmlu_drop"] == 0.0 and (table.n_conversations == 2).all()
+    assert table.stability.between(0, 1).all()
+    page = write_sweep_report(tmp_path / "sweep")
+    assert page.stat().st_size > 10_000 and (tmp_path / "sweep" / "sweep_tradeoff.png").is_file()
+    records = sorted((tmp_path / "sweep").rglob("records.jsonl"))
+    assert len(records) == 3 * 2 + 3 * 1  # per point: self-chat + MMLU; and each MMLU's history (turn 2)
+    before = [r.read_bytes() for r in records]
+    again = run_sweep(cfg, tmp_path / "sweep", tiny, progress=False)  # a finished point is never recomputed
+    assert [r.read_bytes() for r in records] == before
+    pd.testing.assert_frame_equal(again, table)
+    assert point_dir(tmp_path / "sweep", "spr:p=1.0,seed=0").name == "spr_p1.0_seed0"
