@@ -222,3 +222,15 @@ def test_calibration_search_finds_the_strongest_setting_within_budget(tiny, tmp_
 
 def _strength_of(steer: list[str]) -> float:
     return float(steer[0].split("p=")[1].split(",")[0]) if steer else 0.0
+
+
+def test_report_on_an_mmlu_run_says_what_it_is(tmp_path):
+    from driftlab.records.rundir import RunDir
+    from driftlab.report.metrics import summarize_run
+
+    rd = RunDir(tmp_path / "run")
+    with rd.writing():
+        rd.start(MMLUConfig(n=1, turn=0).model_dump(mode="json"), {"questions": [0], "conditions": ["plain"]},
+                 protocol="mmlu")
+    with pytest.raises(DriftlabError, match="holds a 'mmlu' run; this report is for self-chat runs"):
+        summarize_run(tmp_path / "run")

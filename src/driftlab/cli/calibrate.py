@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from driftlab.cli.options import DeviceOpt, DtypeOpt, ModelOpt, SpanOpt, build
+from driftlab.cli.options import DeviceOpt, DtypeOpt, HistoryTokensOpt, MMLUDataOpt, ModelOpt, SpanOpt, build
 
 
 def calibrate(
@@ -18,9 +18,9 @@ def calibrate(
     n: Annotated[int, typer.Option("--n", help="MMLU questions per point, stratified by subject.")] = 200,
     turn: Annotated[int, typer.Option(help="Ask at this turn of the agent's dialog (paper: 4).")] = 4,
     steps: Annotated[int, typer.Option(help="Bisection halvings after checking the strongest setting.")] = 5,
-    history_tokens: Annotated[int, typer.Option(help="Most tokens per turn of the dialog before the question.")] = 64,
+    history_tokens: HistoryTokensOpt = 64,
     seed: Annotated[int, typer.Option(help="Seed of the question subset and the dialog.")] = 0,
-    data: Annotated[Path | None, typer.Option(help="An MMLU jsonl file instead of `driftlab data pull mmlu`.")] = None,
+    data: MMLUDataOpt = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     span: SpanOpt = "prefix",

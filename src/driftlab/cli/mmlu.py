@@ -7,7 +7,16 @@ from typing import Annotated
 
 import typer
 
-from driftlab.cli.options import DeviceOpt, DtypeOpt, ModelOpt, SpanOpt, SteerOpt, build
+from driftlab.cli.options import (
+    DeviceOpt,
+    DtypeOpt,
+    HistoryTokensOpt,
+    MMLUDataOpt,
+    ModelOpt,
+    SpanOpt,
+    SteerOpt,
+    build,
+)
 
 
 def mmlu(
@@ -16,9 +25,9 @@ def mmlu(
     steer: SteerOpt = None,
     n: Annotated[int, typer.Option("--n", help="Questions, stratified by subject (1-14042).")] = 200,
     turn: Annotated[int, typer.Option(help="Ask at this turn of the agent's dialog (paper: 4); 0 = plain MMLU.")] = 4,
-    history_tokens: Annotated[int, typer.Option(help="Most tokens per turn of the dialog before the question.")] = 64,
+    history_tokens: HistoryTokensOpt = 64,
     seed: Annotated[int, typer.Option(help="Seed of the question subset and the dialog.")] = 0,
-    data: Annotated[Path | None, typer.Option(help="An MMLU jsonl file instead of `driftlab data pull mmlu`.")] = None,
+    data: MMLUDataOpt = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     span: SpanOpt = "prefix",

@@ -7,6 +7,7 @@ becomes a one-line error naming the flag.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
@@ -34,6 +35,9 @@ TemperatureOpt = Annotated[float, typer.Option(help="Sampling temperature (0 = g
 TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")]
 GreedyOpt = Annotated[bool, typer.Option(help="Greedy decoding (deterministic).")]
 SeedOpt = Annotated[int, typer.Option(help="Seed, 0 to 2^63-1.")]
+# MMLU cost (mmlu, calibrate, sweep)
+HistoryTokensOpt = Annotated[int, typer.Option(help="Most tokens per turn of the dialog before the question.")]
+MMLUDataOpt = Annotated[Path | None, typer.Option("--data", help="An MMLU jsonl file instead of `driftlab data pull mmlu`.")]
 
 
 def build(schema: type[M], flags: dict[str, str] | None = None, /, **values: Any) -> M:

@@ -7,7 +7,15 @@ from typing import Annotated
 
 import typer
 
-from driftlab.cli.options import DeviceOpt, DtypeOpt, MaxNewTokensOpt, ModelOpt, SpanOpt, build
+from driftlab.cli.options import (
+    DeviceOpt,
+    DtypeOpt,
+    MaxNewTokensOpt,
+    MMLUDataOpt,
+    ModelOpt,
+    SpanOpt,
+    build,
+)
 
 
 def sweep(
@@ -25,7 +33,7 @@ def sweep(
     match_drop: Annotated[float | None, typer.Option(
         help="Fig. 6 compares methods at this MMLU drop (default: the median drop of the grid).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of dialogs, samples and questions.")] = 0,
-    data: Annotated[Path | None, typer.Option(help="An MMLU jsonl file instead of `driftlab data pull mmlu`.")] = None,
+    data: MMLUDataOpt = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     span: SpanOpt = "prefix",

@@ -32,7 +32,11 @@ def register(name: str, records: TypeAdapter, expected_counts: Callable[[dict[st
 
 def protocol_of(manifest: dict[str, Any]) -> ProtocolInfo:
     """The protocol that wrote a manifest (format-1 manifests are all self-chats)."""
-    import driftlab.protocol.selfchat  # noqa: F401  (registers itself)
+    # Each protocol module registers itself on import.
+    import driftlab.protocol.calibrate  # noqa: F401
+    import driftlab.protocol.mmlu  # noqa: F401
+    import driftlab.protocol.selfchat  # noqa: F401
+    import driftlab.protocol.sweep  # noqa: F401
 
     name = manifest.get("protocol", "selfchat")
     if name not in PROTOCOLS:

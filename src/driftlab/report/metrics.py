@@ -251,7 +251,7 @@ def summarize_run(run_dir: str | Path, n_resamples: int = N_RESAMPLES, seed: int
 
     protocol = protocol_of(manifest)
     if protocol.name != "selfchat":
-        raise DriftlabError(f"{rd.path} is a {protocol.name} run; this report is for self-chat runs.",
+        raise DriftlabError(f"{rd.path} holds a '{protocol.name}' run; this report is for self-chat runs.",
                             hint=f"Re-run the same `driftlab {protocol.name}` command to print its summary.")
     records = [r.model_dump() for r in rd.records(protocol.records)]
     scores = probe_scores(records, manifest)
