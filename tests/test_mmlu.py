@@ -234,3 +234,13 @@ def test_report_on_an_mmlu_run_says_what_it_is(tmp_path):
                  protocol="mmlu")
     with pytest.raises(DriftlabError, match="holds a 'mmlu' run; this report is for self-chat runs"):
         summarize_run(tmp_path / "run")
+
+
+def test_questions_holding_unicode_line_separators_load(tmp_path):
+    """MMLU has questions with a raw U+2028 inside a JSON string: only "\\n" ends a line."""
+    row = json.loads(RAW.read_text().splitlines()[0])
+    row["question"] = "Line one\u2028line two?"
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps(row, ensure_ascii=False) + "\n", encoding="utf-8")
+    (q,) = load_questions(str(path))
+    assert q.question == "Line one\u2028line two?"

@@ -67,7 +67,8 @@ def load_questions(path: str | None = None) -> tuple[Question, ...]:
 
     file = Path(path) if path else dataset_file("mmlu")
     try:
-        lines = file.read_text(encoding="utf-8").splitlines()
+        # "\n" only: str.splitlines() also splits at U+2028 and friends, which JSON strings may hold raw.
+        lines = file.read_text(encoding="utf-8").split("\n")
     except (OSError, UnicodeDecodeError) as err:
         raise DriftlabError(f"Cannot read the MMLU file {file}: {err}.",
                             hint="Give a UTF-8 jsonl file, or drop --data to use `driftlab data pull mmlu`.") from None
