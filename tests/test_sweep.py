@@ -22,6 +22,7 @@ def test_paper_pairs_are_the_20_ordered_pairs_of_one_persona_per_category():
     assert len(ids) == 5 and {get_persona(i).category for i in ids} == {
         "multiple_choice", "persona", "pattern", "memorization", "language"}
     assert all(a != u for a, u in pairs)
+    assert len({a for a, _ in pairs[:5]}) == 5  # the first few pairs already spread over the agents
 
 
 def test_grid_is_validated_and_normalised():

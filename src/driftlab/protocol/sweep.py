@@ -14,7 +14,6 @@ recomputed. `RUN/sweep.csv` holds the table behind the figures (report.sweep).
 
 from __future__ import annotations
 
-from itertools import permutations
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +41,14 @@ register("sweep", TypeAdapter(dict), lambda manifest: {})  # its records live in
 
 
 def paper_pairs() -> list[tuple[str, str]]:
-    """The 20 ordered (agent, user) pairs of the first persona of each of the five categories."""
+    """The 20 ordered (agent, user) pairs of the first persona of each of the five categories.
+
+    Ordered so that any first N pairs spread over the agents: pair k has agent k mod 5 and
+    user (k mod 5 + 1 + k // 5) mod 5, so `--pairs 5` already covers every category once.
+    """
     personas = load_personas()
     five = [next(p.id for p in personas if p.category == c) for c in CATEGORIES]
-    return list(permutations(five, 2))
+    return [(five[i], five[(i + d) % 5]) for d in range(1, 5) for i in range(5)]
 
 
 class SweepConfig(BaseModel):
