@@ -7,7 +7,17 @@ from typing import Annotated
 
 import typer
 
-from driftlab.cli.options import DeviceOpt, DtypeOpt, HistoryTokensOpt, MMLUDataOpt, ModelOpt, SpanOpt, build
+from driftlab.cli.options import (
+    DeviceOpt,
+    DtypeOpt,
+    HistoryTokensOpt,
+    MMLUDataOpt,
+    MMLUSeedOpt,
+    ModelOpt,
+    SpanOpt,
+    TurnOpt,
+    build,
+)
 
 
 def calibrate(
@@ -16,10 +26,10 @@ def calibrate(
     max_mmlu_drop: Annotated[float, typer.Option(help="Budget: the most MMLU accuracy to give up, e.g. 0.02.")],
     model: ModelOpt = "smollm2-135m",
     n: Annotated[int, typer.Option("--n", help="MMLU questions per point, stratified by subject.")] = 200,
-    turn: Annotated[int, typer.Option(help="Ask at this turn of the agent's dialog (paper: 4).")] = 4,
+    turn: TurnOpt = 4,
     steps: Annotated[int, typer.Option(help="Bisection halvings after checking the strongest setting.")] = 5,
     history_tokens: HistoryTokensOpt = 64,
-    seed: Annotated[int, typer.Option(help="Seed of the question subset and the dialog.")] = 0,
+    seed: MMLUSeedOpt = 0,
     data: MMLUDataOpt = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",

@@ -12,9 +12,11 @@ from driftlab.cli.options import (
     DtypeOpt,
     HistoryTokensOpt,
     MMLUDataOpt,
+    MMLUSeedOpt,
     ModelOpt,
     SpanOpt,
     SteerOpt,
+    TurnOpt,
     build,
 )
 
@@ -24,9 +26,9 @@ def mmlu(
     model: ModelOpt = "smollm2-135m",
     steer: SteerOpt = None,
     n: Annotated[int, typer.Option("--n", help="Questions, stratified by subject (1-14042).")] = 200,
-    turn: Annotated[int, typer.Option(help="Ask at this turn of the agent's dialog (paper: 4); 0 = plain MMLU.")] = 4,
+    turn: TurnOpt = 4,
     history_tokens: HistoryTokensOpt = 64,
-    seed: Annotated[int, typer.Option(help="Seed of the question subset and the dialog.")] = 0,
+    seed: MMLUSeedOpt = 0,
     data: MMLUDataOpt = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",

@@ -36,6 +36,8 @@ TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1]."
 GreedyOpt = Annotated[bool, typer.Option(help="Greedy decoding (deterministic).")]
 SeedOpt = Annotated[int, typer.Option(help="Seed, 0 to 2^63-1.")]
 # MMLU cost (mmlu, calibrate, sweep)
+TurnOpt = Annotated[int, typer.Option(help="Ask at this turn of the agent's dialog (paper: 4); 0 = plain MMLU.")]
+MMLUSeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the question subset and the dialog.")]
 HistoryTokensOpt = Annotated[int, typer.Option(help="Most tokens per turn of the dialog before the question.")]
 MMLUDataOpt = Annotated[Path | None, typer.Option("--data", help="An MMLU jsonl file instead of `driftlab data pull mmlu`.")]
 
