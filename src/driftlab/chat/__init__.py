@@ -10,13 +10,15 @@ from driftlab.chat.base import (
     Reply,
     Sampling,
     ScoringBackend,
+    TokenLogprob,
     chat,
 )
 from driftlab.chat.factory import BackendSpec, make_backend
 
 __all__ = [
     "BackendSpec", "Capabilities", "ChatBackend", "ChatRequest", "Conversation", "HFChatBackend", "LogLikelihood",
-    "Message", "Reply", "Sampling", "ScoringBackend", "chat", "make_backend",
+    "Message", "Reply", "Sampling", "ScoringBackend", "TokenLogprob", "chat",
+    "make_backend",
 ]
 
 

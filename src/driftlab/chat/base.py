@@ -8,7 +8,7 @@ score log-likelihoods; protocols check that instead of probing attributes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypedDict, runtime_checkable
 
@@ -59,6 +59,15 @@ class Sampling(BaseModel):
         return self
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and the most likely alternatives at its step."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass
 class Reply:
     """One generated reply and what is known about how it ended."""
@@ -68,6 +77,8 @@ class Reply:
     finish_reason: Literal["stop", "length"]
     token_ids: list[int] = field(default_factory=list)
     trace: Any = None  # attention trace when one was requested (local backend only)
+    n_prompt_tokens: int = 0  # tokens the model was shown (0 where unknown)
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when ChatRequest.logprobs asked
 
 
 @dataclass(frozen=True)
@@ -76,7 +87,9 @@ class ChatRequest:
 
     `seeds[i]` is row i's own random stream (default: i). `cache_store[i]` is a hint that
     row i's KV is worth keeping because a later prompt extends it (dialog turns, not probe
-    replies); backends without a prefix cache ignore it.
+    replies); backends without a prefix cache ignore it. `logprobs=k` asks for each generated
+    token's log-probability and its k most likely alternatives (None: none). `on_token(row, id)`
+    is called with each token as it is sampled (streaming; local backends only).
     """
 
     conversations: Sequence[Conversation]
@@ -84,6 +97,8 @@ class ChatRequest:
     seeds: Sequence[int] | None = None
     interventions: Interventions = Interventions()
     cache_store: Sequence[bool] | None = None
+    logprobs: int | None = None
+    on_token: Callable[[int, int], None] | None = None
 
     def __post_init__(self) -> None:
         from driftlab.errors import DriftlabError
@@ -95,6 +110,8 @@ class ChatRequest:
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise DriftlabError(f"{len(value)} {name} given for {n} conversations.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise DriftlabError(f"logprobs={self.logprobs}: ask for 0 to 20 alternatives per token.")
         for s in self.seeds or ():
             if not 0 <= int(s) <= MAX_SEED:
                 raise DriftlabError(f"Seed {s} is outside [0, 2^63 - 1].", hint="Use a non-negative 63-bit seed.")

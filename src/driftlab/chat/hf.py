@@ -9,7 +9,7 @@ step for every unfinished row.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,7 @@ from driftlab.chat.base import (
     LogLikelihood,
     Reply,
     Sampling,
+    TokenLogprob,
     validate_conversation,
 )
 from driftlab.chat.loading import load_model
@@ -82,6 +83,7 @@ class HFChatBackend:
         replies = self.generate_tokens(
             [r.ids for r in rendered], request.sampling, seeds=seeds, interventions=iv,
             spans=[_spans(r) for r in rendered], cache_store=store, guidance=alpha,
+            logprobs=request.logprobs, on_token=request.on_token,
         )
         return replies[: len(convs)]
 
@@ -189,6 +191,8 @@ class HFChatBackend:
         spans: Sequence[dict[str, list[tuple[int, int]]]] | None = None,
         cache_store: Sequence[bool] | None = None,
         guidance: float | None = None,
+        logprobs: int | None = None,
+        on_token: Callable[[int, int], None] | None = None,
     ) -> list[Reply]:
         """Continue token prompts; one reply per prompt. The core decode loop.
 
@@ -197,6 +201,9 @@ class HFChatBackend:
         the prefix cache (e.g. probe replies, which no later prompt extends). With
         `guidance` (CFG's alpha) the second half of the prompts are the unconditional rows
         of the first half: both halves are fed the token sampled from the mixed logits.
+        `logprobs=k` records each token's log-probability under the (mixed) model
+        distribution, before temperature and top-p, with its k best alternatives;
+        `on_token(row, id)` sees every sampled token of a (conditional) row as it comes.
         """
         if not prompts:
             return []
@@ -234,6 +241,8 @@ class HFChatBackend:
         gens = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
         warpers = _warpers(sampling)
         sampled: list[list[int]] = [[] for _ in range(B)]  # includes the EOS that ended a row
+        scored: list[list[TokenLogprob]] = [[] for _ in range(B)]
+        real = B // 2 if guidance is not None else B  # rows whose replies are returned
         finished = torch.zeros(B, dtype=torch.bool, device=self.device)
         reasons = ["length"] * B
 
@@ -242,16 +251,20 @@ class HFChatBackend:
         logits = self._forward(ids[:, S:], mask, positions[:, S:], cache, state)
         n_fed = 0  # decode steps run: sampled[b][:n_fed] have their KV in the cache
         for step in range(sampling.max_new_tokens):
-            if guidance is None:
-                nxt = _sample(logits, warpers, gens)
-            else:
-                half = _sample(_guide(logits, guidance), warpers, gens[: B // 2])
-                nxt = torch.cat([half, half])
+            mixed = logits if guidance is None else _guide(logits, guidance)
+            drawn = _sample(mixed, warpers, gens[:real])
+            nxt = drawn if guidance is None else torch.cat([drawn, drawn])
             nxt = torch.where(finished, torch.full_like(nxt, self.pad_id), nxt)
             tokens = nxt.tolist()  # one device-to-host copy per step, not one per row
+            top = _top_logprobs(mixed, nxt[:real], logprobs) if logprobs is not None else None
             for b in torch.nonzero(~finished).flatten().tolist():
                 tok = tokens[b]
                 sampled[b].append(tok)
+                if b < real:
+                    if top is not None:
+                        scored[b].append(top[b])
+                    if on_token is not None:
+                        on_token(b, tok)
                 if sampling.ignore_eos:
                     continue
                 if tok in self.eos_ids or (self.renderer.stop_strings and self._hit_stop(sampled[b])):
@@ -276,7 +289,8 @@ class HFChatBackend:
                 text = self._cut_stop(text)
             replies.append(
                 Reply(text=text.strip(), n_tokens=len(toks), finish_reason=reasons[b], token_ids=toks,
-                      trace=traces[b] or None)
+                      trace=traces[b] or None, n_prompt_tokens=len(prompts[b]),
+                      logprobs=scored[b][: len(toks)] if logprobs is not None else None)
             )
         return replies
 
@@ -386,6 +400,18 @@ def _guide(logits: torch.Tensor, alpha: float) -> torch.Tensor:
     n = logits.shape[0] // 2
     cond, uncond = torch.log_softmax(logits[:n], dim=-1), torch.log_softmax(logits[n:], dim=-1)
     return uncond + alpha * (cond - uncond)
+
+
+def _top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> list[TokenLogprob]:
+    """Each row's chosen token's log-probability and its k most likely alternatives."""
+    lp = torch.log_softmax(logits, dim=-1)
+    own = lp.gather(-1, chosen[:, None])[:, 0].tolist()
+    best = lp.topk(k, dim=-1) if k else None
+    out = []
+    for b, tok in enumerate(chosen.tolist()):
+        alts = list(zip(best.indices[b].tolist(), best.values[b].tolist())) if best is not None else []
+        out.append(TokenLogprob(tok, own[b], alts))
+    return out
 
 
 def _warpers(sampling: Sampling):

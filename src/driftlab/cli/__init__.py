@@ -17,6 +17,7 @@ from driftlab.cli.decay import decay
 from driftlab.cli.mmlu import mmlu
 from driftlab.cli.report import report
 from driftlab.cli.run import run
+from driftlab.cli.serve import serve
 from driftlab.cli.sweep import sweep
 from driftlab.cli.theory import theory
 
@@ -38,6 +39,7 @@ app.command("mmlu")(mmlu)
 app.command("calibrate")(calibrate)
 app.command("sweep")(sweep)
 app.command("theory")(theory)
+app.command("serve")(serve)
 
 
 def main() -> None:

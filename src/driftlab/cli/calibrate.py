@@ -8,15 +8,21 @@ from typing import Annotated
 import typer
 
 from driftlab.cli.options import (
+    ActorsOpt,
+    ApiKeyEnvOpt,
+    BaseUrlOpt,
+    ConcurrencyOpt,
     DeviceOpt,
     DtypeOpt,
     HistoryTokensOpt,
     MMLUDataOpt,
     MMLUSeedOpt,
     ModelOpt,
+    RayOpt,
     SpanOpt,
     TurnOpt,
     build,
+    runtime,
 )
 
 
@@ -34,6 +40,11 @@ def calibrate(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     span: SpanOpt = "prefix",
+    base_url: BaseUrlOpt = None,
+    api_key_env: ApiKeyEnvOpt = "OPENAI_API_KEY",
+    concurrency: ConcurrencyOpt = 8,
+    ray: RayOpt = None,
+    actors: ActorsOpt = None,
 ) -> None:
     """Find the strongest --steer setting of METHOD whose MMLU drop stays within the budget.
 
@@ -50,14 +61,15 @@ def calibrate(
     from driftlab.protocol.mmlu import MMLUConfig, load_questions
 
     mmlu = build(MMLUConfig, model=model, n=n, turn=turn, history_tokens=history_tokens, seed=seed,
-                 data=str(data) if data else None, dtype=dtype, device=device, span=span)
+                 data=str(data) if data else None, dtype=dtype, device=device, span=span,
+                 runtime=runtime(base_url, api_key_env, concurrency, ray, actors))
     config = build(CalibrationConfig, {"max_drop": "--max-mmlu-drop"}, method=method, max_drop=max_mmlu_drop,
                    steps=steps, mmlu=mmlu)
     load_questions(mmlu.data)  # the data set must be there before the model loads
     from driftlab.records.rundir import RunDir
 
     with RunDir(out).writing():
-        summary = run_calibration(config, out, make_backend(mmlu.backend_spec()))
+        summary = run_calibration(config, out, make_backend(mmlu.backend_spec(), run_dir=out))
     console = Console(stderr=True)
     table = Table(title=f"{method}: MMLU drop at turn {turn} ({n} questions), budget {max_mmlu_drop:g}")
     for col in ("--steer", "drop", "95% CI", "within budget"):

@@ -7,6 +7,8 @@ from typing import Annotated
 import typer
 
 from driftlab.cli.options import (
+    ApiKeyEnvOpt,
+    BaseUrlOpt,
     DeviceOpt,
     DtypeOpt,
     GreedyOpt,
@@ -18,6 +20,7 @@ from driftlab.cli.options import (
     TemperatureOpt,
     TopPOpt,
     build,
+    runtime,
 )
 
 
@@ -34,6 +37,8 @@ def chat(
     device: DeviceOpt = "auto",
     steer: SteerOpt = None,
     span: SpanOpt = "prefix",
+    base_url: BaseUrlOpt = None,
+    api_key_env: ApiKeyEnvOpt = "OPENAI_API_KEY",
 ) -> None:
     """Send one message and print only the reply on stdout (progress and notes go to stderr)."""
     from rich.console import Console
@@ -46,7 +51,8 @@ def chat(
     # Everything cheap is checked before the model loads.
     interventions = Interventions.parse(steer)
     sampling = build(Sampling, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy)
-    spec = build(BackendSpec, {"span": "--span"}, model=model, dtype=dtype, device=device, span=span)
+    spec = build(BackendSpec, {"span": "--span"}, model=model, dtype=dtype, device=device, span=span,
+                 runtime=runtime(base_url, api_key_env, 1))
     if not 0 <= seed <= MAX_SEED:
         raise DriftlabError(f"Invalid --seed {seed}: use 0 to 2^63-1.")
     backend = make_backend(spec, prefix_cache_bytes=0)

@@ -8,16 +8,22 @@ from typing import Annotated
 import typer
 
 from driftlab.cli.options import (
+    ActorsOpt,
+    ApiKeyEnvOpt,
+    BaseUrlOpt,
+    ConcurrencyOpt,
     DeviceOpt,
     DtypeOpt,
     HistoryTokensOpt,
     MMLUDataOpt,
     MMLUSeedOpt,
     ModelOpt,
+    RayOpt,
     SpanOpt,
     SteerOpt,
     TurnOpt,
     build,
+    runtime,
 )
 
 
@@ -33,6 +39,11 @@ def mmlu(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     span: SpanOpt = "prefix",
+    base_url: BaseUrlOpt = None,
+    api_key_env: ApiKeyEnvOpt = "OPENAI_API_KEY",
+    concurrency: ConcurrencyOpt = 8,
+    ray: RayOpt = None,
+    actors: ActorsOpt = None,
     batch_size: Annotated[int, typer.Option(help="Questions scored per forward pass.")] = 8,
 ) -> None:
     """MMLU accuracy with and without --steer, the question asked at a turn of the agent's dialog.
@@ -47,7 +58,7 @@ def mmlu(
 
     config = build(MMLUConfig, model=model, steer=steer or [], n=n, turn=turn, history_tokens=history_tokens,
                    seed=seed, data=str(data) if data else None, dtype=dtype, device=device, span=span,
-                   batch_size=batch_size)
+                   batch_size=batch_size, runtime=runtime(base_url, api_key_env, concurrency, ray, actors))
     rundir = run_mmlu(config, str(out))
     s = summarize(rundir.path)
     table = Table(title=f"MMLU at turn {config.turn} · {model} · {s['n']} questions")

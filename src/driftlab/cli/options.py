@@ -40,6 +40,22 @@ TurnOpt = Annotated[int, typer.Option(help="Ask at this turn of the agent's dial
 MMLUSeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the question subset and the dialog.")]
 HistoryTokensOpt = Annotated[int, typer.Option(help="Most tokens per turn of the dialog before the question.")]
 MMLUDataOpt = Annotated[Path | None, typer.Option("--data", help="An MMLU jsonl file instead of `driftlab data pull mmlu`.")]
+# Where the model runs (chat.factory.Runtime): an OpenAI-compatible server or a Ray pool
+BaseUrlOpt = Annotated[str | None, typer.Option(
+    help="OpenAI-compatible server of an openai:MODEL, e.g. http://127.0.0.1:8000/v1 (default: $OPENAI_BASE_URL).")]
+ApiKeyEnvOpt = Annotated[str, typer.Option(help="Environment variable that holds the server's API key.")]
+ConcurrencyOpt = Annotated[int, typer.Option(help="Requests in flight at once to an openai: server.")]
+RayOpt = Annotated[str | None, typer.Option(
+    "--ray", help="Shard a local model's work over Ray actors: 'local' starts a cluster here, else its address.")]
+ActorsOpt = Annotated[int | None, typer.Option(help="Ray actors (default: one per GPU, else 2).")]
+
+
+def runtime(base_url: str | None, api_key_env: str, concurrency: int, ray: str | None = None,
+            actors: int | None = None) -> Any:
+    """The validated `Runtime` of a command's --base-url/--api-key-env/--concurrency/--ray/--actors."""
+    from driftlab.chat.factory import Runtime
+
+    return build(Runtime, base_url=base_url, api_key_env=api_key_env, concurrency=concurrency, ray=ray, actors=actors)
 
 
 def build(schema: type[M], flags: dict[str, str] | None = None, /, **values: Any) -> M:

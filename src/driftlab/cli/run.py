@@ -8,16 +8,22 @@ from typing import Annotated
 import typer
 
 from driftlab.cli.options import (
+    ActorsOpt,
+    ApiKeyEnvOpt,
+    BaseUrlOpt,
+    ConcurrencyOpt,
     DeviceOpt,
     DtypeOpt,
     GreedyOpt,
     MaxNewTokensOpt,
     ModelOpt,
+    RayOpt,
     SpanOpt,
     SteerOpt,
     TemperatureOpt,
     TopPOpt,
     build,
+    runtime,
 )
 
 
@@ -57,6 +63,11 @@ def run(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     span: SpanOpt = "prefix",
+    base_url: BaseUrlOpt = None,
+    api_key_env: ApiKeyEnvOpt = "OPENAI_API_KEY",
+    concurrency: ConcurrencyOpt = 8,
+    ray: RayOpt = None,
+    actors: ActorsOpt = None,
     steer: SteerOpt = None,
     persona_file: Annotated[
         Path | None, typer.Option(help="JSONL/TOML file of extra personas (see docs/personas.md).")
@@ -79,6 +90,7 @@ def run(
         rounds=rounds, probe_every=probe_every, probe_repeats=probe_repeats, user_probe=user_probe,
         ablation=ablation, sampling=sampling, seed=seed, dtype=dtype, device=device, span=span,
         steer=steer or [], persona_file=str(persona_file) if persona_file else None, batch_size=batch_size,
+        runtime=runtime(base_url, api_key_env, concurrency, ray, actors),
     )
     rundir = run_selfchat(config, str(out))
     typer.echo(f"records: {rundir.records_path}")

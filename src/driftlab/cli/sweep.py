@@ -8,13 +8,19 @@ from typing import Annotated
 import typer
 
 from driftlab.cli.options import (
+    ActorsOpt,
+    ApiKeyEnvOpt,
+    BaseUrlOpt,
+    ConcurrencyOpt,
     DeviceOpt,
     DtypeOpt,
     MaxNewTokensOpt,
     MMLUDataOpt,
     ModelOpt,
+    RayOpt,
     SpanOpt,
     build,
+    runtime,
 )
 
 
@@ -37,6 +43,11 @@ def sweep(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     span: SpanOpt = "prefix",
+    base_url: BaseUrlOpt = None,
+    api_key_env: ApiKeyEnvOpt = "OPENAI_API_KEY",
+    concurrency: ConcurrencyOpt = 8,
+    ray: RayOpt = None,
+    actors: ActorsOpt = None,
     batch_size: Annotated[int, typer.Option(help="Most conversations generated together in one batch.")] = 32,
 ) -> None:
     """Measure persona stability and MMLU drop for every (method, strength), then plot the trade-off.
@@ -68,13 +79,14 @@ def sweep(
     sampling = build(Sampling, max_new_tokens=max_new_tokens)
     config = build(SweepConfig, model=model, grid=grid, pair_ids=paper_pairs()[:pairs], rounds=rounds,
                    sampling=sampling, seed=seed, mmlu_n=mmlu_n, mmlu_turn=mmlu_turn,
-                   data=str(data) if data else None, dtype=dtype, device=device, span=span, batch_size=batch_size)
-    spec = build(BackendSpec, model=model, dtype=dtype, device=device, span=span)
+                   data=str(data) if data else None, dtype=dtype, device=device, span=span, batch_size=batch_size,
+                   runtime=runtime(base_url, api_key_env, concurrency, ray, actors))
+    spec = build(BackendSpec, model=model, dtype=dtype, device=device, span=span, runtime=config.runtime)
     load_questions(config.data)  # the data set must be there before the model loads
     from driftlab.records.rundir import RunDir
 
     with RunDir(out).writing():
-        table = run_sweep(config, out, make_backend(spec))
+        table = run_sweep(config, out, make_backend(spec, run_dir=out))
     page = write_sweep_report(out, match_drop)
     from rich.console import Console
 

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator,
 
 from driftlab.assets.registry import DEFAULT_MODEL
 from driftlab.chat.base import MAX_SEED, Conversation, Sampling, ScoringBackend
-from driftlab.chat.factory import BackendSpec, Dtype, SpanMode, make_backend
+from driftlab.chat.factory import BackendSpec, Dtype, ModelName, Runtime, SpanMode, make_backend
 from driftlab.console import WorkProgress
 from driftlab.errors import DriftlabError
 from driftlab.protocol.registry import register
@@ -116,7 +116,7 @@ class MMLUConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(DEFAULT_MODEL, min_length=1)
+    model: ModelName = DEFAULT_MODEL
     n: int = Field(200, ge=1, le=14042, description="questions, stratified by subject")
     turn: int = Field(4, ge=0, le=64, description="ask at this turn of the agent's dialog; 0 = plain MMLU")
     steer: list[str] = Field(default_factory=list, description="interventions, normalised --steer specs")
@@ -125,11 +125,12 @@ class MMLUConfig(BaseModel):
     dtype: Dtype = "auto"
     device: str = "auto"
     span: SpanMode = "prefix"
+    runtime: Runtime = Runtime()
     batch_size: int = Field(8, ge=1, le=1024, description="questions scored per forward pass")
     data: str | None = Field(None, description="an MMLU jsonl file instead of the pulled data set")
     plain: bool = Field(True, description="also measure without the interventions (the baseline)")
 
-    RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("device", "batch_size")
+    RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("device", "batch_size", "runtime")
 
     @field_validator("steer")
     @classmethod
@@ -150,7 +151,7 @@ class MMLUConfig(BaseModel):
         return Interventions.parse(self.steer) if condition == "steered" else Interventions()
 
     def backend_spec(self) -> BackendSpec:
-        return BackendSpec(model=self.model, dtype=self.dtype, device=self.device, span=self.span)
+        return BackendSpec(model=self.model, dtype=self.dtype, device=self.device, span=self.span, runtime=self.runtime)
 
 
 class AnswerRecord(BaseModel):
@@ -262,7 +263,7 @@ def run_mmlu(config: MMLUConfig, out: str, progress: bool = True) -> RunDir:
     load_questions(config.data)  # a missing data set fails before anything is loaded or written
     rundir = RunDir(out)
     with rundir.writing():
-        return MMLU(config, rundir, make_backend(config.backend_spec()), progress=progress).run()
+        return MMLU(config, rundir, make_backend(config.backend_spec(), run_dir=rundir.path), progress=progress).run()
 
 
 def correctness(run_dir: str | Path) -> dict[str, dict[int, float]]:

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from driftlab.assets.registry import DEFAULT_MODEL
 from driftlab.bench import STARTERS, Persona, get_persona, load_personas
 from driftlab.chat.base import MAX_SEED, ChatBackend, ChatRequest, Conversation, Sampling
-from driftlab.chat.factory import BackendSpec, Dtype, SpanMode, make_backend
+from driftlab.chat.factory import BackendSpec, Dtype, ModelName, Runtime, SpanMode, make_backend
 from driftlab.console import WorkProgress
 from driftlab.errors import DriftlabError
 from driftlab.protocol.dialog import RECORDS, Dialog, Pair, ProbeRecord, TurnRecord, pairs_from_manifest
@@ -45,8 +45,8 @@ class SelfChatConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(DEFAULT_MODEL, min_length=1)
-    user_model: str | None = Field(None, description="a different model for the user LM; default: same as model")
+    model: ModelName = DEFAULT_MODEL
+    user_model: ModelName | None = Field(None, description="a different model for the user LM; default: same as model")
     pairs: int = Field(10, ge=0, description="random (agent, user) persona pairs to draw")
     pair_ids: list[tuple[str, str]] = Field(default_factory=list, description="explicit (agent, user) pairs")
     categories: list[str] | None = Field(None, description="draw agent personas from these categories only")
@@ -61,12 +61,13 @@ class SelfChatConfig(BaseModel):
     dtype: Dtype = "auto"
     device: str = "auto"
     span: SpanMode = "prefix"
+    runtime: Runtime = Runtime()
     steer: list[str] = Field(default_factory=list, description="agent-side interventions, normalised --steer specs")
     persona_file: str | None = None
     batch_size: int = Field(32, ge=1, le=4096, description="most conversations per generate call")
 
     # Fields that may change between a run and its resume (they do not change results).
-    RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("device", "batch_size", "persona_file")
+    RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("device", "batch_size", "persona_file", "runtime")
 
     @field_validator("categories")
     @classmethod
@@ -97,7 +98,7 @@ class SelfChatConfig(BaseModel):
 
     def backend_spec(self, user: bool = False) -> BackendSpec:
         model = (self.user_model or self.model) if user else self.model
-        return BackendSpec(model=model, dtype=self.dtype, device=self.device, span=self.span)
+        return BackendSpec(model=model, dtype=self.dtype, device=self.device, span=self.span, runtime=self.runtime)
 
     def persona_pool(self) -> tuple[list[Persona], list[Persona]]:
         """(every persona, those agents are drawn from), after checking the named data.
@@ -333,6 +334,7 @@ def run_selfchat(config: SelfChatConfig, out: str, progress: bool = True) -> Run
     config.persona_pool()
     rundir = RunDir(out)
     with rundir.writing():
-        agent = make_backend(config.backend_spec())
-        user = make_backend(config.backend_spec(user=True)) if config.user_model not in (None, config.model) else None
+        agent = make_backend(config.backend_spec(), run_dir=rundir.path)
+        user = (make_backend(config.backend_spec(user=True), run_dir=rundir.path)
+                if config.user_model not in (None, config.model) else None)
         return SelfChat(config, rundir, agent, user, progress=progress).run()

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from driftlab.bench import CATEGORIES, load_personas
 from driftlab.chat.base import ChatBackend, Sampling
+from driftlab.chat.factory import ModelName, Runtime
 from driftlab.console import err_console
 from driftlab.protocol.mmlu import MMLU, MMLUConfig, correctness, drop
 from driftlab.protocol.registry import register
@@ -56,7 +57,7 @@ class SweepConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = "smollm2-135m"
+    model: ModelName = "smollm2-135m"
     grid: dict[str, list[str]] = Field(default_factory=lambda: {m: list(v) for m, v in GRID.items()})
     pair_ids: list[tuple[str, str]] = Field(default_factory=paper_pairs)
     rounds: int = Field(8, ge=1, le=1000)
@@ -69,6 +70,7 @@ class SweepConfig(BaseModel):
     dtype: str = "auto"
     device: str = "auto"
     span: str = "prefix"
+    runtime: Runtime = Runtime()
     batch_size: int = Field(32, ge=1, le=4096)
 
     @field_validator("grid")
@@ -95,14 +97,14 @@ class SweepConfig(BaseModel):
         return SelfChatConfig(
             model=self.model, pairs=0, pair_ids=self.pair_ids, rounds=self.rounds, sampling=self.sampling,
             seed=self.seed, dtype=self.dtype, device=self.device, span=self.span, batch_size=self.batch_size,
-            steer=[spec] if spec else [],
+            runtime=self.runtime, steer=[spec] if spec else [],
         )
 
     def mmlu(self, spec: str) -> MMLUConfig:
         return MMLUConfig(
             model=self.model, n=self.mmlu_n, turn=self.mmlu_turn, steer=[spec] if spec else [], seed=self.seed,
             history_tokens=self.history_tokens, dtype=self.dtype, device=self.device, span=self.span,
-            data=self.data, plain=not spec,
+            runtime=self.runtime, data=self.data, plain=not spec,
         )
 
 
@@ -118,8 +120,8 @@ def run_sweep(config: SweepConfig, out: str | Path, backend: ChatBackend, progre
     rd = RunDir(out)
     rows: list[dict[str, Any]] = []
     with rd.writing():
-        rd.start(config.model_dump(mode="json"), {"points": [s for _, s in config.points()]}, ("device", "batch_size"),
-                 protocol="sweep")
+        rd.start(config.model_dump(mode="json"), {"points": [s for _, s in config.points()]},
+                 ("device", "batch_size", "runtime"), protocol="sweep")
         plain_correct: dict[int, float] = {}
         for i, (method, spec) in enumerate(config.points()):
             where = point_dir(out, spec)

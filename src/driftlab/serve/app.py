@@ -1,0 +1,275 @@
+"""`driftlab serve`: a drift-controlled local model behind an OpenAI-compatible API.
+
+FastAPI + uvicorn, `/v1/chat/completions` (plain and SSE streaming through sse-starlette),
+`/v1/models` and `/health`. The server applies a default intervention (`--steer`) to every
+request; a request may replace it with the extension field
+`"driftlab": {"steer": "split-softmax:k=0.8"}` (or `[]` for none). Requests are batched by
+`serve.batcher.Batcher` into the backend's batched decode loop.
+
+Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a body
+that is not JSON, 401 without the right bearer token (when `--api-key-env` names one), 404
+for another model's name, 413 for an oversized body, 422 for a field with a wrong type or
+value (`param` names it), 503 while shutting down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from driftlab.chat.base import Reply, Sampling, validate_conversation
+from driftlab.errors import DriftlabError
+from driftlab.serve.batcher import Batcher, Job, ServerClosing
+from driftlab.serve.schema import ChatCompletionRequest
+from driftlab.steering.interventions import Interventions
+
+
+class ServeSettings(BaseModel):
+    """Limits and defaults of one server (from `driftlab serve`'s flags)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    served_model_name: str | None = None
+    steer: list[str] = Field(default_factory=list)
+    api_key: str | None = Field(None, repr=False)
+    max_batch_size: int = Field(32, ge=1, le=4096)
+    max_wait_ms: float = Field(10.0, ge=0, le=10_000)
+    max_tokens_limit: int = Field(4096, ge=1, le=32768)
+    default_max_tokens: int = Field(512, ge=1, le=32768)
+    max_messages: int = Field(512, ge=1)
+    max_body_bytes: int = Field(4 << 20, ge=1024)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+        return JSONResponse(body, status_code=self.status)
+
+
+class TextStream:
+    """Turns sampled token ids into text deltas that add up to the final reply.
+
+    The final reply is stripped and cut at stop strings, so trailing whitespace, a possible
+    stop-string prefix and an incomplete UTF-8 sequence are held back until more text shows
+    what they are; `finish` sends whatever of the final text is still unsent.
+    """
+
+    def __init__(self, tokenizer: Any, stop_strings: tuple[str, ...] | list[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.hold = max((len(s) for s in stop_strings), default=0)
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).lstrip()
+        if text.endswith("\ufffd"):
+            return ""
+        safe = (text[: max(0, len(text) - self.hold)] if self.hold else text).rstrip()
+        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+            return ""
+        delta, self.sent = safe[len(self.sent) :], safe
+        return delta
+
+    def finish(self, final: str) -> str:
+        delta = final[len(self.sent) :] if final.startswith(self.sent) else ""
+        self.sent = final
+        return delta
+
+
+def create_app(backend: Any, settings: ServeSettings = ServeSettings()):
+    """The ASGI app serving `backend` (a local backend: streaming needs its tokenizer)."""
+    default_steer = Interventions.parse(settings.steer)
+    backend.capabilities.require(backend.name, default_steer)
+    served = settings.served_model_name or backend.name
+    batcher = Batcher(backend, max_batch_size=settings.max_batch_size, max_wait_s=settings.max_wait_ms / 1000)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        batcher.start()
+        yield
+        await asyncio.to_thread(batcher.close)  # uvicorn has let in-flight requests finish by now
+
+    app = FastAPI(title="driftlab serve", lifespan=lifespan)
+    app.state.batcher = batcher
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        return err.response()
+
+    def authorize(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), settings.api_key.encode())
+        if not ok:
+            raise APIError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.", kind="authentication_error")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": served, "waiting": batcher.waiting, "batches": len(batcher.batches)}
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": served, "object": "model", "created": 0, "owned_by": "driftlab",
+                                            "driftlab": {"steer": default_steer.specs()}}]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def completions(request: Request):
+        req = _parse(await _read_body(request, settings.max_body_bytes))
+        job, stream_opts = _job(req)
+        loop = asyncio.get_running_loop()
+        job.future, job.loop = loop.create_future(), loop
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            return _stream(job, req, cid, created, stream_opts)
+        _submit(job)
+        reply = await _await(job)
+        return JSONResponse(_completion(reply, job, cid, created))
+
+    def _parse(raw: bytes) -> ChatCompletionRequest:
+        try:
+            data = json.loads(raw)
+        except ValueError as err:
+            raise APIError(400, f"The body is not valid JSON: {err}.") from None
+        try:
+            req = ChatCompletionRequest.model_validate(data)
+        except ValidationError as err:
+            e = err.errors()[0]
+            param = ".".join(str(p) for p in e["loc"])
+            raise APIError(422, f"{param}: {e['msg'].removeprefix('Value error, ')}", param=param) from None
+        if req.model != served:
+            raise APIError(404, f"Model '{req.model}' is not served here; this server serves '{served}'.",
+                           param="model", kind="not_found_error")
+        if len(req.messages) > settings.max_messages:
+            raise APIError(422, f"messages: {len(req.messages)} messages, at most {settings.max_messages}.",
+                           param="messages")
+        limit = settings.max_tokens_limit
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = getattr(req, name)
+            if value is not None and value > limit:
+                raise APIError(422, f"{name}: {value} is above this server's limit of {limit}.", param=name)
+        return req
+
+    def _job(req: ChatCompletionRequest) -> tuple[Job, Any]:
+        conversation = [m.as_message() for m in req.messages]
+        try:
+            validate_conversation(conversation)
+        except DriftlabError as err:
+            raise APIError(422, f"messages: {err}", param="messages") from None
+        try:
+            sampling = Sampling(max_new_tokens=req.new_tokens(min(settings.default_max_tokens, settings.max_tokens_limit)),
+                                temperature=req.temperature, top_p=req.top_p)
+        except ValidationError as err:
+            e = err.errors()[0]
+            raise APIError(422, f"{e['loc'][0]}: {e['msg'].removeprefix('Value error, ')}",
+                           param=str(e["loc"][0])) from None
+        steer = default_steer
+        if req.driftlab is not None and req.driftlab.specs() is not None:
+            try:
+                steer = Interventions.parse(req.driftlab.specs())
+                backend.capabilities.require(backend.name, steer)
+            except DriftlabError as err:
+                raise APIError(422, f"driftlab.steer: {err}", param="driftlab.steer") from None
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        seed = req.seed if req.seed is not None else secrets.randbits(63)
+        job = Job(conversation, sampling, seed, steer, logprobs)
+        return job, req.stream_options
+
+    def _submit(job: Job) -> None:
+        try:
+            batcher.submit(job)
+        except ServerClosing as err:
+            raise APIError(503, str(err), kind="server_error") from None
+
+    async def _await(job: Job) -> Reply:
+        try:
+            return await job.future
+        except ServerClosing as err:
+            raise APIError(503, str(err), kind="server_error") from None
+        except DriftlabError as err:
+            raise APIError(422, str(err)) from None
+
+    def _stream(job: Job, req: ChatCompletionRequest, cid: str, created: int, opts: Any):
+        from sse_starlette.sse import EventSourceResponse
+
+        tokens: asyncio.Queue[int | None] = asyncio.Queue()
+        job.on_token = lambda tok: job.loop.call_soon_threadsafe(tokens.put_nowait, tok)
+        job.future.add_done_callback(lambda _: tokens.put_nowait(None))
+        _submit(job)  # before the response starts, so a closing server still answers 503
+        text = TextStream(backend.tokenizer, backend.renderer.stop_strings)
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+            return json.dumps({"id": cid, "object": "chat.completion.chunk", "created": created, "model": served,
+                               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+
+        async def events() -> AsyncIterator[dict[str, str]]:
+            yield {"data": chunk({"role": "assistant", "content": ""})}
+            while (tok := await tokens.get()) is not None:
+                if delta := text.push(tok):
+                    yield {"data": chunk({"content": delta})}
+            try:
+                reply = await _await(job)
+            except APIError as err:
+                yield {"data": json.dumps({"error": {"message": err.message, "type": err.kind, "code": err.status}})}
+                return
+            if rest := text.finish(reply.text):
+                yield {"data": chunk({"content": rest})}
+            yield {"data": chunk({}, reply.finish_reason)}
+            if opts is not None and opts.include_usage:
+                yield {"data": json.dumps({"id": cid, "object": "chat.completion.chunk", "created": created,
+                                           "model": served, "choices": [], "usage": _usage(reply)})}
+            yield {"data": "[DONE]"}
+
+        return EventSourceResponse(events())
+
+    def _completion(reply: Reply, job: Job, cid: str, created: int) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": reply.text},
+                                  "finish_reason": reply.finish_reason, "logprobs": None}
+        if reply.logprobs is not None:
+            choice["logprobs"] = {"content": [_token_logprob(t.token_id, t.logprob, t.top) for t in reply.logprobs]}
+        return {"id": cid, "object": "chat.completion", "created": created, "model": served,
+                "choices": [choice], "usage": _usage(reply), "driftlab": {"steer": job.interventions.specs()}}
+
+    def _token_logprob(token_id: int, logprob: float, top: list[tuple[int, float]]) -> dict[str, Any]:
+        def entry(i: int, lp: float) -> dict[str, Any]:
+            tok = backend.tokenizer.decode([i])
+            return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+
+        return {**entry(token_id, logprob), "top_logprobs": [entry(i, lp) for i, lp in top]}
+
+    return app
+
+
+def _usage(reply: Reply) -> dict[str, int]:
+    return {"prompt_tokens": reply.n_prompt_tokens, "completion_tokens": reply.n_tokens,
+            "total_tokens": reply.n_prompt_tokens + reply.n_tokens}
+
+
+async def _read_body(request: Any, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"The body is {declared} bytes; this server accepts at most {limit}.")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise APIError(413, f"The body exceeds this server's limit of {limit} bytes.")
+    return bytes(body)

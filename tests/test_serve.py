@@ -1,0 +1,229 @@
+"""`driftlab serve` over real HTTP: the OpenAI wire format, errors, batching, streaming, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from driftlab.chat import Sampling, chat
+from driftlab.serve import ServeSettings, TextStream, create_app
+from driftlab.serve.background import background as serving
+from driftlab.serve.background import free_port
+
+MODEL = "smollm2-135m"
+KEY = "s3cret-key-for-tests"
+post = functools.partial(httpx.post, timeout=300)  # the 2-core CI machine can be slow
+get = functools.partial(httpx.get, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def server_backend(smol_dir):
+    from driftlab.chat.hf import HFChatBackend
+
+    backend = HFChatBackend(str(smol_dir), dtype="float32", prefix_cache_bytes=0)
+    backend.name = MODEL
+    return backend
+
+
+@pytest.fixture(scope="module")
+def server(server_backend):
+    app = create_app(server_backend, ServeSettings(max_batch_size=32, max_wait_ms=50, max_tokens_limit=64,
+                                                   max_messages=8, max_body_bytes=4096))
+    with serving(app) as url:
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def locked_server(server_backend):
+    with serving(create_app(server_backend, ServeSettings(api_key=KEY))) as url:
+        yield url
+
+
+def body(content: str = "Hi!", **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8,
+            "temperature": 0, **extra}
+
+
+def test_completion_has_the_openai_shape_and_honours_the_system_prompt(server, smol32):
+    url, _ = server
+    messages = [{"role": "system", "content": "Always reply in French."}, {"role": "user", "content": "Hi, how are you?"}]
+    r = post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 12,
+                                                       "temperature": 0, "logprobs": True, "top_logprobs": 3})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    choice = out["choices"][0]
+    local = chat(smol32, [messages], Sampling(max_new_tokens=12, temperature=0))[0]
+    assert choice["message"] == {"role": "assistant", "content": local.text}
+    assert choice["finish_reason"] == local.finish_reason
+    assert out["usage"]["completion_tokens"] == local.n_tokens == len(choice["logprobs"]["content"])
+    assert out["usage"]["prompt_tokens"] > 10 and out["object"] == "chat.completion"
+    first = choice["logprobs"]["content"][0]
+    assert len(first["top_logprobs"]) == 3 and first["token"] == first["top_logprobs"][0]["token"]  # greedy
+    assert all(a["logprob"] >= b["logprob"] for a, b in zip(first["top_logprobs"], first["top_logprobs"][1:]))
+
+
+def test_per_request_steer_replaces_the_default_and_changes_the_reply(server, smol32):
+    url, _ = server
+    conv = [{"role": "system", "content": "Always reply in French."}, {"role": "user", "content": "What is your hobby?"}]
+    req = {"model": MODEL, "messages": conv, "max_tokens": 16, "temperature": 0}
+    plain = post(f"{url}/v1/chat/completions", json=req).json()
+    steered = post(f"{url}/v1/chat/completions", json={**req, "driftlab": {"steer": "split-softmax:k=0.3"}})
+    assert steered.status_code == 200 and steered.json()["driftlab"]["steer"] == ["split-softmax:k=0.3,heads=all"]
+    local = chat(smol32, [conv], Sampling(max_new_tokens=16, temperature=0), steer=["split-softmax:k=0.3"])[0]
+    assert steered.json()["choices"][0]["message"]["content"] == local.text
+    assert local.text != plain["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("payload, status, param", [
+    (b"{not json", 400, None),
+    (body(temperature="hot"), 422, "temperature"),
+    (body(max_tokens=0), 422, "max_tokens"),
+    (body(max_tokens=65), 422, "max_tokens"),  # above the server's limit of 64
+    ({**body(), "messages": [{"role": "robot", "content": "x"}]}, 422, "messages.0.role"),
+    ({**body(), "messages": []}, 422, "messages"),
+    ({**body(), "messages": [{"role": "user", "content": "x"}] * 9}, 422, "messages"),  # limit 8
+    (body(driftlab={"steer": "split-softmax:k=7"}), 422, "driftlab.steer"),
+    (body(driftlab={"steer": "warp:factor=2"}), 422, "driftlab.steer"),
+    (body(n=2), 422, "n"),
+    (body(stop=["\n"]), 422, "stop"),
+    ({**body(), "model": "gpt-4o"}, 404, "model"),
+    (body("x" * 5000), 413, None),  # body limit 4096 bytes
+])
+def test_bad_requests_get_the_right_status_and_name_the_field(server, payload, status, param):
+    url, _ = server
+    content = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    r = post(f"{url}/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == status and err["message"]
+
+
+def test_oversized_chunked_body_is_refused_without_a_content_length(server):
+    url, _ = server
+
+    def parts():
+        yield b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'"}]}'
+
+    r = post(f"{url}/v1/chat/completions", content=parts())
+    assert r.status_code == 413
+
+
+def test_bearer_auth(locked_server):
+    url = locked_server
+    ok = {"Authorization": f"Bearer {KEY}"}
+    assert post(f"{url}/v1/chat/completions", json=body()).status_code == 401
+    assert post(f"{url}/v1/chat/completions", json=body(),
+                      headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert get(f"{url}/v1/models").status_code == 401
+    assert post(f"{url}/v1/chat/completions", json=body(), headers=ok).status_code == 200
+    assert get(f"{url}/v1/models", headers=ok).json()["data"][0]["id"] == MODEL
+    assert get(f"{url}/health").json()["status"] == "ok"  # liveness needs no key
+
+
+def test_32_concurrent_clients_are_batched_and_match_sequential_greedy(server, smol32):
+    url, app = server
+    prompts = [f"Tell me one fact about the number {i}." for i in range(32)]
+    before = len(app.state.batcher.batches)
+
+    async def ask_all():
+        async with httpx.AsyncClient(timeout=300) as client:
+            rs = await asyncio.gather(*[client.post(f"{url}/v1/chat/completions", json=body(p)) for p in prompts])
+        return rs
+
+    responses = asyncio.run(ask_all())
+    assert [r.status_code for r in responses] == [200] * 32
+    texts = [r.json()["choices"][0]["message"]["content"] for r in responses]
+    for p, text in zip(prompts, texts):
+        alone = chat(smol32, [[{"role": "user", "content": p}]], Sampling(max_new_tokens=8, temperature=0))[0]
+        assert text == alone.text, p
+    sizes = app.state.batcher.batches[before:]
+    assert sum(sizes) == 32 and max(sizes) > 1  # batched, not one at a time
+
+
+def test_streamed_chunks_reassemble_to_the_reply(server):
+    import openai
+
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0.8, seed=7)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0.8, seed=7,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert len([p for p in pieces if p]) > 5  # really streamed, not one blob
+    assert "".join(pieces) == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+class _WordTokenizer:
+    """Decodes ids to fixed strings, for TextStream's hold-back rules."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def test_text_stream_holds_back_what_the_final_text_may_drop():
+    plain = TextStream(_WordTokenizer(["  Hi", " there", "\n", "\ufffd"]))
+    # leading space stripped as in the reply; trailing newline and a broken character wait
+    assert [plain.push(i) for i in range(4)] == ["Hi", " there", "", ""]
+    assert plain.finish("Hi there") == ""
+    stops = TextStream(_WordTokenizer(["  Hello", " wor", "ld", "\n", "<|u", "ser|>"]), stop_strings=("<|user|>",))
+    deltas = [stops.push(i) for i in range(6)]
+    assert deltas[0] == "" and all("<" not in d and "\n" not in d for d in deltas)  # held back, then dropped
+    assert "".join(deltas) + stops.finish("Hello world") == "Hello world"
+    late = TextStream(_WordTokenizer(["Hi", " you"]))
+    assert late.push(0) == "Hi" and late.finish("Hi you") == " you"  # what is unsent comes at the end
+
+
+def test_sigterm_lets_the_in_flight_request_finish_then_exits(smol_dir, tmp_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "driftlab", "serve", "--model", str(smol_dir), "--port", str(port),
+                             "--dtype", "float32", "--served-model-name", MODEL],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
+            time.sleep(0.3)
+
+        async def long_request_then_term():
+            async with httpx.AsyncClient(timeout=120) as client:
+                task = asyncio.create_task(client.post(f"{url}/v1/chat/completions",
+                                                       json={**body("Count from one to fifty."), "max_tokens": 60}))
+                await asyncio.sleep(1.0)
+                proc.send_signal(signal.SIGTERM)
+                return await task
+
+        r = asyncio.run(long_request_then_term())
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+        # uvicorn re-raises the signal after its graceful shutdown: exit status 0 or -SIGTERM
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
