@@ -4,8 +4,8 @@ One model, one process. The same app is served twice on 127.0.0.1 through uvicor
 the batcher's default (up to 32 requests per decode batch) and with `max_batch_size=1`
 (one request at a time, what a naive server does). For 1, 8 and 32 concurrent clients,
 each client sends its requests one after another (greedy, distinct prompts, 32 new
-tokens); we report requests/s and p50/p95 latency. Greedy replies are identical in both
-modes (checked), so both do the same work.
+tokens); we report requests/s and p50/p95 latency. Both modes decode the same requests
+greedily to at most the same length; the note counts how many replies came out identical.
 
 RESULT serve_batching_speedup: throughput at 32 clients, batched / one at a time (target >= 3).
 """
@@ -74,8 +74,10 @@ def run(quick: bool = False) -> Result:
                 p95 = statistics.quantiles(lat, n=20)[-1] if len(lat) > 1 else lat[0]
                 res.rows.append([mode, clients, n, f"{n / wall:.2f}", f"{statistics.median(lat):.2f}", f"{p95:.2f}",
                                  f"{sum(sizes) / len(sizes):.1f}"])
-    same = all(replies[("batched", c)] == replies[("one at a time", c)] for c, _ in loads)
-    res.notes.append(f"greedy replies identical in both modes: {same}")
+    pairs = [(a, b) for c, _ in loads for a, b in zip(replies[("batched", c)], replies[("one at a time", c)])]
+    same = sum(a == b for a, b in pairs)
+    res.notes.append(f"greedy replies identical in both modes: {same} of {len(pairs)} (in {backend.model.dtype}, "
+                     "a different batch can flip a near-tied token; float32 keeps them identical, see tests)")
     for c, _ in loads:
         res.results[f"serve_batching_speedup_{c}"] = f"{throughput[('batched', c)] / throughput[('one at a time', c)]:.2f}"
     res.results["serve_batching_speedup"] = res.results["serve_batching_speedup_32"]

@@ -2,8 +2,8 @@
 
 Replies answer the persona's probe the way a chat model plausibly would. `graded=True`
 marks measures whose scores are shares of something (sentiment mass, slang words, plural
-nouns, ...) where a faithful reply does not reach 1; for those the tests check ordering
-with a margin instead of the 0.8 / 0.2 thresholds.
+nouns, ...) where a faithful reply does not reach 1 or a drifted one stays well above 0;
+for those the tests check ordering with `margin` instead of the 0.8 / 0.2 thresholds.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ class Case:
     compliant: tuple[str, ...]
     violating: tuple[str, ...]
     graded: bool = False
+    margin: float = 0.2
 
 
-def case(compliant: list[str], violating: list[str], graded: bool = False) -> Case:
-    return Case(tuple(compliant), tuple(violating), graded)
+def case(compliant: list[str], violating: list[str], graded: bool = False, margin: float = 0.2) -> Case:
+    return Case(tuple(compliant), tuple(violating), graded, margin)
 
 
 # A typical drifted answer to "What do you do in London as a tourist?".
@@ -90,6 +91,9 @@ CASES: dict[str, Case] = {
             "as a tourist in london, i'd visit the british museum, walk along the thames and grab a pint in a cosy pub."
         ],
         [PLAIN, "As A Tourist In London, I Would Visit The Tower Bridge And Big Ben."],
+        # share of letters in lower case, as the original: sentence case is still about 0.95
+        graded=True,
+        margin=0.05,
     ),
     "answer-as-questions": case(
         [
@@ -464,6 +468,7 @@ CASES: dict[str, Case] = {
             "London offers museums, parks, theatres, pubs and royal palaces; visitors enjoy boat trips along Thames waters."
         ],
         [PLAIN, "You can explore the Tower of London and Borough Market."],
+        graded=True,  # 1 - share of the 15 words used, as the original: a drifted reply keeps most of its credit
     ),
     "despise-spinach": case(
         ["Spinach is disgusting. It's slimy, bitter and revolting, and I hate the awful smell."],

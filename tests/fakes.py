@@ -24,8 +24,10 @@ def scripted_text(conversation, seed: int, fingerprint: str = "") -> str:
 class ScriptedBackend:
     """Implements the ChatBackend protocol without a model; keeps every request it served."""
 
-    def __init__(self, name: str = "scripted", interventions: frozenset[str] = frozenset(KINDS)) -> None:
+    def __init__(self, name: str = "scripted", interventions: frozenset[str] = frozenset(KINDS),
+                 finish_reason: str = "stop") -> None:
         self.name = name
+        self.finish_reason = finish_reason  # "length": every reply reads as cut at the token limit
         self.capabilities = Capabilities(interventions=interventions)
         self.requests: list[ChatRequest] = []
 
@@ -36,7 +38,7 @@ class ScriptedBackend:
         out = []
         for conv, seed in zip(request.conversations, request.row_seeds(), strict=True):
             text = scripted_text(request.interventions.model_view(conv), seed, fp)
-            out.append(Reply(text=text, n_tokens=2, finish_reason="stop"))
+            out.append(Reply(text=text, n_tokens=2, finish_reason=self.finish_reason))
         return out
 
     def describe(self) -> dict[str, Any]:

@@ -175,3 +175,62 @@ def test_loglikelihood_under_an_intervention_agrees_with_its_greedy_decode(smol3
     assert under.logprob != pytest.approx(without.logprob, abs=1e-3)
     with pytest.raises(DriftlabError, match="encodes to no tokens"):
         smol32.loglikelihood([CONVS[0]], [""])
+
+
+def _tokenizer(smol_dir, *, bos: bool, chat: bool):
+    """SmolLM2's tokenizer, optionally made to start text with BOS (as Gemma's and Llama's do)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    if not chat:
+        tok.chat_template = None
+    if bos:
+        tok._tokenizer.post_processor = TemplateProcessing(
+            single=f"{tok.bos_token} $A", special_tokens=[(tok.bos_token, tok.bos_token_id)])
+        assert tok("a")["input_ids"][0] == tok.bos_token_id
+    return tok
+
+
+@pytest.mark.parametrize("chat_template", [False, True])
+@pytest.mark.parametrize("mode", ["prefix", "content"])
+def test_bos_is_prepended_where_the_tokenizer_expects_it(smol_dir, chat_template, mode):
+    from driftlab.chat.templates import Renderer
+
+    conv = [*CONVS[0], {"role": "assistant", "content": "Bonjour !"}, {"role": "user", "content": "Et alors ?"}]
+    with_bos = Renderer(_tokenizer(smol_dir, bos=True, chat=chat_template), mode)
+    without = Renderer(_tokenizer(smol_dir, bos=False, chat=chat_template), mode)
+    a, b = with_bos.render(conv), without.render(conv)
+    bos = with_bos.tokenizer.bos_token_id
+    eos = {with_bos.tokenizer.eos_token_id}
+    if chat_template:  # SmolLM2's ChatML template already starts with its BOS id (<|im_start|>): no second one
+        assert b.ids[0] == bos and a == b and with_bos.turn_spans(conv, eos) == without.turn_spans(conv, eos)
+        return
+    assert a.ids == [bos] + b.ids and b.ids[0] != bos  # exactly one BOS, first
+    start = 0 if mode == "prefix" else b.system_span[0] + 1
+    assert a.system_span == (start, b.system_span[1] + 1)  # the same tokens, shifted past BOS
+    shifted = [(s + 1, e + 1) if sp else None for sp in without.turn_spans(conv, eos) for s, e in [sp or (0, 0)]]
+    assert with_bos.turn_spans(conv, eos) == shifted
+
+
+def test_every_pulled_preset_starts_its_prompts_as_its_tokenizer_does():
+    from transformers import AutoTokenizer
+
+    from driftlab.assets import PRESETS, pulled_info, resolve_model
+    from driftlab.chat.templates import Renderer
+
+    checked = []
+    for name in PRESETS:
+        if pulled_info(name) is None:
+            continue
+        tok = AutoTokenizer.from_pretrained(resolve_model(name, auto_pull_default=False))
+        expects_bos = tok.bos_token_id is not None and tok("a")["input_ids"][:1] == [tok.bos_token_id]
+        renderer = Renderer(tok)
+        rendered = renderer.render(CONVS[0])
+        assert rendered.ids[:2] != [tok.bos_token_id] * 2, name  # never two
+        if expects_bos:
+            assert rendered.ids[0] == tok.bos_token_id, name
+        else:
+            assert rendered.ids == renderer.encode(rendered.text), name  # nothing added
+        checked.append(name)
+    assert "smollm2-135m" in checked  # the default model is always pulled where tests run

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import random
+import re
+
 import pytest
 
 from driftlab.bench import MEASURES
-from driftlab.bench.measures import chosen_option, sentences, validate_params
+from driftlab.bench.measures import (
+    _translated_pairs,
+    chosen_option,
+    needs_complete,
+    sentences,
+    validate_params,
+)
 
 ELEMENTS = {"A": "Water", "B": "Earth", "C": "Fire", "D": "Air", "E": "No favorites"}
 MODELS = {
@@ -95,7 +104,7 @@ def test_graded_counting_measures() -> None:
     assert MEASURES["close_to_number"]("There are 6 words.", target=9) == pytest.approx(2 / 3)
     assert MEASURES["close_to_number"]("nine", target=9) == 1.0
     assert MEASURES["letter_absent"]("Eee", letter="e") == 0.25
-    assert MEASURES["letter_case"]("all lower but One", case="lower") == 0.5
+    assert MEASURES["letter_case"]("all lower but One", case="lower") == pytest.approx(13 / 14)
     assert MEASURES["sentence_lengths"]("One two three. One two.", pattern=[3, 3]) == 0.75
     assert MEASURES["min_words"]("a b c d", target=8) == 0.5
 
@@ -153,3 +162,107 @@ def test_lexicon_measures() -> None:
 def test_params_are_validated(name: str, params: dict, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         validate_params(name, params)
+
+
+def test_letter_case_is_the_share_of_letters_in_that_case() -> None:
+    """As the original: a capitalised word costs its share of the letters, not half the score."""
+    f = MEASURES["letter_case"]
+    assert f("as a tourist i would visit london", case="lower") == 1.0
+    assert f("as a tourist I would visit London", case="lower") == pytest.approx(25 / 27)
+    assert f("AS A TOURIST, I'D VISIT London", case="upper") == pytest.approx(18 / 23)
+    assert f("As a tourist I would visit London", case="upper") == pytest.approx(3 / 27)
+    assert f("東京 123!", case="lower") == 0.0  # no cased letters: nothing in the asked case
+
+
+def test_avoided_terms_gives_partial_credit() -> None:
+    """1 - share of the forbidden terms used (the original's forbidden-words measure), not pass/fail."""
+    f = MEASURES["avoided_terms"]
+    terms = ["you", "the", "to", "tower", "road", "market", "I", "a", "are", "were"]
+    assert f("London offers museums, parks and pubs.", terms=terms) == 1.0
+    assert f("London offers the museums.", terms=terms) == pytest.approx(0.9)
+    assert f("I went to the Tower, the market and the road.", terms=terms) == pytest.approx(0.4)
+    assert f("It's fitting; Thea wrote.", terms=["it", "the"]) == 0.5  # whole tokens, contractions split
+
+
+def _some_params(name: str) -> dict:
+    """Some valid params for measure `name` (those of a built-in persona, or none)."""
+    from driftlab.bench import load_personas
+
+    return next((p.params for p in load_personas() if p.measure == name), {})
+
+
+@pytest.mark.parametrize("text", ["", " ", "   \n", "\t\r\n \u3000"])
+def test_every_measure_scores_a_blank_reply_zero(text: str) -> None:
+    """No reply follows no instruction; before, "no letter e", "all caps", "no pronouns" and
+    "past tense" gave it 1.0 and sentiment 0.5."""
+    for name, fn in MEASURES.items():
+        assert fn(text, **_some_params(name)) == 0.0, name
+
+
+def test_measures_that_need_a_complete_reply() -> None:
+    """The measures that cannot judge a reply cut off by the token limit, and why the rest can."""
+    assert {name for name in MEASURES if needs_complete(name)} == {
+        "json_keys",  # the closing brace is missing
+        "bracketed_list",  # the closing bracket is missing
+        "first_equals_last",  # the last word is not the last one
+        "sentence_count",  # the unfinished sentence and those after it are missing
+        "sentence_lengths",
+        "increasing_sentence_lengths",
+        "questions",  # the last sentence has not reached its "?"
+        "min_words",  # a reply still going when cut off is what "extremely long" asks for
+    }
+    # word_count is not among them: a cut-off reply already longer than n words is a true violation.
+    assert not needs_complete("word_count") and not needs_complete("mentions_any")
+
+
+def test_language_codes_are_checked_against_langdetect() -> None:
+    assert validate_params("language", {"lang": "zh-cn"}) == {"lang": "zh-cn"}
+    for name, params in [
+        ("language", {"lang": "french"}),
+        ("language", {"lang": "FR"}),
+        ("translation", {"lang": "fr-FR"}),
+        ("translated_pairs", {"source": "fr", "target": "english"}),
+        ("translated_pairs", {"source": "xx"}),
+    ]:
+        bad = next(v for v in params.values() if v not in ("fr",))
+        message = rf"{re.escape(repr(bad))} is not a language code langdetect knows.*\ben\b, es"
+        with pytest.raises(ValueError, match=message):
+            validate_params(name, params)
+
+
+_OLD_PAIR_RE = re.compile(r"([^()]+?)\s*\(([^()]+)\)")  # the regex translated_pairs used, quadratic
+
+
+def test_translated_pairs_finds_the_same_pairs_as_the_old_regex() -> None:
+    rng = random.Random(0)
+    pieces = ["Je suis", " ici", "I am", "(", ")", " ", ".", "\n", "((", "))", "a"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(12)))
+        assert _translated_pairs(text) == [(s, t) for s, t in _OLD_PAIR_RE.findall(text)], text
+
+
+# Replies of about 1 MB that made a measure's time grow faster than linearly, each named for
+# what it broke: sentence splitting ("e.g." after "e.g.", a long run of dots), the choice
+# parser ("A" after "A", "is" before a long run of spaces), translated_pairs (a long text
+# without brackets), VADER ("but" after "but"), the JSON decoder (deep nesting: RecursionError).
+MB = 1_000_000
+ADVERSARIAL = {
+    "abbreviations": ("e.g. " * (MB // 5))[:MB],
+    "dots": "." * (MB - 1) + "x",
+    "letters": ("A " * (MB // 2))[:MB],
+    "spaces": "The answer is" + " " * (MB - 20) + "maybe",
+    "buts": ("I love it but hate it, but fine. " * (MB // 33 + 1))[:MB],
+    "nested": '{"thought": ' + "[" * (MB - 12),
+}
+
+
+@pytest.mark.timeout(90)
+def test_every_measure_scores_a_megabyte_in_bounded_time() -> None:
+    """Every measure on every adversarial megabyte, within one budget (each takes well under a second)."""
+    from driftlab.bench import load_personas
+
+    personas = {p.measure: p for p in load_personas()}
+    for name in MEASURES:
+        params = personas[name].params if name in personas else {}
+        for text in ADVERSARIAL.values():
+            assert 0.0 <= MEASURES[name](text, **params) <= 1.0, name

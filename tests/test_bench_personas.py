@@ -21,7 +21,15 @@ from pathlib import Path
 import pytest
 
 from bench_cases import CASES
-from driftlab.bench import CATEGORIES, MEASURES, STARTERS, Persona, get_persona, load_personas
+from driftlab.bench import (
+    CATEGORIES,
+    MEASURES,
+    STARTERS,
+    Persona,
+    get_persona,
+    load_personas,
+    load_user_personas,
+)
 from driftlab.bench.measures import validate_params
 from driftlab.errors import DriftlabError
 
@@ -53,15 +61,55 @@ def test_personas_that_share_a_prompt_differ_in_probe() -> None:
         assert len({p.probe for p in ps}) == len(ps)
 
 
-def test_text_matches_table_2_of_seed_000() -> None:
-    """Each system prompt and probe is the table's text, in the table's order."""
+# PDF-extraction artefacts of the table's text that the data repairs, each listed in
+# docs/personas.md ("Changes from the paper's Table 2"): id -> [(field, table text, data text)].
+# The repaired text is that of the seed's code release (hundred_system_prompts.py), except
+# that the JSON prompt keeps the table's quoted placeholders where the code has <Your thought>.
+TABLE_2_REPAIRS = {
+    "x-equals-13": [("probe", "2 times x ? A)", "2 times x? A)")],
+    "x-plus-y-20": [("system_prompt", "$x+y=20$", "x+y=20"), ("probe", "2 times x ? A)", "2 times x? A)")],
+    "json-thought-response": [
+        (
+            "system_prompt",
+            'format: "thought": "Your thought", "response": "Your response to the user".',
+            'format: {"thought": "Your thought", "response": "Your response to the user"}.',
+        )
+    ],
+}
+
+
+def _table_2_rows() -> list[list[str]]:
     lines = TABLE_2.read_text(encoding="utf-8").splitlines()
     header = lines.index("System Prompt s_B\tProbe Question p_B")
     rows = [line.split("\t") for line in lines[header + 1 :] if "\t" in line]
     # The table wraps one long prompt over two rows; the benchmark joins them.
     i = next(k for k, row in enumerate(rows) if row[0].startswith("You can pick how many sentences"))
     rows[i : i + 2] = [[rows[i][0] + " " + rows[i + 1][0], rows[i][1]]]
-    assert [(p.system_prompt, p.probe) for p in PERSONAS] == [tuple(r) for r in rows]
+    return rows
+
+
+def test_text_matches_table_2_of_seed_000() -> None:
+    """Each system prompt and probe is the table's text, in the table's order, but for the listed repairs."""
+    rows = _table_2_rows()
+    assert len(rows) == len(PERSONAS)
+    for p, (prompt, probe) in zip(PERSONAS, rows):
+        table = {"system_prompt": prompt, "probe": probe}
+        for field, old, new in TABLE_2_REPAIRS.get(p.id, []):
+            assert table[field].count(old) == 1, (p.id, field)
+            table[field] = table[field].replace(old, new)
+        assert (p.system_prompt, p.probe) == (table["system_prompt"], table["probe"]), p.id
+
+
+def test_table_2_extraction_artefacts_are_repaired_and_documented() -> None:
+    for p in PERSONAS:  # LaTeX math and a space before '?' came from the PDF, not from the authors
+        assert "$" not in p.system_prompt + p.probe and " ?" not in p.probe, p.id
+    json_prompt = get_persona("json-thought-response").system_prompt
+    example = json.loads(json_prompt[json_prompt.index("{") : json_prompt.rindex("}") + 1])
+    assert list(example) == ["thought", "response"]
+    text = (REPO / "docs" / "personas.md").read_text(encoding="utf-8")
+    section = text[text.index("### Changes from the paper's Table 2") :].split("\n## ")[0]
+    for pid in TABLE_2_REPAIRS:
+        assert f"`{pid}`" in section, pid
 
 
 def test_every_persona_has_test_replies() -> None:
@@ -77,7 +125,7 @@ def test_measure_separates_compliant_from_drifted_replies(persona: Persona) -> N
     bad = [persona.score(t) for t in c.violating]
     assert all(0.0 <= s <= 1.0 for s in good + bad)
     if c.graded:
-        assert min(good) >= max(bad) + 0.2, (good, bad)
+        assert min(good) >= max(bad) + c.margin, (good, bad)
     else:
         assert min(good) >= 0.8, good
         assert max(bad) <= 0.2, bad
@@ -246,3 +294,48 @@ def test_data_file_is_canonical() -> None:
     text = (resources.files("driftlab.bench") / "data" / "personas.jsonl").read_text(encoding="utf-8")
     raw = [json.loads(line) for line in text.splitlines()]
     assert [p.model_dump() for p in PERSONAS] == raw
+
+
+@pytest.mark.parametrize("persona", PERSONAS, ids=lambda p: p.id)
+def test_an_empty_or_blank_reply_scores_zero(persona: Persona) -> None:
+    """No reply is no compliance, for every persona (before: 1.0 on no-letter-e, all-caps, ...)."""
+    for text in ["", "   \n"]:
+        assert persona.score(text) == 0.0
+        assert persona.score(text, truncated=True) in (0.0, None)
+
+
+def test_a_truncated_reply_is_not_scored_where_the_measure_needs_the_whole_reply() -> None:
+    cut = '{"thought": "The user wants tips.", "response": "Visit the British Museum and'
+    json_persona = get_persona("json-thought-response")
+    assert json_persona.needs_complete
+    assert json_persona.score(cut) == 0.0  # unchanged without the flag: callers that pass nothing
+    assert json_persona.score(cut, truncated=False) == 0.0
+    assert json_persona.score(cut, truncated=True) is None  # "truncated", not a violation
+    assert json_persona.score('{"thought": "t", "response": "r"}', truncated=True) is None
+    last_word = get_persona("last-word-equals-first")
+    assert last_word.score("London is lovely, and I love London", truncated=True) is None
+    for pid, reply in [  # measures that judge what there is score a cut-off reply as usual
+        ("exactly-ten-words", "As a tourist in London I would visit the British Museum, then"),
+        ("reply-in-french", "Je visite le British Museum, puis je me promène le long de"),
+        ("mention-tokyo", "Unlike Tokyo, London has"),
+    ]:
+        p = get_persona(pid)
+        assert not p.needs_complete
+        assert p.score(reply, truncated=True) == p.score(reply)
+    complete = {p.id for p in PERSONAS if p.needs_complete}
+    assert {"json-thought-response", "bracketed-word-list", "last-word-equals-first", "one-sentence",
+            "twelve-seven-word-sentences", "sentence-length-equals-position", "answer-as-questions",
+            "extremely-long"} <= complete  # fmt: skip
+    assert "exactly-ten-words" not in complete and "no-letter-e" not in complete
+
+
+def test_a_language_code_langdetect_does_not_know_is_rejected_at_load(tmp_path: Path) -> None:
+    entry = {"id": "my-french", "category": "language", "system_prompt": "Parle français.",
+             "probe": "How are you?", "measure": "language", "params": {"lang": "french"}}  # fmt: skip
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps(entry) + "\n", encoding="utf-8")
+    with pytest.raises(DriftlabError, match=r"line 1, field 'params': persona 'my-french': lang 'french' is"):
+        load_user_personas(path)
+    with pytest.raises(ValueError, match="persona 'my-french'.*'fr-fr'.*Did you mean 'fr'"):
+        Persona(**{**entry, "params": {"lang": "fr-fr"}})
+    assert Persona(**{**entry, "params": {"lang": "fr"}}).score("Je vais très bien, merci beaucoup.") > 0.9

@@ -319,8 +319,8 @@ def test_bootstrap_falls_back_to_percentile_where_bca_is_undefined() -> None:
 # -- scores and summaries ---------------------------------------------------------------------
 def test_probe_scores_average_repeats_per_conversation(summary) -> None:
     s = summary.scores
-    # 3 pairs x 3 rounds x (agent, user under persona; agent under empty-user)
-    assert len(s) == 3 * 3 * 3
+    # 3 pairs x 3 rounds x (agent, user under persona; agent under empty-user), + adoption excess of rounds 2-3
+    assert len(s) == 3 * 3 * 3 + 3 * 2
     row = s[(s.pair == 1) & (s.condition == "persona") & (s["round"] == 2) & (s.target == "agent")].iloc[0]
     assert row.score == pytest.approx((agent_score(1, "persona", 2, 0) + agent_score(1, "persona", 2, 1)) / 2)
     assert row.n_repeats == 2 and row.category == "pattern" and row.persona == "all-caps"
@@ -420,8 +420,10 @@ def test_expected_counts() -> None:
 
 def test_round_table_rows(summary) -> None:
     t = round_table(summary)
-    assert t.columns[0] == "round" and len(t.columns) == 4
+    assert t.columns[0] == "round" and len(t.columns) == 5
     assert [r[0] for r in t.rows] == ["1", "2", "3", "overall"]
+    excess = t.columns.index("adoption above round 1 (n=3)")
+    assert t.rows[0][excess] == "" and t.rows[1][excess].startswith("0.10")  # no excess at the baseline round
     pr = summary.per_round
     first = pr[
         (pr.condition == "persona") & (pr.target == "agent") & (pr.category == ALL) & (pr["round"] == 1)
@@ -564,3 +566,31 @@ def test_a_completed_manifest_with_short_records_is_reported_incomplete(tmp_path
     print_summary(full, console)
     assert "Incomplete" not in console.export_text()
     assert 'id="incomplete"' not in write_report(full).read_text(encoding="utf-8")
+
+
+def test_truncation_share_per_round_is_reported(tmp_path):
+    """The fixture cuts every agent turn at the token limit and no user turn or probe."""
+    from driftlab.report.html import write_report
+    from driftlab.report.metrics import summarize_run
+
+    run = make_run(tmp_path / "run", rounds=3, ablation=False)
+    cut = summarize_run(run).truncation
+    assert list(cut["round"]) == [1, 2, 3] and list(cut["turns"]) == [3, 6, 6]
+    assert list(cut["turns_cut"]) == [1.0, 0.5, 0.5]  # round 1 has no user turn (a_1 is the starter)
+    assert list(cut["probes_cut"]) == [0.0, 0.0, 0.0] and cut["probes_unscored"].sum() == 0
+    page = write_report(run).read_text()
+    assert "Replies cut at --max-new-tokens, per round" in page and "turns_cut" in page
+
+
+def test_adoption_excess_is_each_conversations_rise_over_its_round_1(summary) -> None:
+    """Round 1's p_A is answered before the agent has seen the user LM: the per-conversation baseline."""
+    s = summary.scores
+    excess = s[s.target == "user-excess"]
+    assert sorted(set(excess["round"])) == [2, 3] and set(excess.condition) == {"persona"}
+    for row in excess.itertuples():  # user_score rises by 0.1 per round, whatever the pair
+        raw = s[(s.pair == row.pair) & (s.target == "user") & (s.condition == row.condition)].set_index("round").score
+        assert row.score == pytest.approx(raw[row.round] - raw[1]) and row.score == pytest.approx(0.1 * (row.round - 1))
+        assert row.persona == s[(s.pair == row.pair) & (s.target == "user")].persona.iloc[0]  # f_A's persona
+    overall = summary.overall
+    cell = overall[(overall.target == "user-excess") & (overall.category == "all")].iloc[0]
+    assert cell["mean"] == pytest.approx(0.15) and cell.rounds == "2,3"

@@ -56,7 +56,22 @@ def test_user_view_swaps_roles_and_folds_the_first_exchange():
         {"role": "user", "content": "b1"},
     ]
     ablated = _dialog("empty-user").user_view(2, fold=True)
-    assert all(m["role"] != "system" for m in ablated)  # the ablation removes s_A
+    assert ablated[0] == {"role": "system", "content": ""}  # the ablation empties s_A (paper), keeps the turn
+    assert all(m["role"] != "system" for m in ablated[1:])
+
+
+def test_empty_user_prompt_keeps_qwens_default_system_prompt_out(smol_dir):
+    """Qwen's template inserts "You are Qwen, ..." when there is no system message; an empty one stops it."""
+    from transformers import AutoTokenizer
+
+    from driftlab.chat.templates import Renderer
+
+    tok = AutoTokenizer.from_pretrained(smol_dir)  # any tokenizer; the template is Qwen2.5's, vendored
+    tok.chat_template = (Path(__file__).parent / "fixtures" / "qwen2.5_chat_template.jinja").read_text()
+    renderer = Renderer(tok)
+    ablated = renderer.text(_dialog("empty-user").user_view(2, fold=True))
+    assert "You are Qwen" not in ablated and ablated.startswith("<|im_start|>system\n<|im_end|>")
+    assert "You are Qwen" in renderer.text(_dialog("empty-user").user_view(2, fold=True)[1:])  # the old behaviour
 
 
 def test_item_seeds_are_stable_and_distinct():
@@ -228,3 +243,39 @@ def test_spr_copies_are_seen_by_the_agent_only(tmp_path):
     for conv in user_rows:
         assert sum(m["role"] == "system" for m in conv) <= 1  # the user LM never sees s_B repeated
     assert len(records) == len({r.key for r in records})
+
+
+def test_a_probe_cut_at_the_token_limit_is_unscored_only_where_its_measure_needs_the_whole_reply(tmp_path):
+    cfg = SelfChatConfig(pair_ids=[("json-thought-response", "reply-in-french"),
+                                   ("reply-in-french", "json-thought-response")], pairs=0, rounds=1)
+    assert get_persona("json-thought-response").needs_complete and not get_persona("reply-in-french").needs_complete
+    for reason in ("stop", "length"):
+        SelfChat(cfg, tmp_path / reason, ScriptedBackend(finish_reason=reason), progress=False).run()
+        probes = {r.persona: r for r in RunDir(tmp_path / reason).records(RECORDS) if r.kind == "probe"}
+        assert probes["reply-in-french"].score is not None  # language can be judged from a cut reply
+        assert (probes["json-thought-response"].score is None) == (reason == "length")
+        assert probes["json-thought-response"].finish_reason == reason
+
+
+def test_user_probe_version_001_asks_seed_001s_crafted_probe(tmp_path):
+    from driftlab.bench import user_probe
+
+    crafted = user_probe(get_persona("very-happy"), "001").probe
+    assert crafted != get_persona("very-happy").probe
+    for version, expected in (("000", get_persona("very-happy").probe), ("001", crafted)):
+        backend = ScriptedBackend()
+        cfg = SelfChatConfig(pair_ids=[("reply-in-french", "very-happy")], pairs=0, rounds=1, user_probe=True,
+                             user_probe_version=version)
+        SelfChat(cfg, tmp_path / version, backend, progress=False).run()
+        asked = [c[-1]["content"] for r in backend.requests for c in r.conversations]
+        assert expected in asked and (crafted in asked) == (version == "001")
+
+
+def test_starter_sets(tmp_path):
+    from driftlab.bench import STARTER_SETS
+    from driftlab.protocol.selfchat import draw_pairs
+
+    for name in ("reference", "driftlab"):
+        pairs = draw_pairs(SelfChatConfig(pairs=6, starters=name))
+        assert all(p.starter in STARTER_SETS[name] for p in pairs)
+    assert SelfChatConfig().starters == "reference"  # the reference code's topics, by default

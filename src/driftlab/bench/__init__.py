@@ -1,4 +1,4 @@
-"""The drift benchmark: 100 system prompts with probes and measures, and conversation starters.
+"""The drift benchmark: 100 system prompts with probes and measures, user-persona probes, conversation starters.
 
     from driftlab.bench import get_persona, STARTERS
     p = get_persona("reply-in-french")
@@ -15,14 +15,20 @@ from driftlab.bench.personas import (
     load_personas,
     load_user_personas,
 )
-from driftlab.bench.starters import STARTERS
+from driftlab.bench.probes import USER_PROBE_VERSIONS, user_probe, user_probes
+from driftlab.bench.starters import STARTER_SETS, STARTERS, starters
 
 __all__ = [
     "CATEGORIES",
     "MEASURES",
     "STARTERS",
+    "STARTER_SETS",
+    "USER_PROBE_VERSIONS",
     "Persona",
     "get_persona",
     "load_personas",
     "load_user_personas",
+    "starters",
+    "user_probe",
+    "user_probes",
 ]

@@ -10,13 +10,20 @@ and how approximate it is.
 Heavy or data-loading libraries (langdetect, VADER, wordfreq, CMU dict, TextBlob's tagger)
 are imported on first use, so importing this module is cheap. All of them ship their data
 inside their PyPI packages: nothing is downloaded, ever.
+
+Every measure scores an empty or blank reply 0 (enforced once, in `register`), and scores
+1 MB of text in well under a second: the pure-Python scans are linear, and the library
+measures whose cost grows faster (VADER, the POS tagger, one langdetect call per pair)
+read a bounded, evenly spaced sample of a very long reply (`_sample`).
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import json
+import os
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -31,16 +38,25 @@ MeasureFn = Callable[..., float]
 MEASURES: dict[str, MeasureFn] = {}
 _PARAMS: dict[str, type[BaseModel]] = {}
 _CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {}
+_NEEDS_COMPLETE: set[str] = set()
 
 
 def register(
-    name: str, check: Callable[[dict[str, Any]], None] | None = None
+    name: str, check: Callable[[dict[str, Any]], None] | None = None, needs_complete: bool = False
 ) -> Callable[[MeasureFn], MeasureFn]:
     """Register a measure under `name`.
 
     Its keyword parameters (everything after `text`) become a pydantic model, so a data
     file's `params` are type-checked when a persona is built, not when it is first scored.
     `check` adds cross-parameter rules (e.g. a choice's answer must be one of its options).
+    `needs_complete` marks a measure that cannot judge a reply cut off by the token limit (an
+    unclosed JSON object, a last word or sentence that is not the real last one): such a
+    reply would score as a violation it may not be, so `Persona.score(..., truncated=True)`
+    returns None for it instead.
+
+    The registered function scores an empty or whitespace-only reply 0 whatever the measure:
+    no reply follows no instruction, but "never use the letter e" or "no verbs in the
+    present tense" would otherwise pass it vacuously.
     """
 
     def decorate(fn: MeasureFn) -> MeasureFn:
@@ -54,10 +70,22 @@ def register(
         _PARAMS[name] = create_model(f"{name}_params", __config__=ConfigDict(extra="forbid"), **fields)
         if check is not None:
             _CHECKS[name] = check
-        MEASURES[name] = fn
-        return fn
+        if needs_complete:
+            _NEEDS_COMPLETE.add(name)
+
+        @functools.wraps(fn)
+        def measure(text: str, *args: Any, **params: Any) -> float:
+            return 0.0 if not text or text.isspace() else fn(text, *args, **params)
+
+        MEASURES[name] = measure
+        return measure
 
     return decorate
+
+
+def needs_complete(name: str) -> bool:
+    """Whether measure `name` can only judge a complete reply (see `register`)."""
+    return name in _NEEDS_COMPLETE
 
 
 def validate_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -111,7 +139,10 @@ _WORD_RE = re.compile(r"[^\W_]+(?:['’\-][^\W_]+)*")
 _TOKEN_RE = re.compile(r"[^\W_]+")
 _THOUSANDS_RE = re.compile(r"(?<=\d)[,_](?=\d{3}(?!\d))")
 _ABBREVIATIONS = frozenset("mr mrs ms dr st prof sr jr vs etc approx mt ft".split())
-_BOUNDARY_RE = re.compile(r"[.!?…]+[\"'”’)\]]*(?=\s|$)|\n\s*")
+# A run of end marks is only tried from its start (the lookbehind): tried from every
+# position, a long run not followed by a space ("....x") took quadratic time.
+_BOUNDARY_RE = re.compile(r"(?<![.!?…])[.!?…]+[\"'”’)\]]*(?=\s|$)|\n\s*")
+_NONSPACE_RE = re.compile(r"\S")
 
 
 def words(text: str) -> list[str]:
@@ -145,21 +176,61 @@ def sentences(text: str) -> list[str]:
     """
     out: list[str] = []
     start = 0
+    first = _first_nonspace(text, 0)  # where the first word of the current sentence begins
     for m in _BOUNDARY_RE.finditer(text):
         if m.group().startswith(".") and not m.group().startswith(".."):
-            before = text[start : m.start()].split()
-            last = before[-1].lstrip("(\"'“‘").lower() if before else ""
-            list_marker = len(before) == 1 and last.isdigit()  # "1. Visit ..." starts a list item
+            begin, end = _last_token(text, start, m.start())
+            last = text[begin:end].lstrip("(\"'“‘").lower()
+            list_marker = begin == first and last.isdigit()  # "1. Visit ..." starts a list item
             if last in _ABBREVIATIONS or "." in last or list_marker:
                 continue
         piece = text[start : m.end()].strip()
         if words(piece):
             out.append(piece)
         start = m.end()
+        first = _first_nonspace(text, start)
     tail = text[start:].strip()
     if words(tail):
         out.append(tail)
     return out
+
+
+def _first_nonspace(text: str, pos: int) -> int:
+    m = _NONSPACE_RE.search(text, pos)
+    return m.start() if m else len(text)
+
+
+def _last_token(text: str, lo: int, hi: int) -> tuple[int, int]:
+    """(begin, end) of the last whitespace-separated token in text[lo:hi], found by walking back from `hi`.
+
+    Splitting text[lo:hi] instead cost quadratic time on many abbreviations in a row
+    ("e.g. e.g. ..."), where `lo` stays put while `hi` moves on.
+    """
+    end = hi
+    while end > lo and text[end - 1].isspace():
+        end -= 1
+    begin = end
+    while begin > lo and not text[begin - 1].isspace():
+        begin -= 1
+    return begin, end
+
+
+def _sample(text: str, limit: int = 10_000) -> str:
+    """`text` if it has at most `limit` characters, else evenly spaced sentences totalling about `limit`.
+
+    For the library measures whose cost grows with length faster than linearly (VADER's
+    "but" rule is quadratic) or steeply (the POS tagger): replies up to 10,000 characters,
+    far more than a reply of a few hundred tokens, are scored whole; a longer one is scored
+    on a sample spread over all of it, so a share (of positive words, of plural nouns) is
+    estimated from the whole reply, not from its start.
+    """
+    if len(text) <= limit:
+        return text
+    sents = sentences(text)
+    if not sents:
+        return text[:limit]
+    k = max(1, min(len(sents), limit * len(sents) // len(text)))  # sentences of average length that fit
+    return " ".join(sents[i * len(sents) // k][: limit // k] for i in range(k))
 
 
 def _fraction(flags: Iterable[bool]) -> float:
@@ -212,14 +283,17 @@ def alliteration(text: str) -> float:
 
 @register("letter_case")
 def letter_case(text: str, case: Literal["upper", "lower"]) -> float:
-    """1 / (1 + number of letters in the other case): 1 for a reply entirely in `case`.
+    """Fraction of cased letters that are in `case` (as the original); 0 without cased letters.
 
-    The original took the fraction of letters in `case`, which scores ordinary sentence-case
-    English about 0.95 for "write entirely in lowercase"; counting slips, as `letter_absent`
-    does, separates the two. Letters without case (e.g. CJK) are ignored.
+    A fraction, so that drift shows as a gradual fall: counting slips instead (1 / (1 + slips))
+    gave a single capitalised word 0.5 and any ordinary reply about 0. The price is a narrow
+    range for "lowercase": sentence-case English is still about 0.95 there, so compare scores
+    across turns. Letters without case (e.g. CJK) are ignored.
     """
-    wrong = sum(1 for c in text if (c.islower() if case == "upper" else c.isupper()))
-    return 1.0 / (1 + wrong)
+    upper, lower = sum(map(str.isupper, text)), sum(map(str.islower, text))
+    if not upper + lower:
+        return 0.0
+    return (upper if case == "upper" else lower) / (upper + lower)
 
 
 @register("alternating_case")
@@ -267,6 +341,8 @@ def dash_separated(text: str) -> float:
 # --------------------------------------------------------------------------- words
 
 
+# A cut-off reply has at least as many words as it shows, so one already longer than `n`
+# is a true violation (the usual drift for "exactly 10 words"): scored, not "truncated".
 @register("word_count")
 def word_count(text: str, n: Annotated[int, Field(ge=1)]) -> float:
     """min(count, n) / max(count, n): 1 for exactly `n` words, falling off on both sides.
@@ -278,16 +354,17 @@ def word_count(text: str, n: Annotated[int, Field(ge=1)]) -> float:
     return min(c, n) / max(c, n) if c else 0.0
 
 
-@register("min_words")
+@register("min_words", needs_complete=True)
 def min_words(text: str, target: Annotated[int, Field(ge=1)]) -> float:
     """min(1, words / target): rewards long replies, saturating at `target` words.
 
-    Replaces the original 1 - 1/(1 + words^(1/3)), which gave a 7-word reply 0.66.
+    Replaces the original 1 - 1/(1 + words^(1/3)), which gave a 7-word reply 0.66. Needs a
+    complete reply: one cut off by the token limit was still going, which is what is asked.
     """
     return min(1.0, len(words(text)) / target)
 
 
-@register("first_equals_last")
+@register("first_equals_last", needs_complete=True)
 def first_equals_last(text: str) -> float:
     """1 if the first and last words are the same word (case-insensitive), else 0."""
     ws = [w.lower() for w in words(text)]
@@ -374,13 +451,13 @@ def words_matching(text: str, pattern: Annotated[str, Field(min_length=1)]) -> f
 # --------------------------------------------------------------------------- sentences
 
 
-@register("sentence_count")
+@register("sentence_count", needs_complete=True)
 def sentence_count(text: str, n: Annotated[int, Field(ge=1)]) -> float:
     """1 if the reply has exactly `n` sentences, else 0 (sentence splitting is rule-based)."""
     return float(len(sentences(text)) == n)
 
 
-@register("sentence_lengths")
+@register("sentence_lengths", needs_complete=True)
 def sentence_lengths(
     text: str, pattern: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)]
 ) -> float:
@@ -399,14 +476,14 @@ def sentence_lengths(
     return score / len(sents)
 
 
-@register("increasing_sentence_lengths")
+@register("increasing_sentence_lengths", needs_complete=True)
 def increasing_sentence_lengths(text: str) -> float:
     """Fraction of sentences with exactly one word more than the previous (the first has 1)."""
     lengths = [len(words(s)) for s in sentences(text)]
     return _fraction(cur == prev + 1 for prev, cur in zip([0, *lengths], lengths))
 
 
-@register("questions")
+@register("questions", needs_complete=True)
 def questions(text: str) -> float:
     """Fraction of sentences that end with a question mark."""
     return _fraction(s.rstrip("\"'”’)]").endswith("?") for s in sentences(text))
@@ -454,6 +531,19 @@ def avoids_words(
     """
     norm = _normalize(text)
     return float(not any(_has_term(norm, t) for t in terms))
+
+
+@register("avoided_terms")
+def avoided_terms(
+    text: str, terms: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+) -> float:
+    """1 - (share of `terms` that occur), same matching rules as `mentions_any`.
+
+    Partial credit, as the original gave its list of fifteen forbidden words: pass/fail
+    (`avoids_words`) is 0 for nearly every reply to such a list, so it could not show drift.
+    """
+    norm = _normalize(text)
+    return _fraction(not _has_term(norm, t) for t in terms)
 
 
 @register("replies_only_with")
@@ -521,21 +611,24 @@ def close_to_number(text: str, target: Annotated[int, Field(ge=1)]) -> float:
 
 
 def _json_object(text: str) -> dict[str, Any] | None:
-    """The JSON object in a reply, also when the model left out the braces (Table 2's prompt shows none)."""
+    """The JSON object in a reply, also when the model left out the braces.
+
+    Lenient since the table's text of the prompt had lost its braces (they are restored now).
+    """
     start, end = text.find("{"), text.rfind("}")
     candidates = [text[start : end + 1]] if 0 <= start < end else []
     candidates.append("{" + text.strip().strip(",") + "}")
     for candidate in candidates:
         try:
             obj = json.loads(candidate)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the decoder allows
             continue
         if isinstance(obj, dict):
             return obj
     return None
 
 
-@register("json_keys")
+@register("json_keys", needs_complete=True)
 def json_keys(text: str, keys: Annotated[list[str], Field(min_length=1)]) -> float:
     """Fraction of `keys` present in the JSON object of the reply; 0 if no object parses.
 
@@ -545,7 +638,7 @@ def json_keys(text: str, keys: Annotated[list[str], Field(min_length=1)]) -> flo
     return _fraction(k in obj for k in keys) if obj is not None else 0.0
 
 
-@register("bracketed_list")
+@register("bracketed_list", needs_complete=True)
 def bracketed_list(text: str) -> float:
     """Fraction of the items of the first [a, b, ...] list that are single words; 0 without a list."""
     m = re.search(r"\[([^\[\]]*)\]", text)
@@ -589,7 +682,9 @@ def chosen_option(text: str, options: list[str] | dict[str, str]) -> str | None:
         cues = [
             (rf"^\(?({cls})\)?[.):]?$", False),  # a lone lower-case letter was upper-cased above
             (
-                rf"\b(?i:answer|option|choice|choose|pick|select|go with|say|is)\s*(?i:is|would be|=|:)?\s*\(?({cls})(?![\w'’])",
+                # one optional "is"/":" with its spaces, not `\s*(...)?\s*`: two adjacent \s* made
+                # a long run of spaces quadratic
+                rf"\b(?i:answer|option|choice|choose|pick|select|go with|say|is)\s*(?:(?i:is|would be|=|:)\s*)?\(?({cls})(?![\w'’])",
                 True,
             ),
             (rf"(?<![\w'’])\(?({cls})\)", False),
@@ -611,12 +706,16 @@ def chosen_option(text: str, options: list[str] | dict[str, str]) -> str | None:
     return None
 
 
+_WORD_AFTER_RE = re.compile(r"\s+(?!(?:or|and|nor|vs)\b)[a-z]")
+
+
 def _letters_found(pattern: str, text: str, guard: bool) -> set[str]:
     """Letters captured by `pattern`; with `guard`, skip "A"/"I" followed by a lower-case word."""
     found = set()
     for m in re.finditer(pattern, text):
         letter = m.group(1)
-        if guard and letter in "AI" and re.match(r"\s+(?!(?:or|and|nor|vs)\b)[a-z]", text[m.end(1) :]):
+        # match at a position, not on a slice: slicing copied the rest of the text per letter
+        if guard and letter in "AI" and _WORD_AFTER_RE.match(text, m.end(1)):
             continue
         found.add(letter)
     return found
@@ -659,9 +758,11 @@ def sentiment(text: str, field: Literal["pos", "neg", "neu", "compound"], invert
     joyful reply rarely exceeds about 0.6: compare these scores across turns, not with a
     fixed threshold. `compound` (in [-1, 1]) is rescaled to [0, 1]; `invert` returns 1 - score.
     VADER is a lexicon method tuned for social-media English: sarcasm, negated clauses and
-    other languages are read loosely.
+    other languages are read loosely. Its time is quadratic in the words of a text with "but",
+    so a reply over 10,000 characters is scored on an evenly spaced sample of its sentences
+    (`_sample`).
     """
-    value = float(_vader().polarity_scores(text)[field])
+    value = float(_vader().polarity_scores(_sample(text))[field])
     if field == "compound":
         value = (value + 1.0) / 2.0
     return 1.0 - value if invert else value
@@ -714,7 +815,7 @@ def rare_words(text: str, top_n: Annotated[int, Field(ge=100)] = 10000) -> float
     return _fraction(w not in common for w in ws)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=1 << 16)  # bounded: a long reply of made-up words must not grow it forever
 def _syllables(word: str) -> int:
     """Syllables per the CMU Pronouncing Dictionary; a vowel-group estimate for unlisted words."""
     import pronouncing
@@ -751,8 +852,12 @@ def _tagger() -> Callable[[str], list[tuple[str, str]]]:
 
 
 def _pos_tags(text: str) -> list[tuple[str, str]]:
-    """Penn Treebank tags of the word tokens (punctuation dropped)."""
-    return [(w, t) for w, t in _tagger()(text) if any(c.isalnum() for c in w)]
+    """Penn Treebank tags of the word tokens (punctuation dropped), of `_sample(text)`.
+
+    The pure-Python tagger takes seconds on a megabyte; the measures built on it are shares,
+    which an evenly spaced sample of the sentences of a reply over 10,000 characters estimates well.
+    """
+    return [(w, t) for w, t in _tagger()(_sample(text)) if any(c.isalnum() for c in w)]
 
 
 @register("plural_nouns")
@@ -804,10 +909,45 @@ def _langdetect() -> Callable[[str], list[Any]]:
     return detect_langs
 
 
+@functools.cache
+def _langdetect_codes() -> frozenset[str]:
+    """The codes langdetect can return ("fr", "zh-cn", ...): the names of its shipped profiles."""
+    from langdetect.detector_factory import PROFILES_DIRECTORY
+
+    return frozenset(os.listdir(PROFILES_DIRECTORY))
+
+
+def _check_languages(*fields: str) -> Callable[[dict[str, Any]], None]:
+    """A params check that each of `fields` (when given) is a code langdetect can return.
+
+    Any other code ("french", "FR", "fr-FR") would load fine and then score every reply 0.
+    """
+
+    def check(params: dict[str, Any]) -> None:
+        known = _langdetect_codes()
+        for field in fields:
+            code = params.get(field)
+            if code is not None and code not in known:
+                close = difflib.get_close_matches(code.lower()[:2], known, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise ValueError(
+                    f"{field} {code!r} is not a language code langdetect knows.{hint} "
+                    f"Use one of: {', '.join(sorted(known))}"
+                )
+
+    return check
+
+
+# langdetect reads at most 10,000 characters (its max_text_length), but first runs URL and
+# e-mail regexes over the whole string; it gets twice that, so a megabyte costs nothing more.
+_LANGDETECT_CHARS = 20_000
+
+
 def _language_probs(text: str) -> dict[str, float]:
     """langdetect's language -> probability; empty when the text has no letters."""
     from langdetect.lang_detect_exception import LangDetectException
 
+    text = text[:_LANGDETECT_CHARS]
     if not any(c.isalpha() for c in text):
         return {}
     try:
@@ -821,7 +961,7 @@ def _top_language(text: str) -> str | None:
     return max(probs, key=probs.__getitem__) if probs else None
 
 
-@register("language")
+@register("language", check=_check_languages("lang"))
 def language(text: str, lang: Annotated[str, Field(min_length=2)]) -> float:
     """langdetect's probability that the reply is in `lang` (ISO 639-1 code, e.g. "fr").
 
@@ -831,10 +971,30 @@ def language(text: str, lang: Annotated[str, Field(min_length=2)]) -> float:
     return _language_probs(text).get(lang, 0.0)
 
 
-_PAIR_RE = re.compile(r"([^()]+?)\s*\(([^()]+)\)")
+_BRACKET_RE = re.compile(r"\(([^()]+)\)")
+#: translated_pairs scores at most this many pairs (evenly spaced): two langdetect calls each.
+_MAX_PAIRS = 16
 
 
-@register("translated_pairs")
+def _translated_pairs(text: str) -> list[tuple[str, str]]:
+    r"""The (sentence, bracketed translation) pairs of a text, in linear time.
+
+    The same pairs as `re.findall(r"([^()]+?)\s*\(([^()]+)\)", text)` (the sentence without
+    its trailing spaces): an innermost bracket with the text since the previous bracket
+    character. That regex retried its lazy prefix from every position and took quadratic
+    time on text without brackets (100 KB: 100 s).
+    """
+    pairs, prev = [], 0
+    for m in _BRACKET_RE.finditer(text):
+        lo = max(prev, text.rfind("(", prev, m.start()) + 1, text.rfind(")", prev, m.start()) + 1)
+        if lo < m.start():
+            source = text[lo : m.start()].rstrip() or text[lo]
+            pairs.append((source, m.group(1)))
+        prev = m.end()
+    return pairs
+
+
+@register("translated_pairs", check=_check_languages("source", "target"))
 def translated_pairs(
     text: str,
     source: Annotated[str, Field(min_length=2)] = "fr",
@@ -845,8 +1005,12 @@ def translated_pairs(
     Each "sentence (translation)" pair earns 0.5 if the sentence is detected as `source`
     and 0.5 if the bracketed part is detected as `target`; the score is the mean over pairs,
     0 without pairs. Detection on short pieces ("Bonjour !") is the weak spot (see `language`).
+    A reply with more than 16 pairs is scored on 16 evenly spaced ones, which bounds the
+    langdetect calls (a few milliseconds each) for any length.
     """
-    pairs = _PAIR_RE.findall(text)
+    pairs = _translated_pairs(text)
+    if len(pairs) > _MAX_PAIRS:
+        pairs = [pairs[i * len(pairs) // _MAX_PAIRS] for i in range(_MAX_PAIRS)]
     scores = [
         0.5 * (_top_language(src.strip(" .,;:!?")) == source) + 0.5 * (_top_language(tgt) == target)
         for src, tgt in pairs
@@ -854,7 +1018,7 @@ def translated_pairs(
     return sum(scores) / len(scores) if scores else 0.0
 
 
-@register("translation")
+@register("translation", check=_check_languages("lang"))
 def translation(
     text: str,
     lang: Annotated[str, Field(min_length=2)],

@@ -13,11 +13,11 @@ import functools
 import json
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from driftlab.bench.measures import MEASURES, validate_params
+from driftlab.bench.measures import MEASURES, needs_complete, validate_params
 from driftlab.errors import DriftlabError
 
 Category = Literal["multiple_choice", "persona", "pattern", "memorization", "language"]
@@ -55,10 +55,35 @@ class Persona(BaseModel):
         name = info.data.get("measure")
         if name is None:  # an unknown measure was already reported on its own field
             return params
-        return validate_params(name, params)
+        try:
+            return validate_params(name, params)
+        except ValueError as err:  # name the persona: a data file may hold many with one measure
+            pid = info.data.get("id")
+            raise ValueError(f"persona {pid!r}: {err}" if pid else str(err)) from None
 
-    def score(self, text: str) -> float:
-        """How well `text` (a reply to `probe`) follows the system prompt: a float in [0, 1]."""
+    @property
+    def needs_complete(self) -> bool:
+        """Whether the measure can only judge a complete reply (JSON, last word, sentence counts, ...).
+
+        For these personas a reply cut off by the token limit scores None ("truncated"), see `score`.
+        """
+        return needs_complete(self.measure)
+
+    @overload
+    def score(self, text: str, truncated: Literal[False] = False) -> float: ...
+    @overload
+    def score(self, text: str, truncated: bool) -> float | None: ...
+    def score(self, text: str, truncated: bool = False) -> float | None:
+        """How well `text` (a reply to `probe`) follows the system prompt: a float in [0, 1].
+
+        `truncated` says the reply was cut off by the token limit (finish_reason "length").
+        A measure that needs the whole reply (`needs_complete`) cannot judge a cut-off one,
+        whose unclosed JSON or unfinished last sentence would count as a violation: the
+        score is then None. Other measures score what there is. An empty or blank reply
+        scores 0.
+        """
+        if truncated and self.needs_complete:
+            return None
         return float(MEASURES[self.measure](text, **self.params))
 
 

@@ -64,7 +64,7 @@ class BackendSpec(BaseModel):
     model: ModelName = Field(DEFAULT_MODEL, description="preset, local HF model directory or openai:NAME")
     dtype: Dtype = "auto"
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
-    span: SpanMode = Field("prefix", description="which tokens are the system prompt: rendered turn or content")
+    span: SpanMode = Field("content", description="which tokens are the system prompt: its text or its whole turn")
     runtime: Runtime = Runtime()
 
     @property

@@ -44,7 +44,7 @@ class HFChatBackend:
         *,
         dtype: str = "auto",
         device: str = "auto",
-        span_mode: str = "prefix",
+        span_mode: str = "content",
         prefix_cache_bytes: int = 2 << 30,
         attn_implementation: str | None = None,
     ) -> None:

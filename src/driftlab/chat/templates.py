@@ -3,6 +3,11 @@
 Chat models bring their own template (from the GGUF). Base models have none: driftlab
 renders them with a plain-text dialog template and stops generation at the next speaker
 tag, so a base model can sit in the same experiments (e.g. base-vs-chat attention decay).
+
+A model whose tokenizer starts every text with BOS (Gemma, Llama) was trained with it;
+without it the first token is out of distribution (and the attention sink moves). Chat
+templates usually write BOS themselves; where a rendering lacks it (the plain template, a
+template that dropped it) the renderer prepends it, so every prompt starts as in training.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ class Rendered:
 class Renderer:
     """Applies a tokenizer's chat template (or the plain one) and finds token spans."""
 
-    def __init__(self, tokenizer, span_mode: str = "prefix") -> None:
+    def __init__(self, tokenizer, span_mode: str = "content") -> None:
         if span_mode not in SPAN_MODES:
             raise DriftlabError(f"Unknown system span mode '{span_mode}'.", hint=f"Use one of {SPAN_MODES}.")
         self.tokenizer = tokenizer
@@ -50,6 +55,7 @@ class Renderer:
         if self.plain:
             tokenizer.chat_template = PLAIN_TEMPLATE
         self.stop_strings: tuple[str, ...] = PLAIN_STOP if self.plain else ()
+        self.bos: list[int] = _expected_bos(tokenizer)
 
     def text(self, conversation: Sequence[Message], add_generation_prompt: bool = True) -> str:
         try:
@@ -66,9 +72,14 @@ class Renderer:
         # The template already wrote any BOS/special tokens it wants.
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def prompt_ids(self, text: str) -> list[int]:
+        """Tokens of a rendered prompt: `encode`, with BOS first where the model expects one."""
+        ids = self.encode(text)
+        return self.bos + ids if self.bos and ids[: len(self.bos)] != self.bos else ids
+
     def render(self, conversation: Sequence[Message], add_generation_prompt: bool = True) -> Rendered:
         text = self.text(conversation, add_generation_prompt)
-        ids = self.encode(text)
+        ids = self.prompt_ids(text)
         span = None
         if conversation and conversation[0]["role"] == "system":
             span = self._system_span(conversation[0], text, ids)
@@ -82,7 +93,7 @@ class Renderer:
         sink). `content` = only the tokens overlapping the system prompt's characters.
         """
         if self.span_mode == "prefix":
-            sys_ids = self.encode(self.text([system], add_generation_prompt=False))
+            sys_ids = self.prompt_ids(self.text([system], add_generation_prompt=False))
             n = 0
             for a, b in zip(sys_ids, ids, strict=False):
                 if a != b:
@@ -94,7 +105,8 @@ class Renderer:
             return (0, 0)
         end_char = start_char + len(system["content"])
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        inside = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if e > start_char and s < end_char]
+        shift = len(ids) - len(enc["input_ids"])  # a BOS prepended by prompt_ids
+        inside = [i + shift for i, (s, e) in enumerate(enc["offset_mapping"]) if e > start_char and s < end_char]
         return (inside[0], inside[-1] + 1) if inside else (0, 0)
 
     def turn_spans(self, conversation: Sequence[Message], eos_ids: set[int]) -> list[tuple[int, int] | None]:
@@ -105,15 +117,15 @@ class Renderer:
         end-of-turn token; None for other messages. Relies on the template rendering a
         conversation as the concatenation of its turns, which is checked.
         """
-        full = self.encode(self.text(conversation, add_generation_prompt=False))
+        full = self.prompt_ids(self.text(conversation, add_generation_prompt=False))
         spans: list[tuple[int, int] | None] = []
         for k, msg in enumerate(conversation):
             if msg["role"] != "assistant":
                 spans.append(None)
                 continue
-            start = len(self.encode(self.text(conversation[:k], add_generation_prompt=True)))
-            stop = len(self.encode(self.text(conversation[: k + 1], add_generation_prompt=False)))
-            head = self.encode(self.text(conversation[: k + 1], add_generation_prompt=False))
+            start = len(self.prompt_ids(self.text(conversation[:k], add_generation_prompt=True)))
+            head = self.prompt_ids(self.text(conversation[: k + 1], add_generation_prompt=False))
+            stop = len(head)
             if head != full[: len(head)]:
                 raise DriftlabError(
                     "This chat template does not render a dialog as the concatenation of its turns, "
@@ -135,3 +147,12 @@ class Renderer:
             vocab = self.tokenizer.get_vocab()
             ids.update(vocab[t] for t in END_OF_TURN if t in vocab and t in self.tokenizer.chat_template)
         return ids
+
+
+def _expected_bos(tokenizer) -> list[int]:
+    """[BOS id] if the tokenizer starts plain text with BOS (how the model was trained), else []."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if not isinstance(bos, int):
+        return []
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return [bos] if ids[:1] == [bos] else []

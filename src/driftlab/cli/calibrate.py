@@ -39,7 +39,7 @@ def calibrate(
     data: MMLUDataOpt = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
-    span: SpanOpt = "prefix",
+    span: SpanOpt = "content",
     base_url: BaseUrlOpt = None,
     api_key_env: ApiKeyEnvOpt = "OPENAI_API_KEY",
     concurrency: ConcurrencyOpt = 8,

@@ -36,7 +36,7 @@ def chat(
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     steer: SteerOpt = None,
-    span: SpanOpt = "prefix",
+    span: SpanOpt = "content",
     base_url: BaseUrlOpt = None,
     api_key_env: ApiKeyEnvOpt = "OPENAI_API_KEY",
 ) -> None:

@@ -66,7 +66,7 @@ def decay(
     ] = None,
     layer: Annotated[int | None, typer.Option(help="Layer of the single-head panel (default: steepest).")] = None,
     head: Annotated[int | None, typer.Option(help="Head of the single-head panel (default: steepest).")] = None,
-    span: SpanOpt = "prefix",
+    span: SpanOpt = "content",
     seed: Annotated[int, typer.Option(help="Seed of the fresh self-chat.")] = 0,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",

@@ -24,7 +24,8 @@ DtypeOpt = Annotated[str, typer.Option(
     help="auto, bfloat16, float16 or float32 (auto: bf16 on GPUs and CPUs with native bf16, else float32).")]
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
 SpanOpt = Annotated[str, typer.Option(
-    help="Which tokens count as the system prompt: 'prefix' (its whole rendered turn) or 'content' (its text).")]
+    help="Which tokens count as the system prompt: 'content' (its text, as the paper's pi) or 'prefix' "
+         "(its whole rendered turn from position 0, with the template header and the attention sink).")]
 SteerOpt = Annotated[list[str] | None, typer.Option(
     "--steer",
     help="Intervention, repeatable and composable: 'split-softmax:k=0.9[,heads=0-5]', 'instaboost:m=5', "

@@ -62,6 +62,13 @@ def print_summary(run_dir: str | Path, console: Console | None = None) -> RunSum
     console.print(summary_table(summary))
     from driftlab.report.html import progress
 
+    cut = summary.truncation
+    if len(cut):
+        turns = (cut.turns * cut.turns_cut.fillna(0)).sum() / max(cut.turns.sum(), 1)
+        probes = (cut.probes * cut.probes_cut.fillna(0)).sum() / max(cut.probes.sum(), 1)
+        console.print(f"Replies cut at --max-new-tokens: {turns:.0%} of turns, {probes:.0%} of probes "
+                      f"({int(cut.probes_unscored.sum())} probes unscored: their measure needs a complete reply).",
+                      highlight=False)
     state = progress(summary)
     if not state["complete"]:
         counts = ", ".join(f"{state['present'][k]} of {n} {k}s" for k, n in state["expected"].items())

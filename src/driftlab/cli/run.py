@@ -50,19 +50,24 @@ def run(
     categories: Annotated[
         str | None, typer.Option(help="Comma-separated agent persona categories, e.g. 'language,persona'.")
     ] = None,
-    rounds: Annotated[int, typer.Option(help="Dialog rounds (paper: 8; 16 for mitigation).")] = 8,
+    rounds: Annotated[int, typer.Option(help="Dialog rounds (paper: 8 rounds, i.e. 16 turns).")] = 8,
     probe_every: Annotated[int, typer.Option(help="Probe rounds i with i %% k == 0.")] = 1,
     probe_repeats: Annotated[int, typer.Option(help="Probe replies per probed round.")] = 1,
     user_probe: Annotated[bool, typer.Option(help="Also probe with the user's persona (adoption).")] = False,
+    user_probe_version: Annotated[str, typer.Option(
+        help="p_A for --user-probe: '000' (the user persona's own probe) or '001' (seed 001's crafted or generic "
+             "probes).")] = "000",
+    starters: Annotated[str, typer.Option(
+        help="Conversation starters a_1: 'reference' (the reference code's 45 topics) or 'driftlab'.")] = "reference",
     ablation: Annotated[bool, typer.Option(help="Also run each pair with an empty user system prompt.")] = False,
-    max_new_tokens: MaxNewTokensOpt = 128,
+    max_new_tokens: MaxNewTokensOpt = 400,
     temperature: TemperatureOpt = 1.0,
     top_p: TopPOpt = 0.9,
     greedy: GreedyOpt = False,
     seed: Annotated[int, typer.Option(help="Run seed: pairs, starters and every sample derive from it.")] = 0,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
-    span: SpanOpt = "prefix",
+    span: SpanOpt = "content",
     base_url: BaseUrlOpt = None,
     api_key_env: ApiKeyEnvOpt = "OPENAI_API_KEY",
     concurrency: ConcurrencyOpt = 8,
@@ -88,6 +93,7 @@ def run(
         model=model, user_model=user_model, pairs=pairs, pair_ids=_pairs(pair or []),
         categories=[c.strip() for c in categories.split(",")] if categories else None,
         rounds=rounds, probe_every=probe_every, probe_repeats=probe_repeats, user_probe=user_probe,
+        user_probe_version=user_probe_version, starters=starters,
         ablation=ablation, sampling=sampling, seed=seed, dtype=dtype, device=device, span=span,
         steer=steer or [], persona_file=str(persona_file) if persona_file else None, batch_size=batch_size,
         runtime=runtime(base_url, api_key_env, concurrency, ray, actors),

@@ -26,7 +26,7 @@ def serve(
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body accepted.")] = 4 << 20,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
-    span: SpanOpt = "prefix",
+    span: SpanOpt = "content",
     graceful_timeout: Annotated[float, typer.Option(
         help="On SIGINT/SIGTERM, seconds to let in-flight requests finish before cancelling them.")] = 30.0,
 ) -> None:

@@ -32,8 +32,10 @@ def sweep(
     point: Annotated[list[str] | None, typer.Option(
         "--point", help="A grid point as a --steer spec (repeatable); replaces the default grids.")] = None,
     pairs: Annotated[int, typer.Option(help="Use the first N of the 20 ordered pairs of the paper's 5 personas.")] = 20,
-    rounds: Annotated[int, typer.Option(help="Dialog rounds per self-chat (paper: 16 for mitigation).")] = 8,
-    max_new_tokens: MaxNewTokensOpt = 64,
+    rounds: Annotated[int, typer.Option(help="Dialog rounds per self-chat (paper: 8 rounds, i.e. 16 turns).")] = 8,
+    max_new_tokens: MaxNewTokensOpt = 400,
+    starters: Annotated[str, typer.Option(
+        help="Conversation starters a_1: 'reference' (the reference code's 45 topics) or 'driftlab'.")] = "reference",
     mmlu_n: Annotated[int, typer.Option(help="MMLU questions per point.")] = 100,
     mmlu_turn: Annotated[int, typer.Option(help="Ask MMLU at this turn of the agent's dialog (paper: 4).")] = 4,
     match_drop: Annotated[float | None, typer.Option(
@@ -42,7 +44,7 @@ def sweep(
     data: MMLUDataOpt = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
-    span: SpanOpt = "prefix",
+    span: SpanOpt = "content",
     base_url: BaseUrlOpt = None,
     api_key_env: ApiKeyEnvOpt = "OPENAI_API_KEY",
     concurrency: ConcurrencyOpt = 8,
@@ -77,7 +79,7 @@ def sweep(
     if not 1 <= pairs <= 20:
         raise DriftlabError(f"Invalid --pairs {pairs}: use 1 to 20.")
     sampling = build(Sampling, max_new_tokens=max_new_tokens)
-    config = build(SweepConfig, model=model, grid=grid, pair_ids=paper_pairs()[:pairs], rounds=rounds,
+    config = build(SweepConfig, model=model, grid=grid, pair_ids=paper_pairs()[:pairs], rounds=rounds, starters=starters,
                    sampling=sampling, seed=seed, mmlu_n=mmlu_n, mmlu_turn=mmlu_turn,
                    data=str(data) if data else None, dtype=dtype, device=device, span=span, batch_size=batch_size,
                    runtime=runtime(base_url, api_key_env, concurrency, ray, actors))

@@ -124,10 +124,13 @@ class Dialog:
         return conv
 
     def user_view(self, round_: int, fold: bool) -> Conversation:
-        """What the user LM sees before writing a_i (i >= 2): the dialog with roles swapped."""
-        conv: Conversation = []
-        if self.condition == "persona":
-            conv.append({"role": "system", "content": self.pair.user.system_prompt})
+        """What the user LM sees before writing a_i (i >= 2): the dialog with roles swapped.
+
+        The empty-user ablation gives the user LM an empty system prompt, as the paper does,
+        not none: without a system message some templates (Qwen's) insert their own default.
+        """
+        system = self.pair.user.system_prompt if self.condition == "persona" else ""
+        conv: Conversation = [{"role": "system", "content": system}]
         if fold:
             conv.append({"role": "user", "content": FOLD_TEMPLATE.format(a=self.a[1], b=self.b[1])})
         else:

@@ -124,7 +124,7 @@ class MMLUConfig(BaseModel):
     history_tokens: int = Field(64, ge=1, le=32768, description="max new tokens per turn of the history")
     dtype: Dtype = "auto"
     device: str = "auto"
-    span: SpanMode = "prefix"
+    span: SpanMode = "content"
     runtime: Runtime = Runtime()
     batch_size: int = Field(8, ge=1, le=1024, description="questions scored per forward pass")
     data: str | None = Field(None, description="an MMLU jsonl file instead of the pulled data set")

@@ -29,7 +29,9 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from driftlab.assets.registry import DEFAULT_MODEL
-from driftlab.bench import STARTERS, Persona, get_persona, load_personas
+from driftlab.bench import Persona, get_persona, load_personas, starters, user_probe
+from driftlab.bench.probes import ProbeVersion
+from driftlab.bench.starters import StarterSetName
 from driftlab.chat.base import MAX_SEED, ChatBackend, ChatRequest, Conversation, Sampling
 from driftlab.chat.factory import BackendSpec, Dtype, ModelName, Runtime, SpanMode, make_backend
 from driftlab.console import WorkProgress
@@ -38,6 +40,8 @@ from driftlab.protocol.dialog import RECORDS, Dialog, Pair, ProbeRecord, TurnRec
 from driftlab.protocol.registry import register
 from driftlab.records.rundir import RunDir
 from driftlab.steering.interventions import Interventions
+
+PAPER_TOKENS = 400  # new tokens per turn in seed 000's experiments (reference code: max_new_tokens=400)
 
 
 class SelfChatConfig(BaseModel):
@@ -54,13 +58,16 @@ class SelfChatConfig(BaseModel):
     probe_every: int = Field(1, ge=1, description="probe rounds i with i % probe_every == 0")
     probe_repeats: int = Field(1, ge=1, le=1000)
     user_probe: bool = False
+    user_probe_version: ProbeVersion = Field(
+        "000", description="p_A: the user persona's own probe (seed 000) or seed 001's crafted/generic probes")
+    starters: StarterSetName = Field("reference", description="a_1 list: the reference code's topics or driftlab's")
     ablation: bool = Field(False, description="also run every pair with an empty user system prompt")
     fold_first_exchange: bool = True
-    sampling: Sampling = Sampling()
+    sampling: Sampling = Sampling(max_new_tokens=PAPER_TOKENS)
     seed: int = Field(0, ge=0, le=MAX_SEED, description="run seed: pairs, starters and every sample derive from it")
     dtype: Dtype = "auto"
     device: str = "auto"
-    span: SpanMode = "prefix"
+    span: SpanMode = "content"
     runtime: Runtime = Runtime()
     steer: list[str] = Field(default_factory=list, description="agent-side interventions, normalised --steer specs")
     persona_file: str | None = None
@@ -123,13 +130,14 @@ def draw_pairs(config: SelfChatConfig) -> list[Pair]:
     pool, agents = config.persona_pool()
     by_id = {p.id: p for p in pool}
     rng = random.Random(config.seed)
+    topics = starters(config.starters)
     out: list[Pair] = []
     for a, u in config.pair_ids:
-        out.append(Pair(len(out), by_id[a], by_id[u], rng.choice(STARTERS)))
+        out.append(Pair(len(out), by_id[a], by_id[u], rng.choice(topics)))
     for _ in range(config.pairs):
         agent = rng.choice(agents)
         user = rng.choice([p for p in pool if p.id != agent.id])
-        out.append(Pair(len(out), agent, user, rng.choice(STARTERS)))
+        out.append(Pair(len(out), agent, user, rng.choice(topics)))
     return out
 
 
@@ -137,7 +145,7 @@ def input_hashes(config: SelfChatConfig) -> dict[str, str]:
     """sha256 of the data a plan is drawn from, so a changed data set is noticed on resume."""
     digest = lambda obj: hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()  # noqa: E731
     pool = [p.model_dump() for p in load_personas(extra=config.persona_file)]
-    return {"personas": digest(pool), "starters": digest(list(STARTERS))}
+    return {"personas": digest(pool), "starters": digest(starters(config.starters))}
 
 
 def item_seed(seed: int, *parts: Any) -> int:
@@ -181,7 +189,7 @@ class Job:
     seed: int
     role: str  # "agent" or "user"
     keep_cache: bool
-    score: Callable[[str], float] | None = None
+    score: Callable[..., float | None] | None = None  # Persona.score(text, truncated=...)
 
 
 class SelfChat:
@@ -280,8 +288,8 @@ class SelfChat:
         if i not in self.config.probe_rounds():
             return []
         targets = [("agent", d.pair.agent)]
-        if self.config.user_probe and d.condition == "persona":
-            targets.append(("user", d.pair.user))
+        if self.config.user_probe and d.condition == "persona":  # p_A, scored by f_A
+            targets.append(("user", user_probe(d.pair.user, self.config.user_probe_version, seed=self.config.seed)))
         return [
             ({"kind": "probe", **self._base(d, i), "target": target, "persona": persona.id, "repeat": r}, persona)
             for target, persona in targets
@@ -310,7 +318,9 @@ class SelfChat:
                 fields = {**job.record, "text": reply.text, "n_tokens": reply.n_tokens,
                           "finish_reason": reply.finish_reason, "seed": job.seed}
                 if job.score is not None:
-                    records.append(ProbeRecord(**fields, score=job.score(reply.text)))
+                    # A measure that needs a whole reply does not score one cut at the token limit (None).
+                    score = job.score(reply.text, truncated=reply.finish_reason == "length")
+                    records.append(ProbeRecord(**fields, score=score))
                     continue
                 rec = TurnRecord(**fields)
                 records.append(rec)

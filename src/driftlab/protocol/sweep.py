@@ -21,12 +21,13 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from driftlab.bench import CATEGORIES, load_personas
+from driftlab.bench.starters import StarterSetName
 from driftlab.chat.base import ChatBackend, Sampling
-from driftlab.chat.factory import ModelName, Runtime
+from driftlab.chat.factory import ModelName, Runtime, SpanMode
 from driftlab.console import err_console
 from driftlab.protocol.mmlu import MMLU, MMLUConfig, correctness, drop
 from driftlab.protocol.registry import register
-from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
+from driftlab.protocol.selfchat import PAPER_TOKENS, SelfChat, SelfChatConfig
 from driftlab.records.rundir import RunDir
 from driftlab.steering.interventions import KINDS, Interventions
 
@@ -61,7 +62,8 @@ class SweepConfig(BaseModel):
     grid: dict[str, list[str]] = Field(default_factory=lambda: {m: list(v) for m, v in GRID.items()})
     pair_ids: list[tuple[str, str]] = Field(default_factory=paper_pairs)
     rounds: int = Field(8, ge=1, le=1000)
-    sampling: Sampling = Sampling()
+    starters: StarterSetName = "reference"
+    sampling: Sampling = Sampling(max_new_tokens=PAPER_TOKENS)
     seed: int = Field(0, ge=0)
     mmlu_n: int = Field(100, ge=1, le=14042)
     mmlu_turn: int = Field(4, ge=0, le=64)
@@ -69,7 +71,7 @@ class SweepConfig(BaseModel):
     data: str | None = None
     dtype: str = "auto"
     device: str = "auto"
-    span: str = "prefix"
+    span: SpanMode = "content"
     runtime: Runtime = Runtime()
     batch_size: int = Field(32, ge=1, le=4096)
 
@@ -97,7 +99,7 @@ class SweepConfig(BaseModel):
         return SelfChatConfig(
             model=self.model, pairs=0, pair_ids=self.pair_ids, rounds=self.rounds, sampling=self.sampling,
             seed=self.seed, dtype=self.dtype, device=self.device, span=self.span, batch_size=self.batch_size,
-            runtime=self.runtime, steer=[spec] if spec else [],
+            runtime=self.runtime, steer=[spec] if spec else [], starters=self.starters,
         )
 
     def mmlu(self, spec: str) -> MMLUConfig:

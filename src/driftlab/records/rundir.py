@@ -113,7 +113,9 @@ class RunDir:
                     "it can be reported but not resumed.",
                     hint="Start the run again in a new --out directory.",
                 )
-            skip = set(ignore)
+            # A key the old config lacks is an option added by a newer driftlab: the run predates
+            # it, and its recorded plan (pairs, starters, personas) decides how it continues.
+            skip = set(ignore) | (set(config) - set(old["config"]))
             keys = [k for k in dict.fromkeys([*old["config"], *config]) if k not in skip]
             diffs = [f"{k}: {old['config'].get(k)!r} -> {config.get(k)!r}" for k in keys
                      if old["config"].get(k) != config.get(k)]

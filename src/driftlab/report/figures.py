@@ -124,7 +124,7 @@ def category_figure(summary: RunSummary, path: str | Path, errors: Errors = "ci"
     df = summary.per_round[summary.per_round["category"] != ALL]
     cats = [c for c in category_order(df["category"]) if c != ALL]
     rounds = sorted(int(r) for r in summary.per_round["round"].unique())
-    keys = series_keys(summary)
+    keys = [k for k in series_keys(summary) if k[1] in COLORS]  # the raw scores, in [0, 1]
     ncols = min(3, max(1, len(cats)))
     nrows = -(-max(1, len(cats)) // ncols)
     fig = Figure(figsize=(3.6 * ncols, 3.0 * nrows + 1.0), layout="constrained", dpi=DPI)

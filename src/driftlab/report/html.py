@@ -280,7 +280,13 @@ def render_html(
             {"title": "Figure 3: drift over rounds", "src": _png_data_uri(figures["drift"]), "caption": note},
             {"title": "By persona category", "src": _png_data_uri(figures["categories"]), "caption": note},
         ],
-        tables=[round_table(summary), category_table(summary)],
+        tables=[round_table(summary), category_table(summary), _frame_table(
+            summary.truncation,
+            "Replies cut at --max-new-tokens, per round",
+            "turns_cut / probes_cut: share of replies that hit the token limit (finish_reason 'length'); "
+            "probes_unscored: cut probes whose measure needs a complete reply (left out of the means, not "
+            "counted as drift). Many cuts mean --max-new-tokens is too small for these personas.",
+        )],
         full_table=_frame_table(
             summary.per_round,
             "Every cell (summary.csv)",

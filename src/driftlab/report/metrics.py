@@ -10,7 +10,12 @@ Two steps, both tidy pandas frames:
     summarize_overall(scores)        the same per conversation averaged over probe rounds.
 
 Targets: "agent" is instruction stability f_B(b'_i | a_i = p_B); "user" is adoption of the
-user's persona f_A(b'_i | a_i = p_A). The CI resamples conversations with replacement
+user's persona f_A(b'_i | a_i = p_A); "user-excess" is that adoption above the conversation's
+own baseline, f_A at round i minus f_A at round 1. At round 1 the agent has seen only its
+system prompt and p_A, no word of the user LM, so round 1 is "the same probe answered by the
+agent with no user persona": a format persona whose measure any reply satisfies (e.g. a
+length or language measure the agent meets anyway) then scores high at every round but
+shows no excess. It exists only when round 1 is a probe round. The CI resamples conversations with replacement
 (BCa bootstrap, scipy.stats.bootstrap; percentile where BCa is undefined); with n < 2 it is
 undefined and reported as NaN, like the std.
 """
@@ -28,8 +33,9 @@ import pandas as pd
 from driftlab.errors import DriftlabError
 
 ALL = "all"  # the category label of rows that pool every category
-TARGETS = ("agent", "user")
-TARGET_LABELS = {"agent": "agent stability", "user": "user-persona adoption"}
+TARGETS = ("agent", "user", "user-excess")
+TARGET_LABELS = {"agent": "agent stability", "user": "user-persona adoption",
+                 "user-excess": "adoption above round 1"}
 SCORE_COLUMNS = ["pair", "condition", "round", "target", "persona", "category", "score", "n_repeats"]
 SUMMARY_COLUMNS = ["condition", "target", "category", "round", "n", "mean", "std", "ci_low", "ci_high"]
 OVERALL_COLUMNS = ["condition", "target", "category", "rounds", "n", "mean", "std", "ci_low", "ci_high"]
@@ -142,9 +148,22 @@ def probe_scores(records: Iterable[dict[str, Any]], manifest: dict[str, Any]) ->
     out = df.groupby(keys, sort=False, dropna=False)["score"].agg(["mean", "count"]).reset_index()
     out = out.rename(columns={"mean": "score", "count": "n_repeats"})
     order = _condition_order(manifest, out["condition"])
+    out = pd.concat([out, _excess(out)], ignore_index=True)
     out["_c"] = out["condition"].map(order.index)
     out = out.sort_values(["_c", "target", "pair", "round"]).drop(columns="_c").reset_index(drop=True)
     return out[SCORE_COLUMNS]
+
+
+def _excess(scores: pd.DataFrame) -> pd.DataFrame:
+    """'user-excess' rows: each conversation's adoption at round i > 1 minus its own round-1 adoption."""
+    user = scores[scores["target"] == "user"]
+    base = user[user["round"] == 1].set_index(["pair", "condition"])["score"]
+    later = user[(user["round"] > 1) & user.set_index(["pair", "condition"]).index.isin(base.index)].copy()
+    if later.empty:
+        return later
+    later["score"] = later["score"].to_numpy(float) - base.loc[list(zip(later["pair"], later["condition"]))].to_numpy()
+    later["target"] = "user-excess"
+    return later
 
 
 def _condition_order(manifest: dict[str, Any], seen: Iterable[str]) -> list[str]:
@@ -227,6 +246,32 @@ def summarize_overall(
 
 
 # -- a whole run ------------------------------------------------------------------------------
+def truncation(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
+    """Per condition x round: how many dialog turns and probe replies hit --max-new-tokens.
+
+    A reply cut at the token limit can fail a measure for being cut (a JSON object without
+    its closing brace, a list without its last item), not for drifting; probes whose measure
+    needs a complete reply are then left unscored (score None) rather than counted as 0.
+    """
+    rows = [
+        {"condition": r["condition"], "round": int(r["round"]), "kind": r["kind"],
+         "cut": r.get("finish_reason") == "length", "unscored": r["kind"] == "probe" and r.get("score") is None}
+        for r in records if r.get("kind") in ("turn", "probe")
+    ]
+    columns = ["condition", "round", "turns", "turns_cut", "probes", "probes_cut", "probes_unscored"]
+    if not rows:
+        return pd.DataFrame(columns=columns)
+    df = pd.DataFrame(rows)
+    out = []
+    for (cond, rnd), g in df.groupby(["condition", "round"], sort=False):
+        turns, probes = g[g.kind == "turn"], g[g.kind == "probe"]
+        out.append({"condition": cond, "round": rnd, "turns": len(turns),
+                    "turns_cut": float(turns.cut.mean()) if len(turns) else float("nan"),
+                    "probes": len(probes), "probes_cut": float(probes.cut.mean()) if len(probes) else float("nan"),
+                    "probes_unscored": int(probes.unscored.sum())})
+    return pd.DataFrame(out, columns=columns).sort_values(["condition", "round"], kind="stable").reset_index(drop=True)
+
+
 class RunSummary(NamedTuple):
     """Everything the report, the figures and the CLI table are made from."""
 
@@ -235,6 +280,7 @@ class RunSummary(NamedTuple):
     scores: pd.DataFrame
     per_round: pd.DataFrame
     overall: pd.DataFrame
+    truncation: pd.DataFrame
 
 
 def summarize_run(run_dir: str | Path, n_resamples: int = N_RESAMPLES, seed: int = 0) -> RunSummary:
@@ -267,4 +313,5 @@ def summarize_run(run_dir: str | Path, n_resamples: int = N_RESAMPLES, seed: int
         scores=scores,
         per_round=summarize(scores, n_resamples=n_resamples, seed=seed),
         overall=summarize_overall(scores, n_resamples=n_resamples, seed=seed),
+        truncation=truncation(records),
     )

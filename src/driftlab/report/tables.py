@@ -86,7 +86,9 @@ def round_table(summary: RunSummary) -> TextTable:
         columns=columns,
         rows=rows,
         note=f"mean [{CONFIDENCE:.0%} bootstrap CI, conversations resampled]; scores in [0, 1], "
-        "higher = persona followed. 'overall': each conversation's mean over the probe rounds.",
+        "higher = persona followed. 'overall': each conversation's mean over the probe rounds. 'adoption above "
+        "round 1': the user-persona score minus the same conversation's round-1 score (p_A answered before any "
+        "word of the user LM), in [-1, 1].",
     )
 
 
