@@ -64,6 +64,9 @@ def test_tiny_sweep_end_to_end_and_resume(tiny, tmp_path):
     assert list(table.spec) == ["plain", "split-softmax:k=0.5,heads=all", "spr:p=1.0,seed=0"]
     assert table.loc[0, "mmlu_drop"] == 0.0 and (table.n_conversations == 2).all()
     assert table.stability.between(0, 1).all()
+    # the paired gain over plain: zero for plain, and (complete runs, same pairs) the difference of the means
+    assert table.loc[0, "stability_gain"] == 0.0
+    assert (table.stability_gain - (table.stability - table.loc[0, "stability"])).abs().max() < 1e-9
     page = write_sweep_report(tmp_path / "sweep")
     assert page.stat().st_size > 10_000 and (tmp_path / "sweep" / "sweep_tradeoff.png").is_file()
     records = sorted((tmp_path / "sweep").rglob("records.jsonl"))
@@ -73,3 +76,49 @@ def test_tiny_sweep_end_to_end_and_resume(tiny, tmp_path):
     assert [r.read_bytes() for r in records] == before
     pd.testing.assert_frame_equal(again, table)
     assert point_dir(tmp_path / "sweep", "spr:p=1.0,seed=0").name == "spr_p1.0_seed0"
+
+
+@pytest.mark.model
+def test_killed_sweep_resumes_without_recomputing_or_duplicating(tmp_path):
+    """kill -9 in the middle of the second point; the same command again finishes the sweep."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from driftlab.protocol.registry import protocol_of
+    from driftlab.records.rundir import RunDir
+
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "driftlab", "sweep", "--out", str(out), "--pairs", "2", "--rounds", "2",
+           "--max-new-tokens", "6", "--mmlu-n", "4", "--mmlu-turn", "2", "--data", str(RAW), "--point", "spr:p=1",
+           "--dtype", "float32", "--batch-size", "2"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    second = point_dir(out, "spr:p=1.0,seed=0") / "selfchat" / "records.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and not (second.exists() and len(second.read_text().splitlines()) >= 2):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "sweep.csv").exists(), "the kill did not land mid-sweep"
+    first = sorted(point_dir(out, "").rglob("records.jsonl"))
+    finished = {p: p.read_bytes() for p in first}
+    assert finished and len(second.read_text().splitlines()) >= 2
+
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert {p: p.read_bytes() for p in first} == finished  # the finished point was not recomputed
+    for manifest in (out / "points").rglob("manifest.json"):  # every run complete, no record twice
+        rd = RunDir(manifest.parent)
+        m = rd.read_manifest()
+        protocol = protocol_of(m)
+        keys = [r.key for r in rd.records(protocol.records)]
+        assert len(keys) == len(set(keys)) == sum(protocol.expected_counts(m).values()), manifest
+        assert m["completed"] is True
+    table = pd.read_csv(out / "sweep.csv")
+    assert list(table.spec) == ["plain", "spr:p=1.0,seed=0"]
+    assert json.loads((out / "manifest.json").read_text())["points"] == ["", "spr:p=1.0,seed=0"]

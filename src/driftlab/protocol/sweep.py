@@ -115,8 +115,14 @@ def point_dir(out: Path, spec: str) -> Path:
 
 
 def run_sweep(config: SweepConfig, out: str | Path, backend: ChatBackend, progress: bool = True) -> pd.DataFrame:
-    """Run (or resume) every point on one backend; return and write the table (sweep.csv)."""
-    from driftlab.report.metrics import summarize_run
+    """Run (or resume) every point on one backend; return and write the table (sweep.csv).
+
+    Besides each point's own stability and CI, `stability_gain` is its stability minus the
+    plain model's, paired by conversation (every point runs the same pairs, starters and
+    seeds), with a bootstrap CI over conversations: the paired CI is far narrower than the
+    two independent ones, which is what comparing methods needs.
+    """
+    from driftlab.report.metrics import bootstrap_mean_ci, summarize_run
 
     out = Path(out)
     rd = RunDir(out)
@@ -125,6 +131,7 @@ def run_sweep(config: SweepConfig, out: str | Path, backend: ChatBackend, progre
         rd.start(config.model_dump(mode="json"), {"points": [s for _, s in config.points()]},
                  ("device", "batch_size", "runtime"), protocol="sweep")
         plain_correct: dict[int, float] = {}
+        plain_stability = pd.Series(dtype=float)
         for i, (method, spec) in enumerate(config.points()):
             where = point_dir(out, spec)
             if progress:
@@ -139,10 +146,17 @@ def run_sweep(config: SweepConfig, out: str | Path, backend: ChatBackend, progre
             summary = summarize_run(where / "selfchat")
             ov = summary.overall
             agent = ov[(ov.target == "agent") & (ov.category == "all")].iloc[0]
+            per_conv = _per_conversation(summary.scores)
+            if not spec:
+                plain_stability = per_conv
+            gain = (per_conv - plain_stability).dropna()
+            gain_ci = bootstrap_mean_ci(gain.to_numpy(float))
             d = drop(plain_correct, steered)
             rows.append({
                 "method": method, "spec": spec or "plain", "strength_rank": _rank(config, method, spec),
                 "stability": agent["mean"], "stability_ci_low": agent["ci_low"], "stability_ci_high": agent["ci_high"],
+                "stability_gain": float(gain.mean()) if len(gain) else float("nan"),
+                "stability_gain_ci_low": gain_ci[0], "stability_gain_ci_high": gain_ci[1],
                 "mmlu_accuracy": sum(steered.values()) / len(steered), "mmlu_drop": d["mean"],
                 "mmlu_drop_ci_low": d["ci"][0], "mmlu_drop_ci_high": d["ci"][1], "n_conversations": int(agent["n"]),
             })
@@ -150,6 +164,12 @@ def run_sweep(config: SweepConfig, out: str | Path, backend: ChatBackend, progre
         table.to_csv(out / "sweep.csv", index=False)
         rd.update_manifest(completed=True)
     return table
+
+
+def _per_conversation(scores: pd.DataFrame) -> pd.Series:
+    """Each conversation's agent stability (mean probe score over rounds), indexed by pair."""
+    agent = scores[(scores.target == "agent") & (scores.condition == "persona")]
+    return agent.groupby("pair")["score"].mean()
 
 
 def _rank(config: SweepConfig, method: str, spec: str) -> int:

@@ -101,8 +101,10 @@ def write_sweep_report(out: str | Path, match_drop: float | None = None) -> Path
     best = matched.sort_values("stability", ascending=False).iloc[0]
     imgs = "".join(f'<img src="data:image/png;base64,{base64.b64encode(f.read_bytes()).decode()}" '
                    f'style="max-width:48%">' for f in figs)
-    cols = ["method", "spec", "stability", "stability_ci_low", "stability_ci_high", "mmlu_accuracy", "mmlu_drop",
-            "mmlu_drop_ci_low", "mmlu_drop_ci_high", "n_conversations"]
+    cols = ["method", "spec", "stability", "stability_ci_low", "stability_ci_high", "stability_gain",
+            "stability_gain_ci_low", "stability_gain_ci_high", "mmlu_accuracy", "mmlu_drop", "mmlu_drop_ci_low",
+            "mmlu_drop_ci_high", "n_conversations"]
+    cols = [c for c in cols if c in table]  # sweeps written before the paired gain lack it
     body = table[cols].to_html(index=False, float_format=lambda v: f"{v:.3f}", border=0)
     page = (f"<!doctype html><meta charset='utf-8'><title>driftlab sweep</title>"
             f"<body style='font-family:sans-serif;max-width:1100px;margin:auto'>"
@@ -110,6 +112,8 @@ def write_sweep_report(out: str | Path, match_drop: float | None = None) -> Path
             f"<p>At a matched MMLU drop of about {target:.3f}, the most stable method is "
             f"<b>{html.escape(str(best.spec))}</b> (stability {best.stability:.3f}, "
             f"95% CI [{best.stability_ci_low:.3f}, {best.stability_ci_high:.3f}], MMLU drop {best.mmlu_drop:+.3f}). "
-            f"Compare the CIs before calling a winner.</p>{body}</body>")
+            f"Compare the CIs before calling a winner: <i>stability_gain</i> is the gain over the plain model "
+            f"paired by conversation (same pairs, starters and seeds at every point), with its bootstrap CI."
+            f"</p>{body}</body>")
     (out / "sweep.html").write_text(page, encoding="utf-8")
     return out / "sweep.html"
