@@ -129,7 +129,7 @@ class Stub:
         if what == "empty":
             return JSONResponse({"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": []})
         if what == "hang":
-            await asyncio.sleep(5)
+            await asyncio.sleep(2)  # longer than every client timeout below
         text = "echo: " + body["messages"][-1]["content"]
         return JSONResponse({
             "id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
