@@ -279,3 +279,17 @@ def test_starter_sets(tmp_path):
         pairs = draw_pairs(SelfChatConfig(pairs=6, starters=name))
         assert all(p.starter in STARTER_SETS[name] for p in pairs)
     assert SelfChatConfig().starters == "reference"  # the reference code's topics, by default
+
+
+def test_the_report_shows_the_user_probe_that_was_asked(tmp_path):
+    from driftlab.bench import user_probe
+    from driftlab.report.html import transcripts
+    from driftlab.report.metrics import summarize_run
+
+    crafted = user_probe(get_persona("very-happy"), "001").probe
+    cfg = SelfChatConfig(pair_ids=[("reply-in-french", "very-happy")], pairs=0, rounds=1, user_probe=True,
+                         user_probe_version="001")
+    SelfChat(cfg, tmp_path / "run", ScriptedBackend(), progress=False).run()
+    [conv] = transcripts(summarize_run(tmp_path / "run"))
+    asked = {b["target"]: b["question"] for b in conv["rounds"][0]["probes"]}
+    assert asked["user"] == crafted and asked["agent"] == get_persona("reply-in-french").probe

@@ -154,7 +154,7 @@ def transcripts(summary: RunSummary, max_pairs: int | None = None) -> list[dict[
             if key not in turns and key not in probes:
                 continue
             agent = personas.get(pair["agent"], {"id": pair["agent"]})
-            user = personas.get(pair["user"], {"id": pair["user"]})
+            user = _as_asked(personas.get(pair["user"], {"id": pair["user"]}), manifest.get("config", {}))
             out.append(
                 {
                     "id": f"pair{pair['pair']}-{cond}",
@@ -170,6 +170,16 @@ def transcripts(summary: RunSummary, max_pairs: int | None = None) -> list[dict[
                 }
             )
     return out
+
+
+def _as_asked(user: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """The user persona with the p_A the run asked (seed 001's probe where the run used it)."""
+    version = config.get("user_probe_version", "000")
+    if version == "000" or "probe" not in user:
+        return user
+    from driftlab.bench import Persona, user_probe
+
+    return {**user, "probe": user_probe(Persona.model_validate(user), version, seed=config.get("seed", 0)).probe}
 
 
 def _chips(conv_scores: pd.Series, key: tuple) -> list[dict[str, Any]]:
