@@ -45,7 +45,7 @@ class Runtime(BaseModel):
     concurrency: int = Field(8, ge=1, le=1024, description="requests in flight at once (remote backends)")
     timeout: float = Field(300.0, gt=0, le=3600, allow_inf_nan=False, description="seconds per request")
     max_retries: int = Field(5, ge=0, le=50, description="retries on 429, 5xx and connection errors")
-    ray: str | None = Field(None, description="Ray cluster address ('local' starts one here)")
+    ray: str | None = Field(None, min_length=1, description="Ray cluster address ('local' starts one here)")
     actors: int | None = Field(None, ge=1, le=4096, description="Ray actors (default: one per GPU, else 2)")
 
     @field_validator("base_url")

@@ -56,9 +56,25 @@ def serve(
                                 hint=f"export {api_key_env}=<a long random key> before starting the server.")
     settings = build(ServeSettings, served_model_name=served_model_name, steer=specs, api_key=api_key,
                      max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_tokens_limit=max_tokens_limit,
-                     max_messages=max_messages, max_body_bytes=max_body_bytes)
+                     max_messages=max_messages, max_body_bytes=max_body_bytes, host=host, port=port,
+                     graceful_timeout=graceful_timeout)
+    _check_free(settings.host, settings.port)  # before the (slow) model load
     app = create_app(make_backend(spec), settings)
     typer.echo(f"serving {settings.served_model_name or model} at http://{host}:{port}/v1"
                f"{' with --steer ' + ' '.join(specs) if specs else ''}", err=True)
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                  timeout_graceful_shutdown=graceful_timeout)).run()
+    uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                                  timeout_graceful_shutdown=settings.graceful_timeout)).run()
+
+
+def _check_free(host: str, port: int) -> None:
+    """Fail in one line if HOST:PORT cannot be listened on (in use, or not an address here)."""
+    import socket
+
+    from driftlab.errors import DriftlabError
+
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as err:
+        raise DriftlabError(f"Cannot listen on {host}:{port}: {err.strerror or err}.",
+                            hint="Choose another --port, or stop what is using it.") from None

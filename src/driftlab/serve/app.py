@@ -40,15 +40,19 @@ class ServeSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    served_model_name: str | None = None
+    served_model_name: str | None = Field(None, min_length=1)
     steer: list[str] = Field(default_factory=list)
     api_key: str | None = Field(None, repr=False)
     max_batch_size: int = Field(32, ge=1, le=4096)
-    max_wait_ms: float = Field(10.0, ge=0, le=10_000)
+    max_wait_ms: float = Field(10.0, ge=0, le=10_000, allow_inf_nan=False)
     max_tokens_limit: int = Field(4096, ge=1, le=32768)
     default_max_tokens: int = Field(512, ge=1, le=32768)
     max_messages: int = Field(512, ge=1)
     max_body_bytes: int = Field(4 << 20, ge=1024)
+    # where and how uvicorn listens (used by `driftlab serve`, not by the app itself)
+    host: str = Field("127.0.0.1", min_length=1)
+    port: int = Field(8000, ge=1, le=65535)
+    graceful_timeout: float = Field(30.0, ge=0, le=3600, allow_inf_nan=False)
 
 
 class APIError(Exception):
