@@ -155,9 +155,7 @@ def create_app(backend: Any, settings: ServeSettings = ServeSettings()):
         try:
             req = ChatCompletionRequest.model_validate(data)
         except ValidationError as err:
-            e = err.errors()[0]
-            param = ".".join(str(p) for p in e["loc"])
-            raise APIError(422, f"{param}: {e['msg'].removeprefix('Value error, ')}", param=param) from None
+            raise _invalid(err) from None
         if req.model != served:
             raise APIError(404, f"Model '{req.model}' is not served here; this server serves '{served}'.",
                            param="model", kind="not_found_error")
@@ -180,10 +178,8 @@ def create_app(backend: Any, settings: ServeSettings = ServeSettings()):
         try:
             sampling = Sampling(max_new_tokens=req.new_tokens(min(settings.default_max_tokens, settings.max_tokens_limit)),
                                 temperature=req.temperature, top_p=req.top_p)
-        except ValidationError as err:
-            e = err.errors()[0]
-            raise APIError(422, f"{e['loc'][0]}: {e['msg'].removeprefix('Value error, ')}",
-                           param=str(e["loc"][0])) from None
+        except ValidationError as err:  # e.g. a temperature too small to sample with
+            raise _invalid(err) from None
         steer = default_steer
         if req.driftlab is not None and req.driftlab.specs() is not None:
             try:
@@ -259,6 +255,13 @@ def create_app(backend: Any, settings: ServeSettings = ServeSettings()):
         return {**entry(token_id, logprob), "top_logprobs": [entry(i, lp) for i, lp in top]}
 
     return app
+
+
+def _invalid(err: ValidationError) -> APIError:
+    """422 naming the first invalid field, e.g. `messages.0.role: Input should be ...`."""
+    e = err.errors()[0]
+    param = ".".join(str(p) for p in e["loc"])
+    return APIError(422, f"{param}: {e['msg'].removeprefix('Value error, ')}", param=param)
 
 
 def _usage(reply: Reply) -> dict[str, int]:
