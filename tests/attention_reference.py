@@ -55,12 +55,19 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
         sys = _key_slots(state, "system", total)[:, total - K :]  # [B, K]
         if cfg.bias != 0.0:
             target = _key_slots(state, cfg.bias_span, total)
-            if cfg.bias_invert:
-                for b, pad in enumerate(state.pads):
-                    target[b, pad:] = ~target[b, pad:]
+            for b, pad in enumerate(state.pads):
+                if not state.spans[b].get(cfg.bias_span):
+                    target[b] = False  # a row without the span is left alone
+                    continue
+                # prompt scope: only keys before the row's prompt end (pastalib); else every key
+                end = state.ends[b] if cfg.bias_scope == "prompt" else total
+                if cfg.bias_invert:
+                    target[b, pad:end] = ~target[b, pad:end]
+                target[b, end:] = False
             target = target[:, total - K :]
-            heads = torch.tensor(_selected(cfg.bias_heads, layer, H))
-            bias = target[:, None, None, :].float() * cfg.bias * heads[None, :, None, None].float()
+            row_heads = state.row_heads if state.row_heads is not None else [cfg.bias_heads] * B
+            heads = torch.tensor([_selected(h, layer, H) for h in row_heads])  # [B, H]
+            bias = target[:, None, None, :].float() * cfg.bias * heads[:, :, None, None].float()
             logits = logits + bias
     logits = logits.masked_fill(~allowed, float("-inf"))
     weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)

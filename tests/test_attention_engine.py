@@ -287,8 +287,9 @@ def test_on_layout_inverted_bias_covers_every_other_key_after_padding() -> None:
     cfg = AttentionConfig(bias=-1.0, bias_invert=True, bias_heads="1.2")
     state = AttentionState(cfg, [{"system": [(0, 2)]}, {}], n_layers=2, n_heads=3, device=torch.device("cpu"))
     state.on_layout(pads=[1, 0], prompt_len=4, max_len=6)
-    # Row 0: pad slot 0 untouched, system slots 1-2 untouched, the rest (prompt + future tokens) biased.
-    assert state.bias_keys.tolist() == [[0, 0, 0, -1, -1, -1], [-1] * 6]
+    # Row 0: pad slot 0 untouched, system slots 1-2 untouched, the rest (prompt + future tokens)
+    # biased. Row 1 has no system span: nothing to steer towards, so it is left alone.
+    assert state.bias_keys.tolist() == [[0, 0, 0, -1, -1, -1], [0] * 6]
     assert state.layer_bias(0, 0, 6) is None  # layer 0 has no selected head
     assert state.layer_bias(1, 0, 6)[:, :2].abs().sum() == 0 and state.layer_bias(1, 0, 6)[:, 2].abs().sum() > 0
     assert not state.acts_on(0) and state.acts_on(1)

@@ -7,6 +7,7 @@ tensors live in `driftlab.attention.state`.
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -56,7 +57,9 @@ class AttentionConfig(BaseModel):
     * `bias` != 0 adds that value to the attention logits of the `bias_span` keys (or of
       every other key when `bias_invert`) on `bias_heads`: InstABoost boosts the
       instruction keys everywhere; PASTA adds log(alpha) to the non-emphasised keys on
-      profiled heads.
+      profiled heads. With `bias_scope="prompt"` only the prompt's keys are biased, never
+      the keys of generated tokens (pastalib's behaviour). A row without the span is left
+      alone.
     * `trace` records pi, the attention mass on the system keys, per layer and head.
     """
 
@@ -70,6 +73,7 @@ class AttentionConfig(BaseModel):
     bias_span: str = "system"
     bias_invert: bool = False
     bias_heads: Heads = None
+    bias_scope: Literal["all", "prompt"] = "all"
 
     @field_validator("split_heads", "bias_heads", mode="before")
     @classmethod

@@ -45,19 +45,28 @@ class AttentionState:
         n_layers: int,
         n_heads: int,
         device: torch.device,
+        row_heads: Sequence[Heads] | None = None,
     ) -> None:
+        """`row_heads` gives each batch row its own bias heads (head profiling batches many
+        single-head steerings at once); otherwise every row uses `config.bias_heads`."""
         self.config = config
         self.spans = spans
+        self.row_heads = row_heads
         self.n_layers, self.n_heads, self.device = n_layers, n_heads, device
         self.split_k = config.split_k
         self.trace = config.trace
         split = head_mask(config.split_heads, n_layers, n_heads) if config.splits else None
-        bias = head_mask(config.bias_heads, n_layers, n_heads) if config.biases else None
+        bias = None
+        if config.biases:
+            if row_heads is not None:  # [B, L, H]
+                bias = torch.stack([head_mask(h, n_layers, n_heads) for h in row_heads])
+            else:  # [1, L, H]
+                bias = head_mask(config.bias_heads, n_layers, n_heads)[None]
         self.split_mask = split.to(device) if split is not None else None
         self.bias_mask = bias.to(device) if bias is not None else None
         # Per-layer flags on the host: asking the device tensors would sync a GPU every layer.
         self._split_layers = split.any(dim=1).tolist() if split is not None else [False] * n_layers
-        self._bias_layers = bias.any(dim=1).tolist() if bias is not None else [False] * n_layers
+        self._bias_layers = bias.any(dim=(0, 2)).tolist() if bias is not None else [False] * n_layers
         self._acts = [self.trace or sp or bi for sp, bi in zip(self._split_layers, self._bias_layers)]
         self.system_keys: torch.Tensor | None = None
         self.system_slots: tuple[int, int] | None = None  # [first, last + 1) slot of any row's system key
@@ -66,9 +75,15 @@ class AttentionState:
         self.records: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
 
     # -- layout, set by the decode loop ------------------------------------------------------
-    def on_layout(self, pads: list[int], prompt_len: int, max_len: int) -> None:
-        """Lay the row spans out in padded key slots: row b's token j sits at pads[b] + j."""
+    def on_layout(self, pads: list[int], prompt_len: int, max_len: int, ends: Sequence[int] | None = None) -> None:
+        """Lay the row spans out in padded key slots: row b's token j sits at pads[b] + j.
+
+        `ends[b]` is the slot after row b's prompt (default `prompt_len`): a teacher-forced
+        continuation after it counts as generated for `bias_scope="prompt"`.
+        """
         B = len(pads)
+        ends = list(ends) if ends is not None else [prompt_len] * B
+        self.ends = ends
         self.pads = list(pads)
         if len(self.spans) != B:
             raise DriftlabError(f"{len(self.spans)} span sets given for a batch of {B}.")
@@ -82,12 +97,14 @@ class AttentionState:
         if self.config.biases:
             target = torch.zeros(B, max_len, dtype=torch.bool)
             for b, spans in enumerate(self.spans):
-                if self.config.bias_span not in spans and not self.config.bias_invert:
-                    continue
-                for s, e in spans.get(self.config.bias_span, []):
+                if not spans.get(self.config.bias_span):
+                    continue  # nothing to emphasise or boost in this row
+                for s, e in spans[self.config.bias_span]:
                     target[b, pads[b] + s : pads[b] + e] = True
+                end = ends[b] if self.config.bias_scope == "prompt" else max_len
                 if self.config.bias_invert:
-                    target[b, pads[b] :] = ~target[b, pads[b] :]
+                    target[b, pads[b] : end] = ~target[b, pads[b] : end]
+                target[b, end:] = False
             self.bias_keys = (target.float() * self.config.bias).to(self.device)
         self.kv_len = prompt_len
         self.records = [[] for _ in range(self.n_layers)]
@@ -118,7 +135,7 @@ class AttentionState:
         if not self._bias_layers[layer]:
             return None
         keys = self.bias_keys[:, lo:hi]
-        return keys[:, None, None, :] * self.bias_mask[layer][None, :, None, None].to(keys.dtype)
+        return keys[:, None, None, :] * self.bias_mask[:, layer, :, None, None].to(keys.dtype)
 
     def record(self, layer: int, pi: torch.Tensor) -> None:
         """Keep pi [B, H, q]: all queries on the prefill if asked, else only the last."""

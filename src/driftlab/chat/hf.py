@@ -30,6 +30,7 @@ from driftlab.chat.loading import load_model
 from driftlab.chat.prefix_cache import PrefixCache
 from driftlab.chat.templates import Rendered, Renderer
 from driftlab.errors import DriftlabError
+from driftlab.pasta.emphasis import strip_emphasis
 from driftlab.steering.interventions import KINDS, Interventions
 
 
@@ -74,15 +75,15 @@ class HFChatBackend:
         iv = request.interventions
         self.capabilities.require(self.name, iv)
         convs = [iv.model_view(c) for c in request.conversations]
-        rendered = [self.renderer.render(c) for c in convs]
+        rendered = [self._render(c, iv) for c in convs]
         seeds, store = request.row_seeds(), request.cache_store
         alpha = iv.guidance()
         if alpha is not None:
-            rendered += [self.renderer.render(_without_system(c)) for c in convs]
+            rendered += [self._render(_without_system(c), iv) for c in convs]
             seeds, store = seeds * 2, (list(store) * 2 if store is not None else None)
         replies = self.generate_tokens(
             [r.ids for r in rendered], request.sampling, seeds=seeds, interventions=iv,
-            spans=[_spans(r) for r in rendered], cache_store=store, guidance=alpha,
+            spans=[r.spans() for r in rendered], cache_store=store, guidance=alpha,
             logprobs=request.logprobs, on_token=request.on_token,
         )
         return replies[: len(convs)]
@@ -106,6 +107,14 @@ class HFChatBackend:
 
     def render(self, conversation: Conversation, add_generation_prompt: bool = True) -> Rendered:
         return self.renderer.render(conversation, add_generation_prompt)
+
+    def _render(self, conversation: Conversation, interventions: Interventions) -> Rendered:
+        """Render for generation; with PASTA on marked text, markers become emphasis spans."""
+        marker = interventions.emphasis_marker()
+        if marker is None:
+            return self.renderer.render(conversation)
+        clean, emphasis = strip_emphasis(conversation, marker)
+        return self.renderer.render(clean, emphasis=emphasis)
 
     @torch.inference_mode()
     def loglikelihood(
@@ -136,12 +145,12 @@ class HFChatBackend:
             cont_ids = self.renderer.encode(cont)
             if not cont_ids:
                 raise DriftlabError(f"Continuation {i} ({cont!r}) encodes to no tokens.")
-            rendered = self.renderer.render(conv)
+            rendered = self._render(conv, interventions)
             rows.append(np.asarray(rendered.ids + cont_ids, dtype=np.int64))
-            spans.append(_spans(rendered))
+            spans.append(rendered.spans())
             n_cont.append(len(cont_ids))
             if alpha is not None:
-                plain_rows.append(np.asarray(self.renderer.render(_without_system(conv)).ids + cont_ids))
+                plain_rows.append(np.asarray(self._render(_without_system(conv), interventions).ids + cont_ids))
         # One pass per distinct row-without-its-last-token: the positions read never see that token.
         members: dict[tuple[bytes, int], list[int]] = {}
         for i, (row, n) in enumerate(zip(rows, n_cont, strict=True)):
@@ -151,9 +160,12 @@ class HFChatBackend:
         for start in range(0, len(groups), batch_size):
             chunk = [g[0] for g in groups[start : start + batch_size]]
             keep = max(n_cont[i] for i in chunk) + 1
-            logprobs = self._teacher_forced([rows[i] for i in chunk], [spans[i] for i in chunk], interventions, keep)
+            conts = [n_cont[i] for i in chunk]
+            logprobs = self._teacher_forced(
+                [rows[i] for i in chunk], [spans[i] for i in chunk], interventions, keep, conts)
             if alpha is not None:  # rows end with the same continuation, so positions align from the end
-                plain = self._teacher_forced([plain_rows[i] for i in chunk], [{} for _ in chunk], interventions, keep)
+                plain = self._teacher_forced(
+                    [plain_rows[i] for i in chunk], [{} for _ in chunk], interventions, keep, conts)
                 logprobs = torch.log_softmax(_guide(torch.cat([logprobs, plain]), alpha), dim=-1)
             for b, group in enumerate(groups[start : start + batch_size]):
                 for i in group:
@@ -164,8 +176,11 @@ class HFChatBackend:
                     out[i] = LogLikelihood(float(picked.sum()), n, bool((lp.argmax(-1) == target).all()))
         return [out[i] for i in range(len(rows))]
 
-    def _teacher_forced(self, rows, spans, interventions: Interventions, keep: int) -> torch.Tensor:
-        """Log-softmax of the last `keep` positions of each left-padded row: [B, keep, V]."""
+    def _teacher_forced(self, rows, spans, interventions: Interventions, keep: int, n_cont) -> torch.Tensor:
+        """Log-softmax of the last `keep` positions of each left-padded row: [B, keep, V].
+
+        The last `n_cont[b]` tokens of row b are its continuation: the attention engine
+        treats them as generated tokens (they are what a reply would have generated)."""
         T = max(len(r) for r in rows)
         pads = [T - len(r) for r in rows]
         self._check_context(T, 0)
@@ -176,7 +191,7 @@ class HFChatBackend:
             mask[b, pads[b] :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        state = self._state(interventions.attention(), spans, pads, T, T)
+        state = self._state(interventions.attention(), spans, pads, T, T, ends=[T - n for n in n_cont])
         logits = self._forward(ids, mask, positions, self._new_cache(), state, keep=keep)
         return torch.log_softmax(logits, dim=-1)
 
@@ -193,6 +208,7 @@ class HFChatBackend:
         guidance: float | None = None,
         logprobs: int | None = None,
         on_token: Callable[[int, int], None] | None = None,
+        row_heads: Sequence[Any] | None = None,
     ) -> list[Reply]:
         """Continue token prompts; one reply per prompt. The core decode loop.
 
@@ -204,6 +220,7 @@ class HFChatBackend:
         `logprobs=k` records each token's log-probability under the (mixed) model
         distribution, before temperature and top-p, with its k best alternatives;
         `on_token(row, id)` sees every sampled token of a (conditional) row as it comes.
+        `row_heads[b]` overrides the key-bias heads of row b (PASTA head profiling).
         """
         if not prompts:
             return []
@@ -218,9 +235,14 @@ class HFChatBackend:
         pads = [T - len(p) for p in prompts]
         spans = list(spans) if spans is not None else [{} for _ in prompts]
         attention = interventions.attention()
-        state = self._state(attention, spans, pads, T, T + sampling.max_new_tokens)
+        state = self._state(attention, spans, pads, T, T + sampling.max_new_tokens, row_heads=row_heads)
         fingerprint = interventions.fingerprint()
         tags = [f"{fingerprint}|{sorted(sp.items())}" if fingerprint else "" for sp in spans]
+        if row_heads is not None:
+            tags = [f"{t}|{h}" for t, h in zip(tags, row_heads, strict=True)]
+        # Under a prompt-scoped bias a generated token's KV differs from the same token's KV
+        # as part of a later prompt (its keys were not biased): keep only prompt KV then.
+        prompt_only = attention is not None and attention.biases and attention.bias_scope == "prompt"
 
         # Layout: row b = [pad * pads[b]] + prompt_b. Slots [0, S) come from the prefix cache.
         if attention is not None and attention.trace_prefill:
@@ -277,7 +299,7 @@ class HFChatBackend:
             logits = self._forward(nxt[:, None], mask, positions, cache, state)
             n_fed += 1
 
-        self._store_prefixes(prompts, sampled, n_fed, pads, cache, tags, cache_store)
+        self._store_prefixes(prompts, sampled, 0 if prompt_only else n_fed, pads, cache, tags, cache_store)
         traces = state.row_traces([len(x) for x in sampled], pads) if state is not None else [None] * B
         replies = []
         for b in range(B):
@@ -303,12 +325,14 @@ class HFChatBackend:
                 hint="Use fewer rounds or fewer --max-new-tokens.",
             )
 
-    def _state(self, attention: AttentionConfig | None, spans, pads, prompt_len: int, max_len: int):
+    def _state(self, attention: AttentionConfig | None, spans, pads, prompt_len: int, max_len: int, *,
+               ends=None, row_heads=None):
         if attention is None or not attention.active:
             return None
         cfg = self.model.config.get_text_config()
-        state = AttentionState(attention, spans, cfg.num_hidden_layers, cfg.num_attention_heads, self.device)
-        state.on_layout(pads, prompt_len, max_len)
+        state = AttentionState(attention, spans, cfg.num_hidden_layers, cfg.num_attention_heads, self.device,
+                               row_heads=row_heads)
+        state.on_layout(pads, prompt_len, max_len, ends)
         return state
 
     def _forward(self, ids, mask, positions, cache, state: AttentionState | None, keep: int = 1) -> torch.Tensor:
@@ -384,10 +408,6 @@ class HFChatBackend:
                 for layer in cache.layers
             ]
             self.prefix_cache.store(tokens, kv, tags[b])
-
-
-def _spans(rendered: Rendered) -> dict[str, list[tuple[int, int]]]:
-    return {"system": [rendered.system_span]} if rendered.system_span else {}
 
 
 def _without_system(conversation: Conversation) -> Conversation:

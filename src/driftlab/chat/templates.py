@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from driftlab.chat.base import Message
 from driftlab.errors import DriftlabError
+from driftlab.pasta.emphasis import token_spans
 
 PLAIN_TEMPLATE = (
     "{%- for m in messages -%}"
@@ -41,6 +42,16 @@ class Rendered:
     ids: list[int]
     text: str
     system_span: tuple[int, int] | None  # [start, end) token positions, None without system message
+    emphasis: tuple[tuple[int, int], ...] = ()  # token ranges a user emphasised (PASTA)
+
+    def spans(self) -> dict[str, list[tuple[int, int]]]:
+        """Named token ranges for the attention engine: "system" and "emphasis" where present."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        if self.system_span:
+            out["system"] = [self.system_span]
+        if self.emphasis:
+            out["emphasis"] = list(self.emphasis)
+        return out
 
 
 class Renderer:
@@ -77,13 +88,29 @@ class Renderer:
         ids = self.encode(text)
         return self.bos + ids if self.bos and ids[: len(self.bos)] != self.bos else ids
 
-    def render(self, conversation: Sequence[Message], add_generation_prompt: bool = True) -> Rendered:
+    def render(
+        self,
+        conversation: Sequence[Message],
+        add_generation_prompt: bool = True,
+        emphasis: Sequence[Sequence[tuple[int, int]]] | None = None,
+    ) -> Rendered:
+        """Tokens of a conversation, with its system span and, given each message's emphasised
+        character spans (`driftlab.pasta.emphasis.strip_emphasis`), their token ranges."""
         text = self.text(conversation, add_generation_prompt)
         ids = self.prompt_ids(text)
         span = None
         if conversation and conversation[0]["role"] == "system":
             span = self._system_span(conversation[0], text, ids)
-        return Rendered(ids=ids, text=text, system_span=span)
+        marked: tuple[tuple[int, int], ...] = ()
+        if emphasis is not None and any(emphasis):
+            offsets, shift = self._offsets(text, ids)
+            marked = tuple(token_spans(text, [m["content"] for m in conversation], emphasis, offsets, shift))
+        return Rendered(ids=ids, text=text, system_span=span, emphasis=marked)
+
+    def _offsets(self, text: str, ids: list[int]) -> tuple[list[tuple[int, int]], int]:
+        """Character offsets of `text`'s tokens, and how many tokens `prompt_ids` put before them."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return [tuple(o) for o in enc["offset_mapping"]], len(ids) - len(enc["input_ids"])
 
     def _system_span(self, system: Message, text: str, ids: list[int]) -> tuple[int, int]:
         """Token span of the system prompt: the rendered system turn, or only its text.
@@ -100,14 +127,12 @@ class Renderer:
                     break
                 n += 1
             return (0, n)
-        start_char = text.find(system["content"])
-        if start_char < 0 or not system["content"]:
+        content = system["content"]
+        if not content or content not in text:
             return (0, 0)
-        end_char = start_char + len(system["content"])
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        shift = len(ids) - len(enc["input_ids"])  # a BOS prepended by prompt_ids
-        inside = [i + shift for i, (s, e) in enumerate(enc["offset_mapping"]) if e > start_char and s < end_char]
-        return (inside[0], inside[-1] + 1) if inside else (0, 0)
+        offsets, shift = self._offsets(text, ids)
+        found = token_spans(text, [content], [[(0, len(content))]], offsets, shift)
+        return found[0] if found else (0, 0)
 
     def turn_spans(self, conversation: Sequence[Message], eos_ids: set[int]) -> list[tuple[int, int] | None]:
         """Token ranges of each assistant turn's generated tokens in the full rendering.

@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from driftlab.cli import data, models, personas
+from driftlab.cli import data, models, pasta, personas
 from driftlab.cli.calibrate import calibrate
 from driftlab.cli.chat import chat
 from driftlab.cli.decay import decay
@@ -31,6 +31,7 @@ app = typer.Typer(
 app.add_typer(models.app, name="models")
 app.add_typer(personas.app, name="personas")
 app.add_typer(data.app, name="data")
+app.add_typer(pasta.app, name="pasta")
 app.command("chat")(chat)
 app.command("run")(run)
 app.command("report")(report)

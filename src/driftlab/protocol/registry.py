@@ -33,6 +33,8 @@ def register(name: str, records: TypeAdapter, expected_counts: Callable[[dict[st
 def protocol_of(manifest: dict[str, Any]) -> ProtocolInfo:
     """The protocol that wrote a manifest (format-1 manifests are all self-chats)."""
     # Each protocol module registers itself on import.
+    import driftlab.pasta.evaluate  # noqa: F401
+    import driftlab.pasta.profile  # noqa: F401
     import driftlab.protocol.calibrate  # noqa: F401
     import driftlab.protocol.mmlu  # noqa: F401
     import driftlab.protocol.selfchat  # noqa: F401

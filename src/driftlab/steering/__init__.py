@@ -3,6 +3,8 @@
 * `split-softmax:k=0.9[,heads=0-5+7.2]` — split-softmax with exponent k (seed 000 Eq. 6-7);
 * `bias:value=2.0[,span=system][,invert=true][,heads=...]` — additive logit bias on keys;
 * `instaboost:m=5` — InstABoost: attention to the system prompt multiplied by m, renormalised;
+* `pasta:heads=FILE.json|3.1+5.2[,topk=K][,alpha=0.01][,span=marked|system]` — PASTA: attention
+  outside the user's emphasised text (`*...*`, or the system prompt) scaled by alpha on chosen heads;
 * `trace[:prefill=true]` — record pi (attention mass on the system prompt), changing nothing;
 * `spr:p=0.5[,seed=0]` — system-prompt repetition before user turns, with probability p;
 * `cfg:alpha=1.5` — classifier-free guidance (with vs without the system prompt, Eq. 5).
@@ -18,12 +20,13 @@ from driftlab.steering.interventions import (
     Intervention,
     Interventions,
     KeyBias,
+    Pasta,
     SplitSoftmax,
     SystemPromptRepetition,
     Trace,
 )
 
 __all__ = [
-    "KINDS", "ClassifierFreeGuidance", "InstABoost", "Intervention", "Interventions", "KeyBias", "SplitSoftmax",
+    "KINDS", "ClassifierFreeGuidance", "InstABoost", "Intervention", "Interventions", "KeyBias", "Pasta", "SplitSoftmax",
     "SystemPromptRepetition", "Trace",
 ]

@@ -116,6 +116,70 @@ class InstABoost(_Intervention):
         return {"bias": math.log(self.m), "bias_span": "system"}
 
 
+class Pasta(_WithHeads):
+    """PASTA (seed 002 Eq. 2): on the selected heads, attention to every key outside the
+    emphasised tokens is scaled by alpha and renormalised, i.e. log(alpha) is added to those
+    keys' logits; other heads are untouched.
+
+    `span=marked` emphasises what the user marked (`*...*`, or explicit character spans),
+    `span=system` the system prompt. `scope=prompt` scales only the prompt's keys, as the
+    authors' pastalib does (its mask edit stops at the input length), so the tokens a reply
+    generates are never scaled; `scope=all` scales generated keys too, Eq. 2 read literally.
+    `heads` is a head selection (`3.1+5.2`), a pastalib head config file, or a profile file
+    with `topk=K` (from `driftlab pasta profile`); files are read once, and the manifest
+    records the heads themselves.
+    """
+
+    kind: Literal["pasta"] = "pasta"
+    alpha: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 0.01
+    heads: Heads
+    span: Literal["marked", "system"] = "marked"
+    scope: Literal["prompt", "all"] = "prompt"
+    marker: str = "*"
+    hook: ClassVar[Hook] = "attention"
+    form: ClassVar[str] = "pasta:heads=FILE.json|3.1+5.2[,topk=K][,alpha=0.01][,span=marked|system][,scope=prompt|all]"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _heads_from_file(cls, data):
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        topk = data.pop("topk", None)
+        heads = data.get("heads")
+        if isinstance(heads, str) and heads.strip().lower().endswith(".json"):
+            from driftlab.pasta.heads import load_heads
+
+            data["heads"] = load_heads(heads.strip(), _positive_int(topk, "topk") if topk is not None else None)
+        elif topk is not None:
+            raise ValueError("give heads=PROFILE.json with topk (topk picks heads from a profile file)")
+        return data
+
+    @field_validator("marker")
+    @classmethod
+    def _marker(cls, v: str) -> str:
+        from driftlab.pasta.emphasis import parse_marked
+
+        parse_marked("", v)  # validates the marker
+        return v
+
+    def attention_fields(self) -> dict:
+        return {
+            "bias": math.log(self.alpha), "bias_span": "emphasis" if self.span == "marked" else "system",
+            "bias_invert": True, "bias_heads": self.heads, "bias_scope": self.scope,
+        }
+
+
+def _positive_int(value, name: str) -> int:
+    try:
+        out = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a whole number, got {value!r}") from None
+    if out < 1:
+        raise ValueError(f"{name} must be at least 1, got {out}")
+    return out
+
+
 class Trace(_Intervention):
     """Record pi, the attention mass on the system prompt, per layer and head (changes nothing)."""
 
@@ -178,12 +242,12 @@ class ClassifierFreeGuidance(_Intervention):
 
 
 Intervention = Annotated[
-    SplitSoftmax | KeyBias | InstABoost | Trace | SystemPromptRepetition | ClassifierFreeGuidance,
+    SplitSoftmax | KeyBias | InstABoost | Pasta | Trace | SystemPromptRepetition | ClassifierFreeGuidance,
     Field(discriminator="kind"),
 ]
 KINDS: dict[str, type[_Intervention]] = {
     c.model_fields["kind"].default: c
-    for c in (SplitSoftmax, KeyBias, InstABoost, Trace, SystemPromptRepetition, ClassifierFreeGuidance)
+    for c in (SplitSoftmax, KeyBias, InstABoost, Pasta, Trace, SystemPromptRepetition, ClassifierFreeGuidance)
 }
 _ADAPTER: TypeAdapter = TypeAdapter(Intervention)
 
@@ -201,8 +265,10 @@ class Interventions(BaseModel):
         for kind in sorted(set(kinds)):
             if kinds.count(kind) > 1:
                 raise ValueError(f"--steer {kind} is given {kinds.count(kind)} times; give it once")
-        if "bias" in kinds and "instaboost" in kinds:
-            raise ValueError("bias and instaboost both set the key bias; use one of them")
+        biasing = [k for k in ("bias", "instaboost", "pasta") if k in kinds]
+        if len(biasing) > 1:
+            both = "both" if len(biasing) == 2 else "all"
+            raise ValueError(f"{' and '.join(biasing)} {both} set the key bias; use one of them")
         # Canonical order, so equal compositions compare (and fingerprint) equal.
         object.__setattr__(self, "items", tuple(sorted(self.items, key=lambda i: i.kind)))
         return self
@@ -256,6 +322,11 @@ class Interventions(BaseModel):
         """CFG's alpha when guidance changes anything, else None."""
         cfg = self.get("cfg")
         return cfg.alpha if cfg is not None and cfg.active else None
+
+    def emphasis_marker(self) -> str | None:
+        """The marker of user emphasis when PASTA steers towards marked text, else None."""
+        pasta = self.get("pasta")
+        return pasta.marker if pasta is not None and pasta.span == "marked" else None
 
     def without(self, *kinds: str) -> Interventions:
         return Interventions(items=tuple(i for i in self.items if i.kind not in kinds))

@@ -1,0 +1,197 @@
+"""`driftlab pasta eval`: one task under several baselines, in a resumable run directory.
+
+Per baseline and test example one record: the metrics of that example (and the reply for
+generation tasks). The summary is each metric's mean with a 95% bootstrap CI over
+examples, per baseline; every baseline sees the same examples (and few-shot the same 3
+train demonstrations), so differences between baselines are paired.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+
+from driftlab.assets.registry import DEFAULT_MODEL
+from driftlab.chat.base import ChatRequest, Sampling
+from driftlab.chat.factory import BackendSpec, Dtype, ModelName, make_backend
+from driftlab.console import WorkProgress
+from driftlab.errors import DriftlabError
+from driftlab.pasta.tasks import BASELINES, N_SHOTS, TASKS, Example, Task, get_task
+from driftlab.protocol.registry import register
+from driftlab.records.rundir import RunDir
+from driftlab.steering.interventions import Interventions
+
+
+class PastaEvalConfig(BaseModel):
+    """A PASTA task evaluation (recorded in the run's manifest)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelName = DEFAULT_MODEL
+    task: str
+    baselines: list[str] = Field(default_factory=lambda: ["zero-shot", "pasta"])
+    steer: list[str] = Field(default_factory=list, description="the pasta spec used by the 'pasta' baseline")
+    n: int | None = Field(None, ge=1, description="test examples (None: all)")
+    data: str | None = Field(None, description="a real data file instead of the bundled set")
+    max_new_tokens: int | None = Field(None, ge=1, le=4096, description="generation tasks (None: the task's)")
+    dtype: Dtype = "auto"
+    device: str = "auto"
+    batch_size: int = Field(8, ge=1, le=1024)
+
+    RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("device", "batch_size")
+
+    @field_validator("task")
+    @classmethod
+    def _task(cls, v: str) -> str:
+        if v not in TASKS:
+            raise ValueError(f"unknown task '{v}'; known: {', '.join(TASKS)}")
+        return v
+
+    @field_validator("baselines")
+    @classmethod
+    def _baselines(cls, v: list[str]) -> list[str]:
+        bad = [b for b in v if b not in BASELINES]
+        if bad or not v:
+            raise ValueError(f"unknown baseline {bad[0]!r}; known: {', '.join(BASELINES)}" if bad else "no baseline")
+        return list(dict.fromkeys(v))
+
+    @field_validator("steer")
+    @classmethod
+    def _normalise_steer(cls, v: list[str]) -> list[str]:
+        return Interventions.parse(v).specs()
+
+    @model_validator(mode="after")
+    def _pasta_needs_heads(self) -> PastaEvalConfig:
+        # DriftlabError, not ValueError: a cross-field error has no one field to name.
+        iv = Interventions.parse(self.steer)
+        if "pasta" in self.baselines and iv.get("pasta") is None:
+            raise DriftlabError("The pasta baseline needs heads to steer.",
+                                hint="Give --heads (a head config or a profile.json with --topk), or drop --baseline pasta.")
+        if iv.get("pasta") is not None and iv.get("pasta").span != "marked":
+            raise DriftlabError("PASTA tasks emphasise marked spans, not the system prompt.", hint="Use span=marked.")
+        return self
+
+    def interventions(self, baseline: str) -> Interventions:
+        return Interventions.parse(self.steer) if baseline == "pasta" else Interventions()
+
+    @property
+    def tokens(self) -> int:
+        return self.max_new_tokens or get_task(self.task).max_new_tokens
+
+
+class ExampleRecord(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    kind: Literal["example"] = "example"
+    baseline: str
+    id: str
+    metrics: dict[str, float]
+    text: str | None = None
+
+    @property
+    def key(self) -> tuple:
+        return ("example", self.baseline, self.id)
+
+
+RECORDS: TypeAdapter = TypeAdapter(ExampleRecord)
+
+
+def _expected(manifest: dict[str, Any]) -> dict[str, int]:
+    return {"example": len(manifest.get("examples", [])) * len(manifest.get("baselines", []))}
+
+
+register("pasta-eval", RECORDS, _expected)
+
+
+def score_examples(backend, task: Task, examples: list[Example], iv: Interventions, baseline: str,
+                   shots: list[Example], batch_size: int, data: str | None = None,
+                   ) -> list[tuple[dict[str, float], str | None]]:
+    """Metrics of each example under one baseline (shared by eval and head profiling)."""
+    convs = [task.conversation(ex, baseline, shots) for ex in examples]
+    if task.mode == "generate":
+        sampling = Sampling(greedy=True, max_new_tokens=task.max_new_tokens)
+        replies = backend.generate(ChatRequest(convs, sampling, interventions=iv))
+        return [(task.score_reply(ex, r.text, data), r.text) for ex, r in zip(examples, replies, strict=True)]
+    out = []
+    for ex, conv in zip(examples, convs, strict=True):
+        contexts, conts = [conv] * len(ex.candidates), list(ex.candidates)
+        paraphrases = ex.extra.get("paraphrases", [])
+        for para in paraphrases:  # CounterFact's paraphrase score: the same facts, another question
+            pconv = [*conv[:-1], {"role": "user", "content": type(ex.prompt)(ex.prompt.before, ex.prompt.span,
+                                                                            f" {para}").render(baseline)}]
+            contexts += [pconv] * len(ex.candidates)
+            conts += list(ex.candidates)
+        scores = [s.logprob for s in backend.loglikelihood(contexts, conts, iv, batch_size=batch_size)]
+        k = len(ex.candidates)
+        first = scores[:k]
+        if task.name == "counterfact":
+            metrics = {"es": float(first[0] > first[1])}
+            if paraphrases:
+                ps = [float(scores[k * (1 + j)] > scores[k * (1 + j) + 1]) for j in range(len(paraphrases))]
+                metrics["ps"] = sum(ps) / len(ps)
+        else:
+            metrics = {"acc": float(max(range(k), key=first.__getitem__) == ex.target)}
+        out.append((metrics, None))
+    return out
+
+
+class PastaEval:
+    def __init__(self, config: PastaEvalConfig, out: str | RunDir, backend, progress: bool = True) -> None:
+        for b in config.baselines:
+            backend.capabilities.require(backend.name, config.interventions(b))
+        if get_task(config.task).mode == "score" and not backend.capabilities.loglikelihood:
+            raise DriftlabError(f"{backend.name} cannot score log-likelihoods, which task {config.task} needs.",
+                                hint="Use a local model.")
+        self.config, self.backend, self.progress = config, backend, progress
+        self.rundir = out if isinstance(out, RunDir) else RunDir(out)
+
+    def run(self) -> RunDir:
+        cfg = self.config
+        task = get_task(cfg.task)
+        if cfg.max_new_tokens:
+            task = Task(task.name, task.mode, task.primary, cfg.max_new_tokens, task.description)
+        shots = task.examples("train", N_SHOTS, cfg.data) if "few-shot" in cfg.baselines else []
+        # A real file has no split (every row is both "train" and "test"): never test on a demonstration.
+        examples = [e for e in task.examples("test", None, cfg.data) if e.id not in {s.id for s in shots}][: cfg.n]
+        if not examples:
+            raise DriftlabError(f"No test examples for task {cfg.task}.", hint="Check --data.")
+        with self.rundir.writing():
+            plan = {"examples": [e.id for e in examples], "baselines": cfg.baselines,
+                    "shots": [s.id for s in shots], "models": {"agent": self.backend.describe()}}
+            self.rundir.start(cfg.model_dump(mode="json"), plan, cfg.RESUME_IGNORES, protocol="pasta-eval")
+            done = {r.key for r in self.rundir.records(RECORDS)}
+            todo = {b: [e for e in examples if ("example", b, e.id) not in done] for b in cfg.baselines}
+            with WorkProgress(f"pasta eval {cfg.task}", sum(map(len, todo.values())), self.progress,
+                              unit="examples") as bar:
+                for baseline in cfg.baselines:
+                    pending = todo[baseline]
+                    for start in range(0, len(pending), cfg.batch_size):
+                        chunk = pending[start : start + cfg.batch_size]
+                        scored = score_examples(self.backend, task, chunk, cfg.interventions(baseline), baseline,
+                                                shots, cfg.batch_size, cfg.data)
+                        self.rundir.append([ExampleRecord(baseline=baseline, id=ex.id, metrics=m, text=t)
+                                            for ex, (m, t) in zip(chunk, scored, strict=True)])
+                        bar.advance(len(chunk))
+            self.rundir.update_manifest(completed=True)
+        return self.rundir
+
+
+def run_eval(config: PastaEvalConfig, out: str, progress: bool = True) -> RunDir:
+    rundir = RunDir(out)
+    with rundir.writing():
+        spec = BackendSpec(model=config.model, dtype=config.dtype, device=config.device)
+        return PastaEval(config, rundir, make_backend(spec, run_dir=rundir.path), progress).run()
+
+
+def summarize(run_dir: str | Path) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """baseline -> metric -> (mean, CI low, CI high) over examples."""
+    from driftlab.pasta.metrics import mean_ci
+
+    values: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in RunDir(run_dir).records(RECORDS):
+        for name, v in r.metrics.items():
+            values[r.baseline][name].append(v)
+    return {b: {m: mean_ci(v) for m, v in ms.items()} for b, ms in values.items()}

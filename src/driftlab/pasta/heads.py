@@ -1,0 +1,152 @@
+"""Head sets for PASTA: pastalib's JSON head configs, profiles (rankings), and selection.
+
+A head config is pastalib's format, `{"layer": [head, ...], ...}` (a bare list of layers
+means every head of those layers), so configs move between pastalib and driftlab both
+ways. A profile is what `driftlab pasta profile` writes: one task's score when steering each
+single head, ranked best first. Seed 002 Sec. 3.2 builds the steered set from several
+tasks' profiles: the intersection of their top-k (PASTA's default), their union, or one
+task's own top-k ("task-specific", Sec. 5.3).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from driftlab.attention.config import Heads
+from driftlab.errors import DriftlabError
+
+SELECTIONS = ("intersection", "union", "task-specific")
+
+
+class Profile(BaseModel):
+    """One task's head profile: `scores` = [layer, head, score] ranked best first."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    driftlab_profile: int = 1
+    model: str
+    task: str
+    metric: str
+    alpha: float
+    n: int
+    baseline: float | None = None  # the task metric with no steering, for comparison
+    scores: list[tuple[int, int, float]]
+
+    def top(self, k: int) -> list[tuple[int, int]]:
+        return [(layer, head) for layer, head, _ in self.scores[:k]]
+
+
+def load_heads(path: str | Path, topk: int | None = None) -> Heads:
+    """Heads from a file: a pastalib head config, or a driftlab profile's top `topk`."""
+    data = _read_json(path)
+    if isinstance(data, dict) and "driftlab_profile" in data:
+        profile = _profile(data, path)
+        if topk is None:
+            raise DriftlabError(
+                f"{path} is a head profile (a ranking of {len(profile.scores)} heads); say how many to steer.",
+                hint="Add topk=K, e.g. --steer pasta:heads=profile.json,topk=20.",
+            )
+        return tuple(profile.top(topk))
+    if topk is not None:
+        raise DriftlabError(f"topk is for head profiles, but {path} is a head config.", hint="Drop topk=.")
+    return _from_pastalib(data, path)
+
+
+def load_profile(path: str | Path) -> Profile:
+    return _profile(_read_json(path), path)
+
+
+def save_heads(heads: Sequence[tuple[int, int]], path: str | Path) -> Path:
+    """Write pastalib's format: {"layer": [heads...]}, layers and heads sorted."""
+    config: dict[str, list[int]] = {}
+    for layer, head in sorted(set(heads)):
+        config.setdefault(str(layer), []).append(head)
+    path = Path(path)
+    path.write_text(json.dumps(config, indent=1) + "\n")
+    return path
+
+
+def select(profiles: Sequence[Profile], how: str, topk: int) -> list[tuple[int, int]]:
+    """Seed 002's head selection over several tasks' profiles (sorted (layer, head) pairs).
+
+    intersection = heads in every task's top-k (PASTA's default); union = in any task's
+    top-k; task-specific = the top-k of the one profile given.
+    """
+    check_selection(how)
+    if not profiles:
+        raise DriftlabError("No head profiles given.", hint="Pass the profile.json files of `driftlab pasta profile`.")
+    if topk < 1:
+        raise DriftlabError(f"topk must be at least 1, got {topk}.")
+    models = {p.model for p in profiles}
+    if len(models) > 1:
+        raise DriftlabError(f"The profiles come from different models ({', '.join(sorted(models))}).",
+                            hint="Select heads from profiles of one model.")
+    if how == "task-specific":
+        if len(profiles) != 1:
+            raise DriftlabError(f"task-specific selection takes one profile, got {len(profiles)}.",
+                                hint="Pass the profile of the task you will evaluate.")
+        return sorted(profiles[0].top(topk))
+    sets = [set(p.top(topk)) for p in profiles]
+    chosen = set.intersection(*sets) if how == "intersection" else set.union(*sets)
+    return sorted(chosen)
+
+
+def check_selection(how: str) -> None:
+    if how not in SELECTIONS:
+        raise DriftlabError(f"Unknown head selection '{how}'.", hint=f"Use one of {', '.join(SELECTIONS)}.")
+
+
+def _read_json(path: str | Path):
+    path = Path(path)
+    if not path.is_file():
+        raise DriftlabError(f"Head file {path} does not exist.", hint="Give the path of a head config or profile JSON.")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DriftlabError(f"Head file {path} is not valid JSON ({err}).",
+                            hint='A head config looks like {"12": [3, 7], "14": [0]}.') from None
+
+
+def _from_pastalib(data, path) -> Heads:
+    hint = 'pastalib\'s format maps layer -> list of heads, e.g. {"12": [3, 7], "14": [0]}, or lists layers: [12, 14].'
+    out: list[tuple[int, int | None]] = []
+    if isinstance(data, list):
+        for layer in data:
+            if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+                raise DriftlabError(f"Head file {path}: layer {layer!r} is not a non-negative integer.", hint=hint)
+            out.append((layer, None))
+    elif isinstance(data, dict):
+        for key, heads in data.items():
+            try:
+                layer = int(key)
+            except (TypeError, ValueError):
+                raise DriftlabError(f"Head file {path}: key {key!r} is not a layer number.", hint=hint) from None
+            if layer < 0 or not isinstance(heads, list) or not all(
+                isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in heads
+            ):
+                raise DriftlabError(
+                    f"Head file {path}: layer {key} must map to a list of non-negative head numbers, got {heads!r}.",
+                    hint=hint)
+            out.extend((layer, h) for h in heads)
+    else:
+        raise DriftlabError(f"Head file {path} holds a {type(data).__name__}, not a head config.", hint=hint)
+    if not out:
+        raise DriftlabError(f"Head file {path} selects no heads.", hint=hint)
+    return tuple(sorted(set(out), key=lambda x: (x[0], -1 if x[1] is None else x[1])))
+
+
+def _profile(data, path) -> Profile:
+    try:
+        profile = Profile.model_validate(data)
+    except ValidationError as err:
+        e = err.errors()[0]
+        where = ".".join(str(p) for p in e["loc"])
+        raise DriftlabError(f"Head profile {path}: {where}: {e['msg']}.",
+                            hint="Profiles are written by `driftlab pasta profile`.") from None
+    if not profile.scores:
+        raise DriftlabError(f"Head profile {path} ranks no heads.", hint="Re-run `driftlab pasta profile`.")
+    return profile

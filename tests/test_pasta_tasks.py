@@ -1,0 +1,173 @@
+"""PASTA's tasks, evaluation and head profiling: prompts per baseline, and real runs on SmolLM2.
+
+The real runs use tiny settings (a few examples, a few tokens, one or two layers): what they
+check is the protocol — records, resume after kill -9, the ranking and the heatmap, that
+each baseline really prompts differently — not the model's accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from driftlab.errors import DriftlabError
+from driftlab.pasta.evaluate import PastaEvalConfig
+from driftlab.pasta.profile import ProfileConfig
+from driftlab.pasta.tasks import BASELINES, TASKS, Prompt, get_task, they_version
+from driftlab.records.rundir import RunDir
+
+
+def test_prompt_renders_each_baseline() -> None:
+    p = Prompt("Ctx with 2*3. ", "Do *this*.", " Tail")
+    assert p.render("zero-shot") == "Ctx with 2*3. Do *this*. Tail"
+    assert p.render("marked") == "Ctx with 2*3. *Do *this*.* Tail"
+    assert p.render("quoted") == 'Ctx with 2*3. "Do *this*." Tail'
+    # pasta: literal asterisks escaped, so only the span becomes emphasis
+    from driftlab.pasta.emphasis import parse_marked
+
+    text, spans = parse_marked(p.render("pasta"))
+    assert text == p.render("zero-shot") and [text[s:e] for s, e in spans] == ["Do *this*."]
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_every_task_builds_its_examples_and_emphasises_its_span(name) -> None:
+    task = get_task(name)
+    train, test = task.examples("train"), task.examples("test")
+    assert len(train) == 28 if name != "counterfact" else len(train) == 20
+    assert len(test) == 84 if name != "counterfact" else len(test) == 40
+    ex = test[0]
+    shots = task.examples("train", 3)
+    convs = {b: task.conversation(ex, b, shots) for b in BASELINES}
+    assert len(convs["few-shot"]) == 7 and all(len(c) == 1 for b, c in convs.items() if b != "few-shot")
+    # few-shot asks the zero-shot text; pasta's markup is marked's text, which the backend
+    # turns into emphasis (the model then sees the zero-shot text)
+    assert len({c[-1]["content"] for c in convs.values()}) == 3
+    assert convs["pasta"][-1]["content"] == convs["marked"][-1]["content"] or "*" in ex.prompt.before
+    if task.mode == "score":
+        assert ex.candidates[ex.target] == ex.answer and len(set(ex.candidates)) == len(ex.candidates)
+    emphasised = {"json": "generate the answer as json", "pronouns": "substitute 'she' and 'he'",
+                  "biasbios": ex.prompt.span, "counterfact": "Currently,"}[name]
+    assert emphasised in ex.prompt.span
+
+
+def test_they_version_rewrites_pronouns() -> None:
+    out = they_version("She is a nurse. Her patients love her, and he said his mother knew him herself.")
+    assert out == "They are a nurse. Their patients love them, and they said their mother knew them themselves."
+    from driftlab.pasta.metrics import pronoun_scores
+
+    assert pronoun_scores(out) == (True, True)
+
+
+def test_json_and_pronoun_scoring_of_replies() -> None:
+    json_task, pron = get_task("json"), get_task("pronouns")
+    ex = json_task.examples("test", 1)[0]
+    good = json.dumps({"name": "x", "occupation": ex.extra["occupation"].replace("_", " ")})
+    assert json_task.score_reply(ex, f"Sure: {good}") == {"format_acc": 1.0, "prediction_acc": 1.0, "score": 1.0}
+    assert json_task.score_reply(ex, '{"name": "x", "occupation": "astronaut"}')["prediction_acc"] == 0.0
+    assert json_task.score_reply(ex, "She is a nurse.")["score"] == 0.0
+    pex = pron.examples("test", 1)[0]
+    good = pron.score_reply(pex, they_version(pex.extra["bio"]))
+    assert good["acc"] == good["all_acc"] == 1.0 and good["fluency"] > 3.0
+    assert pron.score_reply(pex, pex.extra["bio"])["acc"] == 0.0
+    # No pronoun is also "changed" (pastalib's definition); fluency and consistency expose it.
+    off_topic = pron.score_reply(pex, "I like trains. I like trains. I like trains.")
+    assert off_topic["acc"] == 1.0 and off_topic["fluency"] < 3.0 and off_topic["consistency"] < good["consistency"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"task": "poems"}, "unknown task"),
+        ({"task": "json", "baselines": ["zero-shot", "loud"]}, "unknown baseline"),
+        ({"task": "json", "baselines": ["pasta"]}, "needs heads"),
+        ({"task": "json", "steer": ["pasta:heads=1,span=system"]}, "span=marked"),
+    ],
+)
+def test_eval_config_errors(kwargs, match) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises((ValidationError, DriftlabError), match=match):
+        PastaEvalConfig(**kwargs)
+
+
+def test_profile_config_takes_layers_only() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="layers only"):
+        ProfileConfig(task="json", layers="3.1")
+    assert ProfileConfig(task="json", layers="0-2+5").layers == "0-2+5"
+
+
+# -- real runs on SmolLM2 -----------------------------------------------------------------------
+def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "driftlab", *args], capture_output=True, text=True, **kw)
+
+
+@pytest.mark.model
+def test_eval_runs_every_baseline_and_resumes(tmp_path, smol32) -> None:
+    from driftlab.pasta.evaluate import PastaEval, summarize
+
+    cfg = PastaEvalConfig(task="json", n=2, max_new_tokens=24, dtype="float32", device="cpu",
+                          baselines=list(BASELINES), steer=["pasta:heads=8-12,alpha=0.01"])
+    PastaEval(cfg, tmp_path / "eval", smol32, progress=False).run()
+    rd = RunDir(tmp_path / "eval")
+    recs = rd.records()
+    assert len(recs) == 2 * len(BASELINES)
+    texts = {b: [r["text"] for r in recs if r["baseline"] == b] for b in BASELINES}
+    assert texts["pasta"] != texts["zero-shot"]  # steering changed the replies
+    s = summarize(rd.path)
+    assert set(s) == set(BASELINES) and set(s["zero-shot"]) == {"format_acc", "prediction_acc", "score"}
+    size = rd.records_path.stat().st_size
+    PastaEval(cfg, tmp_path / "eval", smol32, progress=False).run()  # resume: nothing to do
+    assert rd.records_path.stat().st_size == size
+
+
+@pytest.mark.model
+def test_counterfact_eval_scores_es_and_ps(tmp_path, smol32) -> None:
+    from driftlab.pasta.evaluate import PastaEval
+
+    cfg = PastaEvalConfig(task="counterfact", n=3, dtype="float32", device="cpu", baselines=["zero-shot", "pasta"],
+                          steer=["pasta:heads=0-29,alpha=0.01"])
+    PastaEval(cfg, tmp_path / "cf", smol32, progress=False).run()
+    recs = RunDir(tmp_path / "cf").records()
+    assert len(recs) == 6 and all(set(r["metrics"]) == {"es", "ps"} for r in recs)
+    assert all(r["metrics"]["ps"] in (0.0, 0.5, 1.0) for r in recs)
+
+
+@pytest.mark.model
+def test_profile_is_resumable_after_kill_and_writes_ranking_and_heatmap(tmp_path) -> None:
+    out = tmp_path / "profile"
+    cmd = ["pasta", "profile", "--task", "json", "--n", "2", "--layers", "0-1", "--max-new-tokens", "6",
+           "--batch-size", "4", "--dtype", "float32", "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "driftlab", *cmd], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    records = out / "records.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (records.exists() and len(records.read_text().splitlines()) >= 8):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = records.read_text().splitlines()
+    assert 8 <= len(before) < 38 and not (out / "profile.json").exists(), "the kill did not land mid-profile"
+    done = _cli(*cmd)
+    assert done.returncode == 0, done.stderr
+    after = records.read_text().splitlines()
+    assert after[: len(before)] == before  # nothing recomputed
+    keys = [(r["layer"], r["head"], r["id"]) for r in map(json.loads, after)]
+    assert len(keys) == len(set(keys)) == (2 * 9 + 1) * 2  # 18 heads + the baseline, 2 examples each
+    profile = json.loads((out / "profile.json").read_text())
+    assert len(profile["scores"]) == 18 and profile["baseline"] is not None
+    scores = [s for _, _, s in profile["scores"]]
+    assert scores == sorted(scores, reverse=True)
+    assert (out / "profile.png").stat().st_size > 5000
+    sel = _cli("pasta", "select", str(out / "profile.json"), "--select", "task-specific", "--topk", "3",
+               "--out", str(tmp_path / "heads.json"))
+    assert sel.returncode == 0, sel.stderr
+    heads = json.loads((tmp_path / "heads.json").read_text())
+    assert sum(len(v) for v in heads.values()) == 3 and set(heads) <= {"0", "1"}
