@@ -22,7 +22,6 @@ pasta_module = pytest.importorskip(
 from driftlab.attention import ATTENTION_NAME, register  # noqa: E402
 from driftlab.chat import ChatRequest, Sampling  # noqa: E402
 from driftlab.chat.hf import HFChatBackend  # noqa: E402
-from driftlab.pasta.emphasis import strip_emphasis  # noqa: E402
 from driftlab.steering import Interventions  # noqa: E402
 
 pytestmark = pytest.mark.model
