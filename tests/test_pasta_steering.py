@@ -278,6 +278,16 @@ def test_steering_matches_the_eager_reference(backend, steer) -> None:
 
 
 @pytest.mark.model
+def test_unpadded_prefill_fast_path_matches_the_reference(backend) -> None:
+    """One row (no padding): the bias goes to the fused kernel with the causal flag, unchunked."""
+    iv = Interventions.parse([STEERS["marked"]])
+    got = chat(backend, MARKED[:1], iv)
+    want = chat(backend, MARKED[:1], iv, impl=REFERENCE)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert _logprob_diff(got, want) <= LOGPROB_TOL
+
+
+@pytest.mark.model
 def test_alpha_one_and_rows_without_emphasis_are_bit_identical_to_plain(backend) -> None:
     plain = chat(backend, [strip_emphasis(c)[0] for c in MARKED])  # what PASTA shows the model
     one = chat(backend, MARKED, Interventions.parse(["pasta:heads=all,alpha=1"]))

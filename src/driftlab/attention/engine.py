@@ -158,14 +158,16 @@ def driftlab_attention(
     need_pi = state.trace or split_heads is not None
     sys_range = state.system_range(lo, hi) if need_pi else None  # [a, b) of this call's keys
     sys_keys = state.system_keys[:, lo:hi] if need_pi else None
-    use_lse = (
-        need_pi and _CPU_FLASH is not None and query.device.type == "cpu" and dtype in _CPU_FLASH_DTYPES
-        and key.dtype == dtype and d == dv
-    )
+    use_lse = need_pi and _flash_ok(query, key, value)
 
     base = attention_mask
     if base is not None and base.dtype != torch.bool:  # some models hand over an additive float mask
         base = base > neg / 2
+    if bias is not None and base is None and q == K and q > 1 and not need_pi and _flash_ok(query, key, value):
+        # A key bias (PASTA, InstABoost) on an unpadded causal prefill: the CPU flash kernel takes
+        # the causal flag and the [B, H, 1, K] bias together, so no per-query mask is built.
+        out, _ = _attend(query, key, value, bias.to(dtype), scale, n_rep, causal=True, lse=True)
+        return out.transpose(1, 2).contiguous(), None
     # None = every key visible to every query: q == 1, or (q == K) with the causal flag.
     causal = base is None and q == K and q > 1 and bias is None
     if base is None and q > 1 and not causal:
@@ -228,6 +230,12 @@ def driftlab_attention(
     if state.trace:
         state.record(layer, torch.cat(pis, dim=2) if len(pis) > 1 else pis[0])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _flash_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Can PyTorch's fused CPU kernel (which reports log-sum-exps) run this call?"""
+    return (_CPU_FLASH is not None and query.device.type == "cpu" and query.dtype in _CPU_FLASH_DTYPES
+            and key.dtype == query.dtype and query.shape[-1] == value.shape[-1])
 
 
 def _split_softmax(out, o_sys, pi, rest, k: float, heads) -> torch.Tensor:

@@ -156,39 +156,15 @@ def occupation_label(name: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Sentences (pastalib uses spaCy; a rule-based splitter keeps driftlab free of that dependency)
-
-_ABBREVIATIONS = frozenset(
-    "dr mr mrs ms mx prof rev st jr sr inc ltd co corp llc vs etc eg ie approx dept univ assn "
-    "gen col capt lt sgt maj gov sen rep hon no nos vol fig mt ave blvd rd ft jan feb mar apr "
-    "jun jul aug sep sept oct nov dec".split()
-)
-_SENTENCE_END = re.compile(r"[.!?]+[\"'\u201d\u2019)\]]*(?=\s+[\"'\u201c\u2018(\[]?[A-Z0-9\u00c0-\u024f])")
+# Sentences (pastalib uses spaCy; NLTK's Punkt keeps driftlab free of that dependency)
 
 
 def split_sentences(text: str) -> list[str]:
-    """Split English prose into sentences, the way pastalib's spaCy pass does in the common cases.
+    """Sentences of English prose: NLTK's Punkt (driftlab's parameters, `metrics.sent_tokenize`),
+    standing in for the spaCy pass of pastalib's reformatting script."""
+    from driftlab.pasta.metrics import sent_tokenize
 
-    A boundary is ".", "!" or "?" followed by space and a capital or digit, except after a known
-    abbreviation ("Dr.", "St."), a single initial ("John F. Kennedy") or a dotted acronym ("Ph.D.").
-    """
-    sentences: list[str] = []
-    start = 0
-    for match in _SENTENCE_END.finditer(text):
-        if match.group().startswith("."):
-            word = re.search(r"(\S+)$", text[start : match.start()])
-            token = word.group(1) if word else ""
-            bare = token.lstrip("(\"'").lower()
-            if bare in _ABBREVIATIONS or (len(bare) == 1 and bare.isalpha()) or "." in bare:
-                continue
-        sentence = text[start : match.end()].strip()
-        if sentence:
-            sentences.append(sentence)
-        start = match.end()
-    rest = text[start:].strip()
-    if rest:
-        sentences.append(rest)
-    return sentences
+    return sent_tokenize(text)
 
 
 # --------------------------------------------------------------------------------------------
