@@ -72,6 +72,20 @@ def test_unusable_markers_are_refused(marker) -> None:
         parse_marked("x", marker)
 
 
+def test_assistant_markdown_is_not_emphasis() -> None:
+    conv = [{"role": "user", "content": "*Be brief.* Hi"}, {"role": "assistant", "content": "**Hello** * there"}]
+    clean, spans = strip_emphasis(conv)
+    assert clean[1]["content"] == "**Hello** * there" and spans == [[(0, 9)], []]
+
+
+def test_dialog_protocols_refuse_marked_pasta() -> None:
+    from driftlab.protocol.selfchat import SelfChatConfig
+
+    with pytest.raises(DriftlabError, match="span=system"):
+        SelfChatConfig(steer=["pasta:heads=all"])
+    assert SelfChatConfig(steer=["pasta:heads=1.2,span=system"]).steer[0].startswith("pasta:")
+
+
 def test_explicit_spans_are_taken_literally_and_checked() -> None:
     conv = [{"role": "user", "content": "keep *these* stars", "emphasis": [[0, 4]]}]
     clean, spans = strip_emphasis(conv)

@@ -1,7 +1,7 @@
 """User emphasis: `*marked*` spans in messages, and where they land among the prompt's tokens.
 
 PASTA (seed 002) steers attention towards text the user underlined. A user marks spans in
-any message with a marker (default `*...*`; several spans per message; `\\*` is a literal
+system and user messages with a marker (default `*...*`; several spans per message; `\\*` is a literal
 `*`), or passes explicit character spans on a message (`{"role": ..., "content": ...,
 "emphasis": [[start, end], ...]}`, offsets into that content, taken as given). The markers
 are removed before the model sees the text: what PASTA emphasises is the plain text, and
@@ -78,7 +78,8 @@ def strip_emphasis(
     """A conversation without markers, and each message's emphasised character spans.
 
     A message that carries explicit `emphasis` spans is taken literally (no marker parsing);
-    its spans are checked against its content.
+    its spans are checked against its content. Assistant messages are taken literally too:
+    a model's own markdown (`**bold**`) is not the user's emphasis.
     """
     clean: list[dict] = []
     spans: list[list[CharSpan]] = []
@@ -86,6 +87,8 @@ def strip_emphasis(
         content = msg["content"]
         if "emphasis" in msg:
             own = _explicit_spans(msg["emphasis"], content, j)
+        elif msg["role"] == "assistant":
+            own = []
         else:
             content, own = parse_marked(content, marker)
         clean.append({"role": msg["role"], "content": content})

@@ -135,7 +135,7 @@ class MMLUConfig(BaseModel):
     @field_validator("steer")
     @classmethod
     def _normalise_steer(cls, v: list[str]) -> list[str]:
-        return Interventions.parse(v).specs()
+        return Interventions.parse(v).for_dialogs().specs()
 
     @model_validator(mode="after")
     def _something_to_measure(self) -> MMLUConfig:

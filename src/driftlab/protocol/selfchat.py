@@ -90,7 +90,7 @@ class SelfChatConfig(BaseModel):
     @field_validator("steer")
     @classmethod
     def _normalise_steer(cls, v: list[str]) -> list[str]:
-        return Interventions.parse(v).specs()  # a bad spec raises its own one-line DriftlabError
+        return Interventions.parse(v).for_dialogs().specs()  # a bad spec raises its own one-line DriftlabError
 
     @property
     def interventions(self) -> Interventions:

@@ -328,6 +328,18 @@ class Interventions(BaseModel):
         pasta = self.get("pasta")
         return pasta.marker if pasta is not None and pasta.span == "marked" else None
 
+    def for_dialogs(self) -> Interventions:
+        """These interventions, checked for protocols whose messages are model text (self-chat,
+        MMLU histories): there a stray '*' is no user's emphasis, so PASTA must emphasise the
+        system prompt, not marked text."""
+        pasta = self.get("pasta")
+        if pasta is not None and pasta.span == "marked":
+            raise DriftlabError(
+                "PASTA with span=marked reads *markup* in messages, but a dialog's messages are model text.",
+                hint="Use --steer pasta:...,span=system to emphasise the system prompt in dialogs.",
+            )
+        return self
+
     def without(self, *kinds: str) -> Interventions:
         return Interventions(items=tuple(i for i in self.items if i.kind not in kinds))
 
