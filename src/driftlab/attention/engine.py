@@ -163,11 +163,15 @@ def driftlab_attention(
     base = attention_mask
     if base is not None and base.dtype != torch.bool:  # some models hand over an additive float mask
         base = base > neg / 2
-    if bias is not None and base is None and q == K and q > 1 and not need_pi and _flash_ok(query, key, value):
-        # A key bias (PASTA, InstABoost) on an unpadded causal prefill: the CPU flash kernel takes
-        # the causal flag and the [B, H, 1, K] bias together, so no per-query mask is built.
-        out, _ = _attend(query, key, value, bias.to(dtype), scale, n_rep, causal=True, lse=True)
-        return out.transpose(1, 2).contiguous(), None
+    if bias is not None and q == K and q > 1 and not need_pi and _flash_ok(query, key, value):
+        # A key bias (PASTA, InstABoost) on a prefill whose mask is causal plus key padding: the
+        # CPU flash kernel takes the causal flag with a [B, H, 1, K] key mask (bias, and the
+        # dtype's minimum on padding keys), so no per-query mask is built.
+        keys = None if base is None else _padding_keys(base, q, K)
+        if base is None or keys is not None:
+            key_mask = bias.to(dtype) if keys is None else torch.where(keys[:, None, None, :], bias.to(dtype), neg)
+            out, _ = _attend(query, key, value, key_mask, scale, n_rep, causal=True, lse=True)
+            return out.transpose(1, 2).contiguous(), None
     # None = every key visible to every query: q == 1, or (q == K) with the causal flag.
     causal = base is None and q == K and q > 1 and bias is None
     if base is None and q > 1 and not causal:
@@ -230,6 +234,15 @@ def driftlab_attention(
     if state.trace:
         state.record(layer, torch.cat(pis, dim=2) if len(pis) > 1 else pis[0])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _padding_keys(base: torch.Tensor, q: int, K: int) -> torch.Tensor | None:
+    """[B, K] visible keys if the boolean mask `base` [B, 1, q, K] is exactly causal plus
+    key padding (left padding), else None (e.g. a sliding window)."""
+    if base.dim() != 4 or base.shape[1] != 1 or base.shape[2] != q:
+        return None
+    keys = base[:, 0, -1, :]  # the last query sees every key that is not padding
+    return keys if torch.equal(base, keys[:, None, None, :] & _causal_mask(q, K, base.device)) else None
 
 
 def _flash_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
