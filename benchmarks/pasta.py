@@ -71,7 +71,7 @@ def worker(variant: str, target: int, new: int, repeats: int) -> dict:
     conv = _prompt(backend.tokenizer, target)
     heads = "+".join(f"{layer}.{h}" for layer, hs in HEADS.items() for h in hs)
     steer = Interventions.parse([f"pasta:heads={heads},alpha={ALPHA}"])
-    rendered = backend._render(conv, steer)
+    rendered = backend.render(conv, interventions=steer)
     sampling = Sampling(greedy=True, max_new_tokens=new, ignore_eos=True)
 
     if variant == "pastalib":

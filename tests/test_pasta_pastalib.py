@@ -63,7 +63,7 @@ def _pastalib(backend: HFChatBackend, texts: list[str], n_new: int):
 
 def test_logits_and_greedy_text_match_pastalib(eager: HFChatBackend) -> None:
     iv = _steer()
-    rendered = [eager._render(c, iv) for c in CONVS]
+    rendered = [eager.render(c, interventions=iv) for c in CONVS]
     texts = [r.text for r in rendered]
     inputs, want, want_tokens, ranges = _pastalib(eager, texts, n_new=12)
     T = inputs["input_ids"].shape[1]

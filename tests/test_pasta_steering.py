@@ -327,7 +327,7 @@ def test_batched_rows_with_different_spans_equal_one_at_a_time(backend) -> None:
 def test_row_heads_batch_equals_each_head_alone(backend) -> None:
     """Head profiling steers a different head in each row of one batch."""
     iv = Interventions.parse(["pasta:heads=0.0,alpha=0.01"])
-    rendered = [backend._render(MARKED[0], iv)] * 3
+    rendered = [backend.render(MARKED[0], interventions=iv)] * 3
     heads = [((0, 0),), ((1, 1),), ((2, 3),)]
     sampling = Sampling(greedy=True, max_new_tokens=8, ignore_eos=True)
     rows = backend.generate_tokens([r.ids for r in rendered], sampling, interventions=iv,

@@ -75,11 +75,11 @@ class HFChatBackend:
         iv = request.interventions
         self.capabilities.require(self.name, iv)
         convs = [iv.model_view(c) for c in request.conversations]
-        rendered = [self._render(c, iv) for c in convs]
+        rendered = [self.render(c, interventions=iv) for c in convs]
         seeds, store = request.row_seeds(), request.cache_store
         alpha = iv.guidance()
         if alpha is not None:
-            rendered += [self._render(_without_system(c), iv) for c in convs]
+            rendered += [self.render(_without_system(c), interventions=iv) for c in convs]
             seeds, store = seeds * 2, (list(store) * 2 if store is not None else None)
         replies = self.generate_tokens(
             [r.ids for r in rendered], request.sampling, seeds=seeds, interventions=iv,
@@ -105,16 +105,15 @@ class HFChatBackend:
     def max_context(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
 
-    def render(self, conversation: Conversation, add_generation_prompt: bool = True) -> Rendered:
-        return self.renderer.render(conversation, add_generation_prompt)
-
-    def _render(self, conversation: Conversation, interventions: Interventions) -> Rendered:
-        """Render for generation; with PASTA on marked text, markers become emphasis spans."""
-        marker = interventions.emphasis_marker()
+    def render(self, conversation: Conversation, add_generation_prompt: bool = True,
+               interventions: Interventions | None = None) -> Rendered:
+        """The tokens the model is given; with PASTA on marked text (in `interventions`), the
+        markers are removed and become emphasis spans."""
+        marker = interventions.emphasis_marker() if interventions is not None else None
         if marker is None:
-            return self.renderer.render(conversation)
+            return self.renderer.render(conversation, add_generation_prompt)
         clean, emphasis = strip_emphasis(conversation, marker)
-        return self.renderer.render(clean, emphasis=emphasis)
+        return self.renderer.render(clean, add_generation_prompt, emphasis=emphasis)
 
     @torch.inference_mode()
     def loglikelihood(
@@ -145,12 +144,12 @@ class HFChatBackend:
             cont_ids = self.renderer.encode(cont)
             if not cont_ids:
                 raise DriftlabError(f"Continuation {i} ({cont!r}) encodes to no tokens.")
-            rendered = self._render(conv, interventions)
+            rendered = self.render(conv, interventions=interventions)
             rows.append(np.asarray(rendered.ids + cont_ids, dtype=np.int64))
             spans.append(rendered.spans())
             n_cont.append(len(cont_ids))
             if alpha is not None:
-                plain_rows.append(np.asarray(self._render(_without_system(conv), interventions).ids + cont_ids))
+                plain_rows.append(np.asarray(self.render(_without_system(conv), interventions=interventions).ids + cont_ids))
         # One pass per distinct row-without-its-last-token: the positions read never see that token.
         members: dict[tuple[bytes, int], list[int]] = {}
         for i, (row, n) in enumerate(zip(rows, n_cont, strict=True)):

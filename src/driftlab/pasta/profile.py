@@ -141,8 +141,8 @@ class HeadProfiler:
         """Batches of (head, example) rows, each row steering its own head."""
         iv = Interventions.parse([f"pasta:heads=all,alpha={self.config.alpha}"])
         sampling = Sampling(greedy=True, max_new_tokens=task.max_new_tokens)
-        rendered = {e: self.backend._render(task.conversation(by_id[e], "pasta"), iv) for e in by_id}
-        plain = {e: self.backend._render(task.conversation(by_id[e], "zero-shot"), Interventions()) for e in by_id}
+        rendered = {e: self.backend.render(task.conversation(by_id[e], "pasta"), interventions=iv) for e in by_id}
+        plain = {e: self.backend.render(task.conversation(by_id[e], "zero-shot")) for e in by_id}
         for start in range(0, len(rows), self.config.batch_size):
             chunk = rows[start : start + self.config.batch_size]
             steered = [(lh, e) for lh, e in chunk if lh != BASELINE]
