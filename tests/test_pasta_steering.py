@@ -222,6 +222,8 @@ def test_malformed_head_files_give_one_line_errors(tmp_path, content, match) -> 
         ("pasta:heads=all,span=everything", "span"),
         ("pasta:heads=all,topk=3", "topk picks heads from a profile"),
         ("pasta:heads=missing.json", "does not exist"),
+        ("pasta:heads=all,marker= ", "Cannot read"),
+        ("pasta:heads=all,marker=a=b", "marker cannot contain"),
     ],
 )
 def test_bad_pasta_specs(spec, match) -> None:

@@ -161,6 +161,8 @@ class Pasta(_WithHeads):
         from driftlab.pasta.emphasis import parse_marked
 
         parse_marked("", v)  # validates the marker
+        if any(c in v for c in ",="):
+            raise ValueError("the marker cannot contain ',' or '=' (the --steer grammar uses them)")
         return v
 
     def attention_fields(self) -> dict:
