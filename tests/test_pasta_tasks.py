@@ -123,6 +123,7 @@ def test_eval_runs_every_baseline_and_resumes(tmp_path, smol32) -> None:
     assert texts["pasta"] != texts["zero-shot"]  # steering changed the replies
     s = summarize(rd.path)
     assert set(s) == set(BASELINES) and set(s["zero-shot"]) == {"format_acc", "prediction_acc", "score"}
+    assert (rd.path / "eval.png").stat().st_size > 5000
     size = rd.records_path.stat().st_size
     PastaEval(cfg, tmp_path / "eval", smol32, progress=False).run()  # resume: nothing to do
     assert rd.records_path.stat().st_size == size

@@ -175,8 +175,34 @@ class PastaEval:
                         self.rundir.append([ExampleRecord(baseline=baseline, id=ex.id, metrics=m, text=t)
                                             for ex, (m, t) in zip(chunk, scored, strict=True)])
                         bar.advance(len(chunk))
+            plot_eval(summarize(self.rundir.path), self.rundir.path / "eval.png", f"PASTA {cfg.task} · {cfg.model}")
             self.rundir.update_manifest(completed=True)
         return self.rundir
+
+
+def plot_eval(summary: dict[str, dict[str, tuple[float, float, float]]], path: Path, title: str) -> Path:
+    """One panel per metric: each baseline's mean with its 95% CI."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    baselines = list(summary)
+    metrics = [m for m in next(iter(summary.values())) if m != "score"]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.2), squeeze=False)
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        means = [summary[b][metric][0] for b in baselines]
+        lo = [summary[b][metric][0] - summary[b][metric][1] for b in baselines]
+        hi = [summary[b][metric][2] - summary[b][metric][0] for b in baselines]
+        colors = ["tab:red" if b == "pasta" else "tab:gray" for b in baselines]
+        ax.bar(range(len(baselines)), means, yerr=[lo, hi], color=colors, capsize=3)
+        ax.set_xticks(range(len(baselines)), baselines, rotation=30, ha="right")
+        ax.set_title(metric)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def run_eval(config: PastaEvalConfig, out: str, progress: bool = True) -> RunDir:
