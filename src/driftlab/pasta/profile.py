@@ -209,15 +209,17 @@ def plot_profile(profile: Profile, path: Path, shape: tuple[int, int]) -> Path:
     grid = np.full((L, H), np.nan)
     for layer, head, score in profile.scores:
         grid[layer, head] = score
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * H + 2), max(3.0, 0.22 * L + 1.5)))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * H + 3.5), max(4.0, 0.22 * L + 2.0)))
     im = ax.imshow(grid, aspect="auto", cmap="viridis", origin="lower")
     bar = fig.colorbar(im, ax=ax, label=f"{profile.metric} when steering this head alone")
+    base = ""
     if profile.baseline is not None:
         bar.ax.axhline(profile.baseline, color="red", linewidth=2)
-        bar.ax.text(1.05, profile.baseline, " no steering", color="red", va="center", transform=bar.ax.get_yaxis_transform())
+        base = f" · red line: no steering ({profile.baseline:.3f})"
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
-    ax.set_title(f"PASTA head profile: {profile.task} · {profile.model} · alpha={profile.alpha} · n={profile.n}")
+    ax.set_title(f"PASTA head profile: {profile.task} · {profile.model}\nalpha={profile.alpha} · "
+                 f"n={profile.n} examples{base}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
