@@ -73,6 +73,7 @@ class AttentionState:
         self.bias_keys: torch.Tensor | None = None
         self.kv_len = 0
         self.records: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+        self.mask_memo: dict = {}  # the engine's per-mask facts, for the layers sharing a mask
 
     # -- layout, set by the decode loop ------------------------------------------------------
     def on_layout(self, pads: list[int], prompt_len: int, max_len: int, ends: Sequence[int] | None = None) -> None:
