@@ -172,3 +172,22 @@ def test_profile_is_resumable_after_kill_and_writes_ranking_and_heatmap(tmp_path
     assert sel.returncode == 0, sel.stderr
     heads = json.loads((tmp_path / "heads.json").read_text())
     assert sum(len(v) for v in heads.values()) == 3 and set(heads) <= {"0", "1"}
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("task, score", [("counterfact", "metric"), ("json", "likelihood")])
+def test_profile_scoring_modes(tmp_path, smol32, task, score) -> None:
+    """Log-likelihood profiling (a scoring task's metric, or the answer's likelihood): 9 heads of one layer."""
+    from driftlab.pasta.profile import HeadProfiler
+
+    cfg = ProfileConfig(task=task, n=2, layers="5", score=score, dtype="float32", device="cpu")
+    profile = HeadProfiler(cfg, tmp_path / "p", smol32, progress=False).run()
+    assert [(layer, h) for layer, h, _ in profile.scores] != [] and {layer for layer, _, _ in profile.scores} == {5}
+    assert len(profile.scores) == 9 and profile.baseline is not None
+    values = [s for _, _, s in profile.scores]
+    assert values == sorted(values, reverse=True)
+    if score == "likelihood":
+        assert profile.metric == "answer_logprob_per_token" and all(v < 0 for v in values)
+        assert len(set(values)) > 1  # single heads move the answer's likelihood differently
+    else:
+        assert profile.metric == "es" and all(v in (0.0, 0.5, 1.0) for v in values)

@@ -26,6 +26,9 @@ def profile(
     n: Annotated[int, typer.Option("--n", help="Train examples per head.")] = 16,
     alpha: Annotated[float, typer.Option(help="PASTA's scaling coefficient, in (0, 1).")] = 0.01,
     layers: Annotated[str | None, typer.Option(help="Only these layers, e.g. '0-5+9' (default: all).")] = None,
+    score: Annotated[str, typer.Option(
+        help="Rank heads by the task 'metric' (the paper), or by the 'likelihood' of the reference answer "
+             "(graded and cheap: for small models whose metric is 0 under every head).")] = "metric",
     max_new_tokens: MaxTokensOpt = None,
     data: DataOpt = None,
     dtype: DtypeOpt = "auto",
@@ -41,7 +44,7 @@ def profile(
 
     from driftlab.pasta.profile import ProfileConfig, run_profile
 
-    config = build(ProfileConfig, model=model, task=task, n=n, alpha=alpha, layers=layers,
+    config = build(ProfileConfig, model=model, task=task, n=n, alpha=alpha, layers=layers, score=score,
                    max_new_tokens=max_new_tokens, data=str(data) if data else None, dtype=dtype, device=device,
                    batch_size=batch_size)
     result = run_profile(config, str(out))

@@ -41,6 +41,8 @@ class ProfileConfig(BaseModel):
     n: int = Field(16, ge=1, le=100000, description="train examples per head")
     alpha: float = Field(0.01, gt=0.0, lt=1.0, allow_inf_nan=False)
     layers: str | None = Field(None, description="profile only these layers ('0-5+9'); None: all")
+    score: Literal["metric", "likelihood"] = Field(
+        "metric", description="rank heads by the task metric (the paper) or by the reference answer's likelihood")
     max_new_tokens: int | None = Field(None, ge=1, le=4096)
     data: str | None = None
     dtype: Dtype = "auto"
@@ -123,7 +125,9 @@ class HeadProfiler:
             done = {r.key for r in self.rundir.records(RECORDS)}
             rows = [(lh, e) for lh in [BASELINE, *heads] for e in by_id if ("head", *lh, e) not in done]
             with WorkProgress(f"profile {cfg.task}", len(rows), self.progress, unit="runs") as bar:
-                if task.mode == "generate":
+                if cfg.score == "likelihood":
+                    self._likelihood(task, rows, by_id, bar)
+                elif task.mode == "generate":
                     self._generate(task, rows, by_id, bar)
                 else:
                     self._score(task, rows, by_id, bar)
@@ -165,12 +169,26 @@ class HeadProfiler:
             self.rundir.append(records)
             bar.advance(len(chunk))
 
+    def _likelihood(self, task: Task, rows, by_id, bar) -> None:
+        """Rank by the mean per-token log-probability of each example's reference answer
+        (teacher-forced, no generation). A graded score where the task metric is 0 for every
+        head on a small model (e.g. SmolLM2 never writes JSON unprompted), and far cheaper."""
+        for (layer, head), ids in _group(rows).items():
+            steer = [] if (layer, head) == BASELINE else [f"pasta:heads={layer}.{head},alpha={self.config.alpha}"]
+            baseline = "zero-shot" if not steer else "pasta"
+            examples = [by_id[e] for e in ids]
+            convs = [task.conversation(ex, baseline) for ex in examples]
+            scores = self.backend.loglikelihood(convs, [ex.answer for ex in examples], Interventions.parse(steer),
+                                                batch_size=self.config.batch_size)
+            self.rundir.append([
+                HeadRecord(layer=layer, head=head, id=ex.id, score=s.logprob / s.n_tokens,
+                           metrics={"answer_logprob_per_token": s.logprob / s.n_tokens})
+                for ex, s in zip(examples, scores, strict=True)])
+            bar.advance(len(ids))
+
     def _score(self, task: Task, rows, by_id, bar) -> None:
         """Scoring tasks: one log-likelihood pass over the examples per head."""
-        per_head: dict[tuple[int, int], list[str]] = defaultdict(list)
-        for lh, e in rows:
-            per_head[lh].append(e)
-        for (layer, head), ids in per_head.items():
+        for (layer, head), ids in _group(rows).items():
             steer = [] if (layer, head) == BASELINE else [f"pasta:heads={layer}.{head},alpha={self.config.alpha}"]
             baseline = "zero-shot" if not steer else "pasta"
             examples = [by_id[e] for e in ids]
@@ -179,6 +197,14 @@ class HeadProfiler:
             self.rundir.append([HeadRecord(layer=layer, head=head, id=ex.id, score=m[task.primary], metrics=m)
                                 for ex, (m, _) in zip(examples, scored, strict=True)])
             bar.advance(len(ids))
+
+
+def _group(rows) -> dict[tuple[int, int], list[str]]:
+    """(head, example) rows -> example ids per head, in order."""
+    per_head: dict[tuple[int, int], list[str]] = defaultdict(list)
+    for lh, e in rows:
+        per_head[lh].append(e)
+    return per_head
 
 
 def build_profile(run_dir: str | Path) -> Profile:
@@ -192,7 +218,8 @@ def build_profile(run_dir: str | Path) -> Profile:
     base = scores.pop(BASELINE, [])
     means = [(layer, head, sum(v) / len(v)) for (layer, head), v in scores.items()]
     means.sort(key=lambda x: (-x[2], x[0], x[1]))
-    return Profile(model=cfg["model"], task=cfg["task"], metric=get_task(cfg["task"]).primary, alpha=cfg["alpha"],
+    metric = "answer_logprob_per_token" if cfg.get("score") == "likelihood" else get_task(cfg["task"]).primary
+    return Profile(model=cfg["model"], task=cfg["task"], metric=metric, alpha=cfg["alpha"],
                    n=len(manifest.get("examples", [])), baseline=sum(base) / len(base) if base else None,
                    scores=means)
 
