@@ -113,7 +113,7 @@ def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
 def test_eval_runs_every_baseline_and_resumes(tmp_path, smol32) -> None:
     from driftlab.pasta.evaluate import PastaEval, summarize
 
-    cfg = PastaEvalConfig(task="json", n=2, max_new_tokens=24, dtype="float32", device="cpu",
+    cfg = PastaEvalConfig(task="json", n=2, max_new_tokens=12, dtype="float32", device="cpu",
                           baselines=list(BASELINES), steer=["pasta:heads=8-12,alpha=0.01"])
     PastaEval(cfg, tmp_path / "eval", smol32, progress=False).run()
     rd = RunDir(tmp_path / "eval")
@@ -144,26 +144,26 @@ def test_counterfact_eval_scores_es_and_ps(tmp_path, smol32) -> None:
 @pytest.mark.model
 def test_profile_is_resumable_after_kill_and_writes_ranking_and_heatmap(tmp_path) -> None:
     out = tmp_path / "profile"
-    cmd = ["pasta", "profile", "--task", "json", "--n", "2", "--layers", "0-1", "--max-new-tokens", "6",
+    cmd = ["pasta", "profile", "--task", "json", "--n", "2", "--layers", "0", "--max-new-tokens", "6",
            "--batch-size", "4", "--dtype", "float32", "--out", str(out)]
     proc = subprocess.Popen([sys.executable, "-m", "driftlab", *cmd], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     records = out / "records.jsonl"
     deadline = time.time() + 300
-    while time.time() < deadline and not (records.exists() and len(records.read_text().splitlines()) >= 8):
+    while time.time() < deadline and not (records.exists() and len(records.read_text().splitlines()) >= 6):
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     before = records.read_text().splitlines()
-    assert 8 <= len(before) < 38 and not (out / "profile.json").exists(), "the kill did not land mid-profile"
+    assert 6 <= len(before) < 20 and not (out / "profile.json").exists(), "the kill did not land mid-profile"
     done = _cli(*cmd)
     assert done.returncode == 0, done.stderr
     after = records.read_text().splitlines()
     assert after[: len(before)] == before  # nothing recomputed
     keys = [(r["layer"], r["head"], r["id"]) for r in map(json.loads, after)]
-    assert len(keys) == len(set(keys)) == (2 * 9 + 1) * 2  # 18 heads + the baseline, 2 examples each
+    assert len(keys) == len(set(keys)) == (9 + 1) * 2  # 9 heads + the baseline, 2 examples each
     profile = json.loads((out / "profile.json").read_text())
-    assert len(profile["scores"]) == 18 and profile["baseline"] is not None
+    assert len(profile["scores"]) == 9 and profile["baseline"] is not None
     scores = [s for _, _, s in profile["scores"]]
     assert scores == sorted(scores, reverse=True)
     assert (out / "profile.png").stat().st_size > 5000
@@ -171,7 +171,7 @@ def test_profile_is_resumable_after_kill_and_writes_ranking_and_heatmap(tmp_path
                "--out", str(tmp_path / "heads.json"))
     assert sel.returncode == 0, sel.stderr
     heads = json.loads((tmp_path / "heads.json").read_text())
-    assert sum(len(v) for v in heads.values()) == 3 and set(heads) <= {"0", "1"}
+    assert sum(len(v) for v in heads.values()) == 3 and set(heads) == {"0"}
 
 
 @pytest.mark.model

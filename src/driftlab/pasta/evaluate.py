@@ -19,7 +19,7 @@ from driftlab.chat.base import ChatRequest, Sampling
 from driftlab.chat.factory import BackendSpec, Dtype, ModelName, make_backend
 from driftlab.console import WorkProgress
 from driftlab.errors import DriftlabError
-from driftlab.pasta.tasks import BASELINES, N_SHOTS, TASKS, Example, Task, get_task
+from driftlab.pasta.tasks import BASELINES, N_SHOTS, Example, Task, TaskName, get_task
 from driftlab.protocol.registry import register
 from driftlab.records.rundir import RunDir
 from driftlab.steering.interventions import Interventions
@@ -31,7 +31,7 @@ class PastaEvalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: ModelName = DEFAULT_MODEL
-    task: str
+    task: TaskName
     baselines: list[str] = Field(default_factory=lambda: ["zero-shot", "pasta"])
     steer: list[str] = Field(default_factory=list, description="the pasta spec used by the 'pasta' baseline")
     n: int | None = Field(None, ge=1, description="test examples (None: all)")
@@ -42,13 +42,6 @@ class PastaEvalConfig(BaseModel):
     batch_size: int = Field(8, ge=1, le=1024)
 
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("device", "batch_size")
-
-    @field_validator("task")
-    @classmethod
-    def _task(cls, v: str) -> str:
-        if v not in TASKS:
-            raise ValueError(f"unknown task '{v}'; known: {', '.join(TASKS)}")
-        return v
 
     @field_validator("baselines")
     @classmethod

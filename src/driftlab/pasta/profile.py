@@ -25,7 +25,7 @@ from driftlab.console import WorkProgress
 from driftlab.errors import DriftlabError
 from driftlab.pasta.evaluate import score_examples
 from driftlab.pasta.heads import Profile
-from driftlab.pasta.tasks import TASKS, Task, get_task
+from driftlab.pasta.tasks import Task, TaskName, get_task
 from driftlab.protocol.registry import register
 from driftlab.records.rundir import RunDir
 from driftlab.steering.interventions import Interventions
@@ -37,7 +37,7 @@ class ProfileConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: ModelName = DEFAULT_MODEL
-    task: str
+    task: TaskName
     n: int = Field(16, ge=1, le=100000, description="train examples per head")
     alpha: float = Field(0.01, gt=0.0, lt=1.0, allow_inf_nan=False)
     layers: str | None = Field(None, description="profile only these layers ('0-5+9'); None: all")
@@ -50,13 +50,6 @@ class ProfileConfig(BaseModel):
     batch_size: int = Field(16, ge=1, le=1024, description="(head, example) rows per decode batch")
 
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("device", "batch_size")
-
-    @field_validator("task")
-    @classmethod
-    def _task(cls, v: str) -> str:
-        if v not in TASKS:
-            raise ValueError(f"unknown task '{v}'; known: {', '.join(TASKS)}")
-        return v
 
     @field_validator("layers")
     @classmethod

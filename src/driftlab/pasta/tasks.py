@@ -24,7 +24,9 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator
 
 from driftlab.errors import DriftlabError
 from driftlab.pasta import metrics
@@ -172,6 +174,15 @@ TASKS: dict[str, Task] = {
              "and its paraphrases (paraphrase score); the new fact is emphasised."),
     )
 }
+
+
+def _known_task(name: str) -> str:
+    if name not in TASKS:
+        raise ValueError(f"unknown task '{name}'; known: {', '.join(TASKS)}")
+    return name
+
+
+TaskName = Annotated[str, AfterValidator(_known_task)]  # a config field naming a registered task
 
 
 def get_task(name: str) -> Task:
