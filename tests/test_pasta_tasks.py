@@ -114,7 +114,7 @@ def test_eval_runs_every_baseline_and_resumes(tmp_path, smol32) -> None:
     from driftlab.pasta.evaluate import PastaEval, summarize
 
     cfg = PastaEvalConfig(task="json", n=2, max_new_tokens=12, dtype="float32", device="cpu",
-                          baselines=list(BASELINES), steer=["pasta:heads=8-12,alpha=0.01"])
+                          baselines=list(BASELINES), steer=["pasta:heads=all,alpha=0.01"])
     PastaEval(cfg, tmp_path / "eval", smol32, progress=False).run()
     rd = RunDir(tmp_path / "eval")
     recs = rd.records()

@@ -9,6 +9,7 @@ train demonstrations), so differences between baselines are paired.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -19,6 +20,7 @@ from driftlab.chat.base import ChatRequest, Sampling
 from driftlab.chat.factory import BackendSpec, Dtype, ModelName, make_backend
 from driftlab.console import WorkProgress
 from driftlab.errors import DriftlabError
+from driftlab.pasta.metrics import argmax_accuracy, efficacy
 from driftlab.pasta.tasks import BASELINES, N_SHOTS, Example, Task, TaskName, get_task
 from driftlab.protocol.registry import register
 from driftlab.records.rundir import RunDir
@@ -113,21 +115,20 @@ def score_examples(backend, task: Task, examples: list[Example], iv: Interventio
         contexts, conts = [conv] * len(ex.candidates), list(ex.candidates)
         paraphrases = ex.extra.get("paraphrases", [])
         for para in paraphrases:  # CounterFact's paraphrase score: the same facts, another question
-            pconv = [*conv[:-1], {"role": "user", "content": type(ex.prompt)(ex.prompt.before, ex.prompt.span,
-                                                                            f" {para}").render(baseline)}]
+            pconv = [*conv[:-1], {"role": "user", "content": replace(ex.prompt, after=f" {para}").render(baseline)}]
             contexts += [pconv] * len(ex.candidates)
             conts += list(ex.candidates)
         scores = [s.logprob for s in backend.loglikelihood(contexts, conts, iv, batch_size=batch_size)]
         k = len(ex.candidates)
         first = scores[:k]
-        if task.name == "counterfact":
-            metrics = {"es": float(first[0] > first[1])}
+        if task.name == "counterfact":  # candidates are (new, true)
+            scored = {"es": efficacy([first[0]], [first[1]])}
             if paraphrases:
-                ps = [float(scores[k * (1 + j)] > scores[k * (1 + j) + 1]) for j in range(len(paraphrases))]
-                metrics["ps"] = sum(ps) / len(ps)
+                rest = scores[k:]
+                scored["ps"] = efficacy(rest[0::2], rest[1::2])
         else:
-            metrics = {"acc": float(max(range(k), key=first.__getitem__) == ex.target)}
-        out.append((metrics, None))
+            scored = {"acc": argmax_accuracy([first], [ex.target])}
+        out.append((scored, None))
     return out
 
 
