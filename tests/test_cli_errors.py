@@ -51,6 +51,8 @@ NOT_UTF8 = ("is not UTF-8", LATIN1)
 CACHE_HINT = "DRIFTLAB_CACHE"
 DEVICES = "auto, cpu, cuda"
 
+PROFILE = str(Path(__file__).resolve().parents[1] / "docs/results/pasta-smollm2/profile-json/profile.json")
+
 CASES = [
     # -- text that looks like rich markup is printed as is, never parsed
     Case("score-id-closing-tag", ("personas", "score", "[/bold]", "hi"), ("no persona with id '[/bold]'",)),
@@ -175,6 +177,9 @@ CASES = [
          ("nope.json does not exist",)),
     Case("pasta-select-bad-how", ("pasta", "select", "{ws}/nope.json", "--select", "vote", "--out", "{ws}/h.json"),
          ("Unknown head selection 'vote'",)),
+    Case("pasta-select-dir-profile", ("pasta", "select", "{ws}", "--out", "{ws}/h.json"), ("is a directory",)),
+    Case("pasta-select-unwritable-out", ("pasta", "select", PROFILE, "--out", "{ws}/no/such/dir/h.json"),
+         ("Cannot write the head config",)),
     Case("chat-pasta-unclosed-mark", ("chat", "--steer", "pasta:heads=all", "an *open span", "--device", "cpu",
                                       "--dtype", "float32"), ("never closed",), hint="literal marker", model=True),
     Case("pasta-eval-missing-data", ("pasta", "eval", "--task", "json", "--data", "{ws}/nope.jsonl",

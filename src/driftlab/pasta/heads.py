@@ -66,7 +66,11 @@ def save_heads(heads: Sequence[tuple[int, int]], path: str | Path) -> Path:
     for layer, head in sorted(set(heads)):
         config.setdefault(str(layer), []).append(head)
     path = Path(path)
-    path.write_text(json.dumps(config, indent=1) + "\n")
+    try:
+        path.write_text(json.dumps(config, indent=1) + "\n")
+    except OSError as err:
+        raise DriftlabError(f"Cannot write the head config {path}: {err.strerror or err}.",
+                            hint="Give --out a file path in a directory you can write to.") from None
     return path
 
 
@@ -103,7 +107,8 @@ def check_selection(how: str) -> None:
 def _read_json(path: str | Path):
     path = Path(path)
     if not path.is_file():
-        raise DriftlabError(f"Head file {path} does not exist.", hint="Give the path of a head config or profile JSON.")
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise DriftlabError(f"Head file {path} {what}.", hint="Give the path of a head config or profile JSON.")
     try:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
