@@ -176,14 +176,14 @@ class PastaEval:
 
 def plot_eval(summary: dict[str, dict[str, tuple[float, float, float]]], path: Path, title: str) -> Path:
     """One panel per metric: each baseline's mean with its 95% CI."""
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from driftlab.report.figures import save_png
 
     baselines = list(summary)
     metrics = [m for m in next(iter(summary.values())) if m != "score"]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.2), squeeze=False)
+    fig = Figure(figsize=(3.2 * len(metrics), 3.2))
+    axes = fig.subplots(1, len(metrics), squeeze=False)
     for ax, metric in zip(axes[0], metrics, strict=True):
         means = [summary[b][metric][0] for b in baselines]
         lo = [summary[b][metric][0] - summary[b][metric][1] for b in baselines]
@@ -194,9 +194,7 @@ def plot_eval(summary: dict[str, dict[str, tuple[float, float, float]]], path: P
         ax.set_title(metric)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_png(fig, path)
 
 
 def run_eval(config: PastaEvalConfig, out: str, progress: bool = True) -> RunDir:

@@ -219,17 +219,17 @@ def build_profile(run_dir: str | Path) -> Profile:
 
 def plot_profile(profile: Profile, path: Path, shape: tuple[int, int]) -> Path:
     """Layer x head heatmap of the per-head scores (unprofiled heads blank)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.figure import Figure
+
+    from driftlab.report.figures import save_png
 
     L, H = shape
     grid = np.full((L, H), np.nan)
     for layer, head, score in profile.scores:
         grid[layer, head] = score
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * H + 3.5), max(4.0, 0.22 * L + 2.0)))
+    fig = Figure(figsize=(max(6.0, 0.45 * H + 3.5), max(4.0, 0.22 * L + 2.0)))
+    ax = fig.subplots()
     im = ax.imshow(grid, aspect="auto", cmap="viridis", origin="lower")
     bar = fig.colorbar(im, ax=ax, label=f"{profile.metric} when steering this head alone")
     base = ""
@@ -241,9 +241,7 @@ def plot_profile(profile: Profile, path: Path, shape: tuple[int, int]) -> Path:
     ax.set_title(f"PASTA head profile: {profile.task} · {profile.model}\nalpha={profile.alpha} · "
                  f"n={profile.n} examples{base}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_png(fig, path)
 
 
 def run_profile(config: ProfileConfig, out: str, progress: bool = True) -> Profile:

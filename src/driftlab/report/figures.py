@@ -116,7 +116,7 @@ def drift_figure(summary: RunSummary, path: str | Path, errors: Errors = "ci") -
     axes[0].set_ylabel("probe score (1 = persona followed)")
     _figure_legend(fig, axes, error_note(errors))
     fig.suptitle(f"Instruction drift · {model_title(summary.manifest)}", fontsize=11)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def category_figure(summary: RunSummary, path: str | Path, errors: Errors = "ci") -> Path:
@@ -146,7 +146,7 @@ def category_figure(summary: RunSummary, path: str | Path, errors: Errors = "ci"
         ax.set_ylabel("probe score")
     _figure_legend(fig, axes, error_note(errors))
     fig.suptitle(f"Drift by persona category · {model_title(summary.manifest)}", fontsize=10.5)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def _figure_legend(fig: Figure, axes, note: str) -> None:
@@ -170,7 +170,8 @@ def _figure_legend(fig: Figure, axes, note: str) -> None:
         )
 
 
-def _save(fig: Figure, path: str | Path) -> Path:
+def save_png(fig: Figure, path: str | Path) -> Path:
+    """Write a pyplot-free Figure as PNG (no global backend state: safe in notebooks and threads)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
