@@ -12,6 +12,9 @@ the weights themselves, then weights @ V.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 NAME = "driftlab_reference"
@@ -94,3 +97,23 @@ def register_reference() -> None:
 
     AttentionInterface.register(NAME, reference_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+@contextmanager
+def both_engines_on_one_thread() -> Iterator[None]:
+    """Register the engine and this reference, and run on one torch thread meanwhile.
+
+    Why one thread: the test models are tiny, so two threads barely help, while on a shared
+    2-core machine an OpenMP barrier waiting for a descheduled thread made a test file 8x
+    slower (30 s -> 270 s). Engine and reference always run with the same setting.
+    """
+    from driftlab.attention import register
+
+    register()
+    register_reference()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from attention_reference import NAME as REFERENCE
-from attention_reference import register_reference
-from driftlab.attention import ATTENTION_NAME, register
+from attention_reference import both_engines_on_one_thread
+from driftlab.attention import ATTENTION_NAME
 from driftlab.attention import engine as engine_module
 from driftlab.attention.state import AttentionConfig, AttentionState, head_mask, parse_heads
 from driftlab.chat import ChatRequest, Sampling
@@ -78,18 +78,8 @@ DECODE_CASES = ["trace", "bias_layers", "split_subset", "composed"]
 # -- fixtures ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", autouse=True)
 def _implementations() -> Iterator[None]:
-    """Register both implementations; run this module on one torch thread.
-
-    Why one thread: these models are tiny, so two threads barely help, while on a shared
-    2-core machine an OpenMP barrier waiting for a descheduled thread made this file 8x
-    slower (30 s -> 270 s). Engine and reference always run with the same setting.
-    """
-    register()
-    register_reference()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with both_engines_on_one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,7 @@ CACHE_HINT = "DRIFTLAB_CACHE"
 DEVICES = "auto, cpu, cuda"
 
 PROFILE = str(Path(__file__).resolve().parents[1] / "docs/results/pasta-smollm2/profile-json/profile.json")
+PRONOUN_PROFILE = str(Path(__file__).resolve().parents[1] / "docs/results/pasta-smollm2/profile-pronouns/profile.json")
 
 CASES = [
     # -- text that looks like rich markup is printed as is, never parsed
@@ -180,6 +181,23 @@ CASES = [
     Case("pasta-select-dir-profile", ("pasta", "select", "{ws}", "--out", "{ws}/h.json"), ("is a directory",)),
     Case("pasta-select-unwritable-out", ("pasta", "select", PROFILE, "--out", "{ws}/no/such/dir/h.json"),
          ("Cannot write the head config",)),
+    Case("pasta-tune-missing-profile", ("pasta", "tune", "{ws}/nope.json", "--task", "json", "--out", "{ws}/t"),
+         ("nope.json does not exist",)),
+    Case("pasta-tune-bad-select", ("pasta", "tune", PROFILE, "--task", "json", "--select", "vote", "--out", "{ws}/t"),
+         ("Invalid --select vote",)),
+    Case("pasta-tune-topk-zero", ("pasta", "tune", PROFILE, "--task", "json", "--topk", "0", "--out", "{ws}/t"),
+         ("Invalid --topk", "at least 1")),
+    Case("pasta-tune-empty-intersection", ("pasta", "tune", PROFILE, PRONOUN_PROFILE,
+                                           "--task", "json", "--topk", "1", "--out", "{ws}/t"),
+         ("No top-k in [1] selects any head",), hint="--select union"),
+    Case("pasta-tune-other-model", ("pasta", "tune", PROFILE, "--task", "json", "--model", "qwen2.5-coder-1.5b",
+                                    "--out", "{ws}/t"), ("come from smollm2-135m, not qwen2.5-coder-1.5b",)),
+    Case("pasta-eval-no-prompt-wording", ("pasta", "eval", "--task", "biasbios", "--prompt", "rephrased",
+                                          "--out", "{ws}/e"), ("Task biasbios has no 'rephrased' prompt",)),
+    Case("pasta-eval-generate-tokens-on-json", ("pasta", "eval", "--task", "json", "--generate-tokens", "8",
+                                                "--out", "{ws}/e"), ("already generates",), hint="--max-new-tokens"),
+    Case("pasta-eval-train-split", ("pasta", "eval", "--task", "json", "--split", "train", "--out", "{ws}/e"),
+         ("Invalid --split train",)),
     Case("chat-pasta-unclosed-mark", ("chat", "--steer", "pasta:heads=all", "an *open span", "--device", "cpu",
                                       "--dtype", "float32"), ("never closed",), hint="literal marker", model=True),
     Case("pasta-eval-missing-data", ("pasta", "eval", "--task", "json", "--data", "{ws}/nope.jsonl",

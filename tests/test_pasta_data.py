@@ -29,22 +29,23 @@ _HE = re.compile(r"\b(he|him|his|himself)\b", re.IGNORECASE)
 
 def test_bundled_bios_sizes_and_splits():
     bios = load_bios()
-    assert len(bios) == 112 and all(isinstance(b, Bio) for b in bios)
-    train, test = load_bios(split="train"), load_bios(split="test")
-    assert len(train) == 28 and len(test) == 84
-    assert sorted(b.occupation for b in train) == sorted(OCCUPATIONS)
-    assert Counter(b.gender for b in train) == {"F": 14, "M": 14}
+    assert len(bios) == 140 and all(isinstance(b, Bio) for b in bios)
+    train, valid, test = (load_bios(split=s) for s in ("train", "valid", "test"))
+    assert len(train) == 28 and len(valid) == 28 and len(test) == 84
+    for rows in (train, valid):
+        assert sorted(b.occupation for b in rows) == sorted(OCCUPATIONS)
+        assert Counter(b.gender for b in rows) == {"F": 14, "M": 14}
 
 
 def test_bundled_bios_balanced_per_occupation():
-    bios = load_bios()
+    bios = load_bios(split="train") + load_bios(split="test")
     per = Counter((b.occupation, b.gender) for b in bios)
     assert per == {(o, g): 2 for o in OCCUPATIONS for g in "FM"}
 
 
 def test_bundled_bios_are_well_formed():
     bios = load_bios()
-    assert len({b.id for b in bios}) == len({b.name for b in bios}) == 112
+    assert len({b.id for b in bios}) == len({b.name for b in bios}) == 140
     for b in bios:
         assert b.bio.startswith(b.first_sentence) and b.first_sentence.startswith(b.name)
         assert split_sentences(b.bio)[0] == b.first_sentence
@@ -77,7 +78,7 @@ def test_split_sentences_keeps_abbreviations():
 
 def test_unknown_split_is_an_error():
     with pytest.raises(DriftlabError, match="split"):
-        load_bios(split="valid")
+        load_bios(split="validation")
 
 
 # ---------------------------------------------------------------- bundled facts
@@ -85,9 +86,11 @@ def test_unknown_split_is_an_error():
 
 def test_bundled_facts():
     facts = load_facts()
-    assert len(facts) == 60 and all(isinstance(f, Fact) for f in facts)
+    assert len(facts) == 80 and all(isinstance(f, Fact) for f in facts)
     assert [f.id for f in load_facts(split="train")] == list(range(20))
-    assert len(load_facts(split="test")) == 40
+    assert [f.id for f in load_facts(split="valid")] == list(range(60, 80))
+    assert [f.id for f in load_facts(split="test")] == list(range(20, 60))
+    assert len({f.subject for f in facts}) == 80
     for f in facts:
         assert f.prompt.count("{}") == 1
         assert f.target_true != f.target_new and len(f.target_true.split()) <= 2

@@ -27,6 +27,7 @@ from driftlab.pasta.metrics import (
     n_gram_entropy,
     pronoun_scores,
     sent_tokenize,
+    they_rewrite,
     word_tokenize,
 )
 
@@ -175,6 +176,15 @@ def test_pronouns_do_not_require_they():
     # pastalib only checks that the pronouns are gone
     assert pronoun_scores("") == (True, True)
     assert pronoun_scores("Mary is a nurse.") == (True, True)
+
+
+def test_they_rewrite_needs_a_they_form_and_no_she_or_he():
+    assert they_rewrite("They are a nurse; their patients trust them.")
+    assert they_rewrite("THEMSELVES, mostly.")
+    assert not they_rewrite("The answer is yes.")  # pastalib's Acc counts this as changed
+    assert not they_rewrite("")
+    assert not they_rewrite("They said he was late.")
+    assert not they_rewrite("The theme there: others.")  # word boundaries: no they-form here
 
 
 def test_pronouns_spacy_contractions():

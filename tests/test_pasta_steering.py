@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from attention_reference import NAME as REFERENCE
-from attention_reference import register_reference
-from driftlab.attention import ATTENTION_NAME, register
+from attention_reference import both_engines_on_one_thread
+from driftlab.attention import ATTENTION_NAME
 from driftlab.chat import ChatRequest, Sampling
 from driftlab.chat.hf import HFChatBackend
 from driftlab.chat.templates import Renderer
@@ -239,12 +239,8 @@ def test_pasta_does_not_compose_with_another_key_bias() -> None:
 # -- the engine on real and tiny models ------------------------------------------------------------
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    register()
-    register_reference()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with both_engines_on_one_thread():
+        yield
 
 
 _BACKENDS: dict[str, HFChatBackend] = {}

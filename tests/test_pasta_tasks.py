@@ -19,7 +19,7 @@ import pytest
 from driftlab.errors import DriftlabError
 from driftlab.pasta.evaluate import PastaEvalConfig
 from driftlab.pasta.profile import ProfileConfig
-from driftlab.pasta.tasks import BASELINES, TASKS, Prompt, get_task, they_version
+from driftlab.pasta.tasks import BASELINES, PROMPTS, TASKS, Prompt, get_task, they_version
 from driftlab.records.rundir import RunDir
 
 
@@ -56,6 +56,27 @@ def test_every_task_builds_its_examples_and_emphasises_its_span(name) -> None:
     assert emphasised in ex.prompt.span
 
 
+@pytest.mark.parametrize("name", ["json", "pronouns"])
+def test_prompt_wordings_change_only_the_emphasised_instruction(name) -> None:
+    """App. A.1's three wordings (Table 4): same bio and answer, another instruction, always the span."""
+    task = get_task(name)
+    exs = {p: task.examples("test", 2, None, p)[1] for p in PROMPTS}
+    bio = exs["original"].extra["bio"]
+    assert len({e.prompt.span for e in exs.values()}) == 3 and len({e.answer for e in exs.values()}) == 1
+    for e in exs.values():
+        text = e.prompt.render("zero-shot")
+        assert bio.rstrip() in text and bio.split(".")[0] not in e.prompt.span
+        assert ("json format" if name == "json" else "'they'") in e.prompt.span
+    if name == "json":
+        assert exs["original"].prompt.render("zero-shot").endswith("Now generate the answer.")
+        assert "Here is an example" not in exs["shortened"].prompt.render("zero-shot")
+        rephrased = exs["rephrased"].prompt
+        assert rephrased.before == "" and rephrased.render("zero-shot").startswith("Answer the occupation of")
+        assert rephrased.after.endswith("Now generate the answer.")
+    else:
+        assert "replace 'she' and 'he'" in exs["rephrased"].prompt.span
+
+
 def test_they_version_rewrites_pronouns() -> None:
     out = they_version("She is a nurse. Her patients love her, and he said his mother knew him herself.")
     assert out == "They are a nurse. Their patients love them, and they said their mother knew them themselves."
@@ -78,6 +99,7 @@ def test_json_and_pronoun_scoring_of_replies() -> None:
     # No pronoun is also "changed" (pastalib's definition); fluency and consistency expose it.
     off_topic = pron.score_reply(pex, "I like trains. I like trains. I like trains.")
     assert off_topic["acc"] == 1.0 and off_topic["fluency"] < 3.0 and off_topic["consistency"] < good["consistency"]
+    assert good["they_acc"] == 1.0 and off_topic["they_acc"] == 0.0  # the stricter check sees it
 
 
 @pytest.mark.parametrize(
@@ -87,6 +109,10 @@ def test_json_and_pronoun_scoring_of_replies() -> None:
         ({"task": "json", "baselines": ["zero-shot", "loud"]}, "unknown baseline"),
         ({"task": "json", "baselines": ["pasta"]}, "needs heads"),
         ({"task": "json", "steer": ["pasta:heads=1,span=system"]}, "span=marked"),
+        ({"task": "biasbios", "prompt": "rephrased"}, "no 'rephrased' prompt"),
+        ({"task": "json", "prompt": "longer"}, "original"),
+        ({"task": "json", "split": "train"}, "valid"),
+        ({"task": "json", "baselines": ["zero-shot"], "generate_tokens": 8}, "already generates"),
     ],
 )
 def test_eval_config_errors(kwargs, match) -> None:
@@ -102,6 +128,8 @@ def test_profile_config_takes_layers_only() -> None:
     with pytest.raises(ValidationError, match="layers only"):
         ProfileConfig(task="json", layers="3.1")
     assert ProfileConfig(task="json", layers="0-2+5").layers == "0-2+5"
+    with pytest.raises(DriftlabError, match="no 'shortened' prompt"):
+        ProfileConfig(task="counterfact", prompt="shortened")
 
 
 # -- real runs on SmolLM2 -----------------------------------------------------------------------
@@ -139,6 +167,20 @@ def test_counterfact_eval_scores_es_and_ps(tmp_path, smol32) -> None:
     recs = RunDir(tmp_path / "cf").records()
     assert len(recs) == 6 and all(set(r["metrics"]) == {"es", "ps"} for r in recs)
     assert all(r["metrics"]["ps"] in (0.0, 0.5, 1.0) for r in recs)
+
+
+@pytest.mark.model
+def test_scoring_tasks_also_score_generated_text(tmp_path, smol32) -> None:
+    """--generate-tokens (App. E): BiasBios gets fluency and consistency, CounterFact fluency."""
+    from driftlab.pasta.evaluate import PastaEval
+
+    for task, extra in (("biasbios", {"acc", "fluency", "consistency"}), ("counterfact", {"es", "ps", "fluency"})):
+        cfg = PastaEvalConfig(task=task, n=2, generate_tokens=24, dtype="float32", device="cpu",
+                              baselines=["zero-shot"])
+        PastaEval(cfg, tmp_path / task, smol32, progress=False).run()
+        recs = RunDir(tmp_path / task).records()
+        assert len(recs) == 2 and all(set(r["metrics"]) == extra and r["text"] for r in recs)
+        assert all(0.0 < r["metrics"]["fluency"] < 10.0 for r in recs)
 
 
 @pytest.mark.model

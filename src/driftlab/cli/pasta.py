@@ -16,6 +16,8 @@ TaskOpt = Annotated[str, typer.Option("--task", "-t", help="json, pronouns, bias
 DataOpt = Annotated[Path | None, typer.Option(
     "--data", help="A real data file (BiasBios pickle/JSON, CounterFact JSON) instead of the bundled set.")]
 MaxTokensOpt = Annotated[int | None, typer.Option(help="Most new tokens per reply (default: the task's).")]
+PromptOpt = Annotated[str, typer.Option(
+    help="The instruction's wording (App. A.1, Table 4): original, shortened or rephrased (json and pronouns).")]
 
 
 @app.command()
@@ -29,6 +31,7 @@ def profile(
     score: Annotated[str, typer.Option(
         help="Rank heads by the task 'metric' (the paper), or by the 'likelihood' of the reference answer "
              "(graded and cheap: for small models whose metric is 0 under every head).")] = "metric",
+    prompt: PromptOpt = "original",
     max_new_tokens: MaxTokensOpt = None,
     data: DataOpt = None,
     dtype: DtypeOpt = "auto",
@@ -45,7 +48,7 @@ def profile(
     from driftlab.pasta.profile import ProfileConfig, run_profile
 
     config = build(ProfileConfig, model=model, task=task, n=n, alpha=alpha, layers=layers, score=score,
-                   max_new_tokens=max_new_tokens, data=str(data) if data else None, dtype=dtype, device=device,
+                   prompt=prompt, max_new_tokens=max_new_tokens, data=str(data) if data else None, dtype=dtype, device=device,
                    batch_size=batch_size)
     result = run_profile(config, str(out))
     console = Console()
@@ -88,7 +91,12 @@ def evaluate(
     topk: Annotated[int | None, typer.Option(help="With a profile as --heads: steer its top K heads.")] = None,
     alpha: Annotated[float, typer.Option(help="PASTA's scaling coefficient, in (0, 1].")] = 0.01,
     n: Annotated[int | None, typer.Option("--n", help="Test examples (default: all).")] = None,
+    split: Annotated[str, typer.Option(help="test (results) or valid (while choosing heads).")] = "test",
+    prompt: PromptOpt = "original",
     max_new_tokens: MaxTokensOpt = None,
+    generate_tokens: Annotated[int, typer.Option(
+        help="biasbios/counterfact: also generate N tokens per example and score their fluency and "
+             "consistency (App. E; 0: off).")] = 0,
     data: DataOpt = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
@@ -107,12 +115,13 @@ def evaluate(
 
     default = [b for b in BASELINES if b != "pasta" or heads is not None]
     config = build(PastaEvalConfig, {"steer": "--heads", "baselines": "--baseline"}, model=model, task=task,
-                   baselines=baseline or default, steer=steer, n=n, max_new_tokens=max_new_tokens,
+                   baselines=baseline or default, steer=steer, n=n, split=split, prompt=prompt,
+                   max_new_tokens=max_new_tokens, generate_tokens=generate_tokens,
                    data=str(data) if data else None, dtype=dtype, device=device, batch_size=batch_size)
     rundir = run_eval(config, str(out))
     summary = summarize(rundir.path)
     names = list(next(iter(summary.values())))
-    table = Table(title=f"PASTA {task} · {model} · {len(rundir.read_manifest()['examples'])} test examples")
+    table = Table(title=f"PASTA {task} · {model} · {len(rundir.read_manifest()['examples'])} {split} examples")
     table.add_column("baseline")
     for name in names:
         table.add_column(f"{name} [95% CI]")
@@ -121,3 +130,63 @@ def evaluate(
                            for m in names])
     Console().print(table)
     typer.echo(f"records: {rundir.records_path}")
+
+
+@app.command()
+def tune(
+    profiles: Annotated[list[Path], typer.Argument(help="profile.json files the head sets are selected from.")],
+    task: TaskOpt,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (created, or resumed if it exists).")],
+    model: ModelOpt = "smollm2-135m",
+    how: Annotated[str, typer.Option("--select", help="intersection (PASTA's default), union or task-specific.")]
+    = "intersection",
+    topk: Annotated[list[int] | None, typer.Option(help="Top-k values to try; repeatable (default: 10 20 40 80).")]
+    = None,
+    n: Annotated[int, typer.Option("--n", help="Validation examples.")] = 16,
+    alpha: Annotated[float, typer.Option(help="PASTA's scaling coefficient, in (0, 1).")] = 0.01,
+    prompt: PromptOpt = "original",
+    max_new_tokens: MaxTokensOpt = None,
+    data: DataOpt = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    batch_size: Annotated[int, typer.Option(help="Examples per batch.")] = 8,
+) -> None:
+    """Choose how many heads to steer: PASTA with each top-k on the validation split.
+
+    Writes OUT/tune.json (each point's metrics with 95% CIs), OUT/heads.json (the best set,
+    for --heads) and OUT/tune.png (the metric against the number of heads). Re-running the
+    same command resumes.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from driftlab.pasta.tune import TuneConfig, run_tune
+
+    values = {"model": model, "task": task, "profiles": [str(p) for p in profiles], "select": how, "n": n,
+              "alpha": alpha, "prompt": prompt, "max_new_tokens": max_new_tokens,
+              "data": str(data) if data else None, "dtype": dtype, "device": device, "batch_size": batch_size}
+    if topk:
+        values["topk"] = topk
+    config = build(TuneConfig, {"select": "--select"}, **values)
+    result = run_tune(config, str(out))
+    metric = result["metric"]
+    table = Table(title=f"PASTA head count · {task} · {model} · {result['examples']} validation examples")
+    for col in ("top-k", "heads", f"{metric} [95% CI]", ""):
+        table.add_column(col)
+    if metric in result["unsteered"]:
+        m, lo, hi = result["unsteered"][metric]
+        table.add_row("-", "0", f"{m:.3f} [{lo:.2f}, {hi:.2f}]", "no steering")
+    best = result["best"]["topk"] if result["best"] else None
+    for p in result["points"]:
+        if metric in p["metrics"]:
+            m, lo, hi = p["metrics"][metric]
+            note = "chosen" if p["topk"] == best else "" if p["fluent"] else \
+                f"degenerate: fluency {p['metrics']['fluency'][0]:.2f}"
+            table.add_row(str(p["topk"]), str(p["n_heads"]), f"{m:.3f} [{lo:.2f}, {hi:.2f}]", note)
+    Console().print(table)
+    if best is None:
+        from driftlab.errors import DriftlabError
+
+        raise DriftlabError("Every head count made the replies degenerate (mean fluency below 3.0); no head set "
+                            "was chosen.", hint=f"See {out / 'tune.png'}; try smaller --topk values.")
+    typer.echo(f"heads: {out / 'heads.json'}\nplot: {out / 'tune.png'}")

@@ -10,7 +10,7 @@ PASTA (seed 002, section 4 and appendix A) evaluates four tasks on two data sets
   rewrite (subject, prompt template, old target, new target) plus paraphrased questions.
 
 `load_bios()` / `load_facts()` without a path read small sets written by hand for driftlab
-(``data/biosbias.jsonl``, 112 bios of fictional people; ``data/counterfact.json``, 60 well-known
+(``data/biosbias.jsonl``, 140 bios of fictional people; ``data/counterfact.json``, 80 well-known
 facts in ROME's format; see ``data/README.md``). They are smoke-scale, so that tests and a quick
 `driftlab pasta` run need no download; the paper uses 1000/1000/5000 examples per task.
 
@@ -54,12 +54,14 @@ OCCUPATIONS: tuple[str, ...] = (
     "psychologist", "rapper", "software_engineer", "surgeon", "teacher", "yoga_teacher",
 )  # fmt: skip
 
-#: The split names rows may carry.
-SPLITS: tuple[str, ...] = ("train", "test")
+#: The split names rows may carry: "train" for head profiling and few-shot demonstrations,
+#: "valid" for choosing the number of steered heads (`driftlab pasta tune`), "test" for results.
+SPLITS: tuple[str, ...] = ("train", "valid", "test")
 
 #: The bundled CounterFact set keeps ROME's format exactly, which has no split field, so the split
-#: is a rule on ``case_id``: below this is "train", the rest "test".
+#: is a rule on ``case_id``: below 20 is "train", 60 to 79 (written later) "valid", the rest "test".
 COUNTERFACT_TRAIN_BELOW = 20
+COUNTERFACT_VALID = range(60, 80)
 
 #: pastalib's reformatting: sentences shorter than this are dropped (``sent_min_words``) ...
 SENT_MIN_WORDS = 3
@@ -103,7 +105,7 @@ class Bio:
     occupation: str  # one of OCCUPATIONS
     first_sentence: str
     bio: str
-    split: str  # "train" or "test"
+    split: str  # one of SPLITS
 
     @property
     def occupation_text(self) -> str:
@@ -121,7 +123,7 @@ class Fact:
     target_true: str
     target_new: str
     paraphrases: tuple[str, ...]
-    split: str  # "train" or "test"
+    split: str  # one of SPLITS
     relation_id: str = ""  # Wikidata property, e.g. "P131"; "" where the file has none
 
     @property
@@ -258,7 +260,7 @@ def _json_rows(text: str, source: _Source) -> list[tuple[int, Any]]:
 
 def _check_split(split: str | None) -> None:
     if split is not None and split not in SPLITS:
-        raise DriftlabError(f"unknown split {split!r}", hint="use 'train', 'test', or None for both")
+        raise DriftlabError(f"unknown split {split!r}", hint="use 'train', 'valid', 'test', or None for all")
 
 
 def _bundled(name: str) -> tuple[str, str]:
@@ -274,8 +276,8 @@ def _bundled(name: str) -> tuple[str, str]:
 def load_bios(path: str | Path | None = None, split: str | None = None) -> list[Bio]:
     """Biographies for the BiasBios, JSON-formatting and pronoun-changing tasks.
 
-    `path` None reads the bundled set (112 hand-written bios, 4 per occupation; rows carry their
-    split: the first bio of each occupation is "train"). Otherwise the format is told by the file:
+    `path` None reads the bundled set (140 hand-written bios, 5 per occupation; rows carry their
+    split: 1 "train", 3 "test", 1 "valid" per occupation). Otherwise the format is told by the file:
 
     * ``.pkl``/``.pickle``: the original BiasBios pickle. **Unpickling can run code**, so a pickle
       is read only when you name it here, and through an unpickler that refuses every global
@@ -333,7 +335,7 @@ def _bios_from_driftlab(rows: Iterable[tuple[int, dict]], source: _Source) -> li
         if values["gender"] not in ("F", "M"):
             source.fail(n, f'\'gender\' must be "F" or "M", got {values["gender"]!r}')
         if values["split"] not in SPLITS:
-            source.fail(n, f'\'split\' must be "train" or "test", got {values["split"]!r}')
+            source.fail(n, f"'split' must be one of {', '.join(map(repr, SPLITS))}, got {values['split']!r}")
         if not values["bio"].startswith(values["first_sentence"]):
             source.fail(n, "'first_sentence' is not the start of 'bio'")
         values["occupation"] = _occupation(n, values["occupation"], source)
@@ -445,8 +447,8 @@ def _bios_from_pickle(path: Path, source: _Source, split: str) -> list[Bio]:
 def load_facts(path: str | Path | None = None, split: str | None = None) -> list[Fact]:
     """CounterFact rewrites for the knowledge-conflict task.
 
-    `path` None reads the bundled set (60 well-known facts in ROME's format; case_id below
-    `COUNTERFACT_TRAIN_BELOW` is "train", the rest "test"). A path may hold ROME's
+    `path` None reads the bundled set (80 well-known facts in ROME's format; case_id below
+    `COUNTERFACT_TRAIN_BELOW` is "train", in `COUNTERFACT_VALID` "valid", the rest "test"). A path may hold ROME's
     ``counterfact.json`` (a JSON list; JSON lines of the same records also load) or pastalib's
     reformatted ``counterfact.jsonl``, whose ``source`` record is used when present. Paraphrase
     prompts keep only their text after the last newline, pastalib's first clean-up step (ROME's
@@ -488,9 +490,15 @@ def _facts_from_rows(rows: Iterable[tuple[int, dict]], source: _Source, split: s
         if fact.id in seen:
             source.fail(n, f"duplicate case_id {fact.id}")
         seen.add(fact.id)
-        label = split if split is not None else ("train" if fact.id < COUNTERFACT_TRAIN_BELOW else "test")
+        label = split if split is not None else _bundled_fact_split(fact.id)
         facts.append(dataclasses.replace(fact, split=label))
     return facts
+
+
+def _bundled_fact_split(case_id: int) -> str:
+    if case_id < COUNTERFACT_TRAIN_BELOW:
+        return "train"
+    return "valid" if case_id in COUNTERFACT_VALID else "test"
 
 
 def _check_fact(n: int, source: _Source, prompt: str, target_true: str, target_new: str) -> None:

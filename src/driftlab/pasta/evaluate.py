@@ -21,7 +21,7 @@ from driftlab.chat.factory import BackendSpec, Dtype, ModelName, make_backend
 from driftlab.console import WorkProgress
 from driftlab.errors import DriftlabError
 from driftlab.pasta.metrics import argmax_accuracy, efficacy
-from driftlab.pasta.tasks import BASELINES, N_SHOTS, Example, Task, TaskName, get_task
+from driftlab.pasta.tasks import BASELINES, N_SHOTS, Example, PromptName, Task, TaskName, get_task
 from driftlab.protocol.registry import register
 from driftlab.records.rundir import RunDir
 from driftlab.steering.interventions import Interventions
@@ -37,8 +37,12 @@ class PastaEvalConfig(BaseModel):
     baselines: list[str] = Field(default_factory=lambda: ["zero-shot", "pasta"])
     steer: list[str] = Field(default_factory=list, description="the pasta spec used by the 'pasta' baseline")
     n: int | None = Field(None, ge=1, description="test examples (None: all)")
+    split: Literal["test", "valid"] = Field("test", description="'valid' while choosing heads, 'test' for results")
+    prompt: PromptName = Field("original", description="the instruction's wording (App. A.1, Table 4)")
     data: str | None = Field(None, description="a real data file instead of the bundled set")
     max_new_tokens: int | None = Field(None, ge=1, le=4096, description="generation tasks (None: the task's)")
+    generate_tokens: int = Field(0, ge=0, le=4096, description=(
+        "scoring tasks: also generate this many tokens per example, for fluency and consistency (App. E)"))
     dtype: Dtype = "auto"
     device: str = "auto"
     batch_size: int = Field(8, ge=1, le=1024)
@@ -61,6 +65,11 @@ class PastaEvalConfig(BaseModel):
     @model_validator(mode="after")
     def _pasta_needs_heads(self) -> PastaEvalConfig:
         # DriftlabError, not ValueError: a cross-field error has no one field to name.
+        task = get_task(self.task)
+        task.check_prompt(self.prompt)
+        if self.generate_tokens and task.mode == "generate":
+            raise DriftlabError(f"Task {self.task} already generates its replies and scores their quality.",
+                                hint="Drop --generate-tokens (--max-new-tokens sets the reply length).")
         iv = Interventions.parse(self.steer)
         if "pasta" in self.baselines and iv.get("pasta") is None:
             raise DriftlabError("The pasta baseline needs heads to steer.",
@@ -102,14 +111,28 @@ register("pasta-eval", RECORDS, _expected)
 
 
 def score_examples(backend, task: Task, examples: list[Example], iv: Interventions, baseline: str,
-                   shots: list[Example], batch_size: int, data: str | None = None,
+                   shots: list[Example], batch_size: int, data: str | None = None, generate: int = 0,
                    ) -> list[tuple[dict[str, float], str | None]]:
-    """Metrics of each example under one baseline (shared by eval and head profiling)."""
+    """Metrics of each example under one baseline (shared by eval, tuning and head profiling).
+
+    Scoring tasks compare candidates' log-likelihoods; with `generate` > 0 they also generate
+    that many tokens greedily and add the reply's fluency (and consistency) to the metrics.
+    """
     convs = [task.conversation(ex, baseline, shots) for ex in examples]
     if task.mode == "generate":
         sampling = Sampling(greedy=True, max_new_tokens=task.max_new_tokens)
         replies = backend.generate(ChatRequest(convs, sampling, interventions=iv))
         return [(task.score_reply(ex, r.text, data), r.text) for ex, r in zip(examples, replies, strict=True)]
+    scored = _score_candidates(backend, task, examples, convs, iv, baseline, batch_size)
+    if not generate:
+        return [(m, None) for m in scored]
+    replies = backend.generate(ChatRequest(convs, Sampling(greedy=True, max_new_tokens=generate), interventions=iv))
+    return [({**m, **task.quality(ex, r.text, data)}, r.text)
+            for ex, m, r in zip(examples, scored, replies, strict=True)]
+
+
+def _score_candidates(backend, task: Task, examples: list[Example], convs: list[list[dict]], iv: Interventions,
+                      baseline: str, batch_size: int) -> list[dict[str, float]]:
     out = []
     for ex, conv in zip(examples, convs, strict=True):
         contexts, conts = [conv] * len(ex.candidates), list(ex.candidates)
@@ -128,7 +151,7 @@ def score_examples(backend, task: Task, examples: list[Example], iv: Interventio
                 scored["ps"] = efficacy(rest[0::2], rest[1::2])
         else:
             scored = {"acc": argmax_accuracy([first], [ex.target])}
-        out.append((scored, None))
+        out.append(scored)
     return out
 
 
@@ -146,12 +169,13 @@ class PastaEval:
         cfg = self.config
         task = get_task(cfg.task)
         if cfg.max_new_tokens:
-            task = Task(task.name, task.mode, task.primary, cfg.max_new_tokens, task.description)
-        shots = task.examples("train", N_SHOTS, cfg.data) if "few-shot" in cfg.baselines else []
+            task = replace(task, max_new_tokens=cfg.max_new_tokens)
+        shots = task.examples("train", N_SHOTS, cfg.data, cfg.prompt) if "few-shot" in cfg.baselines else []
         # A real file has no split (every row is both "train" and "test"): never test on a demonstration.
-        examples = [e for e in task.examples("test", None, cfg.data) if e.id not in {s.id for s in shots}][: cfg.n]
+        examples = [e for e in task.examples(cfg.split, None, cfg.data, cfg.prompt)
+                    if e.id not in {s.id for s in shots}][: cfg.n]
         if not examples:
-            raise DriftlabError(f"No test examples for task {cfg.task}.", hint="Check --data.")
+            raise DriftlabError(f"No {cfg.split} examples for task {cfg.task}.", hint="Check --data.")
         with self.rundir.writing():
             plan = {"examples": [e.id for e in examples], "baselines": cfg.baselines,
                     "shots": [s.id for s in shots], "models": {"agent": self.backend.describe()}}
@@ -165,7 +189,7 @@ class PastaEval:
                     for start in range(0, len(pending), cfg.batch_size):
                         chunk = pending[start : start + cfg.batch_size]
                         scored = score_examples(self.backend, task, chunk, cfg.interventions(baseline), baseline,
-                                                shots, cfg.batch_size, cfg.data)
+                                                shots, cfg.batch_size, cfg.data, cfg.generate_tokens)
                         self.rundir.append([ExampleRecord(baseline=baseline, id=ex.id, metrics=m, text=t)
                                             for ex, (m, t) in zip(chunk, scored, strict=True)])
                         bar.advance(len(chunk))

@@ -184,6 +184,20 @@ def pronoun_scores(text: str) -> tuple[bool, bool]:
     return changed, all_changed
 
 
+_THEY_RE = re.compile(r"\b(?:they|them|their|theirs|themselves|themself)\b")
+
+
+def they_rewrite(text: str) -> bool:
+    """A stricter Acc, a driftlab addition: no 'she'/'he' left *and* some they-form present.
+
+    pastalib's Acc only checks absence, so a reply that drops the bio ("The answer is yes.")
+    scores as a successful rewrite; on small models that is most of what steering "gains"
+    (docs/results/README.md). Requiring they/them/their/theirs/themselves is the cheapest
+    check that the reply did rewrite pronouns rather than avoid them.
+    """
+    return pronoun_scores(text)[0] and _THEY_RE.search(text.lower()) is not None
+
+
 def any_per_sample(sample_ids: Sequence[Hashable], flags: Sequence[bool]) -> float:
     """pastalib's aggregation of the instruction tasks: per sample id any() over its rows, then the mean.
 

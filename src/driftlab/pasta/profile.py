@@ -12,10 +12,11 @@ layer x head heatmap with the unsteered baseline marked on the colour bar.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from driftlab.assets.registry import DEFAULT_MODEL
 from driftlab.attention.config import parse_heads
@@ -25,7 +26,7 @@ from driftlab.console import WorkProgress
 from driftlab.errors import DriftlabError
 from driftlab.pasta.evaluate import score_examples
 from driftlab.pasta.heads import Profile
-from driftlab.pasta.tasks import Task, TaskName, get_task
+from driftlab.pasta.tasks import PromptName, Task, TaskName, get_task
 from driftlab.protocol.registry import register
 from driftlab.records.rundir import RunDir
 from driftlab.steering.interventions import Interventions
@@ -43,6 +44,7 @@ class ProfileConfig(BaseModel):
     layers: str | None = Field(None, description="profile only these layers ('0-5+9'); None: all")
     score: Literal["metric", "likelihood"] = Field(
         "metric", description="rank heads by the task metric (the paper) or by the reference answer's likelihood")
+    prompt: PromptName = Field("original", description="the instruction's wording (App. A.1)")
     max_new_tokens: int | None = Field(None, ge=1, le=4096)
     data: str | None = None
     dtype: Dtype = "auto"
@@ -60,6 +62,11 @@ class ProfileConfig(BaseModel):
         if heads is None or any(h is not None for _, h in heads):
             raise ValueError("give layers only, e.g. '0-5+9'")
         return v
+
+    @model_validator(mode="after")
+    def _prompt(self) -> ProfileConfig:
+        get_task(self.task).check_prompt(self.prompt)
+        return self
 
 
 class HeadRecord(BaseModel):
@@ -106,8 +113,8 @@ class HeadProfiler:
         cfg = self.config
         task = get_task(cfg.task)
         if cfg.max_new_tokens:
-            task = Task(task.name, task.mode, task.primary, cfg.max_new_tokens, task.description)
-        examples = task.examples("train", cfg.n, cfg.data)
+            task = replace(task, max_new_tokens=cfg.max_new_tokens)
+        examples = task.examples("train", cfg.n, cfg.data, cfg.prompt)
         if not examples:
             raise DriftlabError(f"No train examples for task {cfg.task}.", hint="Check --data.")
         by_id = {e.id: e for e in examples}

@@ -34,6 +34,9 @@ from driftlab.pasta.datasets import OCCUPATIONS, Bio, Fact, load_bios, load_fact
 
 BASELINES = ("zero-shot", "marked", "quoted", "few-shot", "pasta")
 N_SHOTS = 3
+#: Instruction wordings (App. A.1; Table 4 measures how much each task's score depends on them).
+PROMPTS = ("original", "shortened", "rephrased")
+PromptName = Literal["original", "shortened", "rephrased"]
 
 
 @dataclass(frozen=True)
@@ -74,11 +77,20 @@ class Task:
     primary: str  # the metric head profiling ranks by
     max_new_tokens: int
     description: str
+    prompts: tuple[str, ...] = ("original",)  # the instruction wordings it has
 
-    def examples(self, split: str, n: int | None = None, data: str | None = None) -> list[Example]:
+    def examples(self, split: str, n: int | None = None, data: str | None = None,
+                 prompt: str = "original") -> list[Example]:
+        self.check_prompt(prompt)
         rows = _ROWS[self.name](data, split)
-        out = [_BUILD[self.name](row) for row in rows]
+        out = [_BUILD[self.name](row, prompt) for row in rows]
         return out[:n] if n is not None else out
+
+    def check_prompt(self, prompt: str) -> None:
+        if prompt not in self.prompts:
+            raise DriftlabError(f"Task {self.name} has no '{prompt}' prompt.",
+                                hint=f"Its prompts: {', '.join(self.prompts)} (the paper rewords only JSON "
+                                     "formatting and pronoun changing).")
 
     def conversation(self, example: Example, baseline: str, shots: Sequence[Example] = ()) -> list[dict]:
         if baseline not in BASELINES:
@@ -100,46 +112,70 @@ class Task:
             return {"format_acc": float(ok), "prediction_acc": float(pred), "score": (ok + pred) / 2}
         if self.name == "pronouns":
             changed, all_changed = metrics.pronoun_scores(text)
-            return {"acc": float(changed), "all_acc": float(all_changed), "fluency": metrics.fluency(text),
-                    "consistency": _consistency(data).score(text, _occupation_vector(data, example.extra["occupation"])),
-                    "score": float(changed)}
+            return {"acc": float(changed), "all_acc": float(all_changed), "they_acc": float(metrics.they_rewrite(text)),
+                    **self.quality(example, text, data), "score": float(changed)}
         raise DriftlabError(f"Task {self.name} is scored by log-likelihood, not by replies.")
+
+    def quality(self, example: Example, text: str, data: str | None = None) -> dict[str, float]:
+        """Generation quality (App. E): fluency (bi/tri-gram entropy) and, where the data set has
+        reference texts, consistency (tf-idf similarity to the bios of the example's occupation).
+        CounterFact's references would be ROME's attribute snippets, which are not bundled."""
+        out = {"fluency": metrics.fluency(text)}
+        if "occupation" in example.extra:
+            out["consistency"] = _consistency(data).score(text, _occupation_vector(data, example.extra["occupation"]))
+        return out
 
 
 # -- the four tasks ---------------------------------------------------------------------------
-JSON_INSTRUCTION = ('Answer the occupation of {person} and generate the answer as json format. Here is an '
-                    'example: {{"name": , "occupation": , }}. Now generate the answer.')
-PRONOUN_INSTRUCTION = ("For the aforementioned text, substitute 'she' and 'he' with 'they' and generate the "
-                       "occupation of {person} after changing pronouns.")
+# App. A.1's wordings; the emphasised span is always the instruction. "rephrased" JSON puts the
+# instruction before the bio. The pronoun wordings keep the paper's text verbatim (its typo too).
+_JSON_ASK = "Answer the occupation of {person} and generate the answer as json format."
+_JSON_EXAMPLE = ' Here is an example: {{"name": , "occupation": , }}.'
+JSON_INSTRUCTIONS = {
+    "original": _JSON_ASK + _JSON_EXAMPLE + " Now generate the answer.",
+    "shortened": _JSON_ASK,
+    "rephrased": _JSON_ASK + _JSON_EXAMPLE,
+}
+PRONOUN_INSTRUCTIONS = {
+    "original": "For the aforementioned text, substitute 'she' and 'he' with 'they' and generate the occupation of "
+                "{person} after changing pronouns.",
+    "shortened": "Change 'she' and 'he' with 'they' and answer the occupation of {person} after replacing the "
+                 "pronouns.",
+    "rephrased": "For the aforementioned descriptions, replace 'she' and 'he' with 'they' in the aformentioned text "
+                 "and generate the new text after replacing the pronouns.",
+}
 
 
 def _context(bio: Bio) -> str:
     return bio.bio.rstrip()
 
 
-def _json(bio: Bio) -> Example:
-    instruction = JSON_INSTRUCTION.format(person=bio.name)
+def _json(bio: Bio, prompt: str = "original") -> Example:
+    instruction = JSON_INSTRUCTIONS[prompt].format(person=bio.name)
+    if prompt == "rephrased":
+        text = Prompt("", instruction, f" {_context(bio)} Now generate the answer.")
+    else:
+        text = Prompt(f"{_context(bio)} ", instruction)
     answer = json.dumps({"name": bio.name, "occupation": bio.occupation_text})
-    return Example(id=bio.id, prompt=Prompt(f"{_context(bio)} ", instruction), answer=answer,
-                   extra={"occupation": bio.occupation, "bio": bio.bio})
+    return Example(id=bio.id, prompt=text, answer=answer, extra={"occupation": bio.occupation, "bio": bio.bio})
 
 
-def _pronouns(bio: Bio) -> Example:
-    instruction = PRONOUN_INSTRUCTION.format(person=bio.name)
+def _pronouns(bio: Bio, prompt: str = "original") -> Example:
+    instruction = PRONOUN_INSTRUCTIONS[prompt].format(person=bio.name)
     return Example(id=bio.id, prompt=Prompt(f"{_context(bio)} ", instruction), answer=they_version(bio.bio),
                    extra={"occupation": bio.occupation, "bio": bio.bio})
 
 
-def _biasbios(bio: Bio) -> Example:
+def _biasbios(bio: Bio, prompt: str = "original") -> Example:
     first = bio.first_sentence
     rest = bio.bio[len(first):]
     labels = tuple(occupation_label(o) for o in OCCUPATIONS)
     return Example(id=bio.id, prompt=Prompt("", first, f"{rest.rstrip()} {bio.name} has the occupation of"),
                    answer=bio.occupation_text, candidates=labels, target=OCCUPATIONS.index(bio.occupation),
-                   extra={"bio": bio.bio})
+                   extra={"occupation": bio.occupation, "bio": bio.bio})
 
 
-def _counterfact(fact: Fact) -> Example:
+def _counterfact(fact: Fact, prompt: str = "original") -> Example:
     return Example(id=str(fact.id), prompt=Prompt(f"Previously, {fact.old_fact}. ", f"Currently, {fact.new_fact}.",
                                                   f" {fact.question}"),
                    answer=fact.target_new, candidates=(fact.target_new, fact.target_true), target=0,
@@ -165,9 +201,9 @@ TASKS: dict[str, Task] = {
     t.name: t
     for t in (
         Task("json", "generate", "score", 64, "JSON formatting: answer a bio's occupation as JSON (format and "
-             "prediction accuracy); the instruction is emphasised."),
+             "prediction accuracy); the instruction is emphasised.", PROMPTS),
         Task("pronouns", "generate", "score", 160, "Pronoun changing: rewrite a bio with 'they' (accuracy, "
-             "all-pronoun accuracy, fluency, consistency); the instruction is emphasised."),
+             "all-pronoun accuracy, fluency, consistency); the instruction is emphasised.", PROMPTS),
         Task("biasbios", "score", "acc", 0, "BiasBios: the occupation is the most likely of 28 (accuracy); the "
              "first sentence is emphasised."),
         Task("counterfact", "score", "es", 0, "CounterFact: P(new fact) > P(old fact) for the question (efficacy) "

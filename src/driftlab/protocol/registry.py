@@ -35,6 +35,7 @@ def protocol_of(manifest: dict[str, Any]) -> ProtocolInfo:
     # Each protocol module registers itself on import.
     import driftlab.pasta.evaluate  # noqa: F401
     import driftlab.pasta.profile  # noqa: F401
+    import driftlab.pasta.tune  # noqa: F401
     import driftlab.protocol.calibrate  # noqa: F401
     import driftlab.protocol.mmlu  # noqa: F401
     import driftlab.protocol.selfchat  # noqa: F401
