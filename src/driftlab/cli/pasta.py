@@ -16,6 +16,8 @@ TaskOpt = Annotated[str, typer.Option("--task", "-t", help="json, pronouns, bias
 DataOpt = Annotated[Path | None, typer.Option(
     "--data", help="A real data file (BiasBios pickle/JSON, CounterFact JSON) instead of the bundled set.")]
 MaxTokensOpt = Annotated[int | None, typer.Option(help="Most new tokens per reply (default: the task's).")]
+AlphaOpt = Annotated[float, typer.Option(help="PASTA's scaling coefficient, in (0, 1).")]
+SelectOpt = Annotated[str, typer.Option("--select", help="intersection (PASTA's default), union or task-specific.")]
 PromptOpt = Annotated[str, typer.Option(
     help="The instruction's wording (App. A.1, Table 4): original, shortened or rephrased (json and pronouns).")]
 
@@ -26,7 +28,7 @@ def profile(
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (created, or resumed if it exists).")],
     model: ModelOpt = "smollm2-135m",
     n: Annotated[int, typer.Option("--n", help="Train examples per head.")] = 16,
-    alpha: Annotated[float, typer.Option(help="PASTA's scaling coefficient, in (0, 1).")] = 0.01,
+    alpha: AlphaOpt = 0.01,
     layers: Annotated[str | None, typer.Option(help="Only these layers, e.g. '0-5+9' (default: all).")] = None,
     score: Annotated[str, typer.Option(
         help="Rank heads by the task 'metric' (the paper), or by the 'likelihood' of the reference answer "
@@ -64,8 +66,7 @@ def profile(
 def select(
     profiles: Annotated[list[Path], typer.Argument(help="profile.json files of `driftlab pasta profile`.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Head config to write (pastalib's JSON format).")],
-    how: Annotated[str, typer.Option("--select", help="intersection (PASTA's default), union or task-specific.")]
-    = "intersection",
+    how: SelectOpt = "intersection",
     topk: Annotated[int, typer.Option(help="Top-k heads of each profile.")] = 20,
 ) -> None:
     """Build the steered head set from several tasks' profiles (seed 002 Sec. 3.2 and 5.3)."""
@@ -138,12 +139,11 @@ def tune(
     task: TaskOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (created, or resumed if it exists).")],
     model: ModelOpt = "smollm2-135m",
-    how: Annotated[str, typer.Option("--select", help="intersection (PASTA's default), union or task-specific.")]
-    = "intersection",
+    how: SelectOpt = "intersection",
     topk: Annotated[list[int] | None, typer.Option(help="Top-k values to try; repeatable (default: 10 20 40 80).")]
     = None,
     n: Annotated[int, typer.Option("--n", help="Validation examples.")] = 16,
-    alpha: Annotated[float, typer.Option(help="PASTA's scaling coefficient, in (0, 1).")] = 0.01,
+    alpha: AlphaOpt = 0.01,
     prompt: PromptOpt = "original",
     max_new_tokens: MaxTokensOpt = None,
     data: DataOpt = None,

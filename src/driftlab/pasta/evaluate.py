@@ -167,9 +167,7 @@ class PastaEval:
 
     def run(self) -> RunDir:
         cfg = self.config
-        task = get_task(cfg.task)
-        if cfg.max_new_tokens:
-            task = replace(task, max_new_tokens=cfg.max_new_tokens)
+        task = get_task(cfg.task, cfg.max_new_tokens)
         shots = task.examples("train", N_SHOTS, cfg.data, cfg.prompt) if "few-shot" in cfg.baselines else []
         # A real file has no split (every row is both "train" and "test"): never test on a demonstration.
         examples = [e for e in task.examples(cfg.split, None, cfg.data, cfg.prompt)

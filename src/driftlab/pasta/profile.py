@@ -12,7 +12,6 @@ layer x head heatmap with the unsteered baseline marked on the colour bar.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -111,9 +110,7 @@ class HeadProfiler:
 
     def run(self) -> Profile:
         cfg = self.config
-        task = get_task(cfg.task)
-        if cfg.max_new_tokens:
-            task = replace(task, max_new_tokens=cfg.max_new_tokens)
+        task = get_task(cfg.task, cfg.max_new_tokens)
         examples = task.examples("train", cfg.n, cfg.data, cfg.prompt)
         if not examples:
             raise DriftlabError(f"No train examples for task {cfg.task}.", hint="Check --data.")

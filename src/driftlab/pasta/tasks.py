@@ -19,6 +19,7 @@ Table 1, only the direction of each baseline against zero-shot.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -221,10 +222,12 @@ def _known_task(name: str) -> str:
 TaskName = Annotated[str, AfterValidator(_known_task)]  # a config field naming a registered task
 
 
-def get_task(name: str) -> Task:
+def get_task(name: str, max_new_tokens: int | None = None) -> Task:
+    """A registered task; `max_new_tokens` overrides its reply length (generation tasks)."""
     if name not in TASKS:
         raise DriftlabError(f"Unknown PASTA task '{name}'.", hint=f"Known: {', '.join(TASKS)}.")
-    return TASKS[name]
+    task = TASKS[name]
+    return dataclasses.replace(task, max_new_tokens=max_new_tokens) if max_new_tokens else task
 
 
 _THEY = [

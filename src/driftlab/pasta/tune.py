@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -131,9 +130,7 @@ class HeadTuner:
 
     def run(self) -> dict[str, Any]:
         cfg = self.config
-        task = get_task(cfg.task)
-        if cfg.max_new_tokens:
-            task = replace(task, max_new_tokens=cfg.max_new_tokens)
+        task = get_task(cfg.task, cfg.max_new_tokens)
         examples = task.examples("valid", cfg.n, cfg.data, cfg.prompt)
         if not examples:
             raise DriftlabError(f"No validation examples for task {cfg.task}.",
