@@ -233,3 +233,21 @@ def test_profile_scoring_modes(tmp_path, smol32, task, score) -> None:
         assert len(set(values)) > 1  # single heads move the answer's likelihood differently
     else:
         assert profile.metric == "es" and all(v in (0.0, 0.5, 1.0) for v in values)
+
+
+def test_paired_gains_subtract_example_by_example(tmp_path) -> None:
+    from driftlab.pasta.evaluate import ExampleRecord, paired_gains
+
+    rd = RunDir(tmp_path / "e")
+    cfg = PastaEvalConfig(task="counterfact", baselines=["zero-shot", "marked"])
+    with rd.writing():
+        rd.start(cfg.model_dump(mode="json"), {"examples": ["a", "b", "c"], "baselines": cfg.baselines},
+                 protocol="pasta-eval")
+        zero, marked = {"a": 1.0, "b": 0.0, "c": 0.0}, {"a": 1.0, "b": 1.0, "c": 1.0}
+        rd.append([ExampleRecord(baseline=b, id=i, metrics={"es": v[i]})
+                   for b, v in (("zero-shot", zero), ("marked", marked)) for i in "abc"])
+    gains = paired_gains(rd.path)
+    assert set(gains) == {"marked"} and gains["marked"]["es"][0] == pytest.approx(2 / 3)
+    lo, hi = gains["marked"]["es"][1:]
+    assert 0.0 <= lo <= 2 / 3 <= hi <= 1.0
+    assert paired_gains(rd.path, reference="few-shot") == {}

@@ -107,7 +107,7 @@ def evaluate(
     from rich.console import Console
     from rich.table import Table
 
-    from driftlab.pasta.evaluate import PastaEvalConfig, run_eval, summarize
+    from driftlab.pasta.evaluate import PastaEvalConfig, paired_gains, run_eval, summarize
 
     steer = []
     if heads is not None:
@@ -129,7 +129,18 @@ def evaluate(
     for b in config.baselines:
         table.add_row(b, *[f"{summary[b][m][0]:.3f} [{summary[b][m][1]:.2f}, {summary[b][m][2]:.2f}]"
                            for m in names])
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    gains = paired_gains(rundir.path)
+    if gains:
+        paired = Table(title="paired difference from zero-shot (same examples), mean [95% CI]")
+        paired.add_column("baseline")
+        for name in names:
+            paired.add_column(name)
+        for b in (b for b in config.baselines if b in gains):
+            paired.add_row(b, *[f"{gains[b][m][0]:+.3f} [{gains[b][m][1]:+.2f}, {gains[b][m][2]:+.2f}]"
+                                if m in gains[b] else "-" for m in names])
+        console.print(paired)
     typer.echo(f"records: {rundir.records_path}")
 
 
