@@ -228,6 +228,8 @@ def plot_tune(result: dict[str, Any], path: Path) -> Path:
         ax.plot([best["n_heads"]], [best["metrics"][metric][0]], marker="*", markersize=14, color="gold",
                 markeredgecolor="black", linestyle="none", label=f"chosen: {best['n_heads']} heads")
     ax.set_xscale("log")
+    ax.set_xticks(x, [str(v) for v in x])  # the head counts tried, not powers of ten
+    ax.minorticks_off()
     ax.margins(x=0.25)  # room for the labels
     ax.set_xlabel("steered heads |H| (log scale)")
     ax.set_ylabel(f"{metric} on the validation split")
