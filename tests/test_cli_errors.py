@@ -52,6 +52,7 @@ CACHE_HINT = "DRIFTLAB_CACHE"
 DEVICES = "auto, cpu, cuda"
 
 PROFILE = str(Path(__file__).resolve().parents[1] / "docs/results/pasta-smollm2/profile-json/profile.json")
+HEAD_CONFIG = str(Path(__file__).resolve().parents[1] / "docs/results/pasta-smollm2/heads.json")
 PRONOUN_PROFILE = str(Path(__file__).resolve().parents[1] / "docs/results/pasta-smollm2/profile-pronouns/profile.json")
 
 CASES = [
@@ -183,6 +184,8 @@ CASES = [
          ("Cannot write the head config",)),
     Case("pasta-tune-missing-profile", ("pasta", "tune", "{ws}/nope.json", "--task", "json", "--out", "{ws}/t"),
          ("nope.json does not exist",)),
+    Case("pasta-tune-head-config-as-profile", ("pasta", "tune", HEAD_CONFIG, "--task", "json", "--out", "{ws}/t"),
+         ("is not a head profile",), hint="--heads"),
     Case("pasta-tune-bad-select", ("pasta", "tune", PROFILE, "--task", "json", "--select", "vote", "--out", "{ws}/t"),
          ("Invalid --select vote",)),
     Case("pasta-tune-topk-zero", ("pasta", "tune", PROFILE, "--task", "json", "--topk", "0", "--out", "{ws}/t"),

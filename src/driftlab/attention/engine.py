@@ -167,7 +167,10 @@ def driftlab_attention(
         # A key bias (PASTA, InstABoost) on a prefill whose mask is causal plus key padding: the
         # CPU flash kernel takes the causal flag with a [B, H, 1, K] key mask (bias, and the
         # dtype's minimum on padding keys), so no per-query mask is built.
-        keys = None if base is None else _padding_keys(state, base, q, K)
+        # The memo keeps the mask alive; only the caller's own tensor is worth it (a converted
+        # float mask is a fresh [B, 1, q, K] tensor per layer).
+        memo = state.mask_memo if base is attention_mask else {}
+        keys = None if base is None else _padding_keys(memo, base, q, K, state.kv_len)
         if base is None or keys is not None:
             key_mask = bias.to(dtype) if keys is None else torch.where(keys[:, None, None, :], bias.to(dtype), neg)
             out, _ = _attend(query, key, value, key_mask, scale, n_rep, causal=True, lse=True)
@@ -236,20 +239,20 @@ def driftlab_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _padding_keys(state: AttentionState, base: torch.Tensor, q: int, K: int) -> torch.Tensor | None:
+def _padding_keys(memo: dict, base: torch.Tensor, q: int, K: int, kv_len: int) -> torch.Tensor | None:
     """[B, K] visible keys if the boolean mask `base` [B, 1, q, K] is exactly causal plus
     key padding (left padding), else None (e.g. a sliding window).
 
-    transformers hands every layer of a kind the same mask tensor, so the answer is kept per
-    mask for the rest of the forward pass (the check reads all B q K entries)."""
+    transformers hands every layer of a kind the same mask tensor, so the answer is kept in
+    `memo` per mask for the rest of the forward pass (the check reads all B q K entries)."""
     if base.dim() != 4 or base.shape[1] != 1 or base.shape[2] != q:
         return None
-    tag = (base.data_ptr(), tuple(base.shape), state.kv_len)
-    if tag not in state.mask_memo:
+    tag = (base.data_ptr(), tuple(base.shape), kv_len)
+    if tag not in memo:
         keys = base[:, 0, -1, :]  # the last query sees every key that is not padding
         same = torch.equal(base, keys[:, None, None, :] & _causal_mask(q, K, base.device))
-        state.mask_memo[tag] = keys if same else None
-    return state.mask_memo[tag]
+        memo[tag] = keys if same else None
+    return memo[tag]
 
 
 def _flash_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:

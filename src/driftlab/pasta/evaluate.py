@@ -9,6 +9,7 @@ train demonstrations), so differences between baselines are paired.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -131,6 +132,18 @@ def score_examples(backend, task: Task, examples: list[Example], iv: Interventio
             for ex, m, r in zip(examples, scored, replies, strict=True)]
 
 
+def score_batches(rundir: RunDir, bar, record: type[BaseModel], fields: dict[str, Any], backend, task: Task,
+                  examples: list[Example], iv: Interventions, baseline: str, shots: list[Example], batch_size: int,
+                  data: str | None = None, generate: int = 0) -> None:
+    """`score_examples` in batches, appending `record(**fields, id=, metrics=, text=)` for each
+    example as its batch ends, so a killed run keeps every finished batch (eval and tune share this)."""
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        scored = score_examples(backend, task, chunk, iv, baseline, shots, batch_size, data, generate)
+        rundir.append([record(**fields, id=ex.id, metrics=m, text=t) for ex, (m, t) in zip(chunk, scored, strict=True)])
+        bar.advance(len(chunk))
+
+
 def _score_candidates(backend, task: Task, examples: list[Example], convs: list[list[dict]], iv: Interventions,
                       baseline: str, batch_size: int) -> list[dict[str, float]]:
     out = []
@@ -170,8 +183,8 @@ class PastaEval:
         task = get_task(cfg.task, cfg.max_new_tokens)
         shots = task.examples("train", N_SHOTS, cfg.data, cfg.prompt) if "few-shot" in cfg.baselines else []
         # A real file has no split (every row is both "train" and "test"): never test on a demonstration.
-        examples = [e for e in task.examples(cfg.split, None, cfg.data, cfg.prompt)
-                    if e.id not in {s.id for s in shots}][: cfg.n]
+        demos = {s.id for s in shots}
+        examples = [e for e in task.examples(cfg.split, None, cfg.data, cfg.prompt) if e.id not in demos][: cfg.n]
         if not examples:
             raise DriftlabError(f"No {cfg.split} examples for task {cfg.task}.", hint="Check --data.")
         with self.rundir.writing():
@@ -183,14 +196,10 @@ class PastaEval:
             with WorkProgress(f"pasta eval {cfg.task}", sum(map(len, todo.values())), self.progress,
                               unit="examples") as bar:
                 for baseline in cfg.baselines:
-                    pending = todo[baseline]
-                    for start in range(0, len(pending), cfg.batch_size):
-                        chunk = pending[start : start + cfg.batch_size]
-                        scored = score_examples(self.backend, task, chunk, cfg.interventions(baseline), baseline,
-                                                shots, cfg.batch_size, cfg.data, cfg.generate_tokens)
-                        self.rundir.append([ExampleRecord(baseline=baseline, id=ex.id, metrics=m, text=t)
-                                            for ex, (m, t) in zip(chunk, scored, strict=True)])
-                        bar.advance(len(chunk))
+                    score_batches(self.rundir, bar, ExampleRecord, {"baseline": baseline}, self.backend, task,
+                                  todo[baseline],
+                                  cfg.interventions(baseline), baseline, shots, cfg.batch_size, cfg.data,
+                                  cfg.generate_tokens)
             plot_eval(summarize(self.rundir.path), self.rundir.path / "eval.png", f"PASTA {cfg.task} · {cfg.model}")
             self.rundir.update_manifest(completed=True)
         return self.rundir
@@ -253,10 +262,15 @@ def paired_gains(run_dir: str | Path, reference: str = "zero-shot") -> dict[str,
 
 def summarize(run_dir: str | Path) -> dict[str, dict[str, tuple[float, float, float]]]:
     """baseline -> metric -> (mean, CI low, CI high) over examples."""
+    return metric_cis(RunDir(run_dir).records(RECORDS), lambda r: r.baseline)
+
+
+def metric_cis(records: Iterable[Any], group: Callable[[Any], Hashable]) -> dict[Any, dict[str, tuple[float, float, float]]]:
+    """group -> metric -> (mean, CI low, CI high) over the records (each with `.metrics`) of that group."""
     from driftlab.pasta.metrics import mean_ci
 
-    values: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for r in RunDir(run_dir).records(RECORDS):
+    values: dict[Any, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
         for name, v in r.metrics.items():
-            values[r.baseline][name].append(v)
-    return {b: {m: mean_ci(v) for m, v in ms.items()} for b, ms in values.items()}
+            values[group(r)][name].append(v)
+    return {g: {m: mean_ci(v) for m, v in ms.items()} for g, ms in values.items()}

@@ -57,7 +57,12 @@ def load_heads(path: str | Path, topk: int | None = None) -> Heads:
 
 
 def load_profile(path: str | Path) -> Profile:
-    return _profile(_read_json(path), path)
+    data = _read_json(path)
+    if not (isinstance(data, dict) and "driftlab_profile" in data):
+        raise DriftlabError(f"{path} is not a head profile (a ranking of heads); it looks like a head config.",
+                            hint="Give the profile.json that `driftlab pasta profile` writes; a head config is "
+                                 "used as it is, with --heads.")
+    return _profile(data, path)
 
 
 def save_heads(heads: Sequence[tuple[int, int]], path: str | Path) -> Path:

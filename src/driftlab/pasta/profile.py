@@ -166,16 +166,21 @@ class HeadProfiler:
             self.rundir.append(records)
             bar.advance(len(chunk))
 
+    def _steer(self, layer: int, head: int) -> tuple[Interventions, str]:
+        """The interventions and baseline of one head's rows (BASELINE: no steering, zero-shot)."""
+        if (layer, head) == BASELINE:
+            return Interventions(), "zero-shot"
+        return Interventions.parse([f"pasta:heads={layer}.{head},alpha={self.config.alpha}"]), "pasta"
+
     def _likelihood(self, task: Task, rows, by_id, bar) -> None:
         """Rank by the mean per-token log-probability of each example's reference answer
         (teacher-forced, no generation). A graded score where the task metric is 0 for every
         head on a small model (e.g. SmolLM2 never writes JSON unprompted), and far cheaper."""
         for (layer, head), ids in _group(rows).items():
-            steer = [] if (layer, head) == BASELINE else [f"pasta:heads={layer}.{head},alpha={self.config.alpha}"]
-            baseline = "zero-shot" if not steer else "pasta"
+            iv, baseline = self._steer(layer, head)
             examples = [by_id[e] for e in ids]
             convs = [task.conversation(ex, baseline) for ex in examples]
-            scores = self.backend.loglikelihood(convs, [ex.answer for ex in examples], Interventions.parse(steer),
+            scores = self.backend.loglikelihood(convs, [ex.answer for ex in examples], iv,
                                                 batch_size=self.config.batch_size)
             self.rundir.append([
                 HeadRecord(layer=layer, head=head, id=ex.id, score=s.logprob / s.n_tokens,
@@ -186,11 +191,10 @@ class HeadProfiler:
     def _score(self, task: Task, rows, by_id, bar) -> None:
         """Scoring tasks: one log-likelihood pass over the examples per head."""
         for (layer, head), ids in _group(rows).items():
-            steer = [] if (layer, head) == BASELINE else [f"pasta:heads={layer}.{head},alpha={self.config.alpha}"]
-            baseline = "zero-shot" if not steer else "pasta"
+            iv, baseline = self._steer(layer, head)
             examples = [by_id[e] for e in ids]
-            scored = score_examples(self.backend, task, examples, Interventions.parse(steer), baseline, [],
-                                    self.config.batch_size, self.config.data)
+            scored = score_examples(self.backend, task, examples, iv, baseline, [], self.config.batch_size,
+                                    self.config.data)
             self.rundir.append([HeadRecord(layer=layer, head=head, id=ex.id, score=m[task.primary], metrics=m)
                                 for ex, (m, _) in zip(examples, scored, strict=True)])
             bar.advance(len(ids))

@@ -14,7 +14,6 @@ records the head sets themselves, so a later change to a profile file cannot mix
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -24,9 +23,9 @@ from driftlab.assets.registry import DEFAULT_MODEL
 from driftlab.chat.factory import BackendSpec, Dtype, ModelName, make_backend
 from driftlab.console import WorkProgress
 from driftlab.errors import DriftlabError
-from driftlab.pasta.evaluate import score_examples
+from driftlab.pasta.evaluate import metric_cis, score_batches
 from driftlab.pasta.heads import load_profile, save_heads, select
-from driftlab.pasta.metrics import FLUENCY_FLOOR, mean_ci
+from driftlab.pasta.metrics import FLUENCY_FLOOR
 from driftlab.pasta.tasks import PromptName, TaskName, get_task
 from driftlab.protocol.registry import register
 from driftlab.records.rundir import RunDir
@@ -149,12 +148,8 @@ class HeadTuner:
             with WorkProgress(f"pasta tune {cfg.task}", sum(len(t[3]) for t in todo), self.progress,
                               unit="examples") as bar:
                 for k, iv, baseline, pending in todo:
-                    for start in range(0, len(pending), cfg.batch_size):
-                        chunk = pending[start : start + cfg.batch_size]
-                        scored = score_examples(self.backend, task, chunk, iv, baseline, [], cfg.batch_size, cfg.data)
-                        self.rundir.append([PointRecord(topk=k, id=ex.id, metrics=m, text=t)
-                                            for ex, (m, t) in zip(chunk, scored, strict=True)])
-                        bar.advance(len(chunk))
+                    score_batches(self.rundir, bar, PointRecord, {"topk": k}, self.backend, task, pending, iv,
+                                  baseline, [], cfg.batch_size, cfg.data)
             result = summarize(self.rundir.path)
             (self.rundir.path / "tune.json").write_text(json.dumps(result, indent=1))
             plot_tune(result, self.rundir.path / "tune.png")
@@ -180,11 +175,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     manifest = rd.read_manifest()
     cfg = manifest["config"]
     primary = get_task(cfg["task"]).primary
-    values: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for r in rd.records(RECORDS):
-        for name, v in r.metrics.items():
-            values[r.topk][name].append(v)
-    stats = {k: {m: mean_ci(v) for m, v in ms.items()} for k, ms in values.items()}
+    stats = metric_cis(rd.records(RECORDS), lambda r: r.topk)
     points = [{"topk": p["topk"], "n_heads": len(p["heads"]), "heads": p["heads"], "metrics": stats.get(p["topk"], {})}
               for p in manifest["points"]]
     for p in points:  # the paper drops any result whose mean fluency is below 3.0 (Sec. 4)
