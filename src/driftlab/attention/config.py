@@ -50,16 +50,35 @@ def heads_spec(heads: Heads) -> str:
     return "+".join(f"{layer}" if head is None else f"{layer}.{head}" for layer, head in heads)
 
 
+EngineSpan = Literal["system", "emphasis"]  # the named token ranges a rendered prompt carries
+
+
+class BiasTerm(BaseModel):
+    """One additive key bias: `value` on the logits of the `span` keys (every other key with
+    `invert`) on `heads`. With `scope="prompt"` only the prompt's keys are biased, never the
+    keys of generated tokens (pastalib's behaviour). A row without the span is left alone."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    value: float = Field(allow_inf_nan=False)
+    span: EngineSpan = "system"
+    invert: bool = False
+    heads: Heads = None
+    scope: Literal["all", "prompt"] = "all"
+
+    @field_validator("heads", mode="before")
+    @classmethod
+    def _parse_heads(cls, v):
+        return _heads(v)
+
+
 class AttentionConfig(BaseModel):
     """What the attention engine does on one call (compiled from `Interventions`).
 
     * `split_k` < 1 turns on split-softmax (seed 000 Eq. 6-7) on `split_heads`.
-    * `bias` != 0 adds that value to the attention logits of the `bias_span` keys (or of
-      every other key when `bias_invert`) on `bias_heads`: InstABoost boosts the
+    * `biases` are additive key biases (`BiasTerm`), summed: InstABoost boosts the
       instruction keys everywhere; PASTA adds log(alpha) to the non-emphasised keys on
-      profiled heads. With `bias_scope="prompt"` only the prompt's keys are biased, never
-      the keys of generated tokens (pastalib's behaviour). A row without the span is left
-      alone.
+      profiled heads; `bias` adds any value; several compose.
     * `trace` records pi, the attention mass on the system keys, per layer and head.
     """
 
@@ -69,30 +88,44 @@ class AttentionConfig(BaseModel):
     trace_prefill: bool = False
     split_k: float = Field(1.0, ge=0.0, le=1.0, allow_inf_nan=False)
     split_heads: Heads = None
-    bias: float = Field(0.0, allow_inf_nan=False)
-    bias_span: str = "system"
-    bias_invert: bool = False
-    bias_heads: Heads = None
-    bias_scope: Literal["all", "prompt"] = "all"
+    biases: tuple[BiasTerm, ...] = ()
 
-    @field_validator("split_heads", "bias_heads", mode="before")
+    @field_validator("split_heads", mode="before")
     @classmethod
     def _parse_heads(cls, v):
-        return parse_heads(v) if isinstance(v, str) or v is None else tuple(tuple(x) for x in v)
+        return _heads(v)
+
+    @field_validator("biases")
+    @classmethod
+    def _nonzero(cls, v: tuple[BiasTerm, ...]) -> tuple[BiasTerm, ...]:
+        return tuple(t for t in v if t.value != 0.0)  # a zero bias is the plain model
 
     @property
     def splits(self) -> bool:
         return self.split_k != 1.0
 
     @property
-    def biases(self) -> bool:
-        return self.bias != 0.0
+    def biased(self) -> bool:
+        return bool(self.biases)
+
+    @property
+    def prompt_scoped(self) -> bool:
+        """Some bias spares generated keys: their KV differs from the same tokens' KV as prompt."""
+        return any(t.scope == "prompt" for t in self.biases)
 
     @property
     def changes_outputs(self) -> bool:
         """True if hidden states differ from the plain model (tracing alone does not)."""
-        return self.splits or self.biases
+        return self.splits or self.biased
 
     @property
     def active(self) -> bool:
         return self.trace or self.changes_outputs
+
+    def shared(self) -> tuple:
+        """What every row of one batch must agree on (key biases may differ per row)."""
+        return (self.trace, self.trace_prefill, self.split_k, self.split_heads)
+
+
+def _heads(v):
+    return parse_heads(v) if isinstance(v, str) or v is None else tuple(tuple(x) for x in v)

@@ -40,37 +40,46 @@ class AttentionState:
 
     def __init__(
         self,
-        config: AttentionConfig,
+        configs: AttentionConfig | Sequence[AttentionConfig],
         spans: Sequence[dict[str, list[Span]]],
         n_layers: int,
         n_heads: int,
         device: torch.device,
-        row_heads: Sequence[Heads] | None = None,
     ) -> None:
-        """`row_heads` gives each batch row its own bias heads (head profiling batches many
-        single-head steerings at once); otherwise every row uses `config.bias_heads`."""
-        self.config = config
+        """`configs` is one config for every row, or one per row (head profiling batches many
+        single-head steerings at once). Rows may differ only in their key biases: split-softmax
+        and tracing are one setting per call."""
+        rows = [configs] * len(spans) if isinstance(configs, AttentionConfig) else list(configs)
+        if len(rows) != len(spans):
+            raise DriftlabError(f"{len(rows)} attention configs given for {len(spans)} rows.")
+        if any(c.shared() != rows[0].shared() for c in rows):
+            raise DriftlabError("The rows of one batch ask for different split-softmax or tracing settings.",
+                                hint="Only key biases (bias, instaboost, pasta) may differ per row; "
+                                     "run the others as separate requests.")
+        self.config = rows[0]  # the shared settings
+        self.rows = rows
         self.spans = spans
-        self.row_heads = row_heads
         self.n_layers, self.n_heads, self.device = n_layers, n_heads, device
-        self.split_k = config.split_k
-        self.trace = config.trace
-        split = head_mask(config.split_heads, n_layers, n_heads) if config.splits else None
+        self.split_k = self.config.split_k
+        self.trace = self.config.trace
+        split = head_mask(self.config.split_heads, n_layers, n_heads) if self.config.splits else None
+        # Key biases: term j of row b (zero where a row has fewer terms), heads [J, B, L, H].
+        n_terms = max((len(c.biases) for c in rows), default=0)
         bias = None
-        if config.biases:
-            if row_heads is not None:  # [B, L, H]
-                bias = torch.stack([head_mask(h, n_layers, n_heads) for h in row_heads])
-            else:  # [1, L, H]
-                bias = head_mask(config.bias_heads, n_layers, n_heads)[None]
+        if n_terms:
+            bias = torch.zeros(n_terms, len(rows), n_layers, n_heads, dtype=torch.bool)
+            for b, c in enumerate(rows):
+                for j, term in enumerate(c.biases):
+                    bias[j, b] = head_mask(term.heads, n_layers, n_heads)
         self.split_mask = split.to(device) if split is not None else None
         self.bias_mask = bias.to(device) if bias is not None else None
         # Per-layer flags on the host: asking the device tensors would sync a GPU every layer.
         self._split_layers = split.any(dim=1).tolist() if split is not None else [False] * n_layers
-        self._bias_layers = bias.any(dim=(0, 2)).tolist() if bias is not None else [False] * n_layers
+        self._bias_layers = bias.any(dim=(0, 1, 3)).tolist() if bias is not None else [False] * n_layers
         self._acts = [self.trace or sp or bi for sp, bi in zip(self._split_layers, self._bias_layers)]
         self.system_keys: torch.Tensor | None = None
         self.system_slots: tuple[int, int] | None = None  # [first, last + 1) slot of any row's system key
-        self.bias_keys: torch.Tensor | None = None
+        self.bias_keys: torch.Tensor | None = None  # [J, B, slots] additive logits per term
         self.kv_len = 0
         self.records: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
         self.mask_memo: dict = {}  # the engine's per-mask facts, for the layers sharing a mask
@@ -80,7 +89,7 @@ class AttentionState:
         """Lay the row spans out in padded key slots: row b's token j sits at pads[b] + j.
 
         `ends[b]` is the slot after row b's prompt (default `prompt_len`): a teacher-forced
-        continuation after it counts as generated for `bias_scope="prompt"`.
+        continuation after it counts as generated for a bias with `scope="prompt"`.
         """
         B = len(pads)
         ends = list(ends) if ends is not None else [prompt_len] * B
@@ -95,18 +104,21 @@ class AttentionState:
         self.system_keys = system.to(self.device)
         slots = torch.nonzero(system.any(dim=0)).flatten().tolist()
         self.system_slots = (slots[0], slots[-1] + 1) if slots else None
-        if self.config.biases:
-            target = torch.zeros(B, max_len, dtype=torch.bool)
-            for b, spans in enumerate(self.spans):
-                if not spans.get(self.config.bias_span):
-                    continue  # nothing to emphasise or boost in this row
-                for s, e in spans[self.config.bias_span]:
-                    target[b, pads[b] + s : pads[b] + e] = True
-                end = ends[b] if self.config.bias_scope == "prompt" else max_len
-                if self.config.bias_invert:
-                    target[b, pads[b] : end] = ~target[b, pads[b] : end]
-                target[b, end:] = False
-            self.bias_keys = (target.float() * self.config.bias).to(self.device)
+        if self.bias_mask is not None:
+            keys = torch.zeros(self.bias_mask.shape[0], B, max_len)
+            for b, (config, spans) in enumerate(zip(self.rows, self.spans, strict=True)):
+                for j, term in enumerate(config.biases):
+                    if not spans.get(term.span):
+                        continue  # nothing to emphasise or boost in this row
+                    target = torch.zeros(max_len, dtype=torch.bool)
+                    for s, e in spans[term.span]:
+                        target[pads[b] + s : pads[b] + e] = True
+                    end = ends[b] if term.scope == "prompt" else max_len
+                    if term.invert:
+                        target[pads[b] : end] = ~target[pads[b] : end]
+                    target[end:] = False
+                    keys[j, b] = target.float() * term.value
+            self.bias_keys = keys.to(self.device)
         self.kv_len = prompt_len
         self.records = [[] for _ in range(self.n_layers)]
 
@@ -132,11 +144,14 @@ class AttentionState:
         return (a - lo, b - lo) if a < b else None
 
     def layer_bias(self, layer: int, lo: int, hi: int) -> torch.Tensor | None:
-        """[B, H, 1, K] additive logits for this layer's keys, or None."""
+        """[B, H, 1, K] additive logits for this layer's keys (the sum of the terms), or None."""
         if not self._bias_layers[layer]:
             return None
-        keys = self.bias_keys[:, lo:hi]
-        return keys[:, None, None, :] * self.bias_mask[:, layer, :, None, None].to(keys.dtype)
+        out = None
+        for keys, heads in zip(self.bias_keys[:, :, lo:hi], self.bias_mask[:, :, layer], strict=True):
+            term = keys[:, None, None, :] * heads[:, :, None, None].to(keys.dtype)
+            out = term if out is None else out + term
+        return out
 
     def record(self, layer: int, pi: torch.Tensor) -> None:
         """Keep pi [B, H, q]: all queries on the prefill if asked, else only the last."""

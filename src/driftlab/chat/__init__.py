@@ -1,4 +1,4 @@
-"""Chat backends: the protocol, the typed request, the factory, and the local implementation."""
+"""Chat backends: the contracts (`base`), what to run (`spec`), the factory, and the implementations."""
 
 from driftlab.chat.base import (
     Capabilities,
@@ -7,18 +7,23 @@ from driftlab.chat.base import (
     Conversation,
     LogLikelihood,
     Message,
+    ModelShape,
+    Rendered,
     Reply,
     Sampling,
     ScoringBackend,
+    TokenBackend,
     TokenLogprob,
     chat,
+    token_backend,
 )
-from driftlab.chat.factory import BackendSpec, make_backend
+from driftlab.chat.factory import make_backend
+from driftlab.chat.spec import BackendSpec, Runtime
 
 __all__ = [
     "BackendSpec", "Capabilities", "ChatBackend", "ChatRequest", "Conversation", "HFChatBackend", "LogLikelihood",
-    "Message", "Reply", "Sampling", "ScoringBackend", "TokenLogprob", "chat",
-    "make_backend",
+    "Message", "ModelShape", "Rendered", "Reply", "Runtime", "Sampling", "ScoringBackend", "TokenBackend",
+    "TokenLogprob", "chat", "make_backend", "token_backend",
 ]
 
 

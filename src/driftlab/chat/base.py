@@ -1,29 +1,36 @@
-"""The contract every chat backend meets: a typed request in, one reply per conversation out.
+"""The contracts backends meet, and the data that crosses them.
 
-Protocols (self-chat, MMLU, sweeps) only talk to this interface, so the same experiment
-runs on a local Hugging Face model or on any OpenAI-compatible server. A backend declares
-what it can do (`Capabilities`): which intervention kinds it applies and whether it can
-score log-likelihoods; protocols check that instead of probing attributes.
+* `ChatBackend`: a typed request in (`ChatRequest`: conversations, sampling, interventions),
+  one `Reply` per conversation out. Protocols (self-chat, MMLU, sweeps) talk only to this,
+  so the same experiment runs on a local Hugging Face model or on any OpenAI-compatible
+  server. `ScoringBackend` adds log-likelihood scoring (MMLU, PASTA's scoring tasks).
+* `TokenBackend`: the token level of a local model, for work that must see tokens
+  (PASTA head profiling, attention-decay replay, streaming servers): render a conversation
+  to tokens with named spans, decode token prompts with per-row interventions, the model's
+  shape, stop tokens, token ids back to text.
+
+A backend declares what it can do (`Capabilities`): the intervention kinds it applies,
+whether it scores log-likelihoods and whether it is a `TokenBackend`; protocols check that
+(`token_backend`) instead of probing attributes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypedDict, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from driftlab.errors import DriftlabError
+from driftlab.messages import Conversation, Message, validate_conversation
 from driftlab.steering.interventions import Interventions
 
-
-class Message(TypedDict):
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-Conversation = list[Message]
-
+__all__ = [
+    "MAX_SEED", "Capabilities", "ChatBackend", "ChatRequest", "Conversation", "LogLikelihood", "Message",
+    "ModelShape", "Rendered", "Reply", "Sampling", "ScoringBackend", "TokenBackend", "TokenLogprob", "chat",
+    "token_backend", "validate_conversation",
+]
 
 MAX_SEED = 2**63 - 1
 
@@ -101,8 +108,6 @@ class ChatRequest:
     on_token: Callable[[int, int], None] | None = None
 
     def __post_init__(self) -> None:
-        from driftlab.errors import DriftlabError
-
         n = len(self.conversations)
         for i, conv in enumerate(self.conversations):
             validate_conversation(conv, i)
@@ -125,16 +130,16 @@ class Capabilities:
     """What a backend can do, so protocols ask instead of sniffing attributes.
 
     `interventions`: the intervention kinds it applies (see driftlab.steering.KINDS);
-    `loglikelihood`: it can score continuations (MMLU, PASTA evaluation).
+    `loglikelihood`: it can score continuations (MMLU, PASTA evaluation);
+    `tokens`: it is a `TokenBackend` (a local model whose tokens protocols may see).
     """
 
     interventions: frozenset[str] = frozenset()
     loglikelihood: bool = False
+    tokens: bool = False
 
     def require(self, backend_name: str, interventions: Interventions) -> None:
         """Refuse, in one line, interventions this backend cannot apply."""
-        from driftlab.errors import DriftlabError
-
         missing = sorted(interventions.kinds - self.interventions)
         if missing:
             works = ", ".join(sorted(self.interventions)) or "none"
@@ -196,21 +201,79 @@ def chat(
     return backend.generate(ChatRequest(conversations, sampling, seeds, interventions))
 
 
-def validate_conversation(conversation: Sequence[Message], index: int = 0) -> None:
-    """Reject malformed conversations with a message that says which one and why."""
-    from driftlab.errors import DriftlabError
+# -- the token level --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rendered:
+    """A conversation as the model's tokens, with the named token ranges interventions refer to."""
 
-    if not conversation:
-        raise DriftlabError(f"Conversation {index} is empty.", hint="Give at least one user message.")
-    for j, msg in enumerate(conversation):
-        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
-            raise DriftlabError(
-                f"Conversation {index}, message {j} is not a {{'role', 'content'}} mapping: {msg!r}."
-            )
-        if msg["role"] not in ("system", "user", "assistant"):
-            raise DriftlabError(
-                f"Conversation {index}, message {j} has role '{msg['role']}'.",
-                hint="Roles are 'system', 'user' and 'assistant'.",
-            )
-        if not isinstance(msg["content"], str):
-            raise DriftlabError(f"Conversation {index}, message {j} has non-text content.")
+    ids: list[int]
+    text: str
+    system_span: tuple[int, int] | None  # [start, end) token positions, None without system message
+    emphasis: tuple[tuple[int, int], ...] = ()  # token ranges a user emphasised (PASTA)
+
+    def spans(self) -> dict[str, list[tuple[int, int]]]:
+        """Named token ranges for the attention engine: "system" and "emphasis" where present."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        if self.system_span:
+            out["system"] = [self.system_span]
+        if self.emphasis:
+            out["emphasis"] = list(self.emphasis)
+        return out
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a protocol may know of a local model's architecture."""
+
+    layers: int
+    heads: int  # query heads per layer
+    kv_heads: int
+    max_context: int | None = None  # positions the model was trained for (None: unknown)
+    layer_types: tuple[str, ...] = ()  # e.g. "full_attention" / "sliding_attention" per layer, where declared
+    sliding_window: int | None = None
+
+    @property
+    def sliding_layers(self) -> int:
+        return sum(t == "sliding_attention" for t in self.layer_types)
+
+
+@runtime_checkable
+class TokenBackend(ChatBackend, Protocol):
+    """A local model at the level of tokens (declared by `Capabilities.tokens`)."""
+
+    shape: ModelShape
+    stop_ids: frozenset[int]  # tokens that end a reply
+    stop_strings: tuple[str, ...]  # texts that end a reply (a base model's plain template)
+
+    def render(self, conversation: Conversation, add_generation_prompt: bool = True,
+               interventions: Interventions | None = None) -> Rendered:
+        """The tokens the model is shown, with the system span and (for interventions acting on
+        marked text) the emphasised spans, the markup removed."""
+        ...
+
+    def generate_tokens(
+        self,
+        prompts: Sequence[Rendered],
+        sampling: Sampling,
+        *,
+        seeds: Sequence[int] | None = None,
+        interventions: Interventions | Sequence[Interventions] = Interventions(),
+        cache_store: Sequence[bool] | None = None,
+        logprobs: int | None = None,
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> list[Reply]:
+        """Continue rendered prompts; `interventions` is one for every row or one per row (rows
+        may differ in their key biases, e.g. a different head steered in each row)."""
+        ...
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+        """Token ids back to text."""
+        ...
+
+
+def token_backend(backend: ChatBackend, purpose: str) -> TokenBackend:
+    """`backend` as a TokenBackend, or a one-line error saying that `purpose` needs a local model."""
+    if not backend.capabilities.tokens:
+        raise DriftlabError(f"{backend.name} is not a local model; {purpose} needs its tokens.",
+                            hint="Use a preset name or a local Hugging Face model directory.")
+    return backend  # type: ignore[return-value]

@@ -21,6 +21,8 @@ from driftlab.chat.base import (
     ChatRequest,
     Conversation,
     LogLikelihood,
+    ModelShape,
+    Rendered,
     Reply,
     Sampling,
     TokenLogprob,
@@ -28,16 +30,18 @@ from driftlab.chat.base import (
 )
 from driftlab.chat.loading import load_model
 from driftlab.chat.prefix_cache import PrefixCache
-from driftlab.chat.templates import Rendered, Renderer
+from driftlab.chat.spec import BackendSpec
+from driftlab.chat.templates import Renderer
 from driftlab.errors import DriftlabError
-from driftlab.pasta.emphasis import strip_emphasis
+from driftlab.steering.emphasis import strip_emphasis
 from driftlab.steering.interventions import KINDS, Interventions
 
 
 class HFChatBackend:
-    """A local chat model. Thread-unsafe by design: one generate call at a time."""
+    """A local chat model: a `ChatBackend`, `ScoringBackend` and `TokenBackend`.
+    Thread-unsafe by design: one generate call at a time."""
 
-    capabilities = Capabilities(interventions=frozenset(KINDS), loglikelihood=True)
+    capabilities = Capabilities(interventions=frozenset(KINDS), loglikelihood=True, tokens=True)
 
     def __init__(
         self,
@@ -59,8 +63,17 @@ class HFChatBackend:
         self.device = self.model.device
         self.renderer = Renderer(self.tokenizer, span_mode)
         self.eos_ids = self.renderer.eos_ids(self.model.config, self.model.generation_config)
+        self.stop_ids = frozenset(self.eos_ids)
+        self.stop_strings = self.renderer.stop_strings
+        self.shape = _shape(self.model.config)
         self.pad_id = self._pad_id()
         self.prefix_cache = PrefixCache(prefix_cache_bytes if self._cacheable() else 0)
+
+    @classmethod
+    def from_spec(cls, spec: BackendSpec, *, prefix_cache_bytes: int = 2 << 30) -> HFChatBackend:
+        """The local model a `BackendSpec` names (its runtime is the caller's business)."""
+        return cls(spec.model, dtype=spec.dtype, device=spec.device, span_mode=spec.span,
+                   prefix_cache_bytes=prefix_cache_bytes)
 
     # -- public API -------------------------------------------------------------------------
     def generate(self, request: ChatRequest) -> list[Reply]:
@@ -81,8 +94,8 @@ class HFChatBackend:
         if alpha is not None:
             rendered += [self.render(_without_system(c), interventions=iv) for c in convs]
             seeds, store = seeds * 2, (list(store) * 2 if store is not None else None)
-        replies = self.generate_tokens(
-            [r.ids for r in rendered], request.sampling, seeds=seeds, interventions=iv,
+        replies = self._decode(
+            [r.ids for r in rendered], request.sampling, seeds=seeds, interventions=[iv] * len(rendered),
             spans=[r.spans() for r in rendered], cache_store=store, guidance=alpha,
             logprobs=request.logprobs, on_token=request.on_token,
         )
@@ -92,7 +105,7 @@ class HFChatBackend:
         meta: dict[str, Any] = {
             "name": self.name, "backend": "hf", "path": str(self.path), "architecture": type(self.model).__name__,
             "dtype": str(self.model.dtype).replace("torch.", ""), "device": str(self.device),
-            "span_mode": self.renderer.span_mode, "max_context": self.max_context,
+            "span_mode": self.renderer.span_mode, "max_context": self.shape.max_context,
         }
         from driftlab.assets import pulled_info
 
@@ -101,9 +114,8 @@ class HFChatBackend:
             meta["preset"] = info
         return meta
 
-    @property
-    def max_context(self) -> int | None:
-        return getattr(self.model.config, "max_position_embeddings", None)
+    def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
 
     def render(self, conversation: Conversation, add_generation_prompt: bool = True,
                interventions: Interventions | None = None) -> Rendered:
@@ -190,26 +202,54 @@ class HFChatBackend:
             mask[b, pads[b] :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        state = self._state(interventions.attention(), spans, pads, T, T, ends=[T - n for n in n_cont])
+        state = self._state([interventions.attention()] * len(rows), spans, pads, T, T, ends=[T - n for n in n_cont])
         logits = self._forward(ids, mask, positions, self._new_cache(), state, keep=keep)
         return torch.log_softmax(logits, dim=-1)
 
-    @torch.inference_mode()
     def generate_tokens(
+        self,
+        prompts: Sequence[Rendered],
+        sampling: Sampling,
+        *,
+        seeds: Sequence[int] | None = None,
+        interventions: Interventions | Sequence[Interventions] = Interventions(),
+        cache_store: Sequence[bool] | None = None,
+        logprobs: int | None = None,
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> list[Reply]:
+        """Continue rendered prompts (see TokenBackend.generate_tokens); one reply per prompt.
+
+        `interventions` is one for all rows or one per row. Their attention and logit parts
+        apply here; conversation edits (spr) were the renderer's business, and guidance (cfg)
+        needs each conversation without its system prompt, so it goes through `generate`.
+        """
+        rows = [interventions] * len(prompts) if isinstance(interventions, Interventions) else list(interventions)
+        if len(rows) != len(prompts):
+            raise DriftlabError(f"{len(rows)} interventions given for {len(prompts)} prompts.")
+        for iv in rows:
+            self.capabilities.require(self.name, iv)
+            if iv.guidance() is not None:
+                raise DriftlabError("cfg decodes each conversation beside a copy without its system prompt, "
+                                    "which token prompts do not carry.", hint="Use generate() for cfg.")
+        return self._decode([p.ids for p in prompts], sampling, seeds=seeds, interventions=rows,
+                            spans=[p.spans() for p in prompts], cache_store=cache_store, logprobs=logprobs,
+                            on_token=on_token)
+
+    @torch.inference_mode()
+    def _decode(
         self,
         prompts: Sequence[Sequence[int]],
         sampling: Sampling,
         *,
-        seeds: Sequence[int] | None = None,
-        interventions: Interventions = Interventions(),
-        spans: Sequence[dict[str, list[tuple[int, int]]]] | None = None,
+        seeds: Sequence[int] | None,
+        interventions: Sequence[Interventions],
+        spans: Sequence[dict[str, list[tuple[int, int]]]],
         cache_store: Sequence[bool] | None = None,
         guidance: float | None = None,
         logprobs: int | None = None,
         on_token: Callable[[int, int], None] | None = None,
-        row_heads: Sequence[Any] | None = None,
     ) -> list[Reply]:
-        """Continue token prompts; one reply per prompt. The core decode loop.
+        """The core decode loop over token prompts, with each row's interventions.
 
         `spans` names token ranges of each prompt ("system", "emphasis", ...) that an
         attention intervention refers to. `cache_store[b]` False keeps row b's KV out of
@@ -219,7 +259,6 @@ class HFChatBackend:
         `logprobs=k` records each token's log-probability under the (mixed) model
         distribution, before temperature and top-p, with its k best alternatives;
         `on_token(row, id)` sees every sampled token of a (conditional) row as it comes.
-        `row_heads[b]` overrides the key-bias heads of row b (PASTA head profiling).
         """
         if not prompts:
             return []
@@ -232,19 +271,16 @@ class HFChatBackend:
         B, T = len(prompts), max(len(p) for p in prompts)
         self._check_context(T, sampling.max_new_tokens)
         pads = [T - len(p) for p in prompts]
-        spans = list(spans) if spans is not None else [{} for _ in prompts]
-        attention = interventions.attention()
-        state = self._state(attention, spans, pads, T, T + sampling.max_new_tokens, row_heads=row_heads)
-        fingerprint = interventions.fingerprint()
-        tags = [f"{fingerprint}|{sorted(sp.items())}" if fingerprint else "" for sp in spans]
-        if row_heads is not None:
-            tags = [f"{t}|{h}" for t, h in zip(tags, row_heads, strict=True)]
+        attention = [iv.attention() for iv in interventions]
+        state = self._state(attention, spans, pads, T, T + sampling.max_new_tokens)
+        tags = [f"{iv.fingerprint()}|{sorted(sp.items())}" if iv.fingerprint() else ""
+                for iv, sp in zip(interventions, spans, strict=True)]
         # Under a prompt-scoped bias a generated token's KV differs from the same token's KV
         # as part of a later prompt (its keys were not biased): keep only prompt KV then.
-        prompt_only = attention is not None and attention.biases and attention.bias_scope == "prompt"
+        prompt_only = any(a is not None and a.prompt_scoped for a in attention)
 
         # Layout: row b = [pad * pads[b]] + prompt_b. Slots [0, S) come from the prefix cache.
-        if attention is not None and attention.trace_prefill:
+        if state is not None and state.config.trace_prefill:
             hits = [(0, None)] * B  # every prompt query must be computed to be traced
         else:
             hits = [self.prefix_cache.lookup(p, tag) for p, tag in zip(prompts, tags, strict=True)]
@@ -317,20 +353,21 @@ class HFChatBackend:
 
     # -- internals ---------------------------------------------------------------------------
     def _check_context(self, prompt_len: int, new_tokens: int) -> None:
-        if self.max_context and prompt_len + new_tokens > self.max_context:
+        limit = self.shape.max_context
+        if limit and prompt_len + new_tokens > limit:
             raise DriftlabError(
                 f"Prompt of {prompt_len} tokens plus {new_tokens} new tokens exceeds the model's context "
-                f"window of {self.max_context}.",
+                f"window of {limit}.",
                 hint="Use fewer rounds or fewer --max-new-tokens.",
             )
 
-    def _state(self, attention: AttentionConfig | None, spans, pads, prompt_len: int, max_len: int, *,
-               ends=None, row_heads=None):
-        if attention is None or not attention.active:
+    def _state(self, attention: Sequence[AttentionConfig | None], spans, pads, prompt_len: int, max_len: int, *,
+               ends=None) -> AttentionState | None:
+        """The engine's per-call state for each row's attention config (None: plain attention)."""
+        if not any(a is not None and a.active for a in attention):
             return None
-        cfg = self.model.config.get_text_config()
-        state = AttentionState(attention, spans, cfg.num_hidden_layers, cfg.num_attention_heads, self.device,
-                               row_heads=row_heads)
+        rows = [a or AttentionConfig() for a in attention]
+        state = AttentionState(rows, spans, self.shape.layers, self.shape.heads, self.device)
         state.on_layout(pads, prompt_len, max_len, ends)
         return state
 
@@ -407,6 +444,17 @@ class HFChatBackend:
                 for layer in cache.layers
             ]
             self.prefix_cache.store(tokens, kv, tags[b])
+
+
+def _shape(config) -> ModelShape:
+    text = config.get_text_config()
+    return ModelShape(
+        layers=text.num_hidden_layers, heads=text.num_attention_heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        max_context=getattr(config, "max_position_embeddings", None),
+        layer_types=tuple(getattr(text, "layer_types", None) or ()),
+        sliding_window=getattr(text, "sliding_window", None),
+    )
 
 
 def _without_system(conversation: Conversation) -> Conversation:

@@ -41,7 +41,7 @@ from driftlab.chat.base import (
     Sampling,
     validate_conversation,
 )
-from driftlab.chat.factory import Runtime
+from driftlab.chat.spec import Runtime
 from driftlab.errors import DriftlabError
 from driftlab.steering.interventions import Interventions
 

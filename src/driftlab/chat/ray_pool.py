@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from driftlab.chat.base import Capabilities, ChatRequest, Conversation, LogLikelihood, Reply
-from driftlab.chat.factory import BackendSpec, Runtime
+from driftlab.chat.spec import BackendSpec, Runtime
 from driftlab.errors import DriftlabError
 from driftlab.steering.interventions import Interventions
 
@@ -66,9 +66,9 @@ class _Worker:
                 import torch
 
                 torch.set_num_threads(threads)  # one core per CPU actor: actors do not fight over cores
-            from driftlab.chat.factory import make_backend
+            from driftlab.chat.hf import HFChatBackend
 
-            self.backend = make_backend(spec, prefix_cache_bytes=prefix_cache_bytes)
+            self.backend = HFChatBackend.from_spec(spec, prefix_cache_bytes=prefix_cache_bytes)
         except Exception as err:  # raised again by every call
             self.error = err
 
@@ -88,7 +88,9 @@ class RayBackend:
             raise DriftlabError("RayBackend needs a Ray address.", hint="Use --ray local or --ray ADDRESS.")
         ray = _ray()
         self.name = spec.model
-        self.capabilities: Capabilities = HFChatBackend.capabilities
+        # Everything the local model applies, but not its token level (that stays in the actors).
+        self.capabilities = Capabilities(interventions=HFChatBackend.capabilities.interventions,
+                                         loglikelihood=True)
         self.address = spec.runtime.ray
         connect(self.address)
         resources = ray.cluster_resources()

@@ -13,11 +13,11 @@ template that dropped it) the renderer prepends it, so every prompt starts as in
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from driftlab.chat.base import Message
+from driftlab.chat.base import Rendered
 from driftlab.errors import DriftlabError
-from driftlab.pasta.emphasis import token_spans
+from driftlab.messages import Message
+from driftlab.steering.emphasis import token_spans
 
 PLAIN_TEMPLATE = (
     "{%- for m in messages -%}"
@@ -33,25 +33,6 @@ PLAIN_STOP = ("\nUser:", "\nAssistant:")
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>", "<|endoftext|>")
 
 SPAN_MODES = ("prefix", "content")
-
-
-@dataclass(frozen=True)
-class Rendered:
-    """A conversation as tokens, with where its system prompt sits."""
-
-    ids: list[int]
-    text: str
-    system_span: tuple[int, int] | None  # [start, end) token positions, None without system message
-    emphasis: tuple[tuple[int, int], ...] = ()  # token ranges a user emphasised (PASTA)
-
-    def spans(self) -> dict[str, list[tuple[int, int]]]:
-        """Named token ranges for the attention engine: "system" and "emphasis" where present."""
-        out: dict[str, list[tuple[int, int]]] = {}
-        if self.system_span:
-            out["system"] = [self.system_span]
-        if self.emphasis:
-            out["emphasis"] = list(self.emphasis)
-        return out
 
 
 class Renderer:
@@ -95,7 +76,7 @@ class Renderer:
         emphasis: Sequence[Sequence[tuple[int, int]]] | None = None,
     ) -> Rendered:
         """Tokens of a conversation, with its system span and, given each message's emphasised
-        character spans (`driftlab.pasta.emphasis.strip_emphasis`), their token ranges."""
+        character spans (`driftlab.steering.emphasis.strip_emphasis`), their token ranges."""
         text = self.text(conversation, add_generation_prompt)
         ids = self.prompt_ids(text)
         span = None
@@ -133,33 +114,6 @@ class Renderer:
         offsets, shift = self._offsets(text, ids)
         found = token_spans(text, [content], [[(0, len(content))]], offsets, shift)
         return found[0] if found else (0, 0)
-
-    def turn_spans(self, conversation: Sequence[Message], eos_ids: set[int]) -> list[tuple[int, int] | None]:
-        """Token ranges of each assistant turn's generated tokens in the full rendering.
-
-        For assistant message k the range starts where generation would start (the
-        rendering of messages[:k] with the generation prompt) and ends after its first
-        end-of-turn token; None for other messages. Relies on the template rendering a
-        conversation as the concatenation of its turns, which is checked.
-        """
-        full = self.prompt_ids(self.text(conversation, add_generation_prompt=False))
-        spans: list[tuple[int, int] | None] = []
-        for k, msg in enumerate(conversation):
-            if msg["role"] != "assistant":
-                spans.append(None)
-                continue
-            start = len(self.prompt_ids(self.text(conversation[:k], add_generation_prompt=True)))
-            head = self.prompt_ids(self.text(conversation[: k + 1], add_generation_prompt=False))
-            stop = len(head)
-            if head != full[: len(head)]:
-                raise DriftlabError(
-                    "This chat template does not render a dialog as the concatenation of its turns, "
-                    "so token positions of turns cannot be located.",
-                    hint="Use a model whose template is concatenative (ChatML, Llama, Gemma, plain).",
-                )
-            end = next((i + 1 for i in range(start, stop) if full[i] in eos_ids), stop)
-            spans.append((start, end))
-        return spans
 
     def eos_ids(self, model_config, generation_config) -> set[int]:
         ids: set[int] = set()

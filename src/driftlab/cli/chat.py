@@ -6,44 +6,35 @@ from typing import Annotated
 
 import typer
 
+from driftlab.chat.spec import BackendSpec
 from driftlab.cli.options import (
-    ApiKeyEnvOpt,
-    BaseUrlOpt,
-    DeviceOpt,
-    DtypeOpt,
     GreedyOpt,
     MaxNewTokensOpt,
-    ModelOpt,
     SeedOpt,
-    SpanOpt,
     SteerOpt,
     TemperatureOpt,
     TopPOpt,
+    backend_options,
     build,
-    runtime,
 )
 
 
+@backend_options(remote=True)
 def chat(
     prompt: Annotated[str, typer.Argument(help="The user message.")],
-    model: ModelOpt = "smollm2-135m",
+    backend: BackendSpec,
     system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")] = None,
     greedy: GreedyOpt = False,
     max_new_tokens: MaxNewTokensOpt = 128,
     temperature: TemperatureOpt = 1.0,
     top_p: TopPOpt = 0.9,
     seed: SeedOpt = 0,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
     steer: SteerOpt = None,
-    span: SpanOpt = "content",
-    base_url: BaseUrlOpt = None,
-    api_key_env: ApiKeyEnvOpt = "OPENAI_API_KEY",
 ) -> None:
     """Send one message and print only the reply on stdout (progress and notes go to stderr)."""
     from rich.console import Console
 
-    from driftlab.chat import BackendSpec, ChatRequest, Sampling, make_backend
+    from driftlab.chat import ChatRequest, Sampling, make_backend
     from driftlab.chat.base import MAX_SEED
     from driftlab.errors import DriftlabError
     from driftlab.steering import Interventions
@@ -51,16 +42,14 @@ def chat(
     # Everything cheap is checked before the model loads.
     interventions = Interventions.parse(steer)
     sampling = build(Sampling, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy)
-    spec = build(BackendSpec, {"span": "--span"}, model=model, dtype=dtype, device=device, span=span,
-                 runtime=runtime(base_url, api_key_env, 1))
     if not 0 <= seed <= MAX_SEED:
         raise DriftlabError(f"Invalid --seed {seed}: use 0 to 2^63-1.")
-    backend = make_backend(spec, prefix_cache_bytes=0)
-    backend.capabilities.require(backend.name, interventions)
+    model = make_backend(backend, prefix_cache_bytes=0)
+    model.capabilities.require(model.name, interventions)
     conversation = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": prompt}
     ]
-    reply = backend.generate(ChatRequest([conversation], sampling, seeds=[seed], interventions=interventions))[0]
+    reply = model.generate(ChatRequest([conversation], sampling, seeds=[seed], interventions=interventions))[0]
     typer.echo(reply.text)
     if reply.trace:
         pi = reply.trace["decode"]

@@ -2,11 +2,15 @@
 
 Ranges live in the pydantic models (Sampling, SelfChatConfig, BackendSpec), not in Typer
 options: a value is checked once, by the model the library uses too, and a bad one
-becomes a one-line error naming the flag.
+becomes a one-line error naming the flag. The options that choose a backend are declared
+once (`backend_options`) and reach a command as one `BackendSpec`.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -16,10 +20,14 @@ from pydantic import BaseModel, ValidationError
 from driftlab.errors import DriftlabError
 
 M = TypeVar("M", bound=BaseModel)
+F = TypeVar("F", bound=Callable[..., Any])
 
 ModelOpt = Annotated[
     str, typer.Option("--model", "-m", help="Preset name (see `driftlab models list`) or local HF model dir.")
 ]
+RemoteModelOpt = Annotated[str, typer.Option(
+    "--model", "-m", help="Preset name (see `driftlab models list`), local HF model dir, or openai:NAME for a "
+                          "model behind an OpenAI-compatible server (with --base-url).")]
 DtypeOpt = Annotated[str, typer.Option(
     help="auto, bfloat16, float16 or float32 (auto: bf16 on GPUs and CPUs with native bf16, else float32).")]
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
@@ -41,7 +49,7 @@ TurnOpt = Annotated[int, typer.Option(help="Ask at this turn of the agent's dial
 MMLUSeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the question subset and the dialog.")]
 HistoryTokensOpt = Annotated[int, typer.Option(help="Most tokens per turn of the dialog before the question.")]
 MMLUDataOpt = Annotated[Path | None, typer.Option("--data", help="An MMLU jsonl file instead of `driftlab data pull mmlu`.")]
-# Where the model runs (chat.factory.Runtime): an OpenAI-compatible server or a Ray pool
+# Where the model runs (chat.spec.Runtime): an OpenAI-compatible server or a Ray pool
 BaseUrlOpt = Annotated[str | None, typer.Option(
     help="OpenAI-compatible server of an openai:MODEL, e.g. http://127.0.0.1:8000/v1 (default: $OPENAI_BASE_URL).")]
 ApiKeyEnvOpt = Annotated[str, typer.Option(help="Environment variable that holds the server's API key.")]
@@ -51,12 +59,55 @@ RayOpt = Annotated[str | None, typer.Option(
 ActorsOpt = Annotated[int | None, typer.Option(help="Ray actors (default: one per GPU, else 2).")]
 
 
-def runtime(base_url: str | None, api_key_env: str, concurrency: int, ray: str | None = None,
-            actors: int | None = None) -> Any:
-    """The validated `Runtime` of a command's --base-url/--api-key-env/--concurrency/--ray/--actors."""
-    from driftlab.chat.factory import Runtime
+# name -> (annotation, default) of each option that chooses a backend, by group
+_LOCAL = {"model": (ModelOpt, "smollm2-135m"), "dtype": (DtypeOpt, "auto"), "device": (DeviceOpt, "auto")}
+_SPAN = {"span": (SpanOpt, "content")}
+_REMOTE = {"base_url": (BaseUrlOpt, None), "api_key_env": (ApiKeyEnvOpt, "OPENAI_API_KEY"),
+           "concurrency": (ConcurrencyOpt, 8)}
+_RAY = {"ray": (RayOpt, None), "actors": (ActorsOpt, None)}
 
-    return build(Runtime, base_url=base_url, api_key_env=api_key_env, concurrency=concurrency, ray=ray, actors=actors)
+
+def backend_options(*, span: bool = True, remote: bool = False, ray: bool = False) -> Callable[[F], F]:
+    """Give a command the options that choose its backend, as one validated `backend: BackendSpec`.
+
+    --model, --dtype and --device always; --span (which tokens are the system prompt) unless
+    `span=False`; --base-url, --api-key-env and --concurrency for commands that may run on an
+    OpenAI-compatible server (`remote`); --ray and --actors for those that can shard a local
+    model over Ray (`ray`). The command declares a `backend` parameter; the options take its
+    place in the signature Typer reads.
+    """
+    options = {**_LOCAL, **(_SPAN if span else {}), **(_REMOTE if remote else {}), **(_RAY if ray else {})}
+    if remote:
+        options["model"] = (RemoteModelOpt, "smollm2-135m")
+
+    def decorate(command: F) -> F:
+        signature = inspect.signature(command, eval_str=True)  # Typer reads the annotations themselves
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+                 for name, (annotation, default) in options.items()]
+        params = []  # keyword-only, so required and optional ones may mix; --help lists them in this order
+        for p in signature.parameters.values():
+            params += added if p.name == "backend" else [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)]
+
+        @functools.wraps(command)
+        def wrapper(**kwargs: Any) -> Any:
+            values = {name: kwargs.pop(name) for name in options}
+            return command(**kwargs, backend=backend_spec(**values))
+
+        wrapper.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def backend_spec(model: str, dtype: str, device: str, span: str = "content", base_url: str | None = None,
+                 api_key_env: str = "OPENAI_API_KEY", concurrency: int = 8, ray: str | None = None,
+                 actors: int | None = None) -> Any:
+    """The validated `BackendSpec` of the backend options, with a one-line error naming a bad flag."""
+    from driftlab.chat.spec import BackendSpec, Runtime
+
+    runtime = build(Runtime, base_url=base_url, api_key_env=api_key_env, concurrency=concurrency, ray=ray,
+                    actors=actors)
+    return build(BackendSpec, model=model, dtype=dtype, device=device, span=span, runtime=runtime)
 
 
 def build(schema: type[M], flags: dict[str, str] | None = None, /, **values: Any) -> M:
@@ -64,6 +115,8 @@ def build(schema: type[M], flags: dict[str, str] | None = None, /, **values: Any
 
     `flags` maps a field name to its flag where they differ (e.g. {'pair_ids': '--pair'}).
     """
+    from driftlab.steering.interventions import did_you_mean, literal_choices
+
     try:
         return schema(**values)
     except ValidationError as err:
@@ -73,6 +126,9 @@ def build(schema: type[M], flags: dict[str, str] | None = None, /, **values: Any
         given = e.get("input")
         shown = f" {given}" if isinstance(given, (int, float, str)) and not isinstance(given, bool) else ""
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "literal_error":
+            choices = literal_choices(e)
+            msg = f"use one of {', '.join(choices)}{did_you_mean(given, choices)}"
         raise DriftlabError(f"Invalid {flag}{shown}: {msg[0].lower() + msg[1:]}.",
                             hint="The command's --help lists every option with its valid values.") from None
 

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from driftlab.cli.options import DeviceOpt, DtypeOpt, ModelOpt, build
+from driftlab.chat.spec import BackendSpec
+from driftlab.cli.options import backend_options, build
 
 app = typer.Typer(help="PASTA (seed 002): emphasise spans by attention steering on profiled heads.",
                   no_args_is_help=True)
@@ -23,10 +24,11 @@ PromptOpt = Annotated[str, typer.Option(
 
 
 @app.command()
+@backend_options(span=False)
 def profile(
     task: TaskOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (created, or resumed if it exists).")],
-    model: ModelOpt = "smollm2-135m",
+    backend: BackendSpec,
     n: Annotated[int, typer.Option("--n", help="Train examples per head.")] = 16,
     alpha: AlphaOpt = 0.01,
     layers: Annotated[str | None, typer.Option(help="Only these layers, e.g. '0-5+9' (default: all).")] = None,
@@ -36,8 +38,6 @@ def profile(
     prompt: PromptOpt = "original",
     max_new_tokens: MaxTokensOpt = None,
     data: DataOpt = None,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
     batch_size: Annotated[int, typer.Option(help="(head, example) rows per batch.")] = 16,
 ) -> None:
     """Score every attention head by steering it alone on N train examples; write the ranking.
@@ -47,19 +47,23 @@ def profile(
     """
     from rich.console import Console
 
-    from driftlab.pasta.profile import ProfileConfig, run_profile
+    from driftlab.pasta.profile import HeadProfiler, ProfileConfig, build_profile
+    from driftlab.protocol.runner import run_protocol
+    from driftlab.report.pasta import write_pasta_figures
 
-    config = build(ProfileConfig, model=model, task=task, n=n, alpha=alpha, layers=layers, score=score,
-                   prompt=prompt, max_new_tokens=max_new_tokens, data=str(data) if data else None, dtype=dtype, device=device,
+    config = build(ProfileConfig, backend=backend, task=task, n=n, alpha=alpha, layers=layers, score=score,
+                   prompt=prompt, max_new_tokens=max_new_tokens, data=str(data) if data else None,
                    batch_size=batch_size)
-    result = run_profile(config, str(out))
+    rundir = run_protocol(HeadProfiler(config), out)
+    figure = write_pasta_figures(rundir.path)
+    result = build_profile(rundir.path)
     console = Console()
     base = f"{result.baseline:.3f}" if result.baseline is not None else "-"
     console.print(f"{task}: {len(result.scores)} heads profiled on {result.n} examples; "
                   f"{result.metric} without steering {base}")
     for layer, head, score in result.scores[:10]:
         console.print(f"  layer {layer:>2} head {head:>2}  {score:.3f}")
-    typer.echo(f"profile: {out / 'profile.json'}\nheatmap: {out / 'profile.png'}")
+    typer.echo(f"profile: {out / 'profile.json'}\nheatmap: {figure}")
 
 
 @app.command()
@@ -70,8 +74,8 @@ def select(
     topk: Annotated[int, typer.Option(help="Top-k heads of each profile.")] = 20,
 ) -> None:
     """Build the steered head set from several tasks' profiles (seed 002 Sec. 3.2 and 5.3)."""
-    from driftlab.pasta.heads import check_selection, load_profile, save_heads
-    from driftlab.pasta.heads import select as choose
+    from driftlab.steering.heads import check_selection, load_profile, save_heads
+    from driftlab.steering.heads import select as choose
 
     check_selection(how)  # before reading any file
     heads = choose([load_profile(p) for p in profiles], how, topk)
@@ -80,10 +84,11 @@ def select(
 
 
 @app.command("eval")
+@backend_options(span=False)
 def evaluate(
     task: TaskOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (created, or resumed if it exists).")],
-    model: ModelOpt = "smollm2-135m",
+    backend: BackendSpec,
     baseline: Annotated[list[str] | None, typer.Option(
         "--baseline", help="zero-shot, marked, quoted, few-shot or pasta; repeatable (default: all; pasta with --heads)."
     )] = None,
@@ -99,30 +104,32 @@ def evaluate(
         help="biasbios/counterfact: also generate N tokens per example and score their fluency and "
              "consistency (App. E; 0: off).")] = 0,
     data: DataOpt = None,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
     batch_size: Annotated[int, typer.Option(help="Examples per batch.")] = 8,
 ) -> None:
     """Run a PASTA task under several baselines; print each metric with a 95% CI."""
     from rich.console import Console
     from rich.table import Table
 
-    from driftlab.pasta.evaluate import PastaEvalConfig, paired_gains, run_eval, summarize
+    from driftlab.pasta.evaluate import PastaEval, PastaEvalConfig, paired_gains, summarize
+    from driftlab.pasta.tasks import BASELINES
+    from driftlab.protocol.runner import run_protocol
+    from driftlab.report.pasta import write_pasta_figures
+    from driftlab.steering import Pasta
 
     steer = []
     if heads is not None:
-        steer = [f"pasta:heads={heads},alpha={alpha}" + (f",topk={topk}" if topk is not None else "")]
-    from driftlab.pasta.tasks import BASELINES
+        steer = [build(Pasta, heads=heads, alpha=alpha, **({"topk": topk} if topk is not None else {}))]
 
     default = [b for b in BASELINES if b != "pasta" or heads is not None]
-    config = build(PastaEvalConfig, {"steer": "--heads", "baselines": "--baseline"}, model=model, task=task,
+    config = build(PastaEvalConfig, {"steer": "--heads", "baselines": "--baseline"}, backend=backend, task=task,
                    baselines=baseline or default, steer=steer, n=n, split=split, prompt=prompt,
                    max_new_tokens=max_new_tokens, generate_tokens=generate_tokens,
-                   data=str(data) if data else None, dtype=dtype, device=device, batch_size=batch_size)
-    rundir = run_eval(config, str(out))
+                   data=str(data) if data else None, batch_size=batch_size)
+    rundir = run_protocol(PastaEval(config), out)
+    figure = write_pasta_figures(rundir.path)
     summary = summarize(rundir.path)
     names = list(next(iter(summary.values())))
-    table = Table(title=f"PASTA {task} · {model} · {len(rundir.read_manifest()['examples'])} {split} examples")
+    table = Table(title=f"PASTA {task} · {backend.model} · {len(rundir.read_manifest()['examples'])} {split} examples")
     table.add_column("baseline")
     for name in names:
         table.add_column(f"{name} [95% CI]")
@@ -141,15 +148,16 @@ def evaluate(
             paired.add_row(b, *[f"{gains[b][m][0]:+.3f} [{gains[b][m][1]:+.2f}, {gains[b][m][2]:+.2f}]"
                                 if m in gains[b] else "-" for m in names])
         console.print(paired)
-    typer.echo(f"records: {rundir.records_path}")
+    typer.echo(f"records: {rundir.records_path}\nplot: {figure}")
 
 
 @app.command()
+@backend_options(span=False)
 def tune(
     profiles: Annotated[list[Path], typer.Argument(help="profile.json files the head sets are selected from.")],
     task: TaskOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (created, or resumed if it exists).")],
-    model: ModelOpt = "smollm2-135m",
+    backend: BackendSpec,
     how: SelectOpt = "intersection",
     topk: Annotated[list[int] | None, typer.Option(help="Top-k values to try; repeatable (default: 10 20 40 80).")]
     = None,
@@ -158,8 +166,6 @@ def tune(
     prompt: PromptOpt = "original",
     max_new_tokens: MaxTokensOpt = None,
     data: DataOpt = None,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
     batch_size: Annotated[int, typer.Option(help="Examples per batch.")] = 8,
 ) -> None:
     """Choose how many heads to steer: PASTA with each top-k on the validation split.
@@ -171,17 +177,21 @@ def tune(
     from rich.console import Console
     from rich.table import Table
 
-    from driftlab.pasta.tune import TuneConfig, run_tune
+    from driftlab.pasta.tune import HeadTuner, TuneConfig, summarize
+    from driftlab.protocol.runner import run_protocol
+    from driftlab.report.pasta import write_pasta_figures
 
-    values = {"model": model, "task": task, "profiles": [str(p) for p in profiles], "select": how, "n": n,
+    values = {"backend": backend, "task": task, "profiles": [str(p) for p in profiles], "select": how, "n": n,
               "alpha": alpha, "prompt": prompt, "max_new_tokens": max_new_tokens,
-              "data": str(data) if data else None, "dtype": dtype, "device": device, "batch_size": batch_size}
+              "data": str(data) if data else None, "batch_size": batch_size}
     if topk:
         values["topk"] = topk
     config = build(TuneConfig, {"select": "--select"}, **values)
-    result = run_tune(config, str(out))
+    rundir = run_protocol(HeadTuner(config), out)
+    figure = write_pasta_figures(rundir.path)
+    result = summarize(rundir.path)
     metric = result["metric"]
-    table = Table(title=f"PASTA head count · {task} · {model} · {result['examples']} validation examples")
+    table = Table(title=f"PASTA head count · {task} · {backend.model} · {result['examples']} validation examples")
     for col in ("top-k", "heads", f"{metric} [95% CI]", ""):
         table.add_column(col)
     if metric in result["unsteered"]:
@@ -199,5 +209,5 @@ def tune(
         from driftlab.errors import DriftlabError
 
         raise DriftlabError("Every head count made the replies degenerate (mean fluency below 3.0); no head set "
-                            "was chosen.", hint=f"See {out / 'tune.png'}; try smaller --topk values.")
-    typer.echo(f"heads: {out / 'heads.json'}\nplot: {out / 'tune.png'}")
+                            "was chosen.", hint=f"See {figure}; try smaller --topk values.")
+    typer.echo(f"heads: {out / 'heads.json'}\nplot: {figure}")

@@ -7,23 +7,15 @@ from typing import Annotated
 
 import typer
 
+from driftlab.chat.spec import BackendSpec
 from driftlab.cli.options import (
-    ActorsOpt,
-    ApiKeyEnvOpt,
-    BaseUrlOpt,
-    ConcurrencyOpt,
-    DeviceOpt,
-    DtypeOpt,
     GreedyOpt,
     MaxNewTokensOpt,
-    ModelOpt,
-    RayOpt,
-    SpanOpt,
     SteerOpt,
     TemperatureOpt,
     TopPOpt,
+    backend_options,
     build,
-    runtime,
 )
 
 
@@ -39,9 +31,10 @@ def _pairs(values: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+@backend_options(remote=True, ray=True)
 def run(
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (created, or resumed if it exists).")],
-    model: ModelOpt = "smollm2-135m",
+    backend: BackendSpec,
     user_model: Annotated[str | None, typer.Option(help="Different model for the user LM (default: --model).")] = None,
     pairs: Annotated[int, typer.Option(help="Random (agent, user) persona pairs.")] = 10,
     pair: Annotated[
@@ -51,7 +44,7 @@ def run(
         str | None, typer.Option(help="Comma-separated agent persona categories, e.g. 'language,persona'.")
     ] = None,
     rounds: Annotated[int, typer.Option(help="Dialog rounds (paper: 8 rounds, i.e. 16 turns).")] = 8,
-    probe_every: Annotated[int, typer.Option(help="Probe rounds i with i %% k == 0.")] = 1,
+    probe_every: Annotated[int, typer.Option(help="Probe rounds i with i % k == 0.")] = 1,
     probe_repeats: Annotated[int, typer.Option(help="Probe replies per probed round.")] = 1,
     user_probe: Annotated[bool, typer.Option(help="Also probe with the user's persona (adoption).")] = False,
     user_probe_version: Annotated[str, typer.Option(
@@ -65,14 +58,6 @@ def run(
     top_p: TopPOpt = 0.9,
     greedy: GreedyOpt = False,
     seed: Annotated[int, typer.Option(help="Run seed: pairs, starters and every sample derive from it.")] = 0,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
-    span: SpanOpt = "content",
-    base_url: BaseUrlOpt = None,
-    api_key_env: ApiKeyEnvOpt = "OPENAI_API_KEY",
-    concurrency: ConcurrencyOpt = 8,
-    ray: RayOpt = None,
-    actors: ActorsOpt = None,
     steer: SteerOpt = None,
     persona_file: Annotated[
         Path | None, typer.Option(help="JSONL/TOML file of extra personas (see docs/personas.md).")
@@ -85,20 +70,19 @@ def run(
     Re-running the same command on the same --out resumes: finished generations are kept.
     """
     from driftlab.chat import Sampling
-    from driftlab.protocol.selfchat import SelfChatConfig, run_selfchat
+    from driftlab.protocol.runner import run_protocol
+    from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
 
     sampling = build(Sampling, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy)
     config = build(
         SelfChatConfig, {"pair_ids": "--pair", "persona_file": "--persona-file"},
-        model=model, user_model=user_model, pairs=pairs, pair_ids=_pairs(pair or []),
+        backend=backend, user_model=user_model, pairs=pairs, pair_ids=_pairs(pair or []),
         categories=[c.strip() for c in categories.split(",")] if categories else None,
         rounds=rounds, probe_every=probe_every, probe_repeats=probe_repeats, user_probe=user_probe,
-        user_probe_version=user_probe_version, starters=starters,
-        ablation=ablation, sampling=sampling, seed=seed, dtype=dtype, device=device, span=span,
+        user_probe_version=user_probe_version, starters=starters, ablation=ablation, sampling=sampling, seed=seed,
         steer=steer or [], persona_file=str(persona_file) if persona_file else None, batch_size=batch_size,
-        runtime=runtime(base_url, api_key_env, concurrency, ray, actors),
     )
-    rundir = run_selfchat(config, str(out))
+    rundir = run_protocol(SelfChat(config), out)
     typer.echo(f"records: {rundir.records_path}")
     if report and any(r["kind"] == "probe" for r in rundir.records()):
         from driftlab.cli.report import print_summary

@@ -7,11 +7,13 @@ from typing import Annotated
 
 import typer
 
-from driftlab.cli.options import DeviceOpt, DtypeOpt, ModelOpt, SpanOpt, SteerOpt, build
+from driftlab.chat.spec import BackendSpec
+from driftlab.cli.options import SteerOpt, backend_options, build
 
 
+@backend_options()
 def serve(
-    model: ModelOpt = "smollm2-135m",
+    backend: BackendSpec,
     steer: SteerOpt = None,
     host: Annotated[str, typer.Option(help="Interface to listen on (0.0.0.0 exposes it to the network).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
@@ -24,9 +26,6 @@ def serve(
     max_tokens_limit: Annotated[int, typer.Option(help="Largest max_tokens a request may ask for.")] = 4096,
     max_messages: Annotated[int, typer.Option(help="Most messages in one request.")] = 512,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body accepted.")] = 4 << 20,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
-    span: SpanOpt = "content",
     graceful_timeout: Annotated[float, typer.Option(
         help="On SIGINT/SIGTERM, seconds to let in-flight requests finish before cancelling them.")] = 30.0,
 ) -> None:
@@ -38,14 +37,13 @@ def serve(
     """
     import uvicorn
 
-    from driftlab.chat import BackendSpec, make_backend
+    from driftlab.chat import make_backend
     from driftlab.errors import DriftlabError
     from driftlab.serve import ServeSettings, create_app
     from driftlab.steering import Interventions
 
     specs = Interventions.parse(steer).specs()  # checked before the model loads
-    spec = build(BackendSpec, model=model, dtype=dtype, device=device, span=span)
-    if spec.remote:
+    if backend.remote:
         raise DriftlabError("driftlab serve runs a local model; an openai: model is already served.",
                             hint="Give a preset (see `driftlab models list`) or a local HF model directory.")
     api_key = None
@@ -59,8 +57,8 @@ def serve(
                      max_messages=max_messages, max_body_bytes=max_body_bytes, host=host, port=port,
                      graceful_timeout=graceful_timeout)
     _check_free(settings.host, settings.port)  # before the (slow) model load
-    app = create_app(make_backend(spec), settings)
-    typer.echo(f"serving {settings.served_model_name or model} at http://{host}:{port}/v1"
+    app = create_app(make_backend(backend), settings)
+    typer.echo(f"serving {settings.served_model_name or backend.model} at http://{host}:{port}/v1"
                f"{' with --steer ' + ' '.join(specs) if specs else ''}", err=True)
     uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                                   timeout_graceful_shutdown=settings.graceful_timeout)).run()

@@ -7,26 +7,14 @@ from typing import Annotated
 
 import typer
 
-from driftlab.cli.options import (
-    ActorsOpt,
-    ApiKeyEnvOpt,
-    BaseUrlOpt,
-    ConcurrencyOpt,
-    DeviceOpt,
-    DtypeOpt,
-    MaxNewTokensOpt,
-    MMLUDataOpt,
-    ModelOpt,
-    RayOpt,
-    SpanOpt,
-    build,
-    runtime,
-)
+from driftlab.chat.spec import BackendSpec
+from driftlab.cli.options import MaxNewTokensOpt, MMLUDataOpt, backend_options, build
 
 
+@backend_options(remote=True, ray=True)
 def sweep(
     out: Annotated[Path, typer.Option("--out", "-o", help="Sweep directory (created, or resumed if it exists).")],
-    model: ModelOpt = "smollm2-135m",
+    backend: BackendSpec,
     methods: Annotated[str, typer.Option(help="Comma-separated methods with their default grids.")] = (
         "split-softmax,spr,cfg,instaboost"),
     point: Annotated[list[str] | None, typer.Option(
@@ -42,14 +30,6 @@ def sweep(
         help="Fig. 6 compares methods at this MMLU drop (default: the median drop of the grid).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of dialogs, samples and questions.")] = 0,
     data: MMLUDataOpt = None,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
-    span: SpanOpt = "content",
-    base_url: BaseUrlOpt = None,
-    api_key_env: ApiKeyEnvOpt = "OPENAI_API_KEY",
-    concurrency: ConcurrencyOpt = 8,
-    ray: RayOpt = None,
-    actors: ActorsOpt = None,
     batch_size: Annotated[int, typer.Option(help="Most conversations generated together in one batch.")] = 32,
 ) -> None:
     """Measure persona stability and MMLU drop for every (method, strength), then plot the trade-off.
@@ -58,18 +38,21 @@ def sweep(
     run directories under OUT/points/. Writes sweep.csv, sweep_tradeoff.png (Fig. 5),
     sweep_rounds.png (Fig. 6) and sweep.html.
     """
-    from driftlab.chat import BackendSpec, Sampling, make_backend
+    import pandas as pd
+    from rich.console import Console
+
+    from driftlab.chat import Sampling
     from driftlab.errors import DriftlabError
-    from driftlab.protocol.mmlu import load_questions
-    from driftlab.protocol.sweep import GRID, SweepConfig, paper_pairs, run_sweep
+    from driftlab.protocol.runner import run_protocol
+    from driftlab.protocol.sweep import GRID, Sweep, SweepConfig, paper_pairs
     from driftlab.report.sweep import write_sweep_report
     from driftlab.steering import Interventions
 
     if point:
-        grid: dict[str, list[str]] = {}
+        grid: dict[str, list] = {}
         for spec in point:
-            iv = Interventions.parse([spec])
-            grid.setdefault(next(iter(iv.kinds)), []).append(iv.specs()[0])
+            (item,) = Interventions.parse([spec]).items
+            grid.setdefault(item.kind, []).append(item)
     else:
         chosen = [m.strip() for m in methods.split(",") if m.strip()]
         unknown = [m for m in chosen if m not in GRID]
@@ -79,19 +62,12 @@ def sweep(
     if not 1 <= pairs <= 20:
         raise DriftlabError(f"Invalid --pairs {pairs}: use 1 to 20.")
     sampling = build(Sampling, max_new_tokens=max_new_tokens)
-    config = build(SweepConfig, model=model, grid=grid, pair_ids=paper_pairs()[:pairs], rounds=rounds, starters=starters,
-                   sampling=sampling, seed=seed, mmlu_n=mmlu_n, mmlu_turn=mmlu_turn,
-                   data=str(data) if data else None, dtype=dtype, device=device, span=span, batch_size=batch_size,
-                   runtime=runtime(base_url, api_key_env, concurrency, ray, actors))
-    spec = build(BackendSpec, model=model, dtype=dtype, device=device, span=span, runtime=config.runtime)
-    load_questions(config.data)  # the data set must be there before the model loads
-    from driftlab.records.rundir import RunDir
-
-    with RunDir(out).writing():
-        table = run_sweep(config, out, make_backend(spec, run_dir=out))
+    config = build(SweepConfig, backend=backend, grid=grid, pair_ids=paper_pairs()[:pairs], rounds=rounds,
+                   starters=starters, sampling=sampling, seed=seed, mmlu_n=mmlu_n, mmlu_turn=mmlu_turn,
+                   data=str(data) if data else None, batch_size=batch_size)
+    run_protocol(Sweep(config), out)
     page = write_sweep_report(out, match_drop)
-    from rich.console import Console
-
+    table = pd.read_csv(Path(out) / "sweep.csv")
     Console(stderr=True).print(table[["spec", "stability", "mmlu_accuracy", "mmlu_drop"]].to_string(index=False),
                                highlight=False, markup=False)
     typer.echo(str(page))

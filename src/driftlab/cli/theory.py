@@ -35,7 +35,7 @@ def theory(
     from rich.table import Table
 
     from driftlab.errors import DriftlabError
-    from driftlab.theory.report import run_all
+    from driftlab.report.theory import write_theory
 
     if seed < 0:
         raise DriftlabError(
@@ -44,7 +44,7 @@ def theory(
     console = Console()
     t0 = time.perf_counter()
     with console.status("running theory checks") as status:
-        rep = run_all(out, model=model, quick=quick, seed=seed, progress=lambda msg: status.update(msg))
+        rep = write_theory(out, model=model, quick=quick, seed=seed, progress=lambda msg: status.update(msg))
     elapsed = time.perf_counter() - t0
 
     table = Table(title=f"driftlab theory ({'quick' if quick else 'full'}, seed {seed})", show_lines=True)

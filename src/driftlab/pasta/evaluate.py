@@ -3,40 +3,38 @@
 Per baseline and test example one record: the metrics of that example (and the reply for
 generation tasks). The summary is each metric's mean with a 95% bootstrap CI over
 examples, per baseline; every baseline sees the same examples (and few-shot the same 3
-train demonstrations), so differences between baselines are paired.
+train demonstrations), so differences between baselines are paired. The examples themselves
+are recorded in the manifest's plan, so a resumed run answers what it planned even if the
+data file changed since.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
-from driftlab.assets.registry import DEFAULT_MODEL
-from driftlab.chat.base import ChatRequest, Sampling
-from driftlab.chat.factory import BackendSpec, Dtype, ModelName, make_backend
-from driftlab.console import WorkProgress
+from driftlab.chat.base import ChatBackend, ChatRequest, Sampling
 from driftlab.errors import DriftlabError
 from driftlab.pasta.metrics import argmax_accuracy, efficacy
-from driftlab.pasta.tasks import BASELINES, N_SHOTS, Example, PromptName, Task, TaskName, get_task
+from driftlab.pasta.tasks import BASELINES, EXAMPLES, N_SHOTS, Example, PromptName, Task, TaskName, get_task
 from driftlab.protocol.registry import register
+from driftlab.protocol.runner import Protocol, ProtocolConfig, RunState
 from driftlab.records.rundir import RunDir
-from driftlab.steering.interventions import Interventions
+from driftlab.stats import mean_ci, paired_mean_ci
+from driftlab.steering.interventions import Interventions, Steer
 
 
-class PastaEvalConfig(BaseModel):
+class PastaEvalConfig(ProtocolConfig):
     """A PASTA task evaluation (recorded in the run's manifest)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    model: ModelName = DEFAULT_MODEL
     task: TaskName
     baselines: list[str] = Field(default_factory=lambda: ["zero-shot", "pasta"])
-    steer: list[str] = Field(default_factory=list, description="the pasta spec used by the 'pasta' baseline")
+    steer: Steer = Field(default_factory=Interventions, description="the pasta intervention of the 'pasta' baseline")
     n: int | None = Field(None, ge=1, description="test examples (None: all)")
     split: Literal["test", "valid"] = Field("test", description="'valid' while choosing heads, 'test' for results")
     prompt: PromptName = Field("original", description="the instruction's wording (App. A.1, Table 4)")
@@ -44,11 +42,9 @@ class PastaEvalConfig(BaseModel):
     max_new_tokens: int | None = Field(None, ge=1, le=4096, description="generation tasks (None: the task's)")
     generate_tokens: int = Field(0, ge=0, le=4096, description=(
         "scoring tasks: also generate this many tokens per example, for fluency and consistency (App. E)"))
-    dtype: Dtype = "auto"
-    device: str = "auto"
     batch_size: int = Field(8, ge=1, le=1024)
 
-    RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("device", "batch_size")
+    RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size")
 
     @field_validator("baselines")
     @classmethod
@@ -58,11 +54,6 @@ class PastaEvalConfig(BaseModel):
             raise ValueError(f"unknown baseline {bad[0]!r}; known: {', '.join(BASELINES)}" if bad else "no baseline")
         return list(dict.fromkeys(v))
 
-    @field_validator("steer")
-    @classmethod
-    def _normalise_steer(cls, v: list[str]) -> list[str]:
-        return Interventions.parse(v).specs()
-
     @model_validator(mode="after")
     def _pasta_needs_heads(self) -> PastaEvalConfig:
         # DriftlabError, not ValueError: a cross-field error has no one field to name.
@@ -71,16 +62,16 @@ class PastaEvalConfig(BaseModel):
         if self.generate_tokens and task.mode == "generate":
             raise DriftlabError(f"Task {self.task} already generates its replies and scores their quality.",
                                 hint="Drop --generate-tokens (--max-new-tokens sets the reply length).")
-        iv = Interventions.parse(self.steer)
-        if "pasta" in self.baselines and iv.get("pasta") is None:
+        pasta = self.steer.get("pasta")
+        if "pasta" in self.baselines and pasta is None:
             raise DriftlabError("The pasta baseline needs heads to steer.",
                                 hint="Give --heads (a head config or a profile.json with --topk), or drop --baseline pasta.")
-        if iv.get("pasta") is not None and iv.get("pasta").span != "marked":
+        if pasta is not None and pasta.span != "marked":
             raise DriftlabError("PASTA tasks emphasise marked spans, not the system prompt.", hint="Use span=marked.")
         return self
 
     def interventions(self, baseline: str) -> Interventions:
-        return Interventions.parse(self.steer) if baseline == "pasta" else Interventions()
+        return self.steer if baseline == "pasta" else Interventions()
 
     @property
     def tokens(self) -> int:
@@ -104,14 +95,7 @@ class ExampleRecord(BaseModel):
 RECORDS: TypeAdapter = TypeAdapter(ExampleRecord)
 
 
-def _expected(manifest: dict[str, Any]) -> dict[str, int]:
-    return {"example": len(manifest.get("examples", [])) * len(manifest.get("baselines", []))}
-
-
-register("pasta-eval", RECORDS, _expected)
-
-
-def score_examples(backend, task: Task, examples: list[Example], iv: Interventions, baseline: str,
+def score_examples(backend: ChatBackend, task: Task, examples: list[Example], iv: Interventions, baseline: str,
                    shots: list[Example], batch_size: int, data: str | None = None, generate: int = 0,
                    ) -> list[tuple[dict[str, float], str | None]]:
     """Metrics of each example under one baseline (shared by eval, tuning and head profiling).
@@ -130,18 +114,6 @@ def score_examples(backend, task: Task, examples: list[Example], iv: Interventio
     replies = backend.generate(ChatRequest(convs, Sampling(greedy=True, max_new_tokens=generate), interventions=iv))
     return [({**m, **task.quality(ex, r.text, data)}, r.text)
             for ex, m, r in zip(examples, scored, replies, strict=True)]
-
-
-def score_batches(rundir: RunDir, bar, record: type[BaseModel], fields: dict[str, Any], backend, task: Task,
-                  examples: list[Example], iv: Interventions, baseline: str, shots: list[Example], batch_size: int,
-                  data: str | None = None, generate: int = 0) -> None:
-    """`score_examples` in batches, appending `record(**fields, id=, metrics=, text=)` for each
-    example as its batch ends, so a killed run keeps every finished batch (eval and tune share this)."""
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start : start + batch_size]
-        scored = score_examples(backend, task, chunk, iv, baseline, shots, batch_size, data, generate)
-        rundir.append([record(**fields, id=ex.id, metrics=m, text=t) for ex, (m, t) in zip(chunk, scored, strict=True)])
-        bar.advance(len(chunk))
 
 
 def _score_candidates(backend, task: Task, examples: list[Example], convs: list[list[dict]], iv: Interventions,
@@ -168,71 +140,101 @@ def _score_candidates(backend, task: Task, examples: list[Example], convs: list[
     return out
 
 
-class PastaEval:
-    def __init__(self, config: PastaEvalConfig, out: str | RunDir, backend, progress: bool = True) -> None:
-        for b in config.baselines:
-            backend.capabilities.require(backend.name, config.interventions(b))
-        if get_task(config.task).mode == "score" and not backend.capabilities.loglikelihood:
-            raise DriftlabError(f"{backend.name} cannot score log-likelihoods, which task {config.task} needs.",
-                                hint="Use a local model.")
-        self.config, self.backend, self.progress = config, backend, progress
-        self.rundir = out if isinstance(out, RunDir) else RunDir(out)
+class TaskProtocol(Protocol):
+    """What PASTA's protocols share: a task, its examples recorded in the plan, and a backend
+    that can score them. Their units are batches of examples under one steering."""
 
-    def run(self) -> RunDir:
+    unit = "examples"
+
+    @property
+    def task(self) -> Task:
+        return get_task(self.config.task, self.config.max_new_tokens)
+
+    @property
+    def split(self) -> str:
+        """Where the examples come from: train (profiling), valid (tuning), test (results)."""
+        raise NotImplementedError
+
+    def examples(self) -> list[Example]:
         cfg = self.config
-        task = get_task(cfg.task, cfg.max_new_tokens)
-        shots = task.examples("train", N_SHOTS, cfg.data, cfg.prompt) if "few-shot" in cfg.baselines else []
+        return self.task.examples(self.split, cfg.n, cfg.data, cfg.prompt)
+
+    def check(self) -> None:
+        if not self.examples():
+            raise DriftlabError(f"No {self.split} examples for task {self.config.task}.",
+                                hint="Check --data (a real file's rows serve as every split).")
+
+    def require(self) -> None:
+        if self.task.mode == "score" and not self.backend.capabilities.loglikelihood:
+            raise DriftlabError(f"{self.backend.name} cannot score log-likelihoods, which task {self.config.task} "
+                                "needs.", hint="Use a local model.")
+
+    def plan(self) -> dict[str, Any]:
+        return {"examples": EXAMPLES.dump_python(self.examples(), mode="json")}
+
+    @staticmethod
+    def planned(manifest: dict[str, Any], key: str = "examples") -> list[Example]:
+        return EXAMPLES.validate_python(manifest.get(key, []))
+
+    def batches(self, examples: list[Example]) -> Iterator[list[Example]]:
+        for start in range(0, len(examples), self.config.batch_size):
+            yield examples[start : start + self.config.batch_size]
+
+
+@register
+class PastaEval(TaskProtocol):
+    """One task under several baselines; a unit is a batch of examples under one baseline."""
+
+    name = "pasta-eval"
+    records = RECORDS
+
+    @property
+    def label(self) -> str:
+        return f"pasta eval {self.config.task}"
+
+    @property
+    def split(self) -> str:
+        return self.config.split
+
+    def examples(self) -> list[Example]:
         # A real file has no split (every row is both "train" and "test"): never test on a demonstration.
-        demos = {s.id for s in shots}
-        examples = [e for e in task.examples(cfg.split, None, cfg.data, cfg.prompt) if e.id not in demos][: cfg.n]
-        if not examples:
-            raise DriftlabError(f"No {cfg.split} examples for task {cfg.task}.", hint="Check --data.")
-        with self.rundir.writing():
-            plan = {"examples": [e.id for e in examples], "baselines": cfg.baselines,
-                    "shots": [s.id for s in shots], "models": {"agent": self.backend.describe()}}
-            self.rundir.start(cfg.model_dump(mode="json"), plan, cfg.RESUME_IGNORES, protocol="pasta-eval")
-            done = {r.key for r in self.rundir.records(RECORDS)}
-            todo = {b: [e for e in examples if ("example", b, e.id) not in done] for b in cfg.baselines}
-            with WorkProgress(f"pasta eval {cfg.task}", sum(map(len, todo.values())), self.progress,
-                              unit="examples") as bar:
-                for baseline in cfg.baselines:
-                    score_batches(self.rundir, bar, ExampleRecord, {"baseline": baseline}, self.backend, task,
-                                  todo[baseline],
-                                  cfg.interventions(baseline), baseline, shots, cfg.batch_size, cfg.data,
-                                  cfg.generate_tokens)
-            plot_eval(summarize(self.rundir.path), self.rundir.path / "eval.png", f"PASTA {cfg.task} · {cfg.model}")
-            self.rundir.update_manifest(completed=True)
-        return self.rundir
+        demos = {s.id for s in self.shots()}
+        cfg = self.config
+        return [e for e in self.task.examples(cfg.split, None, cfg.data, cfg.prompt) if e.id not in demos][: cfg.n]
 
+    def shots(self) -> list[Example]:
+        cfg = self.config
+        return self.task.examples("train", N_SHOTS, cfg.data, cfg.prompt) if "few-shot" in cfg.baselines else []
 
-def plot_eval(summary: dict[str, dict[str, tuple[float, float, float]]], path: Path, title: str) -> Path:
-    """One panel per metric: each baseline's mean with its 95% CI."""
-    from matplotlib.figure import Figure
+    def require(self) -> None:
+        for b in self.config.baselines:
+            self.backend.capabilities.require(self.backend.name, self.config.interventions(b))
+        super().require()
 
-    from driftlab.report.figures import save_png
+    def plan(self) -> dict[str, Any]:
+        return {**super().plan(), "shots": EXAMPLES.dump_python(self.shots(), mode="json")}
 
-    baselines = list(summary)
-    metrics = [m for m in next(iter(summary.values())) if m != "score"]
-    fig = Figure(figsize=(3.2 * len(metrics), 3.2))
-    axes = fig.subplots(1, len(metrics), squeeze=False)
-    for ax, metric in zip(axes[0], metrics, strict=True):
-        means = [summary[b][metric][0] for b in baselines]
-        lo = [summary[b][metric][0] - summary[b][metric][1] for b in baselines]
-        hi = [summary[b][metric][2] - summary[b][metric][0] for b in baselines]
-        colors = ["tab:red" if b == "pasta" else "tab:gray" for b in baselines]
-        ax.bar(range(len(baselines)), means, yerr=[lo, hi], color=colors, capsize=3)
-        ax.set_xticks(range(len(baselines)), baselines, rotation=30, ha="right")
-        ax.set_title(metric)
-    fig.suptitle(title)
-    fig.tight_layout()
-    return save_png(fig, path)
+    def describe(self) -> dict[str, Any]:
+        return {"baselines": self.config.baselines, **super().describe()}
 
+    @classmethod
+    def expected(cls, manifest: dict[str, Any]) -> dict[str, int]:
+        return {"example": len(manifest.get("examples", [])) * len(manifest.get("baselines", []))}
 
-def run_eval(config: PastaEvalConfig, out: str, progress: bool = True) -> RunDir:
-    rundir = RunDir(out)
-    with rundir.writing():
-        spec = BackendSpec(model=config.model, dtype=config.dtype, device=config.device)
-        return PastaEval(config, rundir, make_backend(spec, run_dir=rundir.path), progress).run()
+    def units(self, state: RunState) -> Iterator[tuple[str, list[Example]]]:
+        self._shots = self.planned(state.manifest, "shots")
+        examples = self.planned(state.manifest)
+        for baseline in self.config.baselines:
+            yield from ((baseline, chunk) for chunk in
+                        self.batches([e for e in examples if ("example", baseline, e.id) not in state.done]))
+
+    def run_unit(self, unit: tuple[str, list[Example]]) -> list[ExampleRecord]:
+        baseline, chunk = unit
+        cfg = self.config
+        scored = score_examples(self.backend, self.task, chunk, cfg.interventions(baseline), baseline, self._shots,
+                                cfg.batch_size, cfg.data, cfg.generate_tokens)
+        return [ExampleRecord(baseline=baseline, id=ex.id, metrics=m, text=t)
+                for ex, (m, t) in zip(chunk, scored, strict=True)]
 
 
 def paired_gains(run_dir: str | Path, reference: str = "zero-shot") -> dict[str, dict[str, tuple[float, float, float]]]:
@@ -242,8 +244,6 @@ def paired_gains(run_dir: str | Path, reference: str = "zero-shot") -> dict[str,
     before bootstrapping: with a few dozen examples the two baselines' own CIs overlap far
     more than their paired difference's does. Empty if the run has no `reference` baseline.
     """
-    from driftlab.pasta.metrics import mean_ci
-
     per: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
     for r in RunDir(run_dir).records(RECORDS):
         per[r.baseline][r.id] = r.metrics
@@ -256,7 +256,8 @@ def paired_gains(run_dir: str | Path, reference: str = "zero-shot") -> dict[str,
             continue
         ids = [i for i in rows if i in ref]
         metrics = [m for m in rows[ids[0]] if m in ref[ids[0]]] if ids else []
-        out[baseline] = {m: mean_ci([rows[i][m] - ref[i][m] for i in ids]) for m in metrics}
+        out[baseline] = {m: paired_mean_ci({i: rows[i][m] for i in ids}, {i: ref[i][m] for i in ids})[1:]
+                         for m in metrics}
     return out
 
 
@@ -267,8 +268,6 @@ def summarize(run_dir: str | Path) -> dict[str, dict[str, tuple[float, float, fl
 
 def metric_cis(records: Iterable[Any], group: Callable[[Any], Hashable]) -> dict[Any, dict[str, tuple[float, float, float]]]:
     """group -> metric -> (mean, CI low, CI high) over the records (each with `.metrics`) of that group."""
-    from driftlab.pasta.metrics import mean_ci
-
     values: dict[Any, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
         for name, v in r.metrics.items():

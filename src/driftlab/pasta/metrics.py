@@ -10,7 +10,7 @@ reference code of the paper -- pastalib 0.1.3, `evaluation/{metrics,evaluator,be
     BiasBios          argmax_accuracy (Acc)
     CounterFact       efficacy (ES with one prompt per case, PS with its paraphrases)
     generation        n_gram_entropy, fluency, fluent / FLUENCY_FLOOR, Consistency
-    all               mean_ci (mean with a bootstrap 95% CI), any_per_sample
+    all               any_per_sample
 
 pastalib aggregates the two instruction tasks (JSON, pronouns) per *sample id* with any()
 over the prompt templates evaluated for it (`InstructionEvaluator.aggregate_evaluation_results`);
@@ -50,7 +50,6 @@ __all__ = [
     "fluent",
     "json_format_ok",
     "json_prediction_ok",
-    "mean_ci",
     "n_gram_entropy",
     "pronoun_scores",
     "sent_tokenize",
@@ -480,20 +479,3 @@ def argmax_accuracy(logprobs: Sequence[Sequence[float]], targets: Sequence[int],
         raise ValueError(f"argmax_accuracy: k must be >= 1, got {k}")
     top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
     return float(np.mean(np.any(top == tgt[:, None], axis=1)))
-
-
-# -- summaries ------------------------------------------------------------------------------
-def mean_ci(values: Iterable[float | bool], *, seed: int = 0) -> tuple[float, float, float]:
-    """(mean, ci_low, ci_high): the mean with its 95% bootstrap CI (examples resampled).
-
-    The paper reports plain means; the CI is driftlab's, from the report's
-    `bootstrap_mean_ci` (BCa, percentile where BCa is undefined, NaN for n < 2, the data's
-    value for constant data). NaNs are dropped; no values give NaN everywhere.
-    """
-    from driftlab.report.metrics import bootstrap_mean_ci
-
-    x = np.asarray([float(v) for v in values], dtype=np.float64)
-    x = x[np.isfinite(x)]
-    mean = float(x.mean()) if x.size else float("nan")
-    lo, hi = bootstrap_mean_ci(x, rng=seed)
-    return mean, lo, hi

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator
+from pydantic import AfterValidator, TypeAdapter
 
 from driftlab.errors import DriftlabError
 from driftlab.pasta import metrics
@@ -67,6 +67,10 @@ class Example:
     candidates: tuple[str, ...] = ()  # scoring tasks: answers compared by log-likelihood
     target: int = 0  # index of the right candidate
     extra: dict = field(default_factory=dict, compare=False)  # task-specific (paraphrase prompts, the bio)
+
+
+#: Examples as JSON (a protocol's plan records the examples it will answer).
+EXAMPLES: TypeAdapter[list[Example]] = TypeAdapter(list[Example])
 
 
 @dataclass(frozen=True)

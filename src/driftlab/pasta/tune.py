@@ -6,40 +6,39 @@ break the model. `tune` builds one head set per top-k from the given profiles (t
 selection as `driftlab pasta select`), runs PASTA with each on the task's validation split,
 and keeps the best by the task's primary metric (ties go to fewer heads). The unsteered
 model is scored on the same examples as a reference. Writes `tune.json` (every point with
-a 95% CI), `heads.json` (the best set, pastalib's format, ready for `--heads`) and
-`tune.png` (metric against |H|). The run directory resumes after kill -9; its manifest
-records the head sets themselves, so a later change to a profile file cannot mix results.
+a 95% CI) and `heads.json` (the best set, pastalib's format, ready for `--heads`);
+`driftlab.report.pasta` draws `tune.png` (metric against |H|). The run directory resumes
+after kill -9; its manifest records the examples and the head sets themselves, so a later
+change to a profile or data file cannot mix results.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
-from driftlab.assets.registry import DEFAULT_MODEL
-from driftlab.chat.factory import BackendSpec, Dtype, ModelName, make_backend
-from driftlab.console import WorkProgress
 from driftlab.errors import DriftlabError
-from driftlab.pasta.evaluate import metric_cis, score_batches
-from driftlab.pasta.heads import load_profile, save_heads, select
+from driftlab.pasta.evaluate import TaskProtocol, metric_cis, score_examples
 from driftlab.pasta.metrics import FLUENCY_FLOOR
-from driftlab.pasta.tasks import PromptName, TaskName, get_task
+from driftlab.pasta.tasks import Example, PromptName, TaskName, get_task
 from driftlab.protocol.registry import register
+from driftlab.protocol.runner import ProtocolConfig, RunState, config_of
+from driftlab.protocol.selfchat import digest
 from driftlab.records.rundir import RunDir
-from driftlab.steering.interventions import Interventions
+from driftlab.steering.heads import load_profile, save_heads, select
+from driftlab.steering.interventions import Interventions, Pasta
 
 UNSTEERED = 0  # the topk of the reference point: no heads, the zero-shot prompt
+RESULT, HEADS = "tune.json", "heads.json"
 
 
-class TuneConfig(BaseModel):
+class TuneConfig(ProtocolConfig):
     """A search over the number of steered heads (recorded in the run's manifest)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    model: ModelName = DEFAULT_MODEL
     task: TaskName
     profiles: list[str] = Field(min_length=1, description="profile.json files the head sets are selected from")
     select: Literal["intersection", "union", "task-specific"] = "intersection"
@@ -49,11 +48,9 @@ class TuneConfig(BaseModel):
     prompt: PromptName = "original"
     max_new_tokens: int | None = Field(None, ge=1, le=4096)
     data: str | None = None
-    dtype: Dtype = "auto"
-    device: str = "auto"
     batch_size: int = Field(8, ge=1, le=1024)
 
-    RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("device", "batch_size")
+    RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size")
 
     @field_validator("topk")
     @classmethod
@@ -88,13 +85,6 @@ class PointRecord(BaseModel):
 RECORDS: TypeAdapter = TypeAdapter(PointRecord)
 
 
-def _expected(manifest: dict[str, Any]) -> dict[str, int]:
-    return {"example": (len(manifest.get("points", [])) + 1) * len(manifest.get("examples", []))}
-
-
-register("pasta-tune", RECORDS, _expected)
-
-
 def head_sets(config: TuneConfig) -> list[dict[str, Any]]:
     """One point per top-k that gives a new, non-empty head set: {"topk", "heads"}.
 
@@ -102,9 +92,9 @@ def head_sets(config: TuneConfig) -> list[dict[str, Any]]:
     the same run, and an empty intersection is the unsteered model: both are left out.
     """
     profiles = [load_profile(p) for p in config.profiles]
-    other = sorted({p.model for p in profiles} - {config.model})
+    other = sorted({p.model for p in profiles} - {config.backend.model})
     if other:
-        raise DriftlabError(f"The profiles come from {', '.join(other)}, not {config.model}.",
+        raise DriftlabError(f"The profiles come from {', '.join(other)}, not {config.backend.model}.",
                             hint="Tune with the model the heads were profiled on.")
     points, seen = [], set()
     for k in config.topk:
@@ -118,49 +108,57 @@ def head_sets(config: TuneConfig) -> list[dict[str, Any]]:
     return points
 
 
-class HeadTuner:
-    def __init__(self, config: TuneConfig, out: str | RunDir, backend, progress: bool = True) -> None:
-        backend.capabilities.require(backend.name, Interventions.parse(["pasta:heads=all"]))
-        if get_task(config.task).mode == "score" and not backend.capabilities.loglikelihood:
-            raise DriftlabError(f"{backend.name} cannot score log-likelihoods, which task {config.task} needs.",
-                                hint="Use a local model.")
-        self.config, self.backend, self.progress = config, backend, progress
-        self.rundir = out if isinstance(out, RunDir) else RunDir(out)
+@register
+class HeadTuner(TaskProtocol):
+    """PASTA with each head set on the validation split, beside the unsteered model; a unit
+    is a batch of examples under one head set."""
 
-    def run(self) -> dict[str, Any]:
-        cfg = self.config
-        task = get_task(cfg.task, cfg.max_new_tokens)
-        examples = task.examples("valid", cfg.n, cfg.data, cfg.prompt)
-        if not examples:
-            raise DriftlabError(f"No validation examples for task {cfg.task}.",
-                                hint="Check --data (a real file's rows serve as the validation split).")
-        with self.rundir.writing():
-            plan = {"examples": [e.id for e in examples], "points": head_sets(cfg),
-                    "models": {"agent": self.backend.describe()}}
-            manifest = self.rundir.start(cfg.model_dump(mode="json"), plan, cfg.RESUME_IGNORES, protocol="pasta-tune")
-            by_id = {e.id: e for e in examples}
-            examples = [by_id[i] for i in manifest["examples"]]
-            runs = [(UNSTEERED, Interventions(), "zero-shot")] + [
-                (p["topk"], Interventions.parse([f"pasta:heads={_spec(p['heads'])},alpha={cfg.alpha}"]), "pasta")
-                for p in manifest["points"]]
-            done = {r.key for r in self.rundir.records(RECORDS)}
-            todo = [(k, iv, b, [e for e in examples if ("example", k, e.id) not in done]) for k, iv, b in runs]
-            with WorkProgress(f"pasta tune {cfg.task}", sum(len(t[3]) for t in todo), self.progress,
-                              unit="examples") as bar:
-                for k, iv, baseline, pending in todo:
-                    score_batches(self.rundir, bar, PointRecord, {"topk": k}, self.backend, task, pending, iv,
-                                  baseline, [], cfg.batch_size, cfg.data)
-            result = summarize(self.rundir.path)
-            (self.rundir.path / "tune.json").write_text(json.dumps(result, indent=1))
-            plot_tune(result, self.rundir.path / "tune.png")
-            self.rundir.update_manifest(completed=True)
-            if result["best"] is not None:  # else every point was degenerate: nothing to recommend
-                save_heads([tuple(h) for h in result["best"]["heads"]], self.rundir.path / "heads.json")
-        return result
+    name = "pasta-tune"
+    records = RECORDS
+    split = "valid"
 
+    @property
+    def label(self) -> str:
+        return f"pasta tune {self.config.task}"
 
-def _spec(heads: list[list[int]]) -> str:
-    return "+".join(f"{layer}.{head}" for layer, head in heads)
+    def check(self) -> None:
+        head_sets(self.config)  # bad profiles fail before a run directory or a model exists
+        super().check()
+
+    def require(self) -> None:
+        self.backend.capabilities.require(self.backend.name, Interventions.of(Pasta(heads=None)))
+        super().require()
+
+    def plan(self) -> dict[str, Any]:
+        return {**super().plan(), "points": head_sets(self.config)}
+
+    def inputs(self) -> dict[str, str]:
+        return {"profiles": digest([load_profile(p).model_dump() for p in self.config.profiles])}
+
+    @classmethod
+    def expected(cls, manifest: dict[str, Any]) -> dict[str, int]:
+        return {"example": (len(manifest.get("points", [])) + 1) * len(manifest.get("examples", []))}
+
+    def units(self, state: RunState) -> Iterator[tuple[int, Interventions, str, list[Example]]]:
+        examples = self.planned(state.manifest)
+        runs = [(UNSTEERED, Interventions(), "zero-shot")] + [
+            (p["topk"], Interventions.of(Pasta(heads=tuple(map(tuple, p["heads"])), alpha=self.config.alpha)), "pasta")
+            for p in state.manifest["points"]]
+        for k, iv, baseline in runs:
+            pending = [e for e in examples if ("example", k, e.id) not in state.done]
+            yield from ((k, iv, baseline, chunk) for chunk in self.batches(pending))
+
+    def run_unit(self, unit: tuple[int, Interventions, str, list[Example]]) -> list[PointRecord]:
+        k, iv, baseline, chunk = unit
+        scored = score_examples(self.backend, self.task, chunk, iv, baseline, [], self.config.batch_size,
+                                self.config.data)
+        return [PointRecord(topk=k, id=ex.id, metrics=m, text=t) for ex, (m, t) in zip(chunk, scored, strict=True)]
+
+    def finish(self, state: RunState) -> None:
+        result = summarize(self.run_dir)
+        (self.run_dir / RESULT).write_text(json.dumps(result, indent=1))
+        if result["best"] is not None:  # else every point was degenerate: nothing to recommend
+            save_heads([tuple(h) for h in result["best"]["heads"]], self.run_dir / HEADS)
 
 
 def summarize(run_dir: str | Path) -> dict[str, Any]:
@@ -182,58 +180,6 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         p["fluent"] = "fluency" not in p["metrics"] or p["metrics"]["fluency"][0] >= FLUENCY_FLOOR
     eligible = [p for p in points if primary in p["metrics"] and p["fluent"]]
     best = max(eligible, key=lambda p: (p["metrics"][primary][0], -p["n_heads"])) if eligible else None
-    return {"task": cfg["task"], "model": cfg["model"], "metric": primary, "select": cfg["select"],
-            "examples": len(manifest["examples"]), "unsteered": stats.get(UNSTEERED, {}), "points": points,
-            "best": best}
-
-
-def plot_tune(result: dict[str, Any], path: Path) -> Path:
-    """The primary metric against the number of steered heads, with 95% CIs and the unsteered band."""
-    from matplotlib.figure import Figure
-
-    from driftlab.report.figures import save_png
-
-    metric = result["metric"]
-    pts = [p for p in result["points"] if metric in p["metrics"]]
-    x = [p["n_heads"] for p in pts]
-    mean = [p["metrics"][metric][0] for p in pts]
-    err = [[m - p["metrics"][metric][1] for m, p in zip(mean, pts, strict=True)],
-           [p["metrics"][metric][2] - m for m, p in zip(mean, pts, strict=True)]]
-    fig = Figure(figsize=(5.5, 3.6))
-    ax = fig.subplots()
-    if metric in result["unsteered"]:
-        m, lo, hi = result["unsteered"][metric]
-        ax.axhspan(lo, hi, color="tab:gray", alpha=0.2)
-        ax.axhline(m, color="tab:gray", linestyle="--", label=f"no steering ({m:.2f})")
-    ax.errorbar(x, mean, yerr=err, marker="o", color="tab:red", capsize=3, label="PASTA")
-    for p, xi, yi in zip(pts, x, mean, strict=True):
-        note = "" if p["fluent"] else f" fluency {p['metrics']['fluency'][0]:.1f} < {FLUENCY_FLOOR:g}"
-        ax.annotate(f"k={p['topk']}{note}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7,
-                    color="black" if p["fluent"] else "tab:gray")
-    degenerate = [(xi, yi) for p, xi, yi in zip(pts, x, mean, strict=True) if not p["fluent"]]
-    if degenerate:
-        ax.plot(*zip(*degenerate), marker="x", markersize=10, color="black", linestyle="none",
-                label="degenerate replies (not eligible)")
-    best = result["best"]
-    if best is not None:
-        ax.plot([best["n_heads"]], [best["metrics"][metric][0]], marker="*", markersize=14, color="gold",
-                markeredgecolor="black", linestyle="none", label=f"chosen: {best['n_heads']} heads")
-    ax.set_xscale("log")
-    ax.set_xticks(x, [str(v) for v in x])  # the head counts tried, not powers of ten
-    ax.minorticks_off()
-    ax.margins(x=0.25)  # room for the labels
-    ax.set_xlabel("steered heads |H| (log scale)")
-    ax.set_ylabel(f"{metric} on the validation split")
-    ax.set_title(f"PASTA head count: {result['task']} · {result['model']}\n"
-                 f"{result['select']} of the profiles' top-k · n={result['examples']}", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return save_png(fig, path)
-
-
-def run_tune(config: TuneConfig, out: str, progress: bool = True) -> dict[str, Any]:
-    head_sets(config)  # bad profiles fail before a run directory or a model exists
-    rundir = RunDir(out)
-    with rundir.writing():
-        spec = BackendSpec(model=config.model, dtype=config.dtype, device=config.device)
-        return HeadTuner(config, rundir, make_backend(spec, run_dir=rundir.path), progress).run()
+    return {"task": cfg["task"], "model": config_of(manifest)["backend"]["model"], "metric": primary,
+            "select": cfg["select"], "examples": len(manifest["examples"]), "unsteered": stats.get(UNSTEERED, {}),
+            "points": points, "best": best}

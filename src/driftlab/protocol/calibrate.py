@@ -12,7 +12,9 @@ The MMLU drop is measured as `driftlab mmlu` does (question at turn T of the age
 dialog, letter by log-likelihood, same seeded questions), against one plain baseline that
 all points share. Search: s = 1 first (if it fits, it is the answer), then bisection for
 `steps` halvings, keeping the strongest s whose measured drop is within the budget. Every
-point is its own resumable MMLU run directory, so an interrupted calibration resumes.
+point is its own resumable MMLU run directory, planned once (the questions and the dialog's
+persona pair recorded in the calibration's manifest), so an interrupted calibration resumes
+with the same questions for every point.
 
 The decision uses the measured drop; its paired 95% CI is reported next to it, with a note
 when the CI reaches past the budget (more questions, `--n`, narrow it).
@@ -21,33 +23,56 @@ when the CI reaches past the budget (more questions, `--n`, narrow it).
 from __future__ import annotations
 
 import json
+from collections.abc import Generator, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from driftlab.chat.base import ScoringBackend
+from driftlab.chat.spec import BackendSpec
 from driftlab.console import err_console
 from driftlab.protocol.mmlu import MMLU, MMLUConfig, correctness, drop
 from driftlab.protocol.registry import register
-from driftlab.records.rundir import RunDir
+from driftlab.protocol.runner import Protocol, RunState, run_protocol
+from driftlab.steering.interventions import KINDS, BaseIntervention
 
 Method = Literal["split-softmax", "instaboost", "cfg", "spr"]
-# A calibration directory holds no records of its own: its points are MMLU run directories.
-register("calibrate", TypeAdapter(dict), lambda manifest: {})
 M_MAX = 19.0
 ALPHA_MAX = 5.0
+# Each method's knob and its value at strength s in [0, 1].
+KNOBS = {
+    "split-softmax": ("k", lambda s: 1 - s),
+    "instaboost": ("m", lambda s: 1 + s * (M_MAX - 1)),
+    "cfg": ("alpha", lambda s: 1 + s * (ALPHA_MAX - 1)),
+    "spr": ("p", lambda s: s),
+}
+SUMMARY = "calibration.json"
 
 
-def spec_at(method: str, s: float) -> str:
-    """The --steer spec of `method` at strength s in [0, 1]."""
-    if method == "split-softmax":
-        return f"split-softmax:k={1 - s:.4g}"
-    if method == "instaboost":
-        return f"instaboost:m={1 + s * (M_MAX - 1):.4g}"
-    if method == "cfg":
-        return f"cfg:alpha={1 + s * (ALPHA_MAX - 1):.4g}"
-    return f"spr:p={s:.4g}"
+def setting(method: str, s: float) -> BaseIntervention:
+    """The intervention of `method` at strength s in [0, 1] (its knob to 4 significant digits)."""
+    knob, value = KNOBS[method]
+    return KINDS[method](**{knob: float(f"{value(s):.4g}")})
+
+
+def point_name(method: str, s: float) -> str:
+    """The directory of the point at strength s, e.g. split-softmax_k0.5."""
+    knob, value = KNOBS[method]
+    return f"{method}_{knob}{value(s):.4g}"
+
+
+def strengths(steps: int) -> Generator[float, bool, None]:
+    """The strengths to measure, told after each whether its drop was within the budget:
+    s = 1 first (if it fits, it is the answer), then `steps` halvings of [0, 1]."""
+    if (yield 1.0):
+        return
+    lo, hi = 0.0, 1.0
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        if (yield mid):
+            lo = mid
+        else:
+            hi = mid
 
 
 class CalibrationConfig(BaseModel):
@@ -58,6 +83,13 @@ class CalibrationConfig(BaseModel):
     steps: int = Field(5, ge=1, le=20, description="bisection halvings after the s = 1 check")
     mmlu: MMLUConfig = MMLUConfig()
 
+    # The MMLU settings are checked again by each point's own run directory.
+    RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*(f"mmlu.{k}" for k in MMLUConfig.RESUME_IGNORES),)
+
+    @property
+    def backend(self) -> BackendSpec:
+        return self.mmlu.backend
+
 
 class Point(BaseModel):
     strength: float
@@ -67,55 +99,77 @@ class Point(BaseModel):
     within: bool
 
 
-def calibrate(config: CalibrationConfig, out: str | Path, backend: ScoringBackend, progress: bool = True) -> dict:
-    """Run the search (resumably, under `out`) and return its summary (also in out/calibration.json)."""
-    out = Path(out)
-    base = config.mmlu.model_copy(update={"steer": [], "plain": True})
-    rd = RunDir(out)
-    with rd.writing():
-        # The MMLU settings are checked by each point's own run directory (which lets device
-        # and batch size change); here the method and the budget must match to resume.
-        rd.start(config.model_dump(mode="json"), {}, ("mmlu",), protocol="calibrate")
-        MMLU(base, out / "plain", backend, progress=progress).run()
-        plain = correctness(out / "plain")["plain"]
-        points: list[Point] = []
+@register
+class Calibration(Protocol[CalibrationConfig]):
+    """The search, resumable: its units are MMLU runs (the plain baseline, then each strength),
+    each a run directory of its own under the calibration's; it writes calibration.json."""
 
-        def measure(s: float) -> Point:
-            spec = spec_at(config.method, s)
-            point_cfg = MMLUConfig.model_validate({**config.mmlu.model_dump(), "steer": [spec], "plain": False})
-            where = out / "points" / spec.replace(":", "_").replace("=", "")
-            MMLU(point_cfg, where, backend, progress=progress).run()
-            d = drop(plain, correctness(where)["steered"])
-            p = Point(strength=s, steer=point_cfg.steer[0], drop=d["mean"], ci=d["ci"],
-                      within=d["mean"] <= config.max_drop)
-            points.append(p)
-            if progress:
-                err_console().print(f"calibrate: {p.steer}: drop {p.drop:+.3f} [{p.ci[0]:+.3f}, {p.ci[1]:+.3f}] "
-                                    f"-> {'within' if p.within else 'over'} budget", highlight=False, markup=False)
-            return p
+    name = "calibrate"
+    records = TypeAdapter(dict)  # none of its own: its points are MMLU run directories
 
-        lo, hi = 0.0, 1.0
-        if measure(1.0).within:
-            lo = 1.0
-        else:
-            for _ in range(config.steps):
-                mid = (lo + hi) / 2
-                if measure(mid).within:
-                    lo = mid
-                else:
-                    hi = mid
-        best = next((p for p in points if p.strength == lo), None)
+    def _mmlu(self, steer: BaseIntervention | None) -> MMLUConfig:
+        """The MMLU run of the plain baseline (steer None) or of one point (steered only)."""
+        point = {"steer": [], "plain": True} if steer is None else {"steer": [steer], "plain": False}
+        return MMLUConfig.model_validate({**self.config.mmlu.model_dump(), **point})
+
+    def check(self) -> None:
+        MMLU(self._mmlu(None)).check()
+
+    def plan(self) -> dict[str, Any]:
+        return {"mmlu": MMLU(self._mmlu(None)).draw_plan()}
+
+    @classmethod
+    def expected(cls, manifest: dict[str, Any]) -> dict[str, int]:
+        return {}
+
+    def units(self, state: RunState) -> Iterator[float | None]:
+        self._plan = state.manifest["mmlu"]
+        self.points: list[Point] = []
+        yield None  # the plain baseline
+        search = strengths(self.config.steps)
+        s = next(search)
+        while True:
+            yield s
+            try:
+                s = search.send(self.points[-1].within)
+            except StopIteration:
+                return
+
+    def run_unit(self, s: float | None) -> list:
+        cfg = self.config
+        if s is None:
+            run_protocol(MMLU(self._mmlu(None), self.backend), self.run_dir / "plain", plan=self._plan,
+                         progress=self.progress)
+            self.plain = correctness(self.run_dir / "plain")["plain"]
+            return []
+        steer = setting(cfg.method, s)
+        where = self.run_dir / "points" / point_name(cfg.method, s)
+        run_protocol(MMLU(self._mmlu(steer), self.backend), where, plan=self._plan, progress=self.progress)
+        d = drop(self.plain, correctness(where)["steered"])
+        point = Point(strength=s, steer=steer.spec(), drop=d["mean"], ci=d["ci"], within=d["mean"] <= cfg.max_drop)
+        self.points.append(point)
+        if self.progress:
+            err_console().print(f"calibrate: {point.steer}: drop {point.drop:+.3f} [{point.ci[0]:+.3f}, "
+                                f"{point.ci[1]:+.3f}] -> {'within' if point.within else 'over'} budget",
+                                highlight=False, markup=False)
+        return []
+
+    def finish(self, state: RunState) -> None:
+        cfg = self.config
+        best = max((p for p in self.points if p.within), key=lambda p: p.strength, default=None)
         summary: dict[str, Any] = {
-            "method": config.method, "max_drop": config.max_drop,
-            "plain_accuracy": sum(plain.values()) / len(plain),
-            "points": [p.model_dump() for p in sorted(points, key=lambda p: p.strength)],
+            "method": cfg.method, "max_drop": cfg.max_drop,
+            "plain_accuracy": sum(self.plain.values()) / len(self.plain),
+            "points": [p.model_dump() for p in sorted(self.points, key=lambda p: p.strength)],
             "best": best.model_dump() if best else None,
-            "note": _note(best, config),
+            "note": _note(best, cfg),
         }
-        (out / "calibration.json").write_text(json.dumps(summary, indent=2))
-        _figure(summary, out / "calibration.png")
-        rd.update_manifest(completed=True)
-    return summary
+        (self.run_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
+
+
+def summary(run_dir: str | Path) -> dict[str, Any]:
+    """What a finished calibration found (its calibration.json)."""
+    return json.loads((Path(run_dir) / SUMMARY).read_text())
 
 
 def _note(best: Point | None, config: CalibrationConfig) -> str:
@@ -126,30 +180,3 @@ def _note(best: Point | None, config: CalibrationConfig) -> str:
         return (f"{best.steer} is within budget by its measured drop, but its 95% CI reaches "
                 f"{best.ci[1]:+.3f}: more questions (--n) would make this surer.")
     return f"{best.steer} keeps the MMLU drop within {config.max_drop:g} (95% CI upper bound {best.ci[1]:+.3f})."
-
-
-def _figure(summary: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    pts = summary["points"]
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=130)
-    for p in pts:
-        color = "tab:green" if p["within"] else "tab:red"
-        ax.errorbar([p["strength"]], [p["drop"]], yerr=[[p["drop"] - p["ci"][0]], [p["ci"][1] - p["drop"]]],
-                    fmt="o", color=color, capsize=3)
-        ax.annotate(p["steer"].split(":", 1)[1], (p["strength"], p["drop"]), textcoords="offset points",
-                    xytext=(4, 4), fontsize=7)
-    ax.axhline(summary["max_drop"], color="0.3", ls="--", lw=1, label=f"budget {summary['max_drop']:g}")
-    if summary["best"]:
-        ax.axvline(summary["best"]["strength"], color="tab:green", lw=1, alpha=0.5, label="chosen")
-    ax.set_xlabel(f"strength of {summary['method']} (0 = plain, 1 = strongest considered)")
-    ax.set_ylabel("MMLU drop (plain - steered)")
-    ax.set_title(f"Calibration of {summary['method']}: plain accuracy {summary['plain_accuracy']:.3f}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path

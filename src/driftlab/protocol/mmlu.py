@@ -21,23 +21,26 @@ subjects). Records (one per condition and question) make the run resumable like 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import random
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-from driftlab.assets.registry import DEFAULT_MODEL
-from driftlab.chat.base import MAX_SEED, Conversation, Sampling, ScoringBackend
-from driftlab.chat.factory import BackendSpec, Dtype, ModelName, Runtime, SpanMode, make_backend
-from driftlab.console import WorkProgress
+from driftlab.chat.base import MAX_SEED, Conversation, Sampling
 from driftlab.errors import DriftlabError
+from driftlab.protocol.dialog import RECORDS as DIALOG_RECORDS
+from driftlab.protocol.dialog import Dialog, pairs_from_manifest
 from driftlab.protocol.registry import register
+from driftlab.protocol.runner import Protocol, ProtocolConfig, RunState, run_protocol
+from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
 from driftlab.records.rundir import RunDir
-from driftlab.steering.interventions import Interventions
+from driftlab.stats import mean_ci, paired_mean_ci
+from driftlab.steering.interventions import DialogSteer, Interventions
 
 LETTERS = ("A", "B", "C", "D")
 Condition = Literal["plain", "steered"]
@@ -111,31 +114,19 @@ def stratified_subset(questions: tuple[Question, ...], n: int, seed: int) -> lis
     return out
 
 
-class MMLUConfig(BaseModel):
+class MMLUConfig(ProtocolConfig):
     """An MMLU-at-turn-T measurement (recorded in the run's manifest)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    model: ModelName = DEFAULT_MODEL
     n: int = Field(200, ge=1, le=14042, description="questions, stratified by subject")
     turn: int = Field(4, ge=0, le=64, description="ask at this turn of the agent's dialog; 0 = plain MMLU")
-    steer: list[str] = Field(default_factory=list, description="interventions, normalised --steer specs")
+    steer: DialogSteer = Field(default_factory=Interventions, description="the interventions whose cost is measured")
     seed: int = Field(0, ge=0, le=MAX_SEED)
     history_tokens: int = Field(64, ge=1, le=32768, description="max new tokens per turn of the history")
-    dtype: Dtype = "auto"
-    device: str = "auto"
-    span: SpanMode = "content"
-    runtime: Runtime = Runtime()
     batch_size: int = Field(8, ge=1, le=1024, description="questions scored per forward pass")
     data: str | None = Field(None, description="an MMLU jsonl file instead of the pulled data set")
     plain: bool = Field(True, description="also measure without the interventions (the baseline)")
 
-    RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("device", "batch_size", "runtime")
-
-    @field_validator("steer")
-    @classmethod
-    def _normalise_steer(cls, v: list[str]) -> list[str]:
-        return Interventions.parse(v).for_dialogs().specs()
+    RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size")
 
     @model_validator(mode="after")
     def _something_to_measure(self) -> MMLUConfig:
@@ -148,10 +139,14 @@ class MMLUConfig(BaseModel):
         return ["plain"] * self.plain + ["steered"] * bool(self.steer)
 
     def interventions(self, condition: str) -> Interventions:
-        return Interventions.parse(self.steer) if condition == "steered" else Interventions()
+        return self.steer if condition == "steered" else Interventions()
 
-    def backend_spec(self) -> BackendSpec:
-        return BackendSpec(model=self.model, dtype=self.dtype, device=self.device, span=self.span, runtime=self.runtime)
+    def history(self, condition: str) -> SelfChatConfig:
+        """The probe-free self-chat whose agent side is the dialog before the question."""
+        return SelfChatConfig(
+            backend=self.backend, pairs=1, rounds=max(self.turn - 1, 1), probe_every=self.turn + 1, seed=self.seed,
+            sampling=Sampling(max_new_tokens=self.history_tokens), steer=self.interventions(condition),
+        )
 
 
 class AnswerRecord(BaseModel):
@@ -176,94 +171,89 @@ class AnswerRecord(BaseModel):
 RECORDS: TypeAdapter = TypeAdapter(AnswerRecord)
 
 
-def expected_counts(manifest: dict[str, Any]) -> dict[str, int]:
-    return {"answer": len(manifest.get("questions", [])) * len(manifest.get("conditions", []))}
+@register
+class MMLU(Protocol[MMLUConfig]):
+    """An MMLU-at-turn measurement on a scoring backend; a unit is one batch of questions.
 
+    The plan records the questions themselves and the history's persona pair, so a resumed
+    run asks what it planned even if the data file changed since.
+    """
 
-register("mmlu", RECORDS, expected_counts)
+    name = "mmlu"
+    records = RECORDS
+    unit = "questions"
 
+    def check(self) -> None:
+        load_questions(self.config.data)  # a missing data set fails before anything is loaded or written
+        if self.config.turn:
+            SelfChat(self.config.history("plain")).check()
 
-class MMLU:
-    """Runs (or resumes) an MMLU-at-turn measurement into a run directory on a given backend."""
-
-    def __init__(self, config: MMLUConfig, out: str | RunDir, backend: ScoringBackend, progress: bool = True):
+    def require(self) -> None:
+        backend = self.backend
         if not backend.capabilities.loglikelihood:
             raise DriftlabError(f"{backend.name} cannot score log-likelihoods, which MMLU letter scoring needs.",
                                 hint="Use a local model (a preset name or a Hugging Face directory).")
-        backend.capabilities.require(backend.name, Interventions.parse(config.steer))
-        self.config = config
-        self.rundir = out if isinstance(out, RunDir) else RunDir(out)
-        self.backend = backend
-        self.progress = progress
+        backend.capabilities.require(backend.name, self.config.steer)
 
-    def run(self) -> RunDir:
+    def plan(self) -> dict[str, Any]:
         cfg = self.config
-        pool = load_questions(cfg.data)
-        with self.rundir.writing():
-            plan = {"questions": [q.index for q in stratified_subset(pool, cfg.n, cfg.seed)],
-                    "conditions": cfg.conditions, "interventions": Interventions.parse(cfg.steer).specs(),
-                    "models": {"agent": self.backend.describe()}}
-            manifest = self.rundir.start(cfg.model_dump(mode="json"), plan, cfg.RESUME_IGNORES, protocol="mmlu")
-            by_index = {q.index: q for q in pool}
-            if any(i not in by_index for i in manifest["questions"]):  # a resumed run asks what it planned
-                raise DriftlabError(f"The MMLU data no longer holds the questions {self.rundir.path} was started with.",
-                                    hint="Resume with the original data file, or start a new --out directory.")
-            questions = [by_index[i] for i in manifest["questions"]]
-            done = {r.key for r in self.rundir.records(RECORDS)}
-            todo = {c: [q for q in questions if ("answer", c, q.index) not in done] for c in cfg.conditions}
-            with WorkProgress("mmlu", sum(map(len, todo.values())), self.progress, unit="questions") as bar:
-                for condition in cfg.conditions:
-                    if todo[condition]:
-                        context = self._context(condition)
-                        self._score(condition, todo[condition], context, bar)
-            self.rundir.update_manifest(completed=True)
-        return self.rundir
+        questions = stratified_subset(load_questions(cfg.data), cfg.n, cfg.seed)
+        history = SelfChat(cfg.history("plain")).draw_plan() if cfg.turn else None
+        return {"questions": [q.model_dump() for q in questions], "history": history}
+
+    def inputs(self) -> dict[str, str]:
+        from driftlab.assets.datasets import dataset_file
+
+        data = Path(self.config.data) if self.config.data else dataset_file("mmlu")
+        return {"mmlu": hashlib.sha256(data.read_bytes()).hexdigest()}
+
+    def describe(self) -> dict[str, Any]:
+        return {"conditions": self.config.conditions, "interventions": self.config.steer.specs(),
+                "models": {"agent": self.backend.describe()}}
+
+    @classmethod
+    def expected(cls, manifest: dict[str, Any]) -> dict[str, int]:
+        return {"answer": len(manifest.get("questions", [])) * len(manifest.get("conditions", []))}
+
+    def units(self, state: RunState) -> Iterator[tuple[str, list[Question]]]:
+        self._plan = state.manifest
+        self._contexts: dict[str, Conversation] = {}
+        questions = [Question.model_validate(q) for q in state.manifest["questions"]]
+        size = self.config.batch_size
+        for condition in self.config.conditions:
+            todo = [q for q in questions if ("answer", condition, q.index) not in state.done]
+            for start in range(0, len(todo), size):
+                yield condition, todo[start : start + size]
+
+    def run_unit(self, unit: tuple[str, list[Question]]) -> list[AnswerRecord]:
+        condition, chunk = unit
+        if condition not in self._contexts:
+            self._contexts[condition] = self._context(condition)
+        context = self._contexts[condition]
+        convs = [context + [{"role": "user", "content": q.prompt()}] for q in chunk]
+        scores = self.backend.loglikelihood([c for c in convs for _ in LETTERS], list(LETTERS) * len(chunk),
+                                            self.config.interventions(condition), batch_size=self.config.batch_size)
+        records = []
+        for j, q in enumerate(chunk):
+            lp = {letter: scores[4 * j + k].logprob for k, letter in enumerate(LETTERS)}
+            best = max(LETTERS, key=lp.__getitem__)
+            records.append(AnswerRecord(condition=condition, index=q.index, subject=q.subject, answer=q.answer,
+                                        predicted=best, correct=best == q.answer, logprobs=lp))
+        return records
 
     def _context(self, condition: str) -> Conversation:
-        """The dialog before the question: the agent's history under this condition's interventions."""
-        cfg = self.config
+        """The dialog before the question: the agent's history under this condition's interventions,
+        continued (RUN/history-<condition>) from the persona pair recorded in the plan."""
+        cfg, history = self.config, self._plan["history"]
         if cfg.turn == 0:
             return []
-        from driftlab.protocol.dialog import RECORDS as DIALOG_RECORDS
-        from driftlab.protocol.dialog import Dialog, pairs_from_manifest
-        from driftlab.protocol.selfchat import SelfChat, SelfChatConfig, draw_pairs
-
-        history = SelfChatConfig(
-            model=cfg.model, pairs=1, rounds=max(cfg.turn - 1, 1), probe_every=cfg.turn + 1, seed=cfg.seed,
-            sampling=Sampling(max_new_tokens=cfg.history_tokens), dtype=cfg.dtype, device=cfg.device,
-            span=cfg.span, steer=cfg.steer if condition == "steered" else [],
-        )
+        (pair,) = pairs_from_manifest(history)
         if cfg.turn == 1:  # no earlier round: the agent's system prompt only
-            return [{"role": "system", "content": draw_pairs(history)[0].agent.system_prompt}]
-        rd = SelfChat(history, self.rundir.path / f"history-{condition}", self.backend, progress=False).run()
-        manifest = rd.read_manifest()
-        (dialog,) = Dialog.from_records(pairs_from_manifest(manifest), ["persona"], rd.records(DIALOG_RECORDS))
+            return [{"role": "system", "content": pair.agent.system_prompt}]
+        where = self.run_dir / f"history-{condition}"
+        rd = run_protocol(SelfChat(cfg.history(condition), self.backend), where, plan=history, progress=False)
+        (dialog,) = Dialog.from_records([pair], ["persona"], rd.records(DIALOG_RECORDS))
         return dialog.agent_view(cfg.turn, "")[:-1]  # [s_B, a_1, b_1, ..., a_{T-1}, b_{T-1}]
-
-    def _score(self, condition: str, questions: list, context: Conversation, bar) -> None:
-        iv = self.config.interventions(condition)
-        size = self.config.batch_size
-        for start in range(0, len(questions), size):
-            chunk = questions[start : start + size]
-            convs = [context + [{"role": "user", "content": q.prompt()}] for q in chunk]
-            scores = self.backend.loglikelihood([c for c in convs for _ in LETTERS], list(LETTERS) * len(chunk), iv,
-                                                batch_size=size)
-            records = []
-            for j, q in enumerate(chunk):
-                lp = {letter: scores[4 * j + k].logprob for k, letter in enumerate(LETTERS)}
-                best = max(LETTERS, key=lp.__getitem__)
-                records.append(AnswerRecord(condition=condition, index=q.index, subject=q.subject, answer=q.answer,
-                                            predicted=best, correct=best == q.answer, logprobs=lp))
-            self.rundir.append(records)
-            bar.advance(len(chunk))
-
-
-def run_mmlu(config: MMLUConfig, out: str, progress: bool = True) -> RunDir:
-    """Lock the run directory, load the model, measure."""
-    load_questions(config.data)  # a missing data set fails before anything is loaded or written
-    rundir = RunDir(out)
-    with rundir.writing():
-        return MMLU(config, rundir, make_backend(config.backend_spec(), run_dir=rundir.path), progress=progress).run()
 
 
 def correctness(run_dir: str | Path) -> dict[str, dict[int, float]]:
@@ -276,21 +266,14 @@ def correctness(run_dir: str | Path) -> dict[str, dict[int, float]]:
 
 def accuracy(correct: dict[int, float]) -> dict[str, Any]:
     """Accuracy over questions with a 95% bootstrap CI."""
-    from driftlab.report.metrics import bootstrap_mean_ci
-
-    x = np.array(list(correct.values()))
-    lo, hi = bootstrap_mean_ci(x) if x.size else (float("nan"), float("nan"))
-    return {"n": int(x.size), "accuracy": float(x.mean()) if x.size else float("nan"), "ci": (lo, hi)}
+    mean, lo, hi = mean_ci(correct.values())
+    return {"n": len(correct), "accuracy": mean, "ci": (lo, hi)}
 
 
 def drop(plain: dict[int, float], steered: dict[int, float]) -> dict[str, Any]:
     """Accuracy drop (plain - steered) over the questions both answered, with a paired 95% CI."""
-    from driftlab.report.metrics import bootstrap_mean_ci
-
-    common = sorted(set(plain) & set(steered))
-    diff = np.array([plain[i] - steered[i] for i in common])
-    lo, hi = bootstrap_mean_ci(diff) if diff.size else (float("nan"), float("nan"))
-    return {"n": int(diff.size), "mean": float(diff.mean()) if diff.size else float("nan"), "ci": (lo, hi)}
+    n, mean, lo, hi = paired_mean_ci(dict(sorted(plain.items())), steered)
+    return {"n": n, "mean": mean, "ci": (lo, hi)}
 
 
 def summarize(run_dir: str | Path) -> dict[str, Any]:

@@ -1,48 +1,57 @@
-"""Protocols that write run directories, registered by name (as lm-evaluation-harness registers tasks).
+"""Protocols by name, as lm-evaluation-harness registers tasks.
 
-A run directory's manifest names its protocol; readers (the report, `driftlab report`)
-look the protocol up here for its record schema and how many records a complete run
-holds, instead of each hard-coding one protocol's layout.
+A run directory's manifest names the protocol that wrote it; readers (the report, resume
+checks, tests) look the protocol up here for its record schema and how many records a
+complete run holds. Each protocol class registers itself (`@register`) where it is
+defined; this module imports none of them: `protocol_class` imports the modules listed in
+`MODULES` on first use, so the registry stays at the bottom of the protocols it serves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
-
-from pydantic import TypeAdapter
+import importlib
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from driftlab.errors import DriftlabError
 
+if TYPE_CHECKING:
+    from driftlab.protocol.runner import Protocol
 
-@dataclass(frozen=True)
-class ProtocolInfo:
-    name: str
-    records: TypeAdapter  # the record schema (a discriminated union of pydantic models)
-    expected_counts: Callable[[dict[str, Any]], dict[str, int]]  # record kind -> count in a complete run
+P = TypeVar("P", bound=type)
+
+#: Where the built-in protocols live (a new protocol module adds itself here).
+MODULES = (
+    "driftlab.protocol.selfchat",
+    "driftlab.protocol.mmlu",
+    "driftlab.protocol.calibrate",
+    "driftlab.protocol.sweep",
+    "driftlab.protocol.decay",
+    "driftlab.pasta.evaluate",
+    "driftlab.pasta.profile",
+    "driftlab.pasta.tune",
+)
+PROTOCOLS: dict[str, type[Protocol]] = {}
 
 
-PROTOCOLS: dict[str, ProtocolInfo] = {}
+def register(cls: P) -> P:
+    """Class decorator: make a protocol known under its `name`."""
+    if PROTOCOLS.get(cls.name, cls) is not cls:
+        raise RuntimeError(f"two protocols are named {cls.name!r}")
+    PROTOCOLS[cls.name] = cls
+    return cls
 
 
-def register(name: str, records: TypeAdapter, expected_counts: Callable[[dict[str, Any]], dict[str, int]]) -> None:
-    PROTOCOLS[name] = ProtocolInfo(name, records, expected_counts)
-
-
-def protocol_of(manifest: dict[str, Any]) -> ProtocolInfo:
-    """The protocol that wrote a manifest (format-1 manifests are all self-chats)."""
-    # Each protocol module registers itself on import.
-    import driftlab.pasta.evaluate  # noqa: F401
-    import driftlab.pasta.profile  # noqa: F401
-    import driftlab.pasta.tune  # noqa: F401
-    import driftlab.protocol.calibrate  # noqa: F401
-    import driftlab.protocol.mmlu  # noqa: F401
-    import driftlab.protocol.selfchat  # noqa: F401
-    import driftlab.protocol.sweep  # noqa: F401
-
-    name = manifest.get("protocol", "selfchat")
+def protocol_class(name: str) -> type[Protocol]:
+    """The protocol registered as `name`."""
+    if name not in PROTOCOLS:
+        for module in MODULES:
+            importlib.import_module(module)
     if name not in PROTOCOLS:
         raise DriftlabError(f"Unknown protocol '{name}' in the manifest.",
                             hint=f"This driftlab knows: {', '.join(sorted(PROTOCOLS))}. Upgrade driftlab?")
     return PROTOCOLS[name]
+
+
+def protocol_of(manifest: dict[str, Any]) -> type[Protocol]:
+    """The protocol that wrote a manifest (format-1 manifests are all self-chats)."""
+    return protocol_class(manifest.get("protocol", "selfchat"))

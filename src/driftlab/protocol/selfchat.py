@@ -10,7 +10,7 @@ Every generation has its own seed, derived from (run seed, pair, condition, roun
 repeat), so results do not depend on how work is batched, and a resumed run continues
 exactly where the killed one stopped: it continues the plan recorded in its manifest
 (pairs, personas, starters as they were), recomputes exactly the records that are
-missing, in dependency order, and never writes one twice.
+missing, in dependency order, and never writes one twice (`run_protocol`).
 
 Schedule, per round i, batched over all conversations:
     user call    a_i for every dialog (i >= 2; a_1 is the starter)
@@ -22,35 +22,31 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from driftlab.assets.registry import DEFAULT_MODEL
 from driftlab.bench import Persona, get_persona, load_personas, starters, user_probe
 from driftlab.bench.probes import ProbeVersion
 from driftlab.bench.starters import StarterSetName
 from driftlab.chat.base import MAX_SEED, ChatBackend, ChatRequest, Conversation, Sampling
-from driftlab.chat.factory import BackendSpec, Dtype, ModelName, Runtime, SpanMode, make_backend
-from driftlab.console import WorkProgress
+from driftlab.chat.spec import BackendSpec, ModelName
 from driftlab.errors import DriftlabError
 from driftlab.protocol.dialog import RECORDS, Dialog, Pair, ProbeRecord, TurnRecord, pairs_from_manifest
 from driftlab.protocol.registry import register
-from driftlab.records.rundir import RunDir
-from driftlab.steering.interventions import Interventions
+from driftlab.protocol.runner import Protocol, ProtocolConfig, RunState
+from driftlab.steering.interventions import DialogSteer, Interventions
 
 PAPER_TOKENS = 400  # new tokens per turn in seed 000's experiments (reference code: max_new_tokens=400)
 
 
-class SelfChatConfig(BaseModel):
+class SelfChatConfig(ProtocolConfig):
     """Everything that defines a self-chat experiment (recorded in the run's manifest)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    model: ModelName = DEFAULT_MODEL
-    user_model: ModelName | None = Field(None, description="a different model for the user LM; default: same as model")
+    user_model: ModelName | None = Field(None, description="a different model for the user LM; default: the agent's")
     pairs: int = Field(10, ge=0, description="random (agent, user) persona pairs to draw")
     pair_ids: list[tuple[str, str]] = Field(default_factory=list, description="explicit (agent, user) pairs")
     categories: list[str] | None = Field(None, description="draw agent personas from these categories only")
@@ -65,16 +61,11 @@ class SelfChatConfig(BaseModel):
     fold_first_exchange: bool = True
     sampling: Sampling = Sampling(max_new_tokens=PAPER_TOKENS)
     seed: int = Field(0, ge=0, le=MAX_SEED, description="run seed: pairs, starters and every sample derive from it")
-    dtype: Dtype = "auto"
-    device: str = "auto"
-    span: SpanMode = "content"
-    runtime: Runtime = Runtime()
-    steer: list[str] = Field(default_factory=list, description="agent-side interventions, normalised --steer specs")
+    steer: DialogSteer = Field(default_factory=Interventions, description="agent-side interventions")
     persona_file: str | None = None
     batch_size: int = Field(32, ge=1, le=4096, description="most conversations per generate call")
 
-    # Fields that may change between a run and its resume (they do not change results).
-    RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("device", "batch_size", "persona_file", "runtime")
+    RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size", "persona_file")
 
     @field_validator("categories")
     @classmethod
@@ -87,15 +78,6 @@ class SelfChatConfig(BaseModel):
                 raise ValueError(f"unknown categories {bad}; use {list(CATEGORIES)}")
         return v
 
-    @field_validator("steer")
-    @classmethod
-    def _normalise_steer(cls, v: list[str]) -> list[str]:
-        return Interventions.parse(v).for_dialogs().specs()  # a bad spec raises its own one-line DriftlabError
-
-    @property
-    def interventions(self) -> Interventions:
-        return Interventions.parse(self.steer)
-
     @property
     def conditions(self) -> list[str]:
         return ["persona", "empty-user"] if self.ablation else ["persona"]
@@ -103,9 +85,9 @@ class SelfChatConfig(BaseModel):
     def probe_rounds(self) -> list[int]:
         return [i for i in range(1, self.rounds + 1) if i % self.probe_every == 0]
 
-    def backend_spec(self, user: bool = False) -> BackendSpec:
-        model = (self.user_model or self.model) if user else self.model
-        return BackendSpec(model=model, dtype=self.dtype, device=self.device, span=self.span, runtime=self.runtime)
+    def user_backend(self) -> BackendSpec:
+        """The user LM's backend: the agent's, with `user_model` if one is given."""
+        return self.backend.model_copy(update={"model": self.user_model}) if self.user_model else self.backend
 
     def persona_pool(self) -> tuple[list[Persona], list[Persona]]:
         """(every persona, those agents are drawn from), after checking the named data.
@@ -143,33 +125,19 @@ def draw_pairs(config: SelfChatConfig) -> list[Pair]:
 
 def input_hashes(config: SelfChatConfig) -> dict[str, str]:
     """sha256 of the data a plan is drawn from, so a changed data set is noticed on resume."""
-    digest = lambda obj: hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()  # noqa: E731
     pool = [p.model_dump() for p in load_personas(extra=config.persona_file)]
     return {"personas": digest(pool), "starters": digest(starters(config.starters))}
+
+
+def digest(obj: Any) -> str:
+    """sha256 of a JSON value (keys sorted): what a plan's `inputs` record."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
 def item_seed(seed: int, *parts: Any) -> int:
     """A stable 63-bit seed for one generation, independent of batching and of Python's hash."""
     digest = hashlib.sha256(repr((seed, *parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
-
-
-def expected_counts(manifest: dict[str, Any]) -> dict[str, int]:
-    """How many turn and probe records a complete run of this manifest holds."""
-    cfg = manifest.get("config", {})
-    n_pairs = len(manifest.get("pairs", []))
-    rounds = int(cfg.get("rounds", 0))
-    reps = int(cfg.get("probe_repeats", 1))
-    n_probe_rounds = len(manifest.get("probe_rounds", []))
-    turns = probes = 0
-    for cond in manifest.get("conditions", []):
-        turns += n_pairs * (2 * rounds - 1)  # a_1 is the starter, not a record
-        targets = 2 if cfg.get("user_probe") and cond == "persona" else 1
-        probes += n_pairs * n_probe_rounds * reps * targets
-    return {"turn": turns, "probe": probes}
-
-
-register("selfchat", RECORDS, expected_counts)
 
 
 def resume_guarantee(dtype: str) -> str:
@@ -192,84 +160,121 @@ class Job:
     score: Callable[..., float | None] | None = None  # Persona.score(text, truncated=...)
 
 
-class SelfChat:
-    """Runs (or resumes) a self-chat experiment into a run directory, on given backends.
+@register
+class SelfChat(Protocol[SelfChatConfig]):
+    """A self-chat experiment on an agent backend (and a user one, by default the same).
 
-    Backends are passed in (see `make_backend`), so a sweep reuses one loaded model for
-    every point. The agent backend must support the config's interventions.
+    Backends may be passed in (a sweep reuses one loaded model for every point); otherwise
+    `run_protocol` loads the ones the config names. Each unit is one batch of generations:
+    user turns of a round, then the agent turns and probes of that round.
     """
 
-    def __init__(
-        self,
-        config: SelfChatConfig,
-        out: str | RunDir,
-        agent: ChatBackend,
-        user: ChatBackend | None = None,
-        progress: bool = True,
-    ) -> None:
-        self.config = config
-        self.rundir = out if isinstance(out, RunDir) else RunDir(out)
-        self.agent = agent
-        self.user = user or agent
-        self.progress = progress
-        self.interventions = config.interventions
-        agent.capabilities.require(agent.name, self.interventions)
+    name = "selfchat"
+    records = RECORDS
+    unit = "generations"
 
-    def run(self) -> RunDir:
-        cfg = self.config
-        with self.rundir.writing():
-            manifest = self._start()
-            pairs = pairs_from_manifest(manifest)
-            records = self.rundir.records(RECORDS)
-            done = {r.key for r in records}
-            dialogs = Dialog.from_records(pairs, manifest["conditions"], records)
-            total = sum(expected_counts(manifest).values()) - len(done)
-            with WorkProgress("self-chat", total, self.progress) as bar:
-                for i in range(1, cfg.rounds + 1):
-                    # Dependency order: a_i needs rounds < i; b_i and the probes of round i need a_i.
-                    self._run_jobs([self._user_job(d, i) for d in dialogs if i > 1 and i not in d.a], dialogs, bar)
-                    agent_jobs = [self._agent_job(d, i) for d in dialogs if i not in d.b]
-                    agent_jobs += [self._probe_job(d, rec, persona) for d in dialogs
-                                   for rec, persona in self._probe_specs(d, i) if _key(rec) not in done]
-                    self._run_jobs(agent_jobs, dialogs, bar)
-            self.rundir.update_manifest(completed=True)
-        return self.rundir
+    def __init__(self, config: SelfChatConfig, agent: ChatBackend | None = None,
+                 user: ChatBackend | None = None) -> None:
+        super().__init__(config, agent)
+        self.user = user
 
-    def _start(self) -> dict[str, Any]:
-        """Write the manifest (new run) or check it (resume), before any generation."""
+    @property
+    def label(self) -> str:
+        return "self-chat"
+
+    def check(self) -> None:
+        self.config.persona_pool()
+
+    def connect(self, run_dir: Path) -> None:
+        super().connect(run_dir)
+        if self.user is None:
+            spec = self.config.user_backend()
+            if spec == self.config.backend:
+                self.user = self.backend
+            else:
+                from driftlab.chat.factory import make_backend
+
+                self.user = make_backend(spec, run_dir=run_dir)
+
+    def require(self) -> None:
         cfg = self.config
-        agent_meta = self.agent.describe()
-        max_ctx = agent_meta.get("max_context")
+        self.backend.capabilities.require(self.backend.name, cfg.steer)
+        max_ctx = self.backend.describe().get("max_context")
         if max_ctx and cfg.sampling.max_new_tokens >= max_ctx:
             raise DriftlabError(
                 f"--max-new-tokens {cfg.sampling.max_new_tokens} does not fit the model's context window "
                 f"of {max_ctx} tokens.", hint="Use far fewer tokens per turn; the dialog itself needs room too.",
             )
-        hashes = input_hashes(cfg)
-        if self.rundir.exists():
-            manifest = self.rundir.start(cfg.model_dump(mode="json"), {}, cfg.RESUME_IGNORES)
-            changed = [k for k, v in hashes.items() if manifest.get("inputs", {}).get(k) != v]
-            if changed and self.progress:
-                from driftlab.console import err_console
 
-                err_console().print(
-                    f"note: the {' and '.join(changed)} changed since this run started; it continues with the "
-                    "plan recorded in its manifest.", highlight=False, markup=False)
-            return manifest
-        pairs = draw_pairs(cfg)
-        plan = {
-            "pairs": [p.plan_entry() for p in pairs],
-            "conditions": cfg.conditions,
-            "probe_rounds": cfg.probe_rounds(),
-            "personas": {p.id: p.model_dump() for pair in pairs for p in (pair.agent, pair.user)},
-            "inputs": hashes,
-            "models": {"agent": agent_meta, "user": self.user.describe()},
-            "interventions": self.interventions.specs(),
-            "resume": resume_guarantee(agent_meta.get("dtype", "unknown")),
-        }
-        return self.rundir.start(cfg.model_dump(mode="json"), plan, cfg.RESUME_IGNORES)
+    def plan(self) -> dict[str, Any]:
+        pairs = draw_pairs(self.config)
+        return {"pairs": [p.plan_entry() for p in pairs],
+                "personas": {p.id: p.model_dump() for pair in pairs for p in (pair.agent, pair.user)}}
 
-    # -- jobs ----------------------------------------------------------------------------------
+    def inputs(self) -> dict[str, str]:
+        return input_hashes(self.config)
+
+    def describe(self) -> dict[str, Any]:
+        agent = self.backend.describe()
+        return {"conditions": self.config.conditions, "probe_rounds": self.config.probe_rounds(),
+                "models": {"agent": agent, "user": self.user.describe()},
+                "interventions": self.config.steer.specs(), "resume": resume_guarantee(agent.get("dtype", "unknown"))}
+
+    @classmethod
+    def expected(cls, manifest: dict[str, Any]) -> dict[str, int]:
+        """How many turn and probe records a complete run of this manifest holds."""
+        cfg = manifest.get("config", {})
+        n_pairs = len(manifest.get("pairs", []))
+        rounds = int(cfg.get("rounds", 0))
+        reps = int(cfg.get("probe_repeats", 1))
+        n_probe_rounds = len(manifest.get("probe_rounds", []))
+        turns = probes = 0
+        for cond in manifest.get("conditions", []):
+            turns += n_pairs * (2 * rounds - 1)  # a_1 is the starter, not a record
+            targets = 2 if cfg.get("user_probe") and cond == "persona" else 1
+            probes += n_pairs * n_probe_rounds * reps * targets
+        return {"turn": turns, "probe": probes}
+
+    # -- the work ----------------------------------------------------------------------------
+    def units(self, state: RunState) -> Iterator[list[Job]]:
+        """Batches in dependency order: a_i needs rounds < i; b_i and the probes of round i need a_i."""
+        pairs = pairs_from_manifest(state.manifest)
+        self.dialogs = Dialog.from_records(pairs, state.manifest["conditions"], state.records)
+        self._by_key = {(d.pair.index, d.condition): d for d in self.dialogs}
+        for i in range(1, self.config.rounds + 1):
+            yield from self._batches([self._user_job(d, i) for d in self.dialogs if i > 1 and i not in d.a])
+            jobs = [self._agent_job(d, i) for d in self.dialogs if i not in d.b]
+            jobs += [self._probe_job(d, rec, persona) for d in self.dialogs
+                     for rec, persona in self._probe_specs(d, i) if _key(rec) not in state.done]
+            yield from self._batches(jobs)
+
+    def _batches(self, jobs: list[Job]) -> Iterator[list[Job]]:
+        for start in range(0, len(jobs), self.config.batch_size):
+            yield jobs[start : start + self.config.batch_size]
+
+    def run_unit(self, chunk: list[Job]) -> list[TurnRecord | ProbeRecord]:
+        agent_side = chunk[0].role == "agent"
+        request = ChatRequest(
+            [j.conversation for j in chunk], self.config.sampling, seeds=[j.seed for j in chunk],
+            interventions=self.config.steer if agent_side else Interventions(),
+            cache_store=[j.keep_cache for j in chunk],
+        )
+        replies = (self.backend if agent_side else self.user).generate(request)
+        records: list[TurnRecord | ProbeRecord] = []
+        for job, reply in zip(chunk, replies, strict=True):
+            fields = {**job.record, "text": reply.text, "n_tokens": reply.n_tokens,
+                      "finish_reason": reply.finish_reason, "seed": job.seed}
+            if job.score is not None:
+                # A measure that needs a whole reply does not score one cut at the token limit (None).
+                score = job.score(reply.text, truncated=reply.finish_reason == "length")
+                records.append(ProbeRecord(**fields, score=score))
+                continue
+            rec = TurnRecord(**fields)
+            records.append(rec)
+            d = self._by_key[(rec.pair, rec.condition)]
+            (d.a if rec.speaker == "user" else d.b)[rec.round] = reply.text
+        return records
+
     def _base(self, d: Dialog, i: int) -> dict[str, Any]:
         return {"pair": d.pair.index, "condition": d.condition, "round": i}
 
@@ -301,50 +306,6 @@ class SelfChat:
                          rec["repeat"])
         return Job(rec, d.agent_view(rec["round"], persona.probe), seed, "agent", False, persona.score)
 
-    def _run_jobs(self, jobs: list[Job], dialogs: list[Dialog], bar: WorkProgress) -> None:
-        by_key = {(d.pair.index, d.condition): d for d in dialogs}
-        size = self.config.batch_size
-        for start in range(0, len(jobs), size):
-            chunk = jobs[start : start + size]
-            agent_side = chunk[0].role == "agent"
-            request = ChatRequest(
-                [j.conversation for j in chunk], self.config.sampling, seeds=[j.seed for j in chunk],
-                interventions=self.interventions if agent_side else Interventions(),
-                cache_store=[j.keep_cache for j in chunk],
-            )
-            replies = (self.agent if agent_side else self.user).generate(request)
-            records = []
-            for job, reply in zip(chunk, replies, strict=True):
-                fields = {**job.record, "text": reply.text, "n_tokens": reply.n_tokens,
-                          "finish_reason": reply.finish_reason, "seed": job.seed}
-                if job.score is not None:
-                    # A measure that needs a whole reply does not score one cut at the token limit (None).
-                    score = job.score(reply.text, truncated=reply.finish_reason == "length")
-                    records.append(ProbeRecord(**fields, score=score))
-                    continue
-                rec = TurnRecord(**fields)
-                records.append(rec)
-                d = by_key[(rec.pair, rec.condition)]
-                (d.a if rec.speaker == "user" else d.b)[rec.round] = reply.text
-            self.rundir.append(records)
-            bar.advance(len(chunk))
-
 
 def _key(rec: dict[str, Any]) -> tuple:
     return ("probe", rec["pair"], rec["condition"], rec["round"], rec["target"], rec["repeat"])
-
-
-def run_selfchat(config: SelfChatConfig, out: str, progress: bool = True) -> RunDir:
-    """Check inputs, lock the run directory, load the model(s) named in `config`, run into `out`.
-
-    The lock is taken before the (slow) model load, so a second process on the same `out`
-    fails at once instead of duplicating work; a failure before the manifest is written
-    leaves no directory behind.
-    """
-    config.persona_pool()
-    rundir = RunDir(out)
-    with rundir.writing():
-        agent = make_backend(config.backend_spec(), run_dir=rundir.path)
-        user = (make_backend(config.backend_spec(user=True), run_dir=rundir.path)
-                if config.user_model not in (None, config.model) else None)
-        return SelfChat(config, rundir, agent, user, progress=progress).run()

@@ -8,38 +8,47 @@ For every point (method, strength) of a grid, on one loaded backend:
   plain baseline shared by all points: the drop.
 
 The plain model is the point (none, 0). Every point is a pair of resumable run directories
-under `RUN/points/<spec>/`, so a killed sweep resumes and a finished point is never
-recomputed. `RUN/sweep.csv` holds the table behind the figures (report.sweep).
+under `RUN/points/<spec>/`, all continuing one plan recorded in the sweep's manifest (the
+self-chat's personas and starters, the MMLU questions), so a killed sweep resumes, a
+finished point is never recomputed, and every point sees the same data. The table behind
+the figures (`RUN/sweep.csv`: stability, paired gain, MMLU drop per point) is computed
+from the point directories by `driftlab.report.sweep`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-import pandas as pd
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import Field, TypeAdapter, field_validator
 
 from driftlab.bench import CATEGORIES, load_personas
 from driftlab.bench.starters import StarterSetName
-from driftlab.chat.base import ChatBackend, Sampling
-from driftlab.chat.factory import ModelName, Runtime, SpanMode
+from driftlab.chat.base import Sampling
 from driftlab.console import err_console
-from driftlab.protocol.mmlu import MMLU, MMLUConfig, correctness, drop
+from driftlab.protocol.mmlu import MMLU, MMLUConfig
 from driftlab.protocol.registry import register
+from driftlab.protocol.runner import Protocol, ProtocolConfig, RunState, run_protocol
 from driftlab.protocol.selfchat import PAPER_TOKENS, SelfChat, SelfChatConfig
-from driftlab.records.rundir import RunDir
-from driftlab.steering.interventions import KINDS, Interventions
+from driftlab.steering.interventions import (
+    KINDS,
+    BaseIntervention,
+    ClassifierFreeGuidance,
+    InstABoost,
+    OneSteer,
+    SplitSoftmax,
+    SystemPromptRepetition,
+)
 
-# Default strengths per method (weakest to strongest); `--grid` overrides them.
-GRID: dict[str, list[str]] = {
-    "split-softmax": ["split-softmax:k=0.9", "split-softmax:k=0.8", "split-softmax:k=0.7", "split-softmax:k=0.5"],
-    "spr": ["spr:p=0.25", "spr:p=0.5", "spr:p=1"],
-    "cfg": ["cfg:alpha=1.25", "cfg:alpha=1.5", "cfg:alpha=2", "cfg:alpha=3"],
-    "instaboost": ["instaboost:m=2", "instaboost:m=5", "instaboost:m=10", "instaboost:m=19"],
+# Default strengths per method (weakest to strongest); `--point` replaces them.
+GRID: dict[str, list[BaseIntervention]] = {
+    "split-softmax": [SplitSoftmax(k=k) for k in (0.9, 0.8, 0.7, 0.5)],
+    "spr": [SystemPromptRepetition(p=p) for p in (0.25, 0.5, 1.0)],
+    "cfg": [ClassifierFreeGuidance(alpha=a) for a in (1.25, 1.5, 2.0, 3.0)],
+    "instaboost": [InstABoost(m=m) for m in (2.0, 5.0, 10.0, 19.0)],
 }
 PLAIN = "plain"
-register("sweep", TypeAdapter(dict), lambda manifest: {})  # its records live in the point directories
 
 
 def paper_pairs() -> list[tuple[str, str]]:
@@ -53,13 +62,10 @@ def paper_pairs() -> list[tuple[str, str]]:
     return [(five[i], five[(i + d) % 5]) for d in range(1, 5) for i in range(5)]
 
 
-class SweepConfig(BaseModel):
+class SweepConfig(ProtocolConfig):
     """The grid and the per-point protocols (recorded in the sweep's manifest)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    model: ModelName = "smollm2-135m"
-    grid: dict[str, list[str]] = Field(default_factory=lambda: {m: list(v) for m, v in GRID.items()})
+    grid: dict[str, list[OneSteer]] = Field(default_factory=lambda: {m: list(v) for m, v in GRID.items()})
     pair_ids: list[tuple[str, str]] = Field(default_factory=paper_pairs)
     rounds: int = Field(8, ge=1, le=1000)
     starters: StarterSetName = "reference"
@@ -69,108 +75,81 @@ class SweepConfig(BaseModel):
     mmlu_turn: int = Field(4, ge=0, le=64)
     history_tokens: int = Field(64, ge=1, le=32768)
     data: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    span: SpanMode = "content"
-    runtime: Runtime = Runtime()
     batch_size: int = Field(32, ge=1, le=4096)
+
+    RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size")
 
     @field_validator("grid")
     @classmethod
-    def _valid_grid(cls, grid: dict[str, list[str]]) -> dict[str, list[str]]:
-        out = {}
-        for method, specs in grid.items():
+    def _valid_grid(cls, grid: dict[str, list[BaseIntervention]]) -> dict[str, list[BaseIntervention]]:
+        for method, points in grid.items():
             if method not in KINDS:
                 raise ValueError(f"unknown method '{method}'; use one of {', '.join(sorted(KINDS))}")
-            normalised = [Interventions.parse([s]).specs()[0] for s in specs]
-            wrong = [s for s in normalised if not s.startswith(method + ":")]
-            if wrong or not normalised:
-                raise ValueError(f"the grid of {method} must list {method} specs, got {specs}")
-            out[method] = normalised
-        if not out:
+            if not points or any(p.kind != method for p in points):
+                raise ValueError(f"the grid of {method} must list {method} specs, got {[p.spec() for p in points]}")
+        if not grid:
             raise ValueError("the grid is empty")
-        return out
+        return grid
 
-    def points(self) -> list[tuple[str, str]]:
-        """(method, spec) for the plain model and every grid point, in grid order."""
-        return [(PLAIN, "")] + [(m, s) for m, specs in self.grid.items() for s in specs]
+    def points(self) -> list[tuple[str, BaseIntervention | None]]:
+        """(method, intervention) for the plain model (None) and every grid point, in grid order."""
+        return [(PLAIN, None)] + [(m, p) for m, points in self.grid.items() for p in points]
 
-    def selfchat(self, spec: str) -> SelfChatConfig:
+    def selfchat(self, point: BaseIntervention | None) -> SelfChatConfig:
         return SelfChatConfig(
-            model=self.model, pairs=0, pair_ids=self.pair_ids, rounds=self.rounds, sampling=self.sampling,
-            seed=self.seed, dtype=self.dtype, device=self.device, span=self.span, batch_size=self.batch_size,
-            runtime=self.runtime, steer=[spec] if spec else [], starters=self.starters,
+            backend=self.backend, pairs=0, pair_ids=self.pair_ids, rounds=self.rounds, sampling=self.sampling,
+            seed=self.seed, batch_size=self.batch_size, steer=[point] if point else [], starters=self.starters,
         )
 
-    def mmlu(self, spec: str) -> MMLUConfig:
+    def mmlu(self, point: BaseIntervention | None) -> MMLUConfig:
         return MMLUConfig(
-            model=self.model, n=self.mmlu_n, turn=self.mmlu_turn, steer=[spec] if spec else [], seed=self.seed,
-            history_tokens=self.history_tokens, dtype=self.dtype, device=self.device, span=self.span,
-            runtime=self.runtime, data=self.data, plain=not spec,
+            backend=self.backend, n=self.mmlu_n, turn=self.mmlu_turn, steer=[point] if point else [],
+            seed=self.seed, history_tokens=self.history_tokens, data=self.data, plain=point is None,
         )
 
 
-def point_dir(out: Path, spec: str) -> Path:
-    return out / "points" / (spec.replace(":", "_").replace("=", "").replace(",", "_") or PLAIN)
+def point_dir(out: str | Path, spec: str) -> Path:
+    """RUN/points/<spec> of a point's `--steer` spec ('' for the plain model)."""
+    return Path(out) / "points" / (spec.replace(":", "_").replace("=", "").replace(",", "_") or PLAIN)
 
 
-def run_sweep(config: SweepConfig, out: str | Path, backend: ChatBackend, progress: bool = True) -> pd.DataFrame:
-    """Run (or resume) every point on one backend; return and write the table (sweep.csv).
+@register
+class Sweep(Protocol[SweepConfig]):
+    """Every point of the grid on one backend: a unit is one point (its self-chat, then its MMLU run)."""
 
-    Besides each point's own stability and CI, `stability_gain` is its stability minus the
-    plain model's, paired by conversation (every point runs the same pairs, starters and
-    seeds), with a bootstrap CI over conversations: the paired CI is far narrower than the
-    two independent ones, which is what comparing methods needs.
-    """
-    from driftlab.report.metrics import bootstrap_mean_ci, summarize_run
+    name = "sweep"
+    records = TypeAdapter(dict)  # none of its own: its records live in the point directories
 
-    out = Path(out)
-    rd = RunDir(out)
-    rows: list[dict[str, Any]] = []
-    with rd.writing():
-        rd.start(config.model_dump(mode="json"), {"points": [s for _, s in config.points()]},
-                 ("device", "batch_size", "runtime"), protocol="sweep")
-        plain_correct: dict[int, float] = {}
-        plain_stability = pd.Series(dtype=float)
-        for i, (method, spec) in enumerate(config.points()):
-            where = point_dir(out, spec)
-            if progress:
-                err_console().print(f"sweep: point {i + 1}/{len(config.points())}: {spec or 'plain'}",
-                                    highlight=False, markup=False)
-            SelfChat(config.selfchat(spec), where / "selfchat", backend, progress=progress).run()
-            MMLU(config.mmlu(spec), where / "mmlu", backend, progress=progress).run()
-            correct = correctness(where / "mmlu")
-            if not spec:
-                plain_correct = correct["plain"]
-            steered = correct["steered"] if spec else plain_correct
-            summary = summarize_run(where / "selfchat")
-            ov = summary.overall
-            agent = ov[(ov.target == "agent") & (ov.category == "all")].iloc[0]
-            per_conv = _per_conversation(summary.scores)
-            if not spec:
-                plain_stability = per_conv
-            gain = (per_conv - plain_stability).dropna()
-            gain_ci = bootstrap_mean_ci(gain.to_numpy(float))
-            d = drop(plain_correct, steered)
-            rows.append({
-                "method": method, "spec": spec or "plain", "strength_rank": _rank(config, method, spec),
-                "stability": agent["mean"], "stability_ci_low": agent["ci_low"], "stability_ci_high": agent["ci_high"],
-                "stability_gain": float(gain.mean()) if len(gain) else float("nan"),
-                "stability_gain_ci_low": gain_ci[0], "stability_gain_ci_high": gain_ci[1],
-                "mmlu_accuracy": sum(steered.values()) / len(steered), "mmlu_drop": d["mean"],
-                "mmlu_drop_ci_low": d["ci"][0], "mmlu_drop_ci_high": d["ci"][1], "n_conversations": int(agent["n"]),
-            })
-        table = pd.DataFrame(rows)
-        table.to_csv(out / "sweep.csv", index=False)
-        rd.update_manifest(completed=True)
-    return table
+    def check(self) -> None:
+        SelfChat(self.config.selfchat(None)).check()
+        MMLU(self.config.mmlu(None)).check()
 
+    def plan(self) -> dict[str, Any]:
+        return {"selfchat": SelfChat(self.config.selfchat(None)).draw_plan(),
+                "mmlu": MMLU(self.config.mmlu(None)).draw_plan()}
 
-def _per_conversation(scores: pd.DataFrame) -> pd.Series:
-    """Each conversation's agent stability (mean probe score over rounds), indexed by pair."""
-    agent = scores[(scores.target == "agent") & (scores.condition == "persona")]
-    return agent.groupby("pair")["score"].mean()
+    def describe(self) -> dict[str, Any]:
+        return {"points": [p.spec() if p else "" for _, p in self.config.points()],
+                "models": {"agent": self.backend.describe()}}
 
+    @classmethod
+    def expected(cls, manifest: dict[str, Any]) -> dict[str, int]:
+        return {}
 
-def _rank(config: SweepConfig, method: str, spec: str) -> int:
-    return 0 if not spec else config.grid[method].index(spec) + 1
+    def units(self, state: RunState) -> Iterator[tuple[int, BaseIntervention | None]]:
+        self._plan = state.manifest
+        for i, (_, point) in enumerate(self.config.points()):
+            yield i, point
+
+    def run_unit(self, unit: tuple[int, BaseIntervention | None]) -> list:
+        i, point = unit
+        cfg = self.config
+        if self.progress:
+            err_console().print(f"sweep: point {i + 1}/{len(cfg.points())}: {point.spec() if point else 'plain'}",
+                                highlight=False, markup=False)
+        where = point_dir(self.run_dir, point.spec() if point else "")
+        run_protocol(SelfChat(cfg.selfchat(point), self.backend), where / "selfchat", plan=self._plan["selfchat"],
+                     progress=self.progress)
+        run_protocol(MMLU(cfg.mmlu(point), self.backend), where / "mmlu", plan=self._plan["mmlu"],
+                     progress=self.progress)
+        return []

@@ -5,8 +5,8 @@
     DIR/records.jsonl   append-only: one JSON object per unit of work (a turn, a probe, ...)
     DIR/.lock, .owner   held by the one process writing the run
 
-Generic: every protocol (self-chat, and later MMLU, sweeps, PASTA profiling) writes the
-same layout and brings its own record schema (see driftlab.protocol.registry).
+Generic: every protocol (self-chat, MMLU, sweeps, PASTA, decay) writes the same layout and
+brings its own record schema; `driftlab.protocol.runner.run_protocol` is its one writer.
 
 Safety rules:
 * one writer: `RunDir.writing()` takes an exclusive file lock (filelock) before anything
@@ -38,7 +38,7 @@ MANIFEST = "manifest.json"
 RECORDS = "records.jsonl"
 LOCK = ".lock"
 OWNER = ".owner"
-FORMAT = 2  # manifest format; 1 = before typed records (still readable)
+FORMAT = 3  # manifest format; 2 = flat model settings in the config, plans by reference (readable, not resumable)
 
 
 def versions() -> dict[str, str]:
@@ -96,13 +96,16 @@ class RunDir:
         config: dict[str, Any],
         plan: dict[str, Any],
         ignore: Iterable[str] = (),
-        protocol: str = "selfchat",
+        *,
+        protocol: str,
     ) -> dict[str, Any]:
         """Write the manifest of a new run, or check it against an existing one; return it.
 
         Every config field except those in `ignore` (e.g. device, batch size) must match
-        for a resume to continue the same experiment. A resumed run keeps its recorded
-        plan: the caller continues from the returned manifest, not from current data.
+        for a resume to continue the same experiment; nested settings are compared one by
+        one under dotted names (`backend.dtype`), and an ignored name covers what is under
+        it (`backend.runtime`). A resumed run keeps its recorded plan: the caller continues
+        from the returned manifest, not from current data.
         """
         self._require_writer()
         if self.exists():
@@ -113,12 +116,15 @@ class RunDir:
                     "it can be reported but not resumed.",
                     hint="Start the run again in a new --out directory.",
                 )
+            if old.get("protocol", "selfchat") != protocol:
+                raise DriftlabError(f"{self.path} holds a '{old.get('protocol', 'selfchat')}' run, not a '{protocol}' run.",
+                                    hint="Choose a new --out directory.")
             # A key the old config lacks is an option added by a newer driftlab: the run predates
             # it, and its recorded plan (pairs, starters, personas) decides how it continues.
-            skip = set(ignore) | (set(config) - set(old["config"]))
-            keys = [k for k in dict.fromkeys([*old["config"], *config]) if k not in skip]
-            diffs = [f"{k}: {old['config'].get(k)!r} -> {config.get(k)!r}" for k in keys
-                     if old["config"].get(k) != config.get(k)]
+            before, now = _flat(old["config"]), _flat(config)
+            keys = [k for k in dict.fromkeys([*before, *now])
+                    if k in before and not any(k == i or k.startswith(i + ".") for i in ignore)]
+            diffs = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in keys if before.get(k) != now.get(k)]
             if diffs:
                 raise DriftlabError(
                     f"{self.path} holds a run with a different configuration ({'; '.join(diffs)}).",
@@ -252,6 +258,17 @@ class RunDir:
                     hint=f"Remove line {n} (the run resumes by recomputing it), or start a new --out directory.",
                 ) from None
         return out
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: nested settings compared (and named) one by one."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _one_line(err: Exception) -> str:

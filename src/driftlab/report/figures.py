@@ -20,6 +20,7 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from driftlab.protocol.runner import config_of
 from driftlab.report.metrics import ALL, CONFIDENCE, N_RESAMPLES, RunSummary, category_order
 from driftlab.report.tables import CONDITION_LABELS, series_keys
 
@@ -41,8 +42,8 @@ def error_note(errors: Errors) -> str:
 
 def model_title(manifest: dict) -> str:
     """'smollm2-135m' or 'agent X, user Y', plus the steering if any."""
-    cfg = manifest.get("config", {})
-    agent = cfg.get("model", "?")
+    cfg = config_of(manifest)
+    agent = cfg.get("backend", {}).get("model", "?")
     user = cfg.get("user_model")
     text = agent if not user or user == agent else f"agent {agent}, user {user}"
     if cfg.get("steer"):

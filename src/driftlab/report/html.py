@@ -20,6 +20,8 @@ from typing import Any
 
 import pandas as pd
 
+from driftlab.protocol.registry import protocol_of
+from driftlab.protocol.runner import config_of
 from driftlab.report.figures import Errors, error_note, model_title, write_figures
 from driftlab.report.metrics import (
     N_RESAMPLES,
@@ -74,8 +76,8 @@ def _model_line(meta: dict[str, Any] | None, fallback: str) -> str:
 
 def header_rows(manifest: dict[str, Any]) -> list[tuple[str, str]]:
     """(label, value) rows for the header: models, config, steering, versions, dates."""
-    cfg = manifest.get("config", {})
-    cfg = {**cfg, **(cfg.get("sampling") or {})}  # format 2 nests sampling settings
+    cfg = config_of(manifest)
+    cfg = {**cfg, **(cfg.get("sampling") or {}), **(cfg.get("backend") or {})}  # nested settings, flat
     models = manifest.get("models") or {}
     rows = [("agent model", _model_line(models.get("agent"), cfg.get("model", "?")))]
     user_line = _model_line(models.get("user"), cfg.get("user_model") or cfg.get("model", "?"))
@@ -102,9 +104,7 @@ def header_rows(manifest: dict[str, Any]) -> list[tuple[str, str]]:
 
 def progress(summary: RunSummary) -> dict[str, Any]:
     """Records present vs. expected, for the 'incomplete' banner."""
-    from driftlab.protocol.registry import protocol_of
-
-    expected = protocol_of(summary.manifest).expected_counts(summary.manifest)
+    expected = protocol_of(summary.manifest).expected(summary.manifest)
     present = {"turn": 0, "probe": 0}
     for r in summary.records:
         if r.get("kind") in present:

@@ -16,14 +16,14 @@ system prompt and p_A, no word of the user LM, so round 1 is "the same probe ans
 agent with no user persona": a format persona whose measure any reply satisfies (e.g. a
 length or language measure the agent meets anyway) then scores high at every round but
 shows no excess. It exists only when round 1 is a probe round. The CI resamples conversations with replacement
-(BCa bootstrap, scipy.stats.bootstrap; percentile where BCa is undefined); with n < 2 it is
+(`driftlab.stats.bootstrap_mean_ci`: BCa, percentile where BCa is undefined); with n < 2 it is
 undefined and reported as NaN, like the std.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -31,6 +31,8 @@ import numpy as np
 import pandas as pd
 
 from driftlab.errors import DriftlabError
+from driftlab.protocol.registry import protocol_of
+from driftlab.stats import CONFIDENCE, N_RESAMPLES, bootstrap_mean_ci
 
 ALL = "all"  # the category label of rows that pool every category
 TARGETS = ("agent", "user", "user-excess")
@@ -39,58 +41,6 @@ TARGET_LABELS = {"agent": "agent stability", "user": "user-persona adoption",
 SCORE_COLUMNS = ["pair", "condition", "round", "target", "persona", "category", "score", "n_repeats"]
 SUMMARY_COLUMNS = ["condition", "target", "category", "round", "n", "mean", "std", "ci_low", "ci_high"]
 OVERALL_COLUMNS = ["condition", "target", "category", "rounds", "n", "mean", "std", "ci_low", "ci_high"]
-N_RESAMPLES = 2000
-CONFIDENCE = 0.95
-
-
-# -- bootstrap --------------------------------------------------------------------------------
-def bootstrap_mean_ci(
-    values: Sequence[float] | np.ndarray,
-    n_resamples: int = N_RESAMPLES,
-    confidence: float = CONFIDENCE,
-    rng: np.random.Generator | int | None = 0,
-    chunk: int = 4_000_000,
-) -> tuple[float, float]:
-    """BCa bootstrap CI of the mean of `values` (NaNs dropped), by `scipy.stats.bootstrap`.
-
-    The wrapper handles what scipy does not: (nan, nan) for n < 2, since one conversation
-    says nothing about spread; (c, c) for constant data; and a percentile interval (from the
-    same resamples) where BCa is undefined (its jackknife is degenerate, e.g. binary data
-    with a single 1). The interval is clipped to [min, max] of the data against float noise.
-    `rng` seeds the resampling; `chunk` caps the entries (resamples x n) drawn at once.
-    """
-    import warnings
-
-    from scipy import stats
-
-    x = np.asarray(values, dtype=float)
-    x = x[np.isfinite(x)]
-    n = x.size
-    if n < 2:
-        return (float("nan"), float("nan"))
-    if np.ptp(x) == 0:  # every resample mean is x[0]; skip the float noise of summing
-        return (float(x[0]), float(x[0]))
-    gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
-    with warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):
-        warnings.simplefilter("ignore", stats.DegenerateDataWarning)  # NaN interval, handled below
-        res = stats.bootstrap(
-            (x,),
-            np.mean,
-            n_resamples=n_resamples,
-            batch=max(1, chunk // n),
-            vectorized=True,
-            confidence_level=confidence,
-            method="BCa",
-            rng=gen,
-        )
-    lo, hi = res.confidence_interval.low, res.confidence_interval.high
-    if not (np.isfinite(lo) and np.isfinite(hi)):  # BCa undefined: percentile of the same resamples
-        alpha = (1.0 - confidence) / 2
-        lo, hi = np.quantile(res.bootstrap_distribution, [alpha, 1 - alpha])
-    lo, hi = np.clip([lo, hi], x.min(), x.max())
-    return (float(lo), float(hi))
-
-
 def _group_rng(seed: int, key: Iterable[Any]) -> np.random.Generator:
     """One generator per summary cell, so a cell's CI does not depend on which other cells exist."""
     return np.random.default_rng([seed, zlib.crc32(repr(tuple(key)).encode())])
@@ -293,8 +243,6 @@ def summarize_run(run_dir: str | Path, n_resamples: int = N_RESAMPLES, seed: int
             f"{rd.path} does not exist.", hint="Give the --out directory of a `driftlab run`."
         )
     manifest = rd.read_manifest()
-    from driftlab.protocol.registry import protocol_of
-
     protocol = protocol_of(manifest)
     if protocol.name != "selfchat":
         raise DriftlabError(f"{rd.path} holds a '{protocol.name}' run; this report is for self-chat runs.",

@@ -20,7 +20,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -28,7 +28,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from driftlab.chat.base import Reply, Sampling, validate_conversation
+from driftlab.chat.base import ChatBackend, Reply, Sampling, token_backend, validate_conversation
 from driftlab.errors import DriftlabError
 from driftlab.serve.batcher import Batcher, Job, ServerClosing
 from driftlab.serve.schema import ChatCompletionRequest
@@ -73,15 +73,15 @@ class TextStream:
     what they are; `finish` sends whatever of the final text is still unsent.
     """
 
-    def __init__(self, tokenizer: Any, stop_strings: tuple[str, ...] | list[str] = ()) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, decode: Callable[[list[int]], str], stop_strings: Sequence[str] = ()) -> None:
+        self.decode = decode  # token ids -> text, special tokens skipped (TokenBackend.decode)
         self.hold = max((len(s) for s in stop_strings), default=0)
         self.ids: list[int] = []
         self.sent = ""
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).lstrip()
+        text = self.decode(self.ids).lstrip()
         if text.endswith("\ufffd"):
             return ""
         safe = (text[: max(0, len(text) - self.hold)] if self.hold else text).rstrip()
@@ -96,8 +96,9 @@ class TextStream:
         return delta
 
 
-def create_app(backend: Any, settings: ServeSettings = ServeSettings()):
-    """The ASGI app serving `backend` (a local backend: streaming needs its tokenizer)."""
+def create_app(model: ChatBackend, settings: ServeSettings = ServeSettings()):
+    """The ASGI app serving a local backend (streaming and log-probs need its tokens)."""
+    backend = token_backend(model, "driftlab serve")
     default_steer = Interventions.parse(settings.steer)
     backend.capabilities.require(backend.name, default_steer)
     served = settings.served_model_name or backend.name
@@ -213,7 +214,7 @@ def create_app(backend: Any, settings: ServeSettings = ServeSettings()):
         job.on_token = lambda tok: job.loop.call_soon_threadsafe(tokens.put_nowait, tok)
         job.future.add_done_callback(lambda _: tokens.put_nowait(None))
         _submit(job)  # before the response starts, so a closing server still answers 503
-        text = TextStream(backend.tokenizer, backend.renderer.stop_strings)
+        text = TextStream(backend.decode, backend.stop_strings)
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
             return json.dumps({"id": cid, "object": "chat.completion.chunk", "created": created, "model": served,
@@ -249,7 +250,7 @@ def create_app(backend: Any, settings: ServeSettings = ServeSettings()):
 
     def _token_logprob(token_id: int, logprob: float, top: list[tuple[int, float]]) -> dict[str, Any]:
         def entry(i: int, lp: float) -> dict[str, Any]:
-            tok = backend.tokenizer.decode([i])
+            tok = backend.decode([i], skip_special=False)
             return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
 
         return {**entry(token_id, logprob), "top_logprobs": [entry(i, lp) for i, lp in top]}

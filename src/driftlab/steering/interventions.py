@@ -17,32 +17,43 @@ they support (`Capabilities`); measures never see any of this (solver/scorer spl
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import math
+import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
+    PlainSerializer,
     TypeAdapter,
     ValidationError,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
 
-from driftlab.attention.config import AttentionConfig, Heads, heads_spec, parse_heads
+from driftlab.attention.config import AttentionConfig, BiasTerm, Heads, heads_spec, parse_heads
 from driftlab.errors import DriftlabError
-
-if TYPE_CHECKING:  # driftlab.chat.base imports this module
-    from driftlab.chat.base import Conversation
+from driftlab.messages import Conversation
+from driftlab.steering.emphasis import DEFAULT_MARKER
 
 Hook = Literal["conversation", "attention", "logits"]
+# Which keys a bias acts on: the system prompt, or the text a user marked (`*...*`).
+SpanName = Literal["system", "marked"]
+_ENGINE_SPAN = {"system": "system", "marked": "emphasis"}  # the rendered prompt's names of those tokens
 _FINITE = Field(allow_inf_nan=False)
 
 
-class _Intervention(BaseModel):
+class BaseIntervention(BaseModel):
+    """What every intervention is: a frozen, validated model with a `kind`, the hook it acts
+    through, and its normalised `--steer` text (`spec`)."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     hook: ClassVar[Hook]
@@ -64,11 +75,12 @@ class _Intervention(BaseModel):
         return f"{self.kind}:{','.join(parts)}" if parts else self.kind
 
     def attention_fields(self) -> dict:
-        """The AttentionConfig fields this intervention sets (attention hook only)."""
+        """The AttentionConfig fields this intervention sets (attention hook only); key biases
+        come as `{"biases": (BiasTerm, ...)}` and add up with the others'."""
         return {}
 
 
-class _WithHeads(_Intervention):
+class _WithHeads(BaseIntervention):
     @field_validator("heads", mode="before", check_fields=False)
     @classmethod
     def _parse_heads(cls, v):
@@ -93,17 +105,18 @@ class KeyBias(_WithHeads):
 
     kind: Literal["bias"] = "bias"
     value: Annotated[float, _FINITE]
-    span: str = "system"
+    span: SpanName = "system"
     invert: bool = False
     heads: Heads = None
     hook: ClassVar[Hook] = "attention"
-    form: ClassVar[str] = "bias:value=2.0[,span=system][,invert=true][,heads=3+5.1]"
+    form: ClassVar[str] = "bias:value=2.0[,span=system|marked][,invert=true][,heads=3+5.1]"
 
     def attention_fields(self) -> dict:
-        return {"bias": self.value, "bias_span": self.span, "bias_invert": self.invert, "bias_heads": self.heads}
+        term = BiasTerm(value=self.value, span=_ENGINE_SPAN[self.span], invert=self.invert, heads=self.heads)
+        return {"biases": (term,)}
 
 
-class InstABoost(_Intervention):
+class InstABoost(BaseIntervention):
     """InstABoost (Guardieiro et al., 2025): multiply the attention weights of the instruction
     (system) keys by m in every layer and head and renormalise, i.e. add log m to their logits."""
 
@@ -113,7 +126,7 @@ class InstABoost(_Intervention):
     form: ClassVar[str] = "instaboost:m=5"
 
     def attention_fields(self) -> dict:
-        return {"bias": math.log(self.m), "bias_span": "system"}
+        return {"biases": (BiasTerm(value=math.log(self.m), span="system"),)}
 
 
 class Pasta(_WithHeads):
@@ -133,7 +146,7 @@ class Pasta(_WithHeads):
     kind: Literal["pasta"] = "pasta"
     alpha: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 0.01
     heads: Heads
-    span: Literal["marked", "system"] = "marked"
+    span: SpanName = "marked"
     scope: Literal["prompt", "all"] = "prompt"
     marker: str = "*"
     hook: ClassVar[Hook] = "attention"
@@ -148,7 +161,7 @@ class Pasta(_WithHeads):
         topk = data.pop("topk", None)
         heads = data.get("heads")
         if isinstance(heads, str) and heads.strip().lower().endswith(".json"):
-            from driftlab.pasta.heads import load_heads
+            from driftlab.steering.heads import load_heads
 
             data["heads"] = load_heads(heads.strip(), _positive_int(topk, "topk") if topk is not None else None)
         elif topk is not None:
@@ -158,7 +171,7 @@ class Pasta(_WithHeads):
     @field_validator("marker")
     @classmethod
     def _marker(cls, v: str) -> str:
-        from driftlab.pasta.emphasis import parse_marked
+        from driftlab.steering.emphasis import parse_marked
 
         parse_marked("", v)  # validates the marker
         if any(c in v for c in ",="):
@@ -166,10 +179,9 @@ class Pasta(_WithHeads):
         return v
 
     def attention_fields(self) -> dict:
-        return {
-            "bias": math.log(self.alpha), "bias_span": "emphasis" if self.span == "marked" else "system",
-            "bias_invert": True, "bias_heads": self.heads, "bias_scope": self.scope,
-        }
+        term = BiasTerm(value=math.log(self.alpha), span=_ENGINE_SPAN[self.span], invert=True, heads=self.heads,
+                        scope=self.scope)
+        return {"biases": (term,)}
 
 
 def _positive_int(value, name: str) -> int:
@@ -182,7 +194,7 @@ def _positive_int(value, name: str) -> int:
     return out
 
 
-class Trace(_Intervention):
+class Trace(BaseIntervention):
     """Record pi, the attention mass on the system prompt, per layer and head (changes nothing)."""
 
     kind: Literal["trace"] = "trace"
@@ -195,7 +207,7 @@ class Trace(_Intervention):
         return {"trace": True, "trace_prefill": self.prefill}
 
 
-class SystemPromptRepetition(_Intervention):
+class SystemPromptRepetition(BaseIntervention):
     """System-prompt repetition (seed 000 Sec. 6.1): before each user utterance after the
     first, the system prompt is injected (as a system message) with probability p.
 
@@ -229,7 +241,7 @@ class SystemPromptRepetition(_Intervention):
         return int.from_bytes(digest[:8], "little") / 2**64
 
 
-class ClassifierFreeGuidance(_Intervention):
+class ClassifierFreeGuidance(BaseIntervention):
     """Classifier-free guidance (seed 000 Eq. 5): per step, with and without the system prompt,
     log p^ = log p(w | w<t) + alpha (log p(w | w<t, s_B) - log p(w | w<t)); alpha = 1 is plain."""
 
@@ -247,7 +259,7 @@ Intervention = Annotated[
     SplitSoftmax | KeyBias | InstABoost | Pasta | Trace | SystemPromptRepetition | ClassifierFreeGuidance,
     Field(discriminator="kind"),
 ]
-KINDS: dict[str, type[_Intervention]] = {
+KINDS: dict[str, type[BaseIntervention]] = {
     c.model_fields["kind"].default: c
     for c in (SplitSoftmax, KeyBias, InstABoost, Pasta, Trace, SystemPromptRepetition, ClassifierFreeGuidance)
 }
@@ -267,10 +279,7 @@ class Interventions(BaseModel):
         for kind in sorted(set(kinds)):
             if kinds.count(kind) > 1:
                 raise ValueError(f"--steer {kind} is given {kinds.count(kind)} times; give it once")
-        biasing = [k for k in ("bias", "instaboost", "pasta") if k in kinds]
-        if len(biasing) > 1:
-            both = "both" if len(biasing) == 2 else "all"
-            raise ValueError(f"{' and '.join(biasing)} {both} set the key bias; use one of them")
+        # Key biases (bias, instaboost, pasta) compose: the engine adds them up.
         # Canonical order, so equal compositions compare (and fingerprint) equal.
         object.__setattr__(self, "items", tuple(sorted(self.items, key=lambda i: i.kind)))
         return self
@@ -279,7 +288,11 @@ class Interventions(BaseModel):
     @classmethod
     def parse(cls, specs: Sequence[str] | None) -> Interventions:
         """Read `--steer` specs (`NAME[:key=value,...]`), each validated with a one-line error."""
-        items = [_parse_one(s) for s in specs or []]
+        return cls.of(*(_parse_one(s) for s in specs or []))
+
+    @classmethod
+    def of(cls, *items: BaseIntervention) -> Interventions:
+        """Compose interventions built in code, e.g. `Interventions.of(SplitSoftmax(k=0.8), Trace())`."""
         try:
             return cls(items=tuple(items))
         except ValidationError as err:
@@ -293,7 +306,7 @@ class Interventions(BaseModel):
     def __bool__(self) -> bool:
         return bool(self.items)
 
-    def by_hook(self, hook: Hook) -> tuple[_Intervention, ...]:
+    def by_hook(self, hook: Hook) -> tuple[BaseIntervention, ...]:
         return tuple(i for i in self.items if i.hook == hook)
 
     def specs(self) -> list[str]:
@@ -307,11 +320,14 @@ class Interventions(BaseModel):
     def attention(self) -> AttentionConfig | None:
         """The attention engine's per-call config, or None when no attention hook is set."""
         fields: dict = {}
-        for item in self.by_hook("attention"):
-            fields.update(item.attention_fields())
-        return AttentionConfig(**fields) if fields else None
+        items = self.by_hook("attention")
+        for item in items:
+            part = dict(item.attention_fields())
+            part["biases"] = fields.get("biases", ()) + part.get("biases", ())
+            fields.update(part)
+        return AttentionConfig(**fields) if items else None
 
-    def get(self, kind: str) -> _Intervention | None:
+    def get(self, kind: str) -> BaseIntervention | None:
         return next((i for i in self.items if i.kind == kind), None)
 
     def model_view(self, conversation: Conversation) -> Conversation:
@@ -326,32 +342,35 @@ class Interventions(BaseModel):
         return cfg.alpha if cfg is not None and cfg.active else None
 
     def emphasis_marker(self) -> str | None:
-        """The marker of user emphasis when PASTA steers towards marked text, else None."""
-        pasta = self.get("pasta")
-        return pasta.marker if pasta is not None and pasta.span == "marked" else None
+        """The marker of user emphasis when a key bias acts on marked text (PASTA's own marker,
+        else '*'), else None: then the backend turns the markup into emphasis spans."""
+        marked = [i for i in self.items if getattr(i, "span", None) == "marked"]
+        if not marked:
+            return None
+        return next((i.marker for i in marked if i.kind == "pasta"), DEFAULT_MARKER)
 
     def for_dialogs(self) -> Interventions:
         """These interventions, checked for protocols whose messages are model text (self-chat,
-        MMLU histories): there a stray '*' is no user's emphasis, so PASTA must emphasise the
-        system prompt, not marked text."""
-        pasta = self.get("pasta")
-        if pasta is not None and pasta.span == "marked":
-            raise DriftlabError(
-                "PASTA with span=marked reads *markup* in messages, but a dialog's messages are model text.",
-                hint="Use --steer pasta:...,span=system to emphasise the system prompt in dialogs.",
-            )
+        MMLU histories): there a stray '*' is no user's emphasis, so a key bias must act on the
+        system prompt, not on marked text."""
+        for item in self.items:
+            if getattr(item, "span", None) == "marked":
+                raise DriftlabError(
+                    f"{item.kind} with span=marked reads *markup* in messages, but a dialog's messages are model text.",
+                    hint=f"Use --steer {item.kind}:...,span=system to act on the system prompt in dialogs.",
+                )
         return self
 
     def without(self, *kinds: str) -> Interventions:
         return Interventions(items=tuple(i for i in self.items if i.kind not in kinds))
 
 
-def _parse_one(spec: str) -> _Intervention:
+def _parse_one(spec: str) -> BaseIntervention:
     name, _, body = spec.strip().partition(":")
     name = name.strip().lower()
     if name not in KINDS:
         raise DriftlabError(
-            f"Unknown intervention '{name}' in --steer {spec!r}.",
+            f"Unknown intervention '{name}' in --steer {spec!r}{did_you_mean(name, KINDS)}.",
             hint="Known: " + "; ".join(c.form for c in KINDS.values()),
         )
     form = KINDS[name].form
@@ -371,14 +390,59 @@ def _parse_one(spec: str) -> _Intervention:
         raise DriftlabError(f"--steer {spec!r}: {_first_error(err, fields)}", hint=f"Write it as {form}.") from None
 
 
+def did_you_mean(given: Any, choices: Sequence[str] | dict) -> str:
+    """" (did you mean 'x'?)" for the closest of `choices`, or "" when none is close."""
+    close = difflib.get_close_matches(str(given), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def literal_choices(error: dict) -> list[str]:
+    """The allowed values of a pydantic `literal_error` ("'a', 'b' or 'c'" -> [a, b, c])."""
+    return re.findall(r"'([^']*)'", str((error.get("ctx") or {}).get("expected", "")))
+
+
 def _first_error(err: ValidationError, given: dict[str, str] | None = None) -> str:
-    e = err.errors()[0]
+    # A misspelt setting also leaves its real name missing: name the misspelling first.
+    e = min(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
     key = next((str(p) for p in reversed(e["loc"]) if isinstance(p, str) and p in (given or {})), None)
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
-        return f"unknown setting '{e['loc'][-1]}'."
+        kind = KINDS.get(str(e["loc"][0]))  # a discriminated union's errors start at the kind
+        settings = [f for f in kind.model_fields if f != "kind"] if kind else []
+        return f"unknown setting '{e['loc'][-1]}'{did_you_mean(e['loc'][-1], settings)}."
     if e["type"] == "missing":
         return f"'{e['loc'][-1]}' is required."
+    if e["type"] == "literal_error":
+        choices = literal_choices(e)
+        msg = f"not one of {', '.join(choices)}{did_you_mean(e['input'], choices)}"
     if key is not None:
         return f"{key}={given[key]}: {msg[0].lower() + msg[1:]}."
     return msg[0].upper() + msg[1:] + "."
+
+
+# -- as config fields -----------------------------------------------------------------------------
+def _as_interventions(value: Any) -> Interventions:
+    """Interventions from what a config is given: specs, intervention objects, or Interventions."""
+    if isinstance(value, Interventions):
+        return value
+    if value is None:
+        return Interventions()
+    if isinstance(value, str | BaseIntervention):
+        value = [value]
+    return Interventions.of(*(_parse_one(v) if isinstance(v, str) else v for v in value))
+
+
+def _as_intervention(value: Any) -> BaseIntervention:
+    return _parse_one(value) if isinstance(value, str) else value
+
+
+_SPECS = WithJsonSchema({"type": "array", "items": {"type": "string"}})
+#: A config field holding interventions: validated from `--steer` specs (or objects), stored as
+#: the normalised specs, so a manifest reads `"steer": ["split-softmax:k=0.9,heads=all"]`.
+Steer = Annotated[Interventions, BeforeValidator(_as_interventions),
+                  PlainSerializer(lambda iv: iv.specs(), return_type=list[str]), _SPECS]
+#: The same, for protocols whose messages are model text (see `Interventions.for_dialogs`).
+DialogSteer = Annotated[Steer, AfterValidator(lambda iv: iv.for_dialogs())]
+#: One intervention as a config field (a sweep's grid point), stored as its spec.
+OneSteer = Annotated[Intervention, BeforeValidator(_as_intervention),
+                     PlainSerializer(lambda i: i.spec(), return_type=str), WithJsonSchema({"type": "string"})]

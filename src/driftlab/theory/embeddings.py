@@ -190,25 +190,3 @@ def checks(res: EmbeddingResult) -> list[Check]:
             s,
         )
     ]
-
-
-def plot(res: EmbeddingResult, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    s = res.stats
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    hi = np.quantile(res.norms, 0.999)
-    ax.hist(res.norms[res.norms <= hi], bins=120, density=True, color="tab:blue", alpha=0.8)
-    ax.axvline(s["median"], color="k", ls="--", lw=1, label=f"median {s['median']:.3g}")
-    ax.set_xlabel("L2 norm of embedding row")
-    ax.set_ylabel("density")
-    ax.set_title(
-        f"Embedding norms: {Path(res.model).name or res.model} ({int(s['rows'])} tokens)", fontsize=9
-    )
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -1,0 +1,201 @@
+"""One way to run a protocol into a run directory: `run_protocol(protocol, out)`.
+
+A protocol (self-chat, MMLU, a sweep, a PASTA evaluation, ...) says what is specific to it:
+
+    name, config, records     what it is called, what defines it, what it writes
+    check()                   cheap checks of what a new plan is drawn from (before any lock)
+    connect(run_dir)          its backend(s) (loaded here unless given), capability checks
+    plan()                    what it draws from data for a new run (pairs, questions, examples)
+    inputs()                  hashes of that data, so a resume can say the data changed
+    describe()                run facts recorded beside the plan (models, interventions)
+    expected(manifest)        how many records of each kind a complete run holds
+    units(state)              the work still to do, read from the recorded plan
+    run_unit(unit)            do one unit: its finished records
+    finish(state)             files derived from the records (a profile, a ranking)
+
+and `run_protocol` does the rest the same way for all: it takes the run directory's lock
+before anything expensive, writes the manifest of a new run or checks the config of an
+existing one, continues a resumed run from the plan in its manifest (never from data as it
+is now), skips every record already written, appends each unit's records durably, refuses a
+record twice, shows progress, and marks the run completed. Units may be produced lazily:
+a self-chat's round i+1 is planned after round i has run.
+
+A protocol that runs others (an MMLU run's dialog history, a sweep's points) calls
+`run_protocol` on them with `plan=`: the children continue the parent's recorded plan.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter
+
+from driftlab.chat.base import ChatBackend
+from driftlab.chat.spec import BackendSpec
+from driftlab.console import WorkProgress, err_console
+from driftlab.errors import DriftlabError
+from driftlab.records.rundir import RunDir
+
+
+class ProtocolConfig(BaseModel):
+    """What every protocol's config holds: the backend it runs on (recorded in the manifest)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: BackendSpec = BackendSpec()
+
+    # Settings that may change between a run and its resume: they do not change results.
+    RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("backend.device", "backend.runtime")
+
+
+C = TypeVar("C", bound=ProtocolConfig)
+
+
+@dataclass
+class RunState:
+    """A run directory being written: its manifest (with the plan), records and their keys."""
+
+    rundir: RunDir
+    manifest: dict[str, Any]
+    records: list[Any]
+    done: set[tuple] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.done = {r.key for r in self.records}
+
+    def add(self, records: list[Any]) -> None:
+        """Append finished records durably; a key written before is a bug, never a duplicate."""
+        keys = [r.key for r in records]
+        twice = [k for k in keys if k in self.done] or [k for k in set(keys) if keys.count(k) > 1]
+        if twice:
+            raise RuntimeError(f"record {twice[0]} would be written twice to {self.rundir.path}")
+        self.rundir.append(records)
+        self.records += records
+        self.done.update(keys)
+
+
+class Protocol(ABC, Generic[C]):
+    """A unit-of-work protocol run by `run_protocol` (see the module docstring)."""
+
+    name: ClassVar[str]
+    records: ClassVar[TypeAdapter]  # the record schema (each record has a `.key`)
+    unit: ClassVar[str] = "records"  # what the progress bar counts
+
+    def __init__(self, config: C, backend: ChatBackend | None = None) -> None:
+        self.config = config
+        self.backend = backend  # loaded by `connect` unless given (a sweep shares one)
+        self.progress = True  # set by run_protocol, with the run directory being written:
+        self.run_dir = Path()  # where runs of other protocols nest (an MMLU run's dialog history)
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    # -- before the lock ---------------------------------------------------------------------
+    def check(self) -> None:
+        """Cheap checks of what a new run's plan is drawn from (data present, ids known), before
+        anything is locked, created or loaded, so a bad option leaves nothing behind. Not
+        called on a resume: that continues the recorded plan, whatever became of the data."""
+
+    # -- after the lock ----------------------------------------------------------------------
+    def connect(self, run_dir: Path) -> None:
+        """Load the backend the config names (unless one was given) and check what it can do."""
+        if self.backend is None:
+            from driftlab.chat.factory import make_backend
+
+            self.backend = make_backend(self.config.backend, run_dir=run_dir)
+        self.require()
+
+    def require(self) -> None:
+        """Refuse, in one line, a backend that cannot run this protocol."""
+
+    def plan(self) -> dict[str, Any]:
+        """What a new run draws from data (recorded in the manifest; a resume continues it)."""
+        return {}
+
+    def inputs(self) -> dict[str, str]:
+        """sha256 of the data the plan is drawn from, keyed by data set."""
+        return {}
+
+    def draw_plan(self) -> dict[str, Any]:
+        """The plan with the hashes of its inputs: what a new manifest (or a parent) records."""
+        return {**self.plan(), "inputs": self.inputs()}
+
+    def describe(self) -> dict[str, Any]:
+        """Run facts recorded beside the plan (not drawn from data, so never handed to children)."""
+        return {"models": {"agent": self.backend.describe()}}
+
+    @classmethod
+    @abstractmethod
+    def expected(cls, manifest: dict[str, Any]) -> dict[str, int]:
+        """Record kind -> how many a complete run of this manifest holds."""
+
+    @abstractmethod
+    def units(self, state: RunState) -> Iterable[Any]:
+        """The work still to do, from the recorded plan (`state.manifest`) minus `state.done`."""
+
+    @abstractmethod
+    def run_unit(self, unit: Any) -> list[Any]:
+        """Do one unit of work; return its finished records."""
+
+    def finish(self, state: RunState) -> None:
+        """Write what is derived from the complete records (a profile, a ranking, a summary)."""
+
+
+def run_protocol(protocol: Protocol, out: str | Path | RunDir, *, plan: dict[str, Any] | None = None,
+                 progress: bool = True) -> RunDir:
+    """Run (or resume) `protocol` into the run directory `out` and return it.
+
+    `plan` is the plan of a new run drawn by a parent protocol (default: `protocol.draw_plan()`);
+    a run that exists continues the plan its manifest recorded.
+    """
+    rundir = out if isinstance(out, RunDir) else RunDir(out)
+    protocol.progress, protocol.run_dir = progress, rundir.path
+    if not rundir.exists():
+        protocol.check()
+    with rundir.writing():
+        protocol.connect(rundir.path)
+        manifest = _start(protocol, rundir, plan)
+        state = RunState(rundir, manifest, rundir.records(protocol.records))
+        todo = max(0, sum(protocol.expected(manifest).values()) - len(state.done))
+        with WorkProgress(protocol.label, todo, progress and todo > 0, unit=protocol.unit) as bar:
+            for unit in protocol.units(state):
+                new = protocol.run_unit(unit)
+                state.add(new)
+                bar.advance(len(new))
+        protocol.finish(state)
+        rundir.update_manifest(completed=True)
+    return rundir
+
+
+def _start(protocol: Protocol, rundir: RunDir, plan: dict[str, Any] | None) -> dict[str, Any]:
+    """Write the manifest of a new run, or check the config of an existing one; return it."""
+    config = protocol.config.model_dump(mode="json")
+    ignore = protocol.config.RESUME_IGNORES
+    if rundir.exists():
+        manifest = rundir.start(config, {}, ignore, protocol=protocol.name)
+        try:
+            now = protocol.inputs()
+        except (DriftlabError, OSError):  # the data is gone: the recorded plan is all the run needs
+            now = {}
+        changed = [k for k, v in now.items() if manifest.get("inputs", {}).get(k) not in (None, v)]
+        if changed and protocol.progress:
+            err_console().print(
+                f"note: the {' and '.join(changed)} changed since {rundir.path} started; it continues with the plan "
+                "recorded in its manifest.", highlight=False, markup=False)
+        return manifest
+    fresh = plan if plan is not None else protocol.draw_plan()
+    return rundir.start(config, {**fresh, **protocol.describe()}, ignore, protocol=protocol.name)
+
+
+def config_of(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's config in today's layout: format-2 manifests kept the model settings flat."""
+    config = dict(manifest.get("config") or {})
+    if "backend" not in config and "model" in config:
+        backend = {k: config.pop(k) for k in ("model", "dtype", "device", "span", "runtime") if k in config}
+        config = {"backend": backend, **config}
+    return config
