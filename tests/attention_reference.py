@@ -1,12 +1,12 @@
 """An independent, slow reference for the attention engine: it materialises the weights.
 
 Registered as attention implementation "driftlab_reference". From the AttentionState it
-reads only the raw inputs the caller gave — the AttentionConfig, the per-row token spans
-and the left-padding of each row — and builds everything else itself with plain loops:
+reads only the raw inputs the caller gave — each row's AttentionConfig, the per-row token
+spans and the left-padding of each row — and builds everything else itself with plain loops:
 which key slots are system/biased keys, which (layer, head) pairs are selected. None of
 the engine's layout code (on_layout, head_mask, system_range, layer_bias) is used, so a
 bug there shows up as a disagreement. Then it computes the textbook way: logits = QK^T *
-scale + mask (+ bias), softmax, the split-softmax reweighting of seed 000 Eq. 7 applied to
+scale + mask (+ every bias term), softmax, the split-softmax reweighting of seed 000 Eq. 7 applied to
 the weights themselves, then weights @ V.
 """
 
@@ -56,22 +56,19 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
         cfg = state.config
         total = state.kv_len  # this call's keys are the last K of `total` absolute slots
         sys = _key_slots(state, "system", total)[:, total - K :]  # [B, K]
-        if cfg.bias != 0.0:
-            target = _key_slots(state, cfg.bias_span, total)
-            for b, pad in enumerate(state.pads):
-                if not state.spans[b].get(cfg.bias_span):
-                    target[b] = False  # a row without the span is left alone
-                    continue
+        for b, (pad, row) in enumerate(zip(state.pads, state.rows)):
+            for term in row.biases:  # several terms (bias, instaboost, pasta) add up
+                target = _key_slots(state, term.span, total)[b]
+                if not state.spans[b].get(term.span):
+                    continue  # a row without the span is left alone
                 # prompt scope: only keys before the row's prompt end (pastalib); else every key
-                end = state.ends[b] if cfg.bias_scope == "prompt" else total
-                if cfg.bias_invert:
-                    target[b, pad:end] = ~target[b, pad:end]
-                target[b, end:] = False
-            target = target[:, total - K :]
-            row_heads = state.row_heads if state.row_heads is not None else [cfg.bias_heads] * B
-            heads = torch.tensor([_selected(h, layer, H) for h in row_heads])  # [B, H]
-            bias = target[:, None, None, :].float() * cfg.bias * heads[:, :, None, None].float()
-            logits = logits + bias
+                end = state.ends[b] if term.scope == "prompt" else total
+                if term.invert:
+                    target[pad:end] = ~target[pad:end]
+                target[end:] = False
+                heads = torch.tensor(_selected(term.heads, layer, H))  # [H]
+                bias = target[total - K :][None, None, :].float() * term.value * heads[:, None, None].float()
+                logits[b] = logits[b] + bias
     logits = logits.masked_fill(~allowed, float("-inf"))
     weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
     if state is not None:

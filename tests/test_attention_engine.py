@@ -29,6 +29,7 @@ from attention_reference import NAME as REFERENCE
 from attention_reference import both_engines_on_one_thread
 from driftlab.attention import ATTENTION_NAME
 from driftlab.attention import engine as engine_module
+from driftlab.attention.config import BiasTerm
 from driftlab.attention.state import AttentionConfig, AttentionState, head_mask, parse_heads
 from driftlab.chat import ChatRequest, Sampling
 from driftlab.chat.hf import HFChatBackend
@@ -69,6 +70,7 @@ CASES = {
         "split_subset": ["split-softmax:k=0.5,heads=1+2.0"],
         "split_zero": ["split-softmax:k=0.0,heads=0"],
         "composed": ["trace", "split-softmax:k=0.8,heads=0-1", "bias:value=-3.0,invert=true,heads=1.2+2"],
+        "biases_summed": ["instaboost:m=4", "pasta:heads=0.1+2,alpha=0.05,span=system", "bias:value=1.5,heads=1"],
     }.items()
 }
 TRACE = Interventions.parse(["trace"])
@@ -241,9 +243,14 @@ def test_head_mask_layout_and_range_checks() -> None:
 
 
 def test_config_parses_and_validates_heads() -> None:
-    cfg = AttentionConfig(split_k=0.5, split_heads="1-2", bias=1.0, bias_heads=[[0, 1]])
-    assert cfg.split_heads == ((1, None), (2, None)) and cfg.bias_heads == ((0, 1),)
+    cfg = AttentionConfig(split_k=0.5, split_heads="1-2", biases=[BiasTerm(value=1.0, heads=[[0, 1]])])
+    assert cfg.split_heads == ((1, None), (2, None)) and cfg.biases[0].heads == ((0, 1),)
     assert cfg.changes_outputs and not AttentionConfig(trace=True).changes_outputs
+    assert not AttentionConfig(biases=[BiasTerm(value=0.0)]).changes_outputs  # a zero bias is no bias
+    with pytest.raises(ValueError):
+        BiasTerm(value=float("inf"))
+    with pytest.raises(ValueError):
+        BiasTerm(value=1.0, span="sytem")
     with pytest.raises(ValueError):
         AttentionConfig(split_k=1.5)
     with pytest.raises(DriftlabError):
@@ -255,7 +262,7 @@ def test_config_parses_and_validates_heads() -> None:
 
 # -- AttentionState layout ----------------------------------------------------------------------
 def test_on_layout_places_spans_in_padded_slots() -> None:
-    cfg = AttentionConfig(bias=2.0, bias_span="emphasis", trace=True)
+    cfg = AttentionConfig(biases=[BiasTerm(value=2.0, span="emphasis")], trace=True)
     spans = [
         {"system": [(0, 2)], "emphasis": [(3, 4)]},
         {"system": [(1, 3), (4, 5)]},  # no emphasis span: no bias on this row
@@ -267,22 +274,39 @@ def test_on_layout_places_spans_in_padded_slots() -> None:
         [False, False, True, True, False, False, False, False, False],
         [False, True, True, False, True, False, False, False, False],
     ]
-    assert state.bias_keys.tolist() == [[0.0] * 5 + [2.0] + [0.0] * 3, [0.0] * 9]
+    assert state.bias_keys.tolist() == [[[0.0] * 5 + [2.0] + [0.0] * 3, [0.0] * 9]]  # [terms, rows, slots]
     bias = state.layer_bias(layer=1, lo=4, hi=7)  # a layer that keeps only slots 4..6
     assert bias.shape == (2, 3, 1, 3)
     assert bias[0, :, 0].tolist() == [[0.0, 2.0, 0.0]] * 3
 
 
 def test_on_layout_inverted_bias_covers_every_other_key_after_padding() -> None:
-    cfg = AttentionConfig(bias=-1.0, bias_invert=True, bias_heads="1.2")
+    cfg = AttentionConfig(biases=[BiasTerm(value=-1.0, invert=True, heads="1.2")])
     state = AttentionState(cfg, [{"system": [(0, 2)]}, {}], n_layers=2, n_heads=3, device=torch.device("cpu"))
     state.on_layout(pads=[1, 0], prompt_len=4, max_len=6)
     # Row 0: pad slot 0 untouched, system slots 1-2 untouched, the rest (prompt + future tokens)
     # biased. Row 1 has no system span: nothing to steer towards, so it is left alone.
-    assert state.bias_keys.tolist() == [[0, 0, 0, -1, -1, -1], [0] * 6]
+    assert state.bias_keys.tolist() == [[[0, 0, 0, -1, -1, -1], [0] * 6]]
     assert state.layer_bias(0, 0, 6) is None  # layer 0 has no selected head
     assert state.layer_bias(1, 0, 6)[:, :2].abs().sum() == 0 and state.layer_bias(1, 0, 6)[:, 2].abs().sum() > 0
     assert not state.acts_on(0) and state.acts_on(1)
+
+
+def test_bias_terms_add_up_and_rows_may_differ_in_them() -> None:
+    boost = BiasTerm(value=1.5, span="system")  # InstABoost's kind of term, every head
+    pasta = BiasTerm(value=-4.0, span="emphasis", invert=True, heads="1.0", scope="prompt")
+    rows = [AttentionConfig(biases=[boost, pasta]), AttentionConfig(biases=[pasta]), AttentionConfig()]
+    spans = [{"system": [(0, 1)], "emphasis": [(2, 3)]}] * 3
+    state = AttentionState(rows, spans, n_layers=2, n_heads=2, device=torch.device("cpu"))
+    state.on_layout(pads=[0, 0, 0], prompt_len=4, max_len=5)  # slot 4 is a generated token
+    layer1 = state.layer_bias(1, 0, 5)[:, :, 0]  # [B, H, K]
+    # row 0 head 0: boost on slot 0 plus pasta on every prompt slot but the emphasis one; head 1: boost only
+    assert layer1[0].tolist() == [[1.5 - 4.0, -4.0, 0.0, -4.0, 0.0], [1.5, 0.0, 0.0, 0.0, 0.0]]
+    assert layer1[1].tolist() == [[-4.0, -4.0, 0.0, -4.0, 0.0], [0.0] * 5]  # its own term only
+    assert layer1[2].abs().sum() == 0  # no term at all
+    assert state.layer_bias(0, 0, 5)[:, 1, 0, 0].tolist() == [1.5, 0.0, 0.0]  # layer 0: boost alone
+    with pytest.raises(DriftlabError, match="different split-softmax or tracing"):
+        AttentionState([AttentionConfig(trace=True), AttentionConfig()], [{}, {}], 2, 2, torch.device("cpu"))
 
 
 def test_on_layout_rejects_wrong_span_count() -> None:

@@ -17,8 +17,10 @@ import torch
 
 from driftlab.assets import datasets
 from driftlab.assets.registry import Artifact
+from driftlab.chat.spec import BackendSpec
 from driftlab.errors import DriftlabError
 from driftlab.protocol.mmlu import LETTERS, MMLUConfig, Question, load_questions, stratified_subset
+from driftlab.protocol.runner import run_protocol
 
 RAW = Path(__file__).parent / "fixtures" / "mmlu_raw_sample.jsonl"  # 12 real questions + 1 stray header row
 
@@ -115,7 +117,7 @@ def test_malformed_data_files_are_line_numbered_errors(tmp_path):
 def test_config_validation():
     with pytest.raises(ValueError, match="greater than or equal to 1"):
         MMLUConfig(n=0)
-    assert MMLUConfig(steer=["Split-Softmax:k=.5"]).steer == ["split-softmax:k=0.5,heads=all"]
+    assert MMLUConfig(steer=["Split-Softmax:k=.5"]).steer.specs() == ["split-softmax:k=0.5,heads=all"]
     assert MMLUConfig().conditions == ["plain"] and MMLUConfig(steer=["trace"]).conditions == ["plain", "steered"]
 
 
@@ -141,8 +143,8 @@ def test_letter_scoring_matches_a_slow_reference(tiny, tmp_path):
     from driftlab.protocol.mmlu import MMLU, RECORDS, summarize
     from driftlab.records.rundir import RunDir
 
-    config = MMLUConfig(model=tiny.name, n=12, turn=0, data=str(RAW), batch_size=5)
-    MMLU(config, str(tmp_path / "run"), tiny, progress=False).run()
+    config = MMLUConfig(backend=BackendSpec(model=tiny.name), n=12, turn=0, data=str(RAW), batch_size=5)
+    run_protocol(MMLU(config, tiny), tmp_path / "run", progress=False)
     records = RunDir(tmp_path / "run").records(RECORDS)
     assert len(records) == 12
     questions = {q.index: q for q in load_questions(str(RAW))}
@@ -159,22 +161,24 @@ def test_turn_history_steered_condition_and_resume(tiny, tmp_path):
     from driftlab.protocol.mmlu import MMLU, RECORDS, summarize
     from driftlab.records.rundir import RunDir
 
-    config = MMLUConfig(model=tiny.name, n=6, turn=3, data=str(RAW), history_tokens=6, steer=["split-softmax:k=0.5"])
+    config = MMLUConfig(backend=BackendSpec(model=tiny.name), n=6, turn=3, data=str(RAW), history_tokens=6,
+                        steer=["split-softmax:k=0.5"])
     out = tmp_path / "run"
-    MMLU(config, str(out), tiny, progress=False).run()
+    run_protocol(MMLU(config, tiny), out, progress=False)
     records = RunDir(out).records(RECORDS)
+    planned = json.loads((out / "manifest.json").read_text())["questions"]
     assert sorted((r.condition, r.index) for r in records) == sorted(
-        (c, i) for c in ("plain", "steered") for i in json.loads((out / "manifest.json").read_text())["questions"])
+        (c, q["index"]) for c in ("plain", "steered") for q in planned)
     for condition in ("plain", "steered"):  # each condition has its own 2-round history, made under it
         history = json.loads((out / f"history-{condition}" / "manifest.json").read_text())
         assert history["config"]["rounds"] == 2 and history["completed"] is True
-    assert json.loads((out / "history-steered" / "manifest.json").read_text())["config"]["steer"] == config.steer
+    assert json.loads((out / "history-steered" / "manifest.json").read_text())["config"]["steer"] == config.steer.specs()
     steered = {r.index: r.logprobs for r in records if r.condition == "steered"}
     plain = {r.index: r.logprobs for r in records if r.condition == "plain"}
     assert steered != plain
     # A rerun finds everything done: nothing is appended.
     before = (out / "records.jsonl").read_bytes()
-    MMLU(config, str(out), tiny, progress=False).run()
+    run_protocol(MMLU(config, tiny), out, progress=False)
     assert (out / "records.jsonl").read_bytes() == before
     assert set(summarize(out)) >= {"plain", "steered", "drop"}
 
@@ -182,46 +186,56 @@ def test_turn_history_steered_condition_and_resume(tiny, tmp_path):
 # -- calibration ---------------------------------------------------------------------------------
 @pytest.mark.model
 def test_calibration_on_a_tiny_model_writes_points_and_resumes(tiny, tmp_path):
-    from driftlab.protocol.calibrate import CalibrationConfig, calibrate
+    from driftlab.protocol.calibrate import Calibration, CalibrationConfig, summary
+    from driftlab.report.calibration import write_calibration_figure
 
-    mmlu = MMLUConfig(model=tiny.name, n=12, turn=0, data=str(RAW))
+    mmlu = MMLUConfig(backend=BackendSpec(model=tiny.name), n=12, turn=0, data=str(RAW))
     config = CalibrationConfig(method="instaboost", max_drop=0.2, steps=2, mmlu=mmlu)
-    summary = calibrate(config, tmp_path / "cal", tiny, progress=False)
-    points = summary["points"]
+    run_protocol(Calibration(config, tiny), tmp_path / "cal", progress=False)
+    found = summary(tmp_path / "cal")
+    points = found["points"]
     assert 1 <= len(points) <= 3 and points[-1]["strength"] == 1.0
     assert all(p["steer"].startswith("instaboost:m=") for p in points)
-    if summary["best"] is not None:
-        assert summary["best"]["within"] and summary["best"]["drop"] <= 0.2
-        stronger = [p for p in points if p["strength"] > summary["best"]["strength"]]
+    if found["best"] is not None:
+        assert found["best"]["within"] and found["best"]["drop"] <= 0.2
+        stronger = [p for p in points if p["strength"] > found["best"]["strength"]]
         assert all(not p["within"] for p in stronger)
-    assert (tmp_path / "cal" / "calibration.png").stat().st_size > 5000
+    assert write_calibration_figure(tmp_path / "cal").stat().st_size > 5000
     files = sorted((tmp_path / "cal").rglob("records.jsonl"))
     before = [f.read_bytes() for f in files]
-    assert calibrate(config, tmp_path / "cal", tiny, progress=False) == summary  # resumed: nothing recomputed
+    run_protocol(Calibration(config, tiny), tmp_path / "cal", progress=False)  # resumed: nothing recomputed
+    assert summary(tmp_path / "cal") == found
     assert [f.read_bytes() for f in files] == before
 
 
 @pytest.mark.parametrize("budget, expect", [(0.03, 0.3), (0.2, 1.0), (0.001, None)])
-def test_calibration_search_finds_the_strongest_setting_within_budget(tiny, tmp_path, monkeypatch, budget, expect):
-    """The search logic alone, on a known monotone drop(s) = 0.1 s: bisection must land within
-    1/2^steps below the true boundary s* = budget / 0.1, or report that no strength fits."""
-    from driftlab.protocol import calibrate as cal
+def test_calibration_search_finds_the_strongest_setting_within_budget(budget, expect):
+    """The search alone, on a known monotone drop(s) = 0.1 s: bisection must land within
+    1/2^steps below the true boundary s* = budget / 0.1, or find that no strength fits."""
+    from driftlab.protocol.calibrate import strengths
 
-    last: list = []  # the config of the MMLU run the search asked for last
-    monkeypatch.setattr(cal.MMLU, "run", lambda self: last.append(self.config))
-    monkeypatch.setattr(cal, "correctness", lambda where: {"plain": {0: 1.0}, "steered": {0: 0.0}})
-    monkeypatch.setattr(cal, "drop", lambda plain, steered: {"n": 1, "mean": 0.1 * _strength_of(last[-1].steer),
-                                                               "ci": (0.0, 0.2)})
-    config = cal.CalibrationConfig(method="spr", max_drop=budget, steps=6, mmlu=MMLUConfig(n=1, turn=0, data=str(RAW)))
-    summary = cal.calibrate(config, tmp_path / "cal", tiny, progress=False)
+    search, within = strengths(6), []
+    s = next(search)
+    try:
+        while True:
+            within.append((s, 0.1 * s <= budget))
+            s = search.send(within[-1][1])
+    except StopIteration:
+        pass
+    best = max((s for s, ok in within if ok), default=None)
+    assert within[0][0] == 1.0 and len(within) == (1 if expect == 1.0 else 7)
     if expect is None:
-        assert summary["best"] is None and "cannot be met" in summary["note"]
+        assert best is None
     else:
-        assert expect - 1 / 2**6 <= summary["best"]["strength"] <= expect + 1e-9
+        assert expect - 1 / 2**6 <= best <= expect + 1e-9
 
 
-def _strength_of(steer: list[str]) -> float:
-    return float(steer[0].split("p=")[1].split(",")[0]) if steer else 0.0
+def test_calibration_points_are_interventions_named_as_before():
+    from driftlab.protocol.calibrate import point_name, setting
+
+    assert setting("split-softmax", 0.25).spec() == "split-softmax:k=0.75,heads=all"
+    assert setting("instaboost", 1.0).spec() == "instaboost:m=19.0" and point_name("instaboost", 1.0) == "instaboost_m19"
+    assert setting("cfg", 0.5).alpha == 3.0 and point_name("spr", 1 / 3) == "spr_p0.3333"
 
 
 def test_report_on_an_mmlu_run_says_what_it_is(tmp_path):
@@ -230,7 +244,7 @@ def test_report_on_an_mmlu_run_says_what_it_is(tmp_path):
 
     rd = RunDir(tmp_path / "run")
     with rd.writing():
-        rd.start(MMLUConfig(n=1, turn=0).model_dump(mode="json"), {"questions": [0], "conditions": ["plain"]},
+        rd.start(MMLUConfig(n=1, turn=0).model_dump(mode="json"), {"questions": [], "conditions": ["plain"]},
                  protocol="mmlu")
     with pytest.raises(DriftlabError, match="holds a 'mmlu' run; this report is for self-chat runs"):
         summarize_run(tmp_path / "run")

@@ -12,8 +12,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from tests.test_mmlu import RAW
 
 from driftlab.chat import BackendSpec, ChatRequest, Sampling, make_backend
-from driftlab.chat.factory import Runtime
 from driftlab.chat.openai import REQUEST_LOG, OpenAIChatBackend
+from driftlab.chat.spec import Runtime
 from driftlab.errors import DriftlabError
 from driftlab.protocol.dialog import RECORDS
 from driftlab.protocol.mmlu import MMLU, MMLUConfig

@@ -23,7 +23,6 @@ from driftlab.pasta.metrics import (
     fluent,
     json_format_ok,
     json_prediction_ok,
-    mean_ci,
     n_gram_entropy,
     pronoun_scores,
     sent_tokenize,
@@ -360,17 +359,3 @@ def test_argmax_accuracy_by_hand():
         argmax_accuracy(logprobs, [0, 3, 0])
     with pytest.raises(ValueError):
         argmax_accuracy(logprobs, [0, 1])
-
-
-def test_mean_ci_uses_the_report_bootstrap():
-    from driftlab.report.metrics import bootstrap_mean_ci
-
-    values = [True, False, True, True, False, True, True, False]
-    mean, lo, hi = mean_ci(values, seed=3)
-    assert mean == pytest.approx(5 / 8)
-    assert (lo, hi) == bootstrap_mean_ci(np.asarray(values, dtype=float), rng=3)
-    assert 0.0 <= lo <= mean <= hi <= 1.0
-    assert mean_ci([2.0, 2.0, 2.0]) == (2.0, 2.0, 2.0)
-    m, lo1, hi1 = mean_ci([0.5])
-    assert m == 0.5 and math.isnan(lo1) and math.isnan(hi1)
-    assert all(math.isnan(x) for x in mean_ci([]))

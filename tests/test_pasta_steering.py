@@ -10,6 +10,7 @@ piece of code with itself. Every comparison also checks that steering changed so
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,9 @@ from driftlab.chat import ChatRequest, Sampling
 from driftlab.chat.hf import HFChatBackend
 from driftlab.chat.templates import Renderer
 from driftlab.errors import DriftlabError
+from driftlab.steering import InstABoost, Interventions, Pasta
 from driftlab.steering.emphasis import parse_marked, strip_emphasis
 from driftlab.steering.heads import Profile, load_heads, save_heads, select
-from driftlab.steering import Interventions
 from tiny_models import make_tiny_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -83,7 +84,9 @@ def test_dialog_protocols_refuse_marked_pasta() -> None:
 
     with pytest.raises(DriftlabError, match="span=system"):
         SelfChatConfig(steer=["pasta:heads=all"])
-    assert SelfChatConfig(steer=["pasta:heads=1.2,span=system"]).steer[0].startswith("pasta:")
+    assert SelfChatConfig(steer=["pasta:heads=1.2,span=system"]).steer.specs()[0].startswith("pasta:")
+    with pytest.raises(DriftlabError, match="bias with span=marked"):  # any key bias on marked text
+        SelfChatConfig(steer=["bias:value=1,span=marked"])
 
 
 def test_explicit_spans_are_taken_literally_and_checked() -> None:
@@ -158,10 +161,10 @@ def test_marked_text_reaches_the_model_without_markers(smol_dir) -> None:
 def test_pasta_spec_round_trips_and_reads_head_files(tmp_path) -> None:
     iv = Interventions.parse(["pasta:heads=1.2+0.1,alpha=0.05,span=system"])
     assert Interventions.parse(iv.specs()) == iv
-    att = iv.attention()
-    assert att.bias == pytest.approx(torch.log(torch.tensor(0.05)).item())
-    assert att.bias_invert and att.bias_span == "system" and att.bias_scope == "prompt"
-    assert sorted(att.bias_heads) == [(0, 1), (1, 2)]
+    (term,) = iv.attention().biases
+    assert term.value == pytest.approx(torch.log(torch.tensor(0.05)).item())
+    assert term.invert and term.span == "system" and term.scope == "prompt"
+    assert sorted(term.heads) == [(0, 1), (1, 2)]
     config = save_heads([(3, 1), (0, 2), (3, 0)], tmp_path / "heads.json")
     assert json.loads(config.read_text()) == {"0": [2], "3": [0, 1]}  # pastalib's layer -> heads format
     from_file = Interventions.parse([f"pasta:heads={config}"])
@@ -169,6 +172,8 @@ def test_pasta_spec_round_trips_and_reads_head_files(tmp_path) -> None:
     assert "heads.json" not in from_file.specs()[0]  # the manifest records the heads themselves
     assert Interventions.parse(["pasta:heads=all"]).emphasis_marker() == "*"
     assert Interventions.parse(["pasta:heads=all,span=system"]).emphasis_marker() is None
+    assert Interventions.parse(["bias:value=1,span=marked"]).emphasis_marker() == "*"  # bias reads markup too
+    assert Interventions.parse(["bias:value=1,span=marked", "pasta:heads=all,marker=~~"]).emphasis_marker() == "~~"
 
 
 def _profile(task: str, ranked: list[tuple[int, int]], model: str = "m") -> Profile:
@@ -231,9 +236,12 @@ def test_bad_pasta_specs(spec, match) -> None:
         Interventions.parse([spec])
 
 
-def test_pasta_does_not_compose_with_another_key_bias() -> None:
-    with pytest.raises(DriftlabError, match="(?i)instaboost and pasta both set the key bias"):
-        Interventions.parse(["pasta:heads=all", "instaboost:m=2"])
+def test_pasta_composes_with_other_key_biases() -> None:
+    iv = Interventions.parse(["pasta:heads=1.0,alpha=0.5", "instaboost:m=2", "bias:value=-1,span=marked,heads=0"])
+    terms = {(t.span, t.invert): t for t in iv.attention().biases}
+    assert terms[("emphasis", True)].value == pytest.approx(math.log(0.5))  # pasta
+    assert terms[("system", False)].value == pytest.approx(math.log(2))  # instaboost
+    assert terms[("emphasis", False)].value == -1.0 and terms[("emphasis", False)].heads == ((0, None),)  # bias
 
 
 # -- the engine on real and tiny models ------------------------------------------------------------
@@ -322,16 +330,15 @@ def test_batched_rows_with_different_spans_equal_one_at_a_time(backend) -> None:
 
 
 @pytest.mark.model
-def test_row_heads_batch_equals_each_head_alone(backend) -> None:
-    """Head profiling steers a different head in each row of one batch."""
-    iv = Interventions.parse(["pasta:heads=0.0,alpha=0.01"])
-    rendered = [backend.render(MARKED[0], interventions=iv)] * 3
-    heads = [((0, 0),), ((1, 1),), ((2, 3),)]
+def test_per_row_interventions_equal_each_row_alone(backend) -> None:
+    """Head profiling steers a different head in each row of one batch (TokenBackend.generate_tokens
+    with one Interventions per row); the last row composes PASTA with InstABoost."""
+    rendered = [backend.render(MARKED[0], interventions=Interventions.parse(["pasta:heads=all"]))] * 4
+    per_row = [Interventions.of(Pasta(heads=h, alpha=0.01)) for h in (((0, 0),), ((1, 1),), ((2, 3),))]
+    per_row.append(Interventions.of(Pasta(heads=((1, 1),), alpha=0.01), InstABoost(m=3)))
     sampling = Sampling(greedy=True, max_new_tokens=8, ignore_eos=True)
-    rows = backend.generate_tokens([r.ids for r in rendered], sampling, interventions=iv,
-                                   spans=[r.spans() for r in rendered], row_heads=heads, logprobs=0)
-    for h, row in zip(heads, rows):
-        one = Interventions.parse([f"pasta:heads={h[0][0]}.{h[0][1]},alpha=0.01"])
+    rows = backend.generate_tokens(rendered, sampling, interventions=per_row, logprobs=0)
+    for one, row in zip(per_row, rows):
         (solo,) = chat(backend, [MARKED[0]], one, n=8)
         assert solo.token_ids == row.token_ids
         assert max(abs(a.logprob - b.logprob) for a, b in zip(solo.logprobs, row.logprobs)) <= LOGPROB_TOL

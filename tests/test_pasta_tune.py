@@ -8,10 +8,12 @@ import sys
 
 import pytest
 
+from driftlab.chat import BackendSpec
 from driftlab.errors import DriftlabError
-from driftlab.steering.heads import Profile, load_heads
 from driftlab.pasta.tune import TuneConfig, head_sets
+from driftlab.protocol.runner import run_protocol
 from driftlab.records.rundir import RunDir
+from driftlab.steering.heads import Profile, load_heads
 
 
 def _profile(path, ranking, model="smollm2-135m", task="json"):
@@ -56,13 +58,15 @@ def test_tune_config_and_profile_errors(tmp_path) -> None:
 
 @pytest.mark.model
 def test_tune_scores_each_head_count_on_valid_and_resumes(tmp_path, smol32) -> None:
-    from driftlab.pasta.tune import HeadTuner
+    from driftlab.pasta.tune import HeadTuner, summarize
+    from driftlab.report.pasta import write_pasta_figures
 
     ranking = [(layer, head) for layer in range(30) for head in range(9)]
     prof = _profile(tmp_path / "p.json", ranking, model=str(smol32.name))
-    cfg = TuneConfig(model=str(smol32.name), task="counterfact", profiles=[prof], select="task-specific",
-                     topk=[9, 270], n=3, dtype="float32", device="cpu")
-    result = HeadTuner(cfg, tmp_path / "tune", smol32, progress=False).run()
+    cfg = TuneConfig(backend=BackendSpec(model=str(smol32.name), dtype="float32", device="cpu"), task="counterfact",
+                     profiles=[prof], select="task-specific", topk=[9, 270], n=3)
+    run_protocol(HeadTuner(cfg, smol32), tmp_path / "tune", progress=False)
+    result = summarize(tmp_path / "tune")
     rd = RunDir(tmp_path / "tune")
     recs = rd.records()
     ids = {r["id"] for r in recs}
@@ -72,7 +76,7 @@ def test_tune_scores_each_head_count_on_valid_and_resumes(tmp_path, smol32) -> N
     best = max(range(2), key=lambda i: (es[i], -result["points"][i]["n_heads"]))
     assert result["best"]["topk"] == result["points"][best]["topk"]
     assert sorted(load_heads(rd.path / "heads.json")) == sorted(map(tuple, result["best"]["heads"]))
-    assert (rd.path / "tune.png").stat().st_size > 5000
+    assert write_pasta_figures(rd.path).stat().st_size > 5000 and (rd.path / "tune.png").is_file()
     assert json.loads((rd.path / "tune.json").read_text())["best"]["topk"] == result["best"]["topk"]
     # the summary is the records' mean, point by point (0: the unsteered reference)
     for k, stats in [(0, result["unsteered"]), *((p["topk"], p["metrics"]) for p in result["points"])]:
@@ -81,7 +85,8 @@ def test_tune_scores_each_head_count_on_valid_and_resumes(tmp_path, smol32) -> N
     # resume: drop the last point's records, run again: the rest is kept, the point comes back
     lines = rd.records_path.read_text().splitlines()
     rd.records_path.write_text("\n".join(lines[:-3]) + "\n")
-    again = HeadTuner(cfg, tmp_path / "tune", smol32, progress=False).run()
+    run_protocol(HeadTuner(cfg, smol32), tmp_path / "tune", progress=False)
+    again = summarize(tmp_path / "tune")
     after = rd.records_path.read_text().splitlines()
     assert after[:-3] == lines[:-3] and len(after) == 9
     assert again["points"] == result["points"]
@@ -102,7 +107,8 @@ def test_tune_cli_prints_the_table_and_writes_heads(tmp_path) -> None:
 def test_choice_skips_degenerate_points_and_prefers_fewer_heads(tmp_path) -> None:
     """The paper's fluency floor: a point whose replies babble (mean fluency < 3) is not chosen,
     however high its pronoun accuracy (no pronoun left counts as changed)."""
-    from driftlab.pasta.tune import PointRecord, plot_tune, summarize
+    from driftlab.pasta.tune import PointRecord, summarize
+    from driftlab.report.pasta import plot_tune
 
     a = _profile(tmp_path / "a.json", [(0, h) for h in range(8)], task="pronouns")
     cfg = TuneConfig(task="pronouns", profiles=[a], select="task-specific", topk=[1, 2, 4, 8], n=2)
@@ -110,7 +116,7 @@ def test_choice_skips_degenerate_points_and_prefers_fewer_heads(tmp_path) -> Non
     #              k: (acc per example, fluency per example)
     data = {0: ([0, 0], [5, 5]), 1: ([1, 0], [5, 5]), 2: ([1, 0], [4, 4]), 4: ([1, 1], [4, 2.5]), 8: ([1, 1], [2, 2])}
     with rd.writing():
-        rd.start(cfg.model_dump(mode="json"), {"examples": ["x", "y"], "points": head_sets(cfg)}, protocol="pasta-tune")
+        rd.start(cfg.model_dump(mode="json"), {"examples": [{}, {}], "points": head_sets(cfg)}, protocol="pasta-tune")
         rd.append([PointRecord(topk=k, id=i, metrics={"score": a, "acc": a, "fluency": f})
                    for k, (accs, flus) in data.items() for i, a, f in zip("xy", accs, flus, strict=True)])
     result = summarize(rd.path)

@@ -8,19 +8,19 @@ import threading
 
 import pytest
 
-from driftlab.chat import ChatRequest, Sampling
-from driftlab.chat.factory import BackendSpec, Runtime, make_backend
+from driftlab.chat import BackendSpec, ChatRequest, Runtime, Sampling, make_backend
 from driftlab.errors import DriftlabError
 from driftlab.protocol.dialog import RECORDS
-from driftlab.protocol.selfchat import SelfChat, SelfChatConfig, expected_counts
+from driftlab.protocol.runner import run_protocol
+from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
 from driftlab.records.rundir import RunDir
 
 TINY = Sampling(greedy=True, max_new_tokens=8)
 
 
 def _config(smol_dir) -> SelfChatConfig:
-    return SelfChatConfig(model=str(smol_dir), pairs=2, rounds=2, sampling=TINY, dtype="float32", seed=5,
-                          runtime=Runtime(ray="local", actors=2))
+    spec = BackendSpec(model=str(smol_dir), dtype="float32", runtime=Runtime(ray="local", actors=2))
+    return SelfChatConfig(backend=spec, pairs=2, rounds=2, sampling=TINY, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def pool(ray_cluster, smol_dir):
     """Two CPU actors, each with the float32 model; `make_backend` picks the pool from the spec."""
     from driftlab.chat.ray_pool import RayBackend
 
-    backend = make_backend(_config(smol_dir).backend_spec())
+    backend = make_backend(_config(smol_dir).backend)
     assert isinstance(backend, RayBackend)
     yield backend
     backend.close()
@@ -47,7 +47,7 @@ def pool(ray_cluster, smol_dir):
 def reference(smol_dir, smol32, tmp_path_factory):
     """The same self-chat in this process, on the plain local backend: {key: (text, n_tokens, finish_reason)}."""
     out = tmp_path_factory.mktemp("single") / "run"
-    SelfChat(_config(smol_dir), str(out), smol32, progress=False).run()
+    run_protocol(SelfChat(_config(smol_dir), smol32), out, progress=False)
     return _results(out)
 
 
@@ -56,7 +56,7 @@ def _results(path) -> dict:
     keys = [r.key for r in records]
     assert len(keys) == len(set(keys)), "a record was written twice"
     manifest = RunDir(path).read_manifest()
-    assert manifest["completed"] and len(keys) == sum(expected_counts(manifest).values())
+    assert manifest["completed"] and len(keys) == sum(SelfChat.expected(manifest).values())
     return {r.key: (r.text, r.n_tokens, r.finish_reason) for r in records}
 
 
@@ -84,7 +84,7 @@ class Killing:
 
 @pytest.mark.model
 def test_selfchat_on_ray_equals_the_single_process_run(pool, reference, smol_dir, tmp_path):
-    SelfChat(_config(smol_dir), str(tmp_path / "run"), pool, progress=False).run()
+    run_protocol(SelfChat(_config(smol_dir), pool), tmp_path / "run", progress=False)
     assert _results(tmp_path / "run") == reference
     assert len(reference) == 10  # 2 pairs x (3 turns + 2 probes): both actors had rows in every call
     assert RunDir(tmp_path / "run").read_manifest()["models"]["agent"]["ray"] == {"address": "local", "actors": 2}
@@ -95,7 +95,7 @@ def test_dead_actors_rerun_their_shard_once(pool, reference, smol_dir, tmp_path)
     before = list(pool._actors)
     # call 1: actor 0 dies (Ray restarts it); call 2: actor 1 dies for good (replaced); call 3: during the call.
     killing = Killing(pool, {1: [(0, True, 0.0)], 2: [(1, False, 0.0)], 3: [(0, True, 0.5)]})
-    SelfChat(_config(smol_dir), str(tmp_path / "run"), killing, progress=False).run()
+    run_protocol(SelfChat(_config(smol_dir), killing), tmp_path / "run", progress=False)
     assert killing.calls == 3
     assert _results(tmp_path / "run") == reference  # complete, no record twice, same texts
     assert pool._actors[0] is before[0] and pool._actors[1] is not before[1]

@@ -8,27 +8,23 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import re
 from pathlib import Path
-from statistics import NormalDist
 
 import numpy as np
 import pandas as pd
 import pytest
 import typer
-from scipy import stats
 from typer.testing import CliRunner
 
 from driftlab.cli.report import print_summary, report, summary_table
 from driftlab.errors import DriftlabError
-from driftlab.protocol.selfchat import expected_counts
+from driftlab.protocol.selfchat import SelfChat
 from driftlab.records.rundir import RunDir
 from driftlab.report.figures import category_figure, drift_figure
 from driftlab.report.html import score_color, write_report
 from driftlab.report.metrics import (
     ALL,
-    bootstrap_mean_ci,
     common_rounds,
     probe_scores,
     summarize,
@@ -216,106 +212,6 @@ def report_html(run_dir, summary) -> str:
     return write_report(run_dir, summary=summary).read_text(encoding="utf-8")
 
 
-# -- bootstrap --------------------------------------------------------------------------------
-def _quantile(sorted_vals: list[float], p: float) -> float:
-    """Linear interpolation between order statistics (numpy's default), by hand."""
-    h = (len(sorted_vals) - 1) * p
-    i = int(h)
-    j = min(i + 1, len(sorted_vals) - 1)
-    return sorted_vals[i] + (h - i) * (sorted_vals[j] - sorted_vals[i])
-
-
-def slow_bootstrap(x: list[float], n_resamples: int, confidence: float, seed: int):
-    """The slow, obvious reference: stdlib random, one resample at a time, BCa from the textbook
-    formulas (Efron & Tibshirani 1993, 14.3: z0 from the share of resample means below the mean,
-    ties counted half; acceleration from the jackknife). Returns (BCa, percentile) intervals."""
-    rng = random.Random(seed)
-    nd = NormalDist()
-    n = len(x)
-    theta = sum(x) / n
-    means = sorted(sum(x[rng.randrange(n)] for _ in range(n)) / n for _ in range(n_resamples))
-    below = sum(m < theta for m in means) + 0.5 * sum(m == theta for m in means)
-    z0 = nd.inv_cdf(below / n_resamples)
-    jack = [(sum(x) - xi) / (n - 1) for xi in x]
-    jbar = sum(jack) / n
-    a = sum((jbar - j) ** 3 for j in jack) / (6 * sum((jbar - j) ** 2 for j in jack) ** 1.5)
-    alpha = (1 - confidence) / 2
-    bca = []
-    for z in (nd.inv_cdf(alpha), nd.inv_cdf(1 - alpha)):
-        bca.append(_quantile(means, nd.cdf(z0 + (z0 + z) / (1 - a * (z0 + z)))))
-    return tuple(bca), (_quantile(means, alpha), _quantile(means, 1 - alpha))
-
-
-@pytest.mark.parametrize("dist", ["uniform", "binary", "skewed", "exponential"])
-def test_bootstrap_matches_slow_bca_reference(dist: str) -> None:
-    gen = np.random.default_rng(7)
-    x = {
-        "uniform": gen.uniform(size=25),
-        "binary": (gen.uniform(size=40) < 0.3).astype(float),
-        "skewed": gen.beta(0.3, 3.0, size=30),
-        "exponential": gen.exponential(size=15),
-    }[dist]
-    lo, hi = bootstrap_mean_ci(x, n_resamples=20000, rng=1)
-    (ref_lo, ref_hi), (pct_lo, pct_hi) = slow_bootstrap(list(x), 20000, 0.95, seed=3)
-    width = hi - lo
-    assert width > 0.05
-    # Monte-Carlo error of a 2.5% quantile from 20000 resamples is ~0.7% of the width (both sides).
-    assert lo == pytest.approx(ref_lo, abs=0.03 * width)
-    assert hi == pytest.approx(ref_hi, abs=0.03 * width)
-    assert lo < x.mean() < hi
-    if dist in ("skewed", "exponential"):
-        # Control: on skewed data BCa moves the interval right of the percentile one by more than
-        # the tolerance above, so a percentile bootstrap would fail this test.
-        assert hi - pct_hi > 0.06 * width and lo - pct_lo > 0.03 * width
-
-
-def test_bootstrap_covers_the_true_mean_at_the_nominal_rate() -> None:
-    """200 normal samples (n=40, mean 0.3): the 95% CI holds 0.3 in ~95% of them, the 80% CI in
-    ~80%. Bands are ~4 binomial sigmas (sd 1.5% and 2.8%) plus BCa's small-n undercoverage."""
-    mu, trials = 0.3, 200
-    hits = {0.95: 0, 0.80: 0}
-    for t in range(trials):
-        x = np.random.default_rng([11, t]).normal(mu, 1.0, size=40)
-        for conf in hits:
-            lo, hi = bootstrap_mean_ci(x, n_resamples=2000, confidence=conf, rng=t)
-            hits[conf] += lo <= mu <= hi
-    assert 0.89 <= hits[0.95] / trials <= 0.99
-    assert 0.70 <= hits[0.80] / trials <= 0.90
-
-
-def test_bootstrap_known_cases() -> None:
-    assert bootstrap_mean_ci([0.3] * 12) == (0.3, 0.3)  # constant: zero width, exactly the value
-    assert all(math.isnan(v) for v in bootstrap_mean_ci([0.7]))  # n=1: undefined -> NaN
-    assert all(math.isnan(v) for v in bootstrap_mean_ci([]))
-    assert all(math.isnan(v) for v in bootstrap_mean_ci([0.2, float("nan")]))  # NaN dropped -> n=1
-    x = [0.0, 0.0, 1.0, 1.0, 0.5]
-    assert bootstrap_mean_ci(x + [float("nan")], rng=5) == bootstrap_mean_ci(x, rng=5)  # NaN dropped
-    assert bootstrap_mean_ci(x, rng=5) == bootstrap_mean_ci(x, rng=5)  # seeded
-    u = np.random.default_rng(0).uniform(size=25)
-    assert bootstrap_mean_ci(u, rng=5) != bootstrap_mean_ci(u, rng=6)  # and the seed is used
-    # A Generator is used as given: the same state gives the same CI, and it is advanced.
-    g1, g2 = np.random.default_rng(9), np.random.default_rng(9)
-    first = bootstrap_mean_ci(u, rng=g1)
-    assert first == bootstrap_mean_ci(u, rng=g2)
-    assert bootstrap_mean_ci(u, rng=g1) != first
-    # `chunk` only bounds memory: a tiny chunk (many blocks) draws the same resamples.
-    assert bootstrap_mean_ci(u, rng=5, chunk=7) == bootstrap_mean_ci(u, rng=5)
-    # Two points {0, 1}: resample means are 0, 1/2, 1 with P = 1/4, 1/2, 1/4. The mean 1/2 sits at
-    # the middle (z0 = 0) and the jackknife is symmetric (a = 0), so BCa = percentile = [0, 1].
-    assert bootstrap_mean_ci([0.0, 1.0], n_resamples=4000) == (0.0, 1.0)
-
-
-def test_bootstrap_falls_back_to_percentile_where_bca_is_undefined() -> None:
-    # Equal up to one ulp: the jackknife means all round to the same float, BCa's acceleration
-    # is 0/0 and scipy returns NaN (checked, so this test exercises the fallback).
-    x = np.array([1 / 3] * 5 + [np.nextafter(1 / 3, 1)])
-    with pytest.warns(stats.DegenerateDataWarning), np.errstate(invalid="ignore"):
-        raw = stats.bootstrap((x,), np.mean, n_resamples=500, method="BCa", rng=0)
-    assert math.isnan(raw.confidence_interval.low)
-    lo, hi = bootstrap_mean_ci(x)
-    assert x.min() <= lo <= hi <= x.max()
-
-
 # -- scores and summaries ---------------------------------------------------------------------
 def test_probe_scores_average_repeats_per_conversation(summary) -> None:
     s = summary.scores
@@ -415,7 +311,7 @@ def test_expected_counts() -> None:
         "probe_rounds": [1, 2, 3],
     }
     # turns: 3 pairs x 2 conditions x (3 agent + 2 user); probes: 3 x 3 rounds x 2 reps x (2 + 1 targets)
-    assert expected_counts(manifest) == {"turn": 30, "probe": 54}
+    assert SelfChat.expected(manifest) == {"turn": 30, "probe": 54}
 
 
 def test_round_table_rows(summary) -> None:

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from driftlab.bench import get_persona
-from driftlab.chat import Sampling
+from driftlab.chat import BackendSpec, Sampling
 from driftlab.errors import DriftlabError
 from driftlab.protocol.dialog import FOLD_TEMPLATE, RECORDS, Dialog, Pair
-from driftlab.protocol.selfchat import SelfChat, SelfChatConfig, expected_counts, item_seed, run_selfchat
+from driftlab.protocol.runner import run_protocol
+from driftlab.protocol.selfchat import SelfChat, SelfChatConfig, item_seed
 from driftlab.records.rundir import RunDir
 from fakes import ScriptedBackend
 
@@ -86,10 +87,10 @@ def _keys(records):
     return [r.key for r in records]
 
 
-def _scripted_run(path, backend=None, **overrides) -> list:
+def _scripted_run(path, model=None, **overrides) -> list:
     cfg = SelfChatConfig(**{"pairs": 2, "rounds": 3, "user_probe": True, "probe_repeats": 2, "seed": 3,
                             "ablation": True, **overrides})
-    SelfChat(cfg, str(path), backend or ScriptedBackend(), progress=False).run()
+    run_protocol(SelfChat(cfg, model or ScriptedBackend()), path, progress=False)
     return RunDir(path).records(RECORDS)
 
 
@@ -97,7 +98,7 @@ def test_scripted_run_has_every_record_once_and_each_turn_sees_its_dialog(tmp_pa
     backend = ScriptedBackend()
     records = _scripted_run(tmp_path / "run", backend)
     manifest = RunDir(tmp_path / "run").read_manifest()
-    assert len(records) == sum(expected_counts(manifest).values()) == len(set(_keys(records)))
+    assert len(records) == sum(SelfChat.expected(manifest).values()) == len(set(_keys(records)))
     # Rebuild the dialogs from the records and check every agent turn was generated from
     # exactly [s_B, a_1, b_1, ..., a_i] (the scripted reply is a hash of what it was shown).
     from driftlab.protocol.dialog import pairs_from_manifest
@@ -160,25 +161,28 @@ def test_resume_refuses_a_different_config_but_not_a_different_batch_size(tmp_pa
     _scripted_run(tmp_path / "run", rounds=2)
     with pytest.raises(DriftlabError, match=r"different configuration.*temperature"):
         _scripted_run(tmp_path / "run", rounds=2, sampling=Sampling(temperature=0.7))
-    _scripted_run(tmp_path / "run", rounds=2, batch_size=1, device="cpu")
+    _scripted_run(tmp_path / "run", rounds=2, batch_size=1, backend=BackendSpec(device="cpu"))
 
 
 def test_unsupported_intervention_is_refused_before_anything_is_written(tmp_path):
     remote = ScriptedBackend("remote", interventions=frozenset())
     cfg = SelfChatConfig(pairs=1, rounds=2, steer=["split-softmax:k=0.9"])
     with pytest.raises(DriftlabError, match="remote cannot apply --steer split-softmax"):
-        SelfChat(cfg, str(tmp_path / "run"), remote, progress=False).run()
+        run_protocol(SelfChat(cfg, remote), tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
 
 
 def test_steer_specs_are_stored_normalised(tmp_path):
     cfg = SelfChatConfig(pairs=1, rounds=1, steer=["trace", "Split-Softmax: k = 0.90"])
-    assert cfg.steer == ["split-softmax:k=0.9,heads=all", "trace:prefill=false"]
+    assert cfg.steer.specs() == ["split-softmax:k=0.9,heads=all", "trace:prefill=false"]
+    assert cfg.model_dump(mode="json")["steer"] == cfg.steer.specs()  # what the manifest records
+    assert SelfChatConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # and reads back
 
 
 def test_a_failure_before_the_manifest_leaves_no_directory(tmp_path):
     with pytest.raises(DriftlabError, match="no-such-model"):
-        run_selfchat(SelfChatConfig(model="no-such-model", pairs=1, rounds=1), str(tmp_path / "run"), progress=False)
+        config = SelfChatConfig(backend=BackendSpec(model="no-such-model"), pairs=1, rounds=1)
+        run_protocol(SelfChat(config), tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
 
 
@@ -250,7 +254,7 @@ def test_a_probe_cut_at_the_token_limit_is_unscored_only_where_its_measure_needs
                                    ("reply-in-french", "json-thought-response")], pairs=0, rounds=1)
     assert get_persona("json-thought-response").needs_complete and not get_persona("reply-in-french").needs_complete
     for reason in ("stop", "length"):
-        SelfChat(cfg, tmp_path / reason, ScriptedBackend(finish_reason=reason), progress=False).run()
+        run_protocol(SelfChat(cfg, ScriptedBackend(finish_reason=reason)), tmp_path / reason, progress=False)
         probes = {r.persona: r for r in RunDir(tmp_path / reason).records(RECORDS) if r.kind == "probe"}
         assert probes["reply-in-french"].score is not None  # language can be judged from a cut reply
         assert (probes["json-thought-response"].score is None) == (reason == "length")
@@ -266,7 +270,7 @@ def test_user_probe_version_001_asks_seed_001s_crafted_probe(tmp_path):
         backend = ScriptedBackend()
         cfg = SelfChatConfig(pair_ids=[("reply-in-french", "very-happy")], pairs=0, rounds=1, user_probe=True,
                              user_probe_version=version)
-        SelfChat(cfg, tmp_path / version, backend, progress=False).run()
+        run_protocol(SelfChat(cfg, backend), tmp_path / version, progress=False)
         asked = [c[-1]["content"] for r in backend.requests for c in r.conversations]
         assert expected in asked and (crafted in asked) == (version == "001")
 
@@ -289,7 +293,7 @@ def test_the_report_shows_the_user_probe_that_was_asked(tmp_path):
     crafted = user_probe(get_persona("very-happy"), "001").probe
     cfg = SelfChatConfig(pair_ids=[("reply-in-french", "very-happy")], pairs=0, rounds=1, user_probe=True,
                          user_probe_version="001")
-    SelfChat(cfg, tmp_path / "run", ScriptedBackend(), progress=False).run()
+    run_protocol(SelfChat(cfg, ScriptedBackend()), tmp_path / "run", progress=False)
     [conv] = transcripts(summarize_run(tmp_path / "run"))
     asked = {b["target"]: b["question"] for b in conv["rounds"][0]["probes"]}
     assert asked["user"] == crafted and asked["agent"] == get_persona("reply-in-french").probe

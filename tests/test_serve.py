@@ -180,15 +180,15 @@ class _WordTokenizer:
 
 
 def test_text_stream_holds_back_what_the_final_text_may_drop():
-    plain = TextStream(_WordTokenizer(["  Hi", " there", "\n", "\ufffd"]))
+    plain = TextStream(_WordTokenizer(["  Hi", " there", "\n", "\ufffd"]).decode)
     # leading space stripped as in the reply; trailing newline and a broken character wait
     assert [plain.push(i) for i in range(4)] == ["Hi", " there", "", ""]
     assert plain.finish("Hi there") == ""
-    stops = TextStream(_WordTokenizer(["  Hello", " wor", "ld", "\n", "<|u", "ser|>"]), stop_strings=("<|user|>",))
+    stops = TextStream(_WordTokenizer(["  Hello", " wor", "ld", "\n", "<|u", "ser|>"]).decode, ("<|user|>",))
     deltas = [stops.push(i) for i in range(6)]
     assert deltas[0] == "" and all("<" not in d and "\n" not in d for d in deltas)  # held back, then dropped
     assert "".join(deltas) + stops.finish("Hello world") == "Hello world"
-    late = TextStream(_WordTokenizer(["Hi", " you"]))
+    late = TextStream(_WordTokenizer(["Hi", " you"]).decode)
     assert late.push(0) == "Hi" and late.finish("Hi you") == " you"  # what is unsent comes at the end
 
 

@@ -8,22 +8,31 @@ import pytest
 
 from driftlab.chat.base import Capabilities
 from driftlab.errors import DriftlabError
-from driftlab.steering import Interventions
+from driftlab.steering import InstABoost, Interventions, KeyBias
 
 
 def test_several_kinds_compose_into_one_attention_config():
     iv = Interventions.parse(["split-softmax:k=0.8,heads=0-1", "bias:value=-3,invert=true,heads=2.1", "trace"])
     cfg = iv.attention()
     assert (cfg.split_k, cfg.split_heads) == (0.8, ((0, None), (1, None)))
-    assert (cfg.bias, cfg.bias_invert, cfg.bias_heads) == (-3.0, True, ((2, 1),))
+    (bias,) = cfg.biases
+    assert (bias.value, bias.invert, bias.heads, bias.span) == (-3.0, True, ((2, 1),), "system")
     assert cfg.trace and iv.kinds == {"split-softmax", "bias", "trace"}
+
+
+def test_key_biases_compose_as_terms_and_code_builds_what_specs_parse():
+    iv = Interventions.parse(["bias:value=1", "instaboost:m=2"])
+    assert [t.value for t in iv.attention().biases] == [1.0, pytest.approx(math.log(2))]
+    built = Interventions.of(InstABoost(m=2.0), KeyBias(value=1.0))
+    assert built == iv and built.specs() == iv.specs() == ["bias:value=1.0,span=system,invert=false,heads=all",
+                                                            "instaboost:m=2.0"]
 
 
 def test_the_same_kind_twice_is_an_error_not_an_overwrite():
     with pytest.raises(DriftlabError, match="split-softmax is given 2 times"):
         Interventions.parse(["split-softmax:k=0.9", "split-softmax:k=0.5"])
-    with pytest.raises(DriftlabError, match="both set the key bias"):
-        Interventions.parse(["bias:value=1", "instaboost:m=2"])
+    with pytest.raises(DriftlabError, match="instaboost is given 2 times"):
+        Interventions.of(InstABoost(m=2), InstABoost(m=3))
 
 
 def test_specs_are_normalised_and_round_trip():
@@ -39,9 +48,9 @@ def test_specs_are_normalised_and_round_trip():
 
 
 def test_instaboost_is_a_log_m_bias_on_the_system_keys():
-    cfg = Interventions.parse(["instaboost:m=5"]).attention()
-    assert cfg.bias == pytest.approx(math.log(5)) and cfg.bias_span == "system" and cfg.bias_heads is None
-    assert Interventions.parse(["instaboost:m=1"]).attention().bias == 0.0
+    (term,) = Interventions.parse(["instaboost:m=5"]).attention().biases
+    assert term.value == pytest.approx(math.log(5)) and term.span == "system" and term.heads is None
+    assert Interventions.parse(["instaboost:m=1"]).attention().biases == ()  # log 1 = 0: the plain model
 
 
 @pytest.mark.parametrize(
@@ -61,6 +70,11 @@ def test_instaboost_is_a_log_m_bias_on_the_system_keys():
         (["instaboost:m=0"], "m=0: input should be greater than 0"),
         (["split-softmax:k=0.5,heads=layer3"], "Cannot read head selection 'layer3'"),
         (["trace:prefill=maybe"], "prefill=maybe"),
+        (["bias:value=2,span=sytem"], "span=sytem: not one of system, marked (did you mean 'system'?)"),
+        (["pasta:heads=all,scope=prmpt"], "not one of prompt, all (did you mean 'prompt'?)"),
+        (["split-sofmax:k=0.5"], "Unknown intervention 'split-sofmax'"),
+        (["split-sofmax:k=0.5"], "(did you mean 'split-softmax'?)"),
+        (["split-softmax:kk=0.5"], "unknown setting 'kk' (did you mean 'k'?)"),
     ],
 )
 def test_bad_specs_are_one_line_errors(specs, message):

@@ -8,9 +8,10 @@ import pandas as pd
 import pytest
 
 from driftlab.bench import get_persona
-from driftlab.chat import Sampling
-from driftlab.protocol.sweep import SweepConfig, paper_pairs, point_dir, run_sweep
-from driftlab.report.sweep import matched_points, write_sweep_report
+from driftlab.chat import BackendSpec, Sampling
+from driftlab.protocol.runner import run_protocol
+from driftlab.protocol.sweep import Sweep, SweepConfig, paper_pairs, point_dir
+from driftlab.report.sweep import matched_points, sweep_table, write_sweep_report
 
 RAW = Path(__file__).parent / "fixtures" / "mmlu_raw_sample.jsonl"
 
@@ -27,8 +28,8 @@ def test_paper_pairs_are_the_20_ordered_pairs_of_one_persona_per_category():
 
 def test_grid_is_validated_and_normalised():
     cfg = SweepConfig(grid={"split-softmax": ["split-softmax:k=.5"]})
-    assert cfg.grid == {"split-softmax": ["split-softmax:k=0.5,heads=all"]}
-    assert cfg.points()[0] == ("plain", "")
+    assert cfg.model_dump(mode="json")["grid"] == {"split-softmax": ["split-softmax:k=0.5,heads=all"]}
+    assert cfg.grid["split-softmax"][0].k == 0.5 and cfg.points()[0] == ("plain", None)
     with pytest.raises(ValueError, match="unknown method 'ss'"):
         SweepConfig(grid={"ss": ["split-softmax:k=0.5"]})
     with pytest.raises(ValueError, match="must list spr specs"):
@@ -57,10 +58,12 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.model
 def test_tiny_sweep_end_to_end_and_resume(tiny, tmp_path):
-    cfg = SweepConfig(model=tiny.name, grid={"split-softmax": ["split-softmax:k=0.5"], "spr": ["spr:p=1"]},
+    cfg = SweepConfig(backend=BackendSpec(model=tiny.name),
+                      grid={"split-softmax": ["split-softmax:k=0.5"], "spr": ["spr:p=1"]},
                       pair_ids=paper_pairs()[:2], rounds=2, sampling=Sampling(max_new_tokens=4), mmlu_n=4,
                       mmlu_turn=2, history_tokens=4, data=str(RAW))
-    table = run_sweep(cfg, tmp_path / "sweep", tiny, progress=False)
+    run_protocol(Sweep(cfg, tiny), tmp_path / "sweep", progress=False)
+    table = sweep_table(tmp_path / "sweep")
     assert list(table.spec) == ["plain", "split-softmax:k=0.5,heads=all", "spr:p=1.0,seed=0"]
     assert table.loc[0, "mmlu_drop"] == 0.0 and (table.n_conversations == 2).all()
     assert table.stability.between(0, 1).all()
@@ -72,9 +75,9 @@ def test_tiny_sweep_end_to_end_and_resume(tiny, tmp_path):
     records = sorted((tmp_path / "sweep").rglob("records.jsonl"))
     assert len(records) == 3 * 2 + 3 * 1  # per point: self-chat + MMLU; and each MMLU's history (turn 2)
     before = [r.read_bytes() for r in records]
-    again = run_sweep(cfg, tmp_path / "sweep", tiny, progress=False)  # a finished point is never recomputed
+    run_protocol(Sweep(cfg, tiny), tmp_path / "sweep", progress=False)  # a finished point is never recomputed
     assert [r.read_bytes() for r in records] == before
-    pd.testing.assert_frame_equal(again, table)
+    pd.testing.assert_frame_equal(sweep_table(tmp_path / "sweep"), table)
     assert point_dir(tmp_path / "sweep", "spr:p=1.0,seed=0").name == "spr_p1.0_seed0"
 
 
@@ -117,7 +120,7 @@ def test_killed_sweep_resumes_without_recomputing_or_duplicating(tmp_path):
         m = rd.read_manifest()
         protocol = protocol_of(m)
         keys = [r.key for r in rd.records(protocol.records)]
-        assert len(keys) == len(set(keys)) == sum(protocol.expected_counts(m).values()), manifest
+        assert len(keys) == len(set(keys)) == sum(protocol.expected(m).values()), manifest
         assert m["completed"] is True
     table = pd.read_csv(out / "sweep.csv")
     assert list(table.spec) == ["plain", "spr:p=1.0,seed=0"]

@@ -367,8 +367,8 @@ def test_cli_bad_model_raises_driftlab_error(tmp_path: Path) -> None:
 
 
 def test_out_must_be_a_directory(tmp_path: Path) -> None:
-    from driftlab.theory.report import run_all
+    from driftlab.report.theory import write_theory
 
     (tmp_path / "file").write_text("x")
     with pytest.raises(DriftlabError, match="not a directory"):
-        run_all(tmp_path / "file", quick=True)
+        write_theory(tmp_path / "file", quick=True)
