@@ -196,6 +196,7 @@ def _tokenizer(smol_dir, *, bos: bool, chat: bool):
 @pytest.mark.parametrize("mode", ["prefix", "content"])
 def test_bos_is_prepended_where_the_tokenizer_expects_it(smol_dir, chat_template, mode):
     from driftlab.chat.templates import Renderer
+    from driftlab.protocol.decay import turn_spans
 
     conv = [*CONVS[0], {"role": "assistant", "content": "Bonjour !"}, {"role": "user", "content": "Et alors ?"}]
     with_bos = Renderer(_tokenizer(smol_dir, bos=True, chat=chat_template), mode)
@@ -203,14 +204,18 @@ def test_bos_is_prepended_where_the_tokenizer_expects_it(smol_dir, chat_template
     a, b = with_bos.render(conv), without.render(conv)
     bos = with_bos.tokenizer.bos_token_id
     eos = {with_bos.tokenizer.eos_token_id}
+
+    def turns(renderer):  # where the agent's turns are (attention decay), through this rendering
+        return turn_spans(lambda c, gen: renderer.render(c, gen).ids, conv, eos)
+
     if chat_template:  # SmolLM2's ChatML template already starts with its BOS id (<|im_start|>): no second one
-        assert b.ids[0] == bos and a == b and with_bos.turn_spans(conv, eos) == without.turn_spans(conv, eos)
+        assert b.ids[0] == bos and a == b and turns(with_bos) == turns(without)
         return
     assert a.ids == [bos] + b.ids and b.ids[0] != bos  # exactly one BOS, first
     start = 0 if mode == "prefix" else b.system_span[0] + 1
     assert a.system_span == (start, b.system_span[1] + 1)  # the same tokens, shifted past BOS
-    shifted = [(s + 1, e + 1) if sp else None for sp in without.turn_spans(conv, eos) for s, e in [sp or (0, 0)]]
-    assert with_bos.turn_spans(conv, eos) == shifted
+    shifted = [(s + 1, e + 1) if sp else None for sp in turns(without) for s, e in [sp or (0, 0)]]
+    assert turns(with_bos) == shifted
 
 
 def test_every_pulled_preset_starts_its_prompts_as_its_tokenizer_does():

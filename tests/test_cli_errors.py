@@ -119,7 +119,7 @@ CASES = [
     Case("run-out-is-file", ("run", "--out", "{cache_file}", "--pairs", "1"), ("is a file",)),
     Case("run-out-unwritable", ("run", "--out", "{ro_dir}/run", "--pairs", "1"), ("Cannot write the run directory",)),
     Case("decay-out-is-file", ("decay", "--out", "{cache_file}"), ("is a file",), model=True),
-    Case("decay-out-unwritable", ("decay", "--out", "{ro_dir}/decay"), ("Cannot write to --out",), model=True),
+    Case("decay-out-unwritable", ("decay", "--out", "{ro_dir}/decay"), ("Cannot write the run directory",), model=True),
     # -- cheap decay options, checked before any model loads or trace runs
     Case("decay-layer-without-head", ("decay", "--out", "{ws}/d", "--layer", "1"), ("Give both --layer and --head",)),
     Case("decay-layer-out-of-range", ("decay", "--out", "{ws}/d", "--layer", "99", "--head", "0"),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from driftlab.chat import Sampling, chat
-from driftlab.protocol.decay import DecayTrace, agent_conversation, trace_dialogs
+from driftlab.protocol.decay import DecayTrace, agent_conversation, trace_dialogs, turn_spans
 
 pytestmark = pytest.mark.model
 
@@ -26,9 +26,9 @@ def test_replay_reproduces_the_pi_of_decoding(smol32):
 
 def test_turn_spans_cover_the_agent_tokens(smol32):
     conv = agent_conversation("Be brief.", ["Hi!", "How are you?"], ["Hello.", "Fine, thanks."])
-    spans = smol32.renderer.turn_spans(conv, smol32.eos_ids)
+    spans = turn_spans(lambda c, gen: smol32.render(c, add_generation_prompt=gen).ids, conv, smol32.stop_ids)
     ids = smol32.render(conv, add_generation_prompt=False).ids
-    texts = [smol32.tokenizer.decode(ids[s:e], skip_special_tokens=True) for s, e in filter(None, spans)]
+    texts = [smol32.decode(ids[s:e]) for s, e in filter(None, spans)]
     assert texts == ["Hello.", "Fine, thanks."]
     assert [s is None for s in spans] == [True, True, False, True, False]
 

@@ -17,6 +17,7 @@ from driftlab.chat.spec import Runtime
 from driftlab.errors import DriftlabError
 from driftlab.protocol.dialog import RECORDS
 from driftlab.protocol.mmlu import MMLU, MMLUConfig
+from driftlab.protocol.runner import run_protocol
 from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
 from driftlab.records.rundir import RunDir
 from driftlab.serve import ServeSettings, create_app
@@ -44,11 +45,11 @@ def _records(run) -> dict:
 def test_selfchat_over_http_equals_the_local_run_and_resumes_without_resending(served, smol32, tmp_path):
     config = SelfChatConfig(pairs=2, rounds=2, seed=5, user_probe=True, steer=["spr:p=0.5"],
                             sampling=Sampling(max_new_tokens=12, temperature=1.0, top_p=0.9))
-    SelfChat(config, tmp_path / "local", smol32, progress=False).run()
-    remote_cfg = config.model_copy(update={"model": f"openai:{MODEL}",
-                                           "runtime": Runtime(base_url=served, concurrency=3)})
-    backend = OpenAIChatBackend(MODEL, remote_cfg.runtime, log_dir=tmp_path / "remote")
-    SelfChat(remote_cfg, tmp_path / "remote", backend, progress=False).run()
+    run_protocol(SelfChat(config, smol32), tmp_path / "local", progress=False)
+    remote_spec = BackendSpec(model=f"openai:{MODEL}", runtime=Runtime(base_url=served, concurrency=3))
+    remote_cfg = config.model_copy(update={"backend": remote_spec})
+    backend = OpenAIChatBackend(MODEL, remote_spec.runtime, log_dir=tmp_path / "remote")
+    run_protocol(SelfChat(remote_cfg, backend), tmp_path / "remote", progress=False)
     local, remote = _records(tmp_path / "local"), _records(tmp_path / "remote")
     assert len(local) == 2 * (2 * 2 - 1 + 2 * 2) and remote == local  # same sampled text, token counts, endings
     log = [json.loads(line) for line in (tmp_path / "remote" / REQUEST_LOG).read_text().splitlines()]
@@ -59,16 +60,17 @@ def test_selfchat_over_http_equals_the_local_run_and_resumes_without_resending(s
     shutil.copytree(tmp_path / "remote", tmp_path / "killed")
     lines = (tmp_path / "killed" / "records.jsonl").read_text().splitlines()
     (tmp_path / "killed" / "records.jsonl").write_text("\n".join(lines[:3]) + "\n")
-    again = OpenAIChatBackend(MODEL, remote_cfg.runtime, log_dir=tmp_path / "killed")
-    SelfChat(remote_cfg, tmp_path / "killed", again, progress=False).run()
+    again = OpenAIChatBackend(MODEL, remote_spec.runtime, log_dir=tmp_path / "killed")
+    run_protocol(SelfChat(remote_cfg, again), tmp_path / "killed", progress=False)
     assert again.sent == 0 and _records(tmp_path / "killed") == local
 
 
 def test_mmlu_letters_over_http_match_local_loglikelihood(served, smol32, tmp_path):
     config = MMLUConfig(n=12, turn=0, data=str(RAW))
-    MMLU(config, tmp_path / "local", smol32, progress=False).run()
+    run_protocol(MMLU(config, smol32), tmp_path / "local", progress=False)
     remote = OpenAIChatBackend(MODEL, Runtime(base_url=served), log_dir=tmp_path / "remote")
-    MMLU(config.model_copy(update={"model": f"openai:{MODEL}"}), tmp_path / "remote", remote, progress=False).run()
+    remote_cfg = config.model_copy(update={"backend": BackendSpec(model=f"openai:{MODEL}")})
+    run_protocol(MMLU(remote_cfg, remote), tmp_path / "remote", progress=False)
     from driftlab.protocol.mmlu import RECORDS as ANSWERS
 
     def answers(run):

@@ -16,10 +16,12 @@ import time
 
 import pytest
 
+from driftlab.chat import BackendSpec
 from driftlab.errors import DriftlabError
 from driftlab.pasta.evaluate import PastaEvalConfig
 from driftlab.pasta.profile import ProfileConfig
 from driftlab.pasta.tasks import BASELINES, PROMPTS, TASKS, Prompt, get_task, they_version
+from driftlab.protocol.runner import run_protocol
 from driftlab.records.rundir import RunDir
 
 
@@ -140,10 +142,11 @@ def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
 @pytest.mark.model
 def test_eval_runs_every_baseline_and_resumes(tmp_path, smol32) -> None:
     from driftlab.pasta.evaluate import PastaEval, summarize
+    from driftlab.report.pasta import write_pasta_figures
 
-    cfg = PastaEvalConfig(task="json", n=2, max_new_tokens=12, dtype="float32", device="cpu",
+    cfg = PastaEvalConfig(task="json", n=2, max_new_tokens=12, backend=BackendSpec(dtype="float32", device="cpu"),
                           baselines=list(BASELINES), steer=["pasta:heads=all,alpha=0.01"])
-    PastaEval(cfg, tmp_path / "eval", smol32, progress=False).run()
+    run_protocol(PastaEval(cfg, smol32), tmp_path / "eval", progress=False)
     rd = RunDir(tmp_path / "eval")
     recs = rd.records()
     assert len(recs) == 2 * len(BASELINES)
@@ -151,9 +154,9 @@ def test_eval_runs_every_baseline_and_resumes(tmp_path, smol32) -> None:
     assert texts["pasta"] != texts["zero-shot"]  # steering changed the replies
     s = summarize(rd.path)
     assert set(s) == set(BASELINES) and set(s["zero-shot"]) == {"format_acc", "prediction_acc", "score"}
-    assert (rd.path / "eval.png").stat().st_size > 5000
+    assert write_pasta_figures(rd.path).stat().st_size > 5000 and (rd.path / "eval.png").is_file()
     size = rd.records_path.stat().st_size
-    PastaEval(cfg, tmp_path / "eval", smol32, progress=False).run()  # resume: nothing to do
+    run_protocol(PastaEval(cfg, smol32), tmp_path / "eval", progress=False)  # resume: nothing to do
     assert rd.records_path.stat().st_size == size
 
 
@@ -161,9 +164,9 @@ def test_eval_runs_every_baseline_and_resumes(tmp_path, smol32) -> None:
 def test_counterfact_eval_scores_es_and_ps(tmp_path, smol32) -> None:
     from driftlab.pasta.evaluate import PastaEval
 
-    cfg = PastaEvalConfig(task="counterfact", n=3, dtype="float32", device="cpu", baselines=["zero-shot", "pasta"],
+    cfg = PastaEvalConfig(task="counterfact", n=3, backend=BackendSpec(dtype="float32", device="cpu"), baselines=["zero-shot", "pasta"],
                           steer=["pasta:heads=0-29,alpha=0.01"])
-    PastaEval(cfg, tmp_path / "cf", smol32, progress=False).run()
+    run_protocol(PastaEval(cfg, smol32), tmp_path / "cf", progress=False)
     recs = RunDir(tmp_path / "cf").records()
     assert len(recs) == 6 and all(set(r["metrics"]) == {"es", "ps"} for r in recs)
     assert all(r["metrics"]["ps"] in (0.0, 0.5, 1.0) for r in recs)
@@ -175,9 +178,9 @@ def test_scoring_tasks_also_score_generated_text(tmp_path, smol32) -> None:
     from driftlab.pasta.evaluate import PastaEval
 
     for task, extra in (("biasbios", {"acc", "fluency", "consistency"}), ("counterfact", {"es", "ps", "fluency"})):
-        cfg = PastaEvalConfig(task=task, n=2, generate_tokens=24, dtype="float32", device="cpu",
+        cfg = PastaEvalConfig(task=task, n=2, generate_tokens=24, backend=BackendSpec(dtype="float32", device="cpu"),
                               baselines=["zero-shot"])
-        PastaEval(cfg, tmp_path / task, smol32, progress=False).run()
+        run_protocol(PastaEval(cfg, smol32), tmp_path / task, progress=False)
         recs = RunDir(tmp_path / task).records()
         assert len(recs) == 2 and all(set(r["metrics"]) == extra and r["text"] for r in recs)
         assert all(0.0 < r["metrics"]["fluency"] < 10.0 for r in recs)
@@ -220,10 +223,11 @@ def test_profile_is_resumable_after_kill_and_writes_ranking_and_heatmap(tmp_path
 @pytest.mark.parametrize("task, score", [("counterfact", "metric"), ("json", "likelihood")])
 def test_profile_scoring_modes(tmp_path, smol32, task, score) -> None:
     """Log-likelihood profiling (a scoring task's metric, or the answer's likelihood): 9 heads of one layer."""
-    from driftlab.pasta.profile import HeadProfiler
+    from driftlab.pasta.profile import HeadProfiler, build_profile
 
-    cfg = ProfileConfig(task=task, n=2, layers="5", score=score, dtype="float32", device="cpu")
-    profile = HeadProfiler(cfg, tmp_path / "p", smol32, progress=False).run()
+    cfg = ProfileConfig(task=task, n=2, layers="5", score=score, backend=BackendSpec(dtype="float32", device="cpu"))
+    run_protocol(HeadProfiler(cfg, smol32), tmp_path / "p", progress=False)
+    profile = build_profile(tmp_path / "p")
     assert [(layer, h) for layer, h, _ in profile.scores] != [] and {layer for layer, _, _ in profile.scores} == {5}
     assert len(profile.scores) == 9 and profile.baseline is not None
     values = [s for _, _, s in profile.scores]
@@ -241,7 +245,7 @@ def test_paired_gains_subtract_example_by_example(tmp_path) -> None:
     rd = RunDir(tmp_path / "e")
     cfg = PastaEvalConfig(task="counterfact", baselines=["zero-shot", "marked"])
     with rd.writing():
-        rd.start(cfg.model_dump(mode="json"), {"examples": ["a", "b", "c"], "baselines": cfg.baselines},
+        rd.start(cfg.model_dump(mode="json"), {"examples": [{}, {}, {}], "baselines": cfg.baselines},
                  protocol="pasta-eval")
         zero, marked = {"a": 1.0, "b": 0.0, "c": 0.0}, {"a": 1.0, "b": 1.0, "c": 1.0}
         rd.append([ExampleRecord(baseline=b, id=i, metrics={"es": v[i]})

@@ -43,6 +43,7 @@ def decay(
     layer: Annotated[int | None, typer.Option(help="Layer of the single-head panel (default: steepest).")] = None,
     head: Annotated[int | None, typer.Option(help="Head of the single-head panel (default: steepest).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the fresh self-chat.")] = 0,
+    batch_size: Annotated[int, typer.Option(help="Dialogs replayed together in one forward pass.")] = 4,
 ) -> None:
     """Trace pi(t), the attention mass on the system prompt, per layer and head, across a dialog.
 
@@ -59,7 +60,7 @@ def decay(
     console = Console(stderr=True)
     # Cheap checks first: nothing is loaded, traced or written with a bad option.
     config = build(DecayConfig, backend=backend, compare=compare or [], from_run=str(from_run) if from_run else None,
-                   pairs=pairs, rounds=rounds, max_new_tokens=max_new_tokens, seed=seed)
+                   pairs=pairs, rounds=rounds, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size)
     if (layer is None) != (head is None):
         raise DriftlabError("Give both --layer and --head, or neither.")
     if layer is not None:
