@@ -63,14 +63,13 @@ def worker(variant: str, target: int, new: int, repeats: int) -> dict:
     from driftlab.attention import ATTENTION_NAME
     from driftlab.chat import ChatRequest, Sampling
     from driftlab.chat.hf import HFChatBackend
-    from driftlab.steering import Interventions
+    from driftlab.steering import Interventions, Pasta
 
     impl = "eager" if variant == "pastalib" else ATTENTION_NAME
     backend = HFChatBackend("smollm2-135m", dtype="float32", device="cpu", prefix_cache_bytes=0,
                             attn_implementation=None if impl == ATTENTION_NAME else impl)
     conv = _prompt(backend.tokenizer, target)
-    heads = "+".join(f"{layer}.{h}" for layer, hs in HEADS.items() for h in hs)
-    steer = Interventions.parse([f"pasta:heads={heads},alpha={ALPHA}"])
+    steer = Interventions.of(Pasta(heads=tuple((int(layer), h) for layer, hs in HEADS.items() for h in hs), alpha=ALPHA))
     rendered = backend.render(conv, interventions=steer)
     sampling = Sampling(greedy=True, max_new_tokens=new, ignore_eos=True)
 

@@ -26,6 +26,7 @@ from common import Result
 from driftlab.chat import Sampling
 from driftlab.chat.hf import HFChatBackend
 from driftlab.protocol.dialog import RECORDS
+from driftlab.protocol.runner import run_protocol
 from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
 
 VARIANTS = [  # name, batch size, prefix cache
@@ -42,7 +43,7 @@ def _once(backend: HFChatBackend, cfg: SelfChatConfig, cache: bool, cache_bytes:
     backend.prefix_cache.max_bytes = cache_bytes if cache else 0
     with tempfile.TemporaryDirectory() as out:
         t = time.perf_counter()
-        rundir = SelfChat(cfg, out, backend, progress=False).run()
+        rundir = run_protocol(SelfChat(cfg, backend), out, progress=False)
         seconds = time.perf_counter() - t
         records = rundir.records(RECORDS)
     return seconds, len(records), sum(r.n_tokens for r in records)

@@ -22,7 +22,7 @@ pasta_module = pytest.importorskip(
 from driftlab.attention import ATTENTION_NAME, register  # noqa: E402
 from driftlab.chat import ChatRequest, Sampling  # noqa: E402
 from driftlab.chat.hf import HFChatBackend  # noqa: E402
-from driftlab.steering import Interventions  # noqa: E402
+from driftlab.steering import Interventions, Pasta  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -44,8 +44,7 @@ def eager() -> HFChatBackend:
 
 
 def _steer() -> Interventions:
-    heads = "+".join(f"{layer}.{h}" for layer, hs in HEADS.items() for h in hs)
-    return Interventions.parse([f"pasta:heads={heads},alpha={ALPHA}"])
+    return Interventions.of(Pasta(heads=tuple((layer, h) for layer, hs in HEADS.items() for h in hs), alpha=ALPHA))
 
 
 def _pastalib(backend: HFChatBackend, texts: list[str], n_new: int):
@@ -75,7 +74,7 @@ def test_logits_and_greedy_text_match_pastalib(eager: HFChatBackend) -> None:
 
     eager.model.set_attn_implementation(ATTENTION_NAME)
     try:
-        state = eager._state(iv.attention(), [r.spans() for r in rendered], pads, T, T)
+        state = eager._state([iv.attention()] * len(rendered), [r.spans() for r in rendered], pads, T, T)
         with torch.inference_mode():
             got = eager.model(**inputs, **state.forward_kwargs(T)).logits.float()
             plain = eager.model(**inputs).logits.float()
