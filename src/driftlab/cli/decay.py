@@ -10,11 +10,6 @@ import typer
 from driftlab.chat.spec import BackendSpec
 from driftlab.cli.options import backend_options, build
 
-CAVEAT = (
-    "Caveat: the models are different families, so the contrast mixes instruction tuning with "
-    "architecture and training data."
-)
-
 
 def _shape(model: str) -> tuple[int, int]:
     """(layers, heads) of a model from its config.json, without loading weights."""
@@ -53,9 +48,9 @@ def decay(
     from rich.table import Table
 
     from driftlab.errors import DriftlabError
-    from driftlab.protocol.decay import Decay, DecayConfig, traces
+    from driftlab.protocol.decay import Decay, DecayConfig
     from driftlab.protocol.runner import run_protocol
-    from driftlab.report.decay_figures import compare_figure, drop_heatmap, figure4, round_profile
+    from driftlab.report.decay_figures import write_decay_figures
 
     console = Console(stderr=True)
     # Cheap checks first: nothing is loaded, traced or written with a bad option.
@@ -74,28 +69,19 @@ def decay(
         _shape(other)  # a compare model that is not there fails before anything runs
 
     rundir = run_protocol(Decay(config), out)
-    found = traces(rundir.path)
-    trace = found[backend.model]
-    if layer is None:
-        layer, head = trace.steepest_head()
-    files = [figure4(trace, layer, head, rundir.path / "decay_fig4.png"),
-             round_profile(trace, layer, head, rundir.path / "decay_rounds.png"),
-             drop_heatmap(trace, rundir.path / "decay_heatmap.png")]
-    notes = [n for n in (t.sliding_note() for t in found.values()) if n]
-    if len(found) > 1:
-        files.append(compare_figure(found, rundir.path / "decay_compare.png", " ".join([CAVEAT, *notes])))
+    drawn = write_decay_figures(rundir.path, layer, head)
 
     table = Table(title="mean pi (attention on the system prompt) per round")
     table.add_column("model")
-    means = {name: t.round_means() for name, t in found.items()}
+    means = {name: t.round_means() for name, t in drawn.traces.items()}
     n_rounds = max(m.shape[0] for m in means.values())
     for r in range(1, n_rounds + 1):
         table.add_column(f"round {r}", justify="right")
     for name, m in means.items():
         table.add_row(name, *[f"{m[i].mean():.3f}" for i in range(m.shape[0])])
     console.print(table)
-    console.print(f"single-head panel: layer {layer}, head {head}")
-    for note in notes:
+    console.print(f"single-head panel: layer {drawn.layer}, head {drawn.head}")
+    for note in drawn.notes:
         console.print(f"[yellow]note:[/] {note}")
-    for f in files:
+    for f in drawn.files:
         typer.echo(str(f))

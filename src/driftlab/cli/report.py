@@ -77,6 +77,27 @@ def print_summary(run_dir: str | Path, console: Console | None = None) -> RunSum
     return summary
 
 
+def _figures_of(protocol: str):
+    """The function that redraws a non-self-chat run's figures (returning their paths), or None."""
+    if protocol.startswith("pasta-"):
+        from driftlab.report.pasta import write_pasta_figures
+
+        return lambda run_dir: [write_pasta_figures(run_dir)]
+    if protocol == "calibrate":
+        from driftlab.report.calibration import write_calibration_figure
+
+        return lambda run_dir: [write_calibration_figure(run_dir)]
+    if protocol == "sweep":
+        from driftlab.report.sweep import write_sweep_report
+
+        return lambda run_dir: [write_sweep_report(run_dir)]
+    if protocol == "decay":
+        from driftlab.report.decay_figures import write_decay_figures
+
+        return lambda run_dir: write_decay_figures(run_dir).files
+    return None
+
+
 def report(
     run_dir: Annotated[
         Path, typer.Argument(help="A run directory (the --out of `driftlab run`).", metavar="RUN_DIR")
@@ -98,17 +119,27 @@ def report(
         ),
     ] = None,
 ) -> None:
-    """Write RUN_DIR/report.html (figures, tables, transcripts) and summary.csv; print the drift table."""
+    """Write RUN_DIR/report.html (figures, tables, transcripts) and summary.csv; print the drift table.
+
+    For a run of another protocol (sweep, calibrate, decay, pasta profile|tune|eval) it redraws
+    that run's figures from its records.
+    """
     from rich.console import Console
     from rich.markup import escape
 
     from driftlab.errors import DriftlabError
+    from driftlab.records.rundir import RunDir
     from driftlab.report.html import SUMMARY_CSV, write_report
 
     if not run_dir.is_dir():
         raise DriftlabError(
             f"{run_dir} is not a directory.", hint="Give the --out directory of a `driftlab run`."
         )
+    figures = _figures_of(RunDir(run_dir).read_manifest().get("protocol", "selfchat"))
+    if figures is not None:
+        for path in figures(run_dir):
+            typer.echo(str(path))
+        return
     console = Console()
     summary = print_summary(run_dir, console)
     path = write_report(run_dir, errors=ErrorDisplay(errors).value, summary=summary, max_pairs=transcripts)

@@ -40,9 +40,7 @@ def serve(
     from driftlab.chat import make_backend
     from driftlab.errors import DriftlabError
     from driftlab.serve import ServeSettings, create_app
-    from driftlab.steering import Interventions
 
-    specs = Interventions.parse(steer).specs()  # checked before the model loads
     if backend.remote:
         raise DriftlabError("driftlab serve runs a local model; an openai: model is already served.",
                             hint="Give a preset (see `driftlab models list`) or a local HF model directory.")
@@ -52,14 +50,14 @@ def serve(
         if not api_key:
             raise DriftlabError(f"--api-key-env {api_key_env}: the variable is not set or empty.",
                                 hint=f"export {api_key_env}=<a long random key> before starting the server.")
-    settings = build(ServeSettings, served_model_name=served_model_name, steer=specs, api_key=api_key,
+    settings = build(ServeSettings, served_model_name=served_model_name, steer=steer or [], api_key=api_key,
                      max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_tokens_limit=max_tokens_limit,
                      max_messages=max_messages, max_body_bytes=max_body_bytes, host=host, port=port,
                      graceful_timeout=graceful_timeout)
     _check_free(settings.host, settings.port)  # before the (slow) model load
     app = create_app(make_backend(backend), settings)
     typer.echo(f"serving {settings.served_model_name or backend.model} at http://{host}:{port}/v1"
-               f"{' with --steer ' + ' '.join(specs) if specs else ''}", err=True)
+               f"{' with --steer ' + ' '.join(settings.steer.specs()) if settings.steer else ''}", err=True)
     uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                                   timeout_graceful_shutdown=settings.graceful_timeout)).run()
 

@@ -1,9 +1,9 @@
-"""PASTA (seed 002): user-emphasised spans, attention steering on profiled heads, its tasks.
+"""PASTA (seed 002): its four tasks and the protocols that run them.
 
-* `emphasis` — `*marked*` spans and explicit character spans, mapped to tokens;
-* `heads` — head sets: pastalib's JSON format, profiles (rankings) and their selection;
 * `datasets`, `metrics`, `tasks` — the paper's four tasks, bundled data and loaders;
-* `profile`, `evaluate` — `driftlab pasta profile` and `driftlab pasta eval`.
+* `evaluate`, `profile`, `tune` — `driftlab pasta eval | profile | tune`, protocols on the
+  shared runner (`driftlab.protocol.runner`), their figures in `driftlab.report.pasta`.
 
-Steering itself is the `pasta` intervention (`--steer pasta:...`) on the attention engine.
+Steering itself is the `pasta` intervention (`--steer pasta:...`) on the attention engine;
+emphasis markup and head sets live beside it, in `driftlab.steering.emphasis` and `.heads`.
 """

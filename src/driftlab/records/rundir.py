@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from driftlab.errors import DriftlabError
 
@@ -228,7 +228,7 @@ class RunDir:
         self._require_writer()
         if not records:
             return
-        rows = [r.model_dump(mode="json") if hasattr(r, "model_dump") else r for r in records]
+        rows = [r.model_dump(mode="json") if isinstance(r, BaseModel) else r for r in records]
         data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
         with self.records_path.open("a", encoding="utf-8") as fh:
             fh.write(data)

@@ -7,13 +7,14 @@ as in the paper's Figure 8, so a later round reads as a deeper colour.
 from __future__ import annotations
 
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
-from driftlab.protocol.decay import DecayTrace
+from driftlab.protocol.decay import DecayTrace, traces
 
 DPI = 130
 
@@ -127,3 +128,37 @@ def compare_figure(traces: dict[str, DecayTrace], path: str | Path, caveat: str 
     if caveat:
         fig.supxlabel(textwrap.fill(caveat, width=int(fig.get_figwidth() * 15)), fontsize=8, color="0.3")
     return _save(fig, path)
+
+
+CAVEAT = (
+    "Caveat: the models are different families, so the contrast mixes instruction tuning with "
+    "architecture and training data."
+)
+
+
+@dataclass
+class DecayFigures:
+    """What `write_decay_figures` drew, and from what."""
+
+    traces: dict[str, DecayTrace]  # model -> its trace, the run's model first
+    layer: int  # the single-head panel's layer and head
+    head: int
+    notes: list[str]  # sliding-window caveats
+    files: list[Path]
+
+
+def write_decay_figures(run_dir: str | Path, layer: int | None = None, head: int | None = None) -> DecayFigures:
+    """Figure 4, the per-round profile and the drop heatmap of a decay run's model (one head: the
+    given one, else the steepest), and Figure 8 when it traced `compare` models too."""
+    run_dir = Path(run_dir)
+    found = traces(run_dir)
+    trace = next(iter(found.values()))
+    if layer is None or head is None:
+        layer, head = trace.steepest_head()
+    files = [figure4(trace, layer, head, run_dir / "decay_fig4.png"),
+             round_profile(trace, layer, head, run_dir / "decay_rounds.png"),
+             drop_heatmap(trace, run_dir / "decay_heatmap.png")]
+    notes = [n for n in (t.sliding_note() for t in found.values()) if n]
+    if len(found) > 1:
+        files.append(compare_figure(found, run_dir / "decay_compare.png", " ".join([CAVEAT, *notes])))
+    return DecayFigures(found, layer, head, notes, files)

@@ -32,7 +32,7 @@ from driftlab.chat.base import ChatBackend, Reply, Sampling, token_backend, vali
 from driftlab.errors import DriftlabError
 from driftlab.serve.batcher import Batcher, Job, ServerClosing
 from driftlab.serve.schema import ChatCompletionRequest
-from driftlab.steering.interventions import Interventions
+from driftlab.steering.interventions import Interventions, Steer
 
 
 class ServeSettings(BaseModel):
@@ -41,7 +41,7 @@ class ServeSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     served_model_name: str | None = Field(None, min_length=1)
-    steer: list[str] = Field(default_factory=list)
+    steer: Steer = Field(default_factory=Interventions, description="the default interventions of every request")
     api_key: str | None = Field(None, repr=False)
     max_batch_size: int = Field(32, ge=1, le=4096)
     max_wait_ms: float = Field(10.0, ge=0, le=10_000, allow_inf_nan=False)
@@ -99,7 +99,7 @@ class TextStream:
 def create_app(model: ChatBackend, settings: ServeSettings = ServeSettings()):
     """The ASGI app serving a local backend (streaming and log-probs need its tokens)."""
     backend = token_backend(model, "driftlab serve")
-    default_steer = Interventions.parse(settings.steer)
+    default_steer = settings.steer
     backend.capabilities.require(backend.name, default_steer)
     served = settings.served_model_name or backend.name
     batcher = Batcher(backend, max_batch_size=settings.max_batch_size, max_wait_s=settings.max_wait_ms / 1000)
