@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import Any, ClassVar
 
 from rich.console import Console
 
@@ -18,7 +19,12 @@ def err_console() -> Console:
 
 class WorkProgress:
     """A rich progress bar over units of work (generations, questions) on stderr; plain log
-    lines, one per update, when stderr is not a terminal (e.g. a log file or CI)."""
+    lines, one per update, when stderr is not a terminal (e.g. a log file or CI).
+
+    Bars nest: a run that runs another inside it (a decay trace's fresh self-chat) shows the
+    inner bar as a second line of the same live display (a terminal holds one at a time)."""
+
+    _live: ClassVar[Any] = None  # the Progress on screen, owned by the outermost bar
 
     def __init__(self, label: str, total: int, enabled: bool = True, unit: str = "generations") -> None:
         self.label, self.total, self.enabled, self.unit, self.done = label, total, enabled, unit, 0
@@ -29,9 +35,14 @@ class WorkProgress:
 
             self._console = err_console()
             self._start = time.monotonic()
-            self._p = Progress(TextColumn(self.label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                               console=self._console, disable=not self._console.is_terminal)
-            self._p.__enter__()
+            self._owner = WorkProgress._live is None
+            if self._owner:
+                self._p = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+                                   TimeRemainingColumn(), console=self._console, disable=not self._console.is_terminal)
+                self._p.__enter__()
+                WorkProgress._live = self._p
+            else:
+                self._p = WorkProgress._live
             self._task = self._p.add_task(self.label, total=self.total)
         return self
 
@@ -48,5 +59,10 @@ class WorkProgress:
                                 highlight=False, markup=False)
 
     def __exit__(self, *exc) -> None:
-        if self.enabled:
+        if not self.enabled:
+            return
+        if self._owner:
+            WorkProgress._live = None
             self._p.__exit__(*exc)
+        else:
+            self._p.remove_task(self._task)
