@@ -60,6 +60,18 @@ class Case:
     prepare: Callable[[Path], None]  # write the data it plans from
     change: Callable[[Path], None]  # change that data after the kill
     kill_after: int  # appends (to any run directory) before SIGKILL
+    finished: Callable[[Path, str], None] = lambda out, stdout: None  # what else the resumed command leaves
+
+
+def _reported(out: Path, stdout: str) -> None:
+    assert "report:" in stdout and (out / "report.html").stat().st_size > 10_000
+
+
+def _swept(out: Path, stdout: str) -> None:
+    import pandas as pd
+
+    assert list(pd.read_csv(out / "sweep.csv").spec) == ["plain", "split-softmax:k=0.5,heads=all"]
+    assert json.loads((out / "manifest.json").read_text())["points"] == ["", "split-softmax:k=0.5,heads=all"]
 
 
 def _mmlu_data(d: Path) -> None:
@@ -127,9 +139,9 @@ def _source_run_change(d: Path) -> None:
 
 CASES = {
     "selfchat": Case(lambda d: ["run", "--pair", "say-hi:very-happy", "--pairs", "1", "--rounds", "2",
-                                "--max-new-tokens", "8", "--batch-size", "1", "--persona-file",
-                                str(d / "personas.jsonl"), "--no-report"],
-                     _personas, lambda d: _personas(d, "Always start your reply with Ho."), 3),
+                                "--max-new-tokens", "8", "--batch-size", "1", "--user-probe", "--persona-file",
+                                str(d / "personas.jsonl")],
+                     _personas, lambda d: _personas(d, "Always start your reply with Ho."), 3, _reported),
     "mmlu": Case(lambda d: ["mmlu", "--n", "4", "--turn", "2", "--history-tokens", "6", "--batch-size", "1",
                             "--steer", "instaboost:m=3", "--data", str(d / "mmlu.jsonl")],
                  _mmlu_data, _mmlu_change, 3),
@@ -140,7 +152,7 @@ CASES = {
     "sweep": Case(lambda d: ["sweep", "--point", "split-softmax:k=0.5", "--pairs", "1", "--rounds", "1",
                              "--max-new-tokens", "6", "--mmlu-n", "3", "--mmlu-turn", "0", "--batch-size", "1",
                              "--data", str(d / "mmlu.jsonl")],
-                  _mmlu_data, _mmlu_change, 4),
+                  _mmlu_data, _mmlu_change, 4, _swept),
     "pasta-eval": Case(lambda d: ["pasta", "eval", "--task", "json", "--n", "2", "--max-new-tokens", "6",
                                   "--baseline", "zero-shot", "--baseline", "pasta", "--heads", "0-3",
                                   "--batch-size", "1", "--data", str(d / "bios.jsonl")],
@@ -191,6 +203,7 @@ def test_killed_run_resumes_from_its_recorded_plan(name, tmp_path, smol_dir) -> 
     done = subprocess.run([sys.executable, "-m", "driftlab", *case.args(data), *F32, "--out", str(resumed)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+    case.finished(resumed, done.stdout)
 
     assert _all_records(resumed) == _all_records(reference)  # finished from the recorded plan
     for path, before in kept.items():  # nothing written before the kill was rewritten or redone
