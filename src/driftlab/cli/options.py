@@ -17,6 +17,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from pydantic import BaseModel, ValidationError
 
+from driftlab.assets.registry import DEFAULT_MODEL
 from driftlab.errors import DriftlabError
 
 M = TypeVar("M", bound=BaseModel)
@@ -60,7 +61,7 @@ ActorsOpt = Annotated[int | None, typer.Option(help="Ray actors (default: one pe
 
 
 # name -> (annotation, default) of each option that chooses a backend, by group
-_LOCAL = {"model": (ModelOpt, "smollm2-135m"), "dtype": (DtypeOpt, "auto"), "device": (DeviceOpt, "auto")}
+_LOCAL = {"model": (ModelOpt, DEFAULT_MODEL), "dtype": (DtypeOpt, "auto"), "device": (DeviceOpt, "auto")}
 _SPAN = {"span": (SpanOpt, "content")}
 _REMOTE = {"base_url": (BaseUrlOpt, None), "api_key_env": (ApiKeyEnvOpt, "OPENAI_API_KEY"),
            "concurrency": (ConcurrencyOpt, 8)}
@@ -78,7 +79,7 @@ def backend_options(*, span: bool = True, remote: bool = False, ray: bool = Fals
     """
     options = {**_LOCAL, **(_SPAN if span else {}), **(_REMOTE if remote else {}), **(_RAY if ray else {})}
     if remote:
-        options["model"] = (RemoteModelOpt, "smollm2-135m")
+        options["model"] = (RemoteModelOpt, DEFAULT_MODEL)
 
     def decorate(command: F) -> F:
         signature = inspect.signature(command, eval_str=True)  # Typer reads the annotations themselves

@@ -32,6 +32,7 @@ from pydantic import AfterValidator, TypeAdapter
 from driftlab.errors import DriftlabError
 from driftlab.pasta import metrics
 from driftlab.pasta.datasets import OCCUPATIONS, Bio, Fact, load_bios, load_facts, occupation_label
+from driftlab.steering.interventions import did_you_mean
 
 BASELINES = ("zero-shot", "marked", "quoted", "few-shot", "pasta")
 N_SHOTS = 3
@@ -219,7 +220,7 @@ TASKS: dict[str, Task] = {
 
 def _known_task(name: str) -> str:
     if name not in TASKS:
-        raise ValueError(f"unknown task '{name}'; known: {', '.join(TASKS)}")
+        raise ValueError(f"unknown task '{name}'{did_you_mean(name, TASKS)}; known: {', '.join(TASKS)}")
     return name
 
 

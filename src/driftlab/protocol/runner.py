@@ -99,7 +99,8 @@ class Protocol(ABC, Generic[C]):
     def check(self) -> None:
         """Cheap checks of what a new run's plan is drawn from (data present, ids known), before
         anything is locked, created or loaded, so a bad option leaves nothing behind. Not
-        called on a resume: that continues the recorded plan, whatever became of the data."""
+        called on a resume, nor for a run given its plan: those continue a recorded plan,
+        whatever became of the data."""
 
     # -- after the lock ----------------------------------------------------------------------
     def connect(self, run_dir: Path) -> None:
@@ -155,7 +156,7 @@ def run_protocol(protocol: Protocol, out: str | Path | RunDir, *, plan: dict[str
     """
     rundir = out if isinstance(out, RunDir) else RunDir(out)
     protocol.progress, protocol.run_dir = progress, rundir.path
-    if not rundir.exists():
+    if plan is None and not rundir.exists():  # a plan to draw here, from data that must be there
         protocol.check()
     with rundir.writing():
         protocol.connect(rundir.path)
