@@ -6,6 +6,7 @@ Plain data, no backend code: protocol configs nest a `BackendSpec`, and `make_ba
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
@@ -15,6 +16,7 @@ from driftlab.assets.registry import DEFAULT_MODEL
 SpanMode = Literal["prefix", "content"]
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 REMOTE_PREFIX = "openai:"
+_DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
 def _model_name(v: str) -> str:
@@ -71,8 +73,11 @@ class BackendSpec(BaseModel):
     @field_validator("device")
     @classmethod
     def _usable_device(cls, v: str) -> str:
-        # Checked when the spec is made, before any model is looked up, pulled or loaded.
-        from driftlab.chat.loading import pick_device
+        # A name driftlab can run on passes here without importing torch (every command builds a
+        # spec before its cheap checks); whether this machine has that device is checked when the
+        # model loads, before it is looked up or pulled. Any other name gets torch's verdict now.
+        if not _DEVICE.fullmatch(v.strip().lower()):
+            from driftlab.chat.loading import pick_device
 
-        pick_device(v)
+            pick_device(v)
         return v

@@ -43,13 +43,13 @@ def calibrate(
     from driftlab.protocol.calibrate import Calibration, CalibrationConfig, summary
     from driftlab.protocol.mmlu import MMLUConfig
     from driftlab.protocol.runner import run_protocol
-    from driftlab.report.calibration import write_calibration_figure
 
     mmlu = build(MMLUConfig, backend=backend, n=n, turn=turn, history_tokens=history_tokens, seed=seed,
                  data=str(data) if data else None)
     config = build(CalibrationConfig, {"max_drop": "--max-mmlu-drop"}, method=method, max_drop=max_mmlu_drop,
                    steps=steps, mmlu=mmlu)
     rundir = run_protocol(Calibration(config), out)
+    from driftlab.report.calibration import write_calibration_figure  # matplotlib: only once the run is done
     write_calibration_figure(rundir.path)
     found = summary(rundir.path)
     console = Console(stderr=True)

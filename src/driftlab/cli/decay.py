@@ -50,7 +50,6 @@ def decay(
     from driftlab.errors import DriftlabError
     from driftlab.protocol.decay import Decay, DecayConfig
     from driftlab.protocol.runner import run_protocol
-    from driftlab.report.decay_figures import write_decay_figures
 
     console = Console(stderr=True)
     # Cheap checks first: nothing is loaded, traced or written with a bad option.
@@ -69,6 +68,7 @@ def decay(
         _shape(other)  # a compare model that is not there fails before anything runs
 
     rundir = run_protocol(Decay(config), out)
+    from driftlab.report.decay_figures import write_decay_figures  # matplotlib: only once the run is done
     drawn = write_decay_figures(rundir.path, layer, head)
 
     table = Table(title="mean pi (attention on the system prompt) per round")

@@ -49,12 +49,12 @@ def profile(
 
     from driftlab.pasta.profile import HeadProfiler, ProfileConfig, build_profile
     from driftlab.protocol.runner import run_protocol
-    from driftlab.report.pasta import write_pasta_figures
 
     config = build(ProfileConfig, backend=backend, task=task, n=n, alpha=alpha, layers=layers, score=score,
                    prompt=prompt, max_new_tokens=max_new_tokens, data=str(data) if data else None,
                    batch_size=batch_size)
     rundir = run_protocol(HeadProfiler(config), out)
+    from driftlab.report.pasta import write_pasta_figures  # matplotlib: only once the run is done
     figure = write_pasta_figures(rundir.path)
     result = build_profile(rundir.path)
     console = Console()
@@ -113,7 +113,6 @@ def evaluate(
     from driftlab.pasta.evaluate import PastaEval, PastaEvalConfig, paired_gains, summarize
     from driftlab.pasta.tasks import BASELINES
     from driftlab.protocol.runner import run_protocol
-    from driftlab.report.pasta import write_pasta_figures
     from driftlab.steering import Pasta
 
     steer = []
@@ -126,6 +125,7 @@ def evaluate(
                    max_new_tokens=max_new_tokens, generate_tokens=generate_tokens,
                    data=str(data) if data else None, batch_size=batch_size)
     rundir = run_protocol(PastaEval(config), out)
+    from driftlab.report.pasta import write_pasta_figures  # matplotlib: only once the run is done
     figure = write_pasta_figures(rundir.path)
     summary = summarize(rundir.path)
     names = list(next(iter(summary.values())))
@@ -179,7 +179,6 @@ def tune(
 
     from driftlab.pasta.tune import HeadTuner, TuneConfig, summarize
     from driftlab.protocol.runner import run_protocol
-    from driftlab.report.pasta import write_pasta_figures
 
     values = {"backend": backend, "task": task, "profiles": [str(p) for p in profiles], "select": how, "n": n,
               "alpha": alpha, "prompt": prompt, "max_new_tokens": max_new_tokens,
@@ -188,6 +187,7 @@ def tune(
         values["topk"] = topk
     config = build(TuneConfig, {"select": "--select"}, **values)
     rundir = run_protocol(HeadTuner(config), out)
+    from driftlab.report.pasta import write_pasta_figures  # matplotlib: only once the run is done
     figure = write_pasta_figures(rundir.path)
     result = summarize(rundir.path)
     metric = result["metric"]

@@ -45,7 +45,6 @@ def sweep(
     from driftlab.errors import DriftlabError
     from driftlab.protocol.runner import run_protocol
     from driftlab.protocol.sweep import GRID, Sweep, SweepConfig, paper_pairs
-    from driftlab.report.sweep import write_sweep_report
     from driftlab.steering import Interventions
 
     if point:
@@ -66,6 +65,7 @@ def sweep(
                    starters=starters, sampling=sampling, seed=seed, mmlu_n=mmlu_n, mmlu_turn=mmlu_turn,
                    data=str(data) if data else None, batch_size=batch_size)
     run_protocol(Sweep(config), out)
+    from driftlab.report.sweep import write_sweep_report  # matplotlib: only once the run is done
     page = write_sweep_report(out, match_drop)
     table = pd.read_csv(Path(out) / "sweep.csv")
     Console(stderr=True).print(table[["spec", "stability", "mmlu_accuracy", "mmlu_drop"]].to_string(index=False),
