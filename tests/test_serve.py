@@ -227,3 +227,32 @@ def test_sigterm_lets_the_in_flight_request_finish_then_exits(smol_dir, tmp_path
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_request_never_makes_the_server_open_a_file(server_backend, tmp_path, smol32):
+    """pasta:heads= in a request names a registered head set or lists heads; a path is refused
+    without opening it, so nothing of a file (its content, whether it exists) reaches the client."""
+    from driftlab.steering.heads import save_heads
+
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"api_token": "s3cr3t-value-xyz"}))
+    heads = save_heads([(0, 1), (3, 2)], tmp_path / "heads.json")
+    settings = ServeSettings(heads={"json-heads": str(heads)}, max_tokens_limit=16)
+    with serving(create_app(server_backend, settings)) as url:
+        conv = [{"role": "user", "content": "*Answer in JSON.* Who is Mary?"}]
+        req = {"model": MODEL, "messages": conv, "max_tokens": 8, "temperature": 0}
+        for path in (str(secret), "/etc/passwd", str(tmp_path / "missing.json"), "../heads.json"):
+            r = post(f"{url}/v1/chat/completions", json={**req, "driftlab": {"steer": f"pasta:heads={path}"}})
+            assert r.status_code == 422, r.text
+            err = r.json()["error"]
+            assert err["param"] == "driftlab.steer" and "cannot name a file" in err["message"]
+            assert "s3cr3t" not in r.text and "api_token" not in r.text and "exist" not in r.text
+        named = post(f"{url}/v1/chat/completions", json={**req, "driftlab": {"steer": "pasta:heads=json-heads"}})
+        inline = post(f"{url}/v1/chat/completions", json={**req, "driftlab": {"steer": "pasta:heads=0.1+3.2"}})
+        assert named.status_code == inline.status_code == 200, named.text
+        assert named.json()["driftlab"]["steer"] == inline.json()["driftlab"]["steer"]  # the heads themselves
+        assert named.json()["choices"][0]["message"] == inline.json()["choices"][0]["message"]
+        listed = get(f"{url}/v1/models").json()["data"][0]["driftlab"]
+        assert listed["heads"] == ["json-heads"]
+    with pytest.raises(ValueError, match="starts with a letter"):
+        ServeSettings(heads={"3.1": str(heads)})  # would shadow a head selection

@@ -26,6 +26,9 @@ def serve(
     max_tokens_limit: Annotated[int, typer.Option(help="Largest max_tokens a request may ask for.")] = 4096,
     max_messages: Annotated[int, typer.Option(help="Most messages in one request.")] = 512,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body accepted.")] = 4 << 20,
+    heads: Annotated[list[str] | None, typer.Option(
+        "--heads", help="A PASTA head set requests may name, NAME=PATH (a head config or a profile), repeatable: "
+                        "a request's pasta:heads=NAME[,topk=K] uses it; requests can never name a file.")] = None,
     graceful_timeout: Annotated[float, typer.Option(
         help="On SIGINT/SIGTERM, seconds to let in-flight requests finish before cancelling them.")] = 30.0,
 ) -> None:
@@ -40,6 +43,8 @@ def serve(
     from driftlab.chat import make_backend
     from driftlab.errors import DriftlabError
     from driftlab.serve import ServeSettings, create_app
+    from driftlab.steering import Interventions
+    from driftlab.steering.heads import HeadSources
 
     if backend.remote:
         raise DriftlabError("driftlab serve runs a local model; an openai: model is already served.",
@@ -50,10 +55,19 @@ def serve(
         if not api_key:
             raise DriftlabError(f"--api-key-env {api_key_env}: the variable is not set or empty.",
                                 hint=f"export {api_key_env}=<a long random key> before starting the server.")
-    settings = build(ServeSettings, served_model_name=served_model_name, steer=steer or [], api_key=api_key,
+    registered = {}
+    for entry in heads or []:
+        name, sep, path = entry.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise DriftlabError(f"--heads {entry!r} is not NAME=PATH.", hint="E.g. --heads json=runs/tune-json/heads.json")
+        registered[name.strip()] = path.strip()
+    settings = build(ServeSettings, served_model_name=served_model_name, heads=registered, api_key=api_key,
                      max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_tokens_limit=max_tokens_limit,
                      max_messages=max_messages, max_body_bytes=max_body_bytes, host=host, port=port,
                      graceful_timeout=graceful_timeout)
+    # The operator's own --steer may name a registered head set, or a file.
+    named = HeadSources(named=settings.head_sources().named)
+    settings = settings.model_copy(update={"steer": Interventions.parse(steer, named)})
     _check_free(settings.host, settings.port)  # before the (slow) model load
     app = create_app(make_backend(backend), settings)
     typer.echo(f"serving {settings.served_model_name or backend.model} at http://{host}:{port}/v1"

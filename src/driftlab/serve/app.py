@@ -3,8 +3,10 @@
 FastAPI + uvicorn, `/v1/chat/completions` (plain and SSE streaming through sse-starlette),
 `/v1/models` and `/health`. The server applies a default intervention (`--steer`) to every
 request; a request may replace it with the extension field
-`"driftlab": {"steer": "split-softmax:k=0.8"}` (or `[]` for none). Requests are batched by
-`serve.batcher.Batcher` into the backend's batched decode loop.
+`"driftlab": {"steer": "split-softmax:k=0.8"}` (or `[]` for none). A request never makes the
+server open a file: its `pasta:heads=` names a head set the operator registered at start
+(`--heads NAME=PATH`) or lists heads inline. Requests are batched by `serve.batcher.Batcher`
+into the backend's batched decode loop.
 
 Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a body
 that is not JSON, 401 without the right bearer token (when `--api-key-env` names one), 404
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import secrets
 import time
 import uuid
@@ -26,12 +29,13 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from driftlab.chat.base import ChatBackend, Reply, Sampling, token_backend, validate_conversation
 from driftlab.errors import DriftlabError
 from driftlab.serve.batcher import Batcher, Job, ServerClosing
 from driftlab.serve.schema import ChatCompletionRequest
+from driftlab.steering.heads import HeadSources, load_head_source
 from driftlab.steering.interventions import Interventions, Steer
 
 
@@ -42,6 +46,8 @@ class ServeSettings(BaseModel):
 
     served_model_name: str | None = Field(None, min_length=1)
     steer: Steer = Field(default_factory=Interventions, description="the default interventions of every request")
+    heads: dict[str, str] = Field(default_factory=dict, description=(
+        "head sets requests may name in pasta:heads=NAME: name -> head config or profile file, read at start"))
     api_key: str | None = Field(None, repr=False)
     max_batch_size: int = Field(32, ge=1, le=4096)
     max_wait_ms: float = Field(10.0, ge=0, le=10_000, allow_inf_nan=False)
@@ -49,6 +55,20 @@ class ServeSettings(BaseModel):
     default_max_tokens: int = Field(512, ge=1, le=32768)
     max_messages: int = Field(512, ge=1)
     max_body_bytes: int = Field(4 << 20, ge=1024)
+
+    @field_validator("heads")
+    @classmethod
+    def _head_set_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            if not re.fullmatch(r"[A-Za-z][\w-]*", name) or name.lower() == "all":
+                raise ValueError(f"head set name {name!r}: use a word that starts with a letter (not 'all'), "
+                                 "so it cannot be read as a head selection or a file")
+        return v
+
+    def head_sources(self) -> HeadSources:
+        """What requests' `pasta:heads=` may name: the registered head sets, never a file."""
+        return HeadSources(named={name: load_head_source(path) for name, path in self.heads.items()}, files=False)
+
     # where and how uvicorn listens (used by `driftlab serve`, not by the app itself)
     host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(8000, ge=1, le=65535)
@@ -100,6 +120,7 @@ def create_app(model: ChatBackend, settings: ServeSettings = ServeSettings()):
     """The ASGI app serving a local backend (streaming and log-probs need its tokens)."""
     backend = token_backend(model, "driftlab serve")
     default_steer = settings.steer
+    request_heads = settings.head_sources()  # read once, here: a request never opens a file
     backend.capabilities.require(backend.name, default_steer)
     served = settings.served_model_name or backend.name
     batcher = Batcher(backend, max_batch_size=settings.max_batch_size, max_wait_s=settings.max_wait_ms / 1000)
@@ -133,7 +154,8 @@ def create_app(model: ChatBackend, settings: ServeSettings = ServeSettings()):
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": served, "object": "model", "created": 0, "owned_by": "driftlab",
-                                            "driftlab": {"steer": default_steer.specs()}}]}
+                                            "driftlab": {"steer": default_steer.specs(),
+                                                         "heads": sorted(settings.heads)}}]}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request):
@@ -184,7 +206,7 @@ def create_app(model: ChatBackend, settings: ServeSettings = ServeSettings()):
         steer = default_steer
         if req.driftlab is not None and req.driftlab.specs() is not None:
             try:
-                steer = Interventions.parse(req.driftlab.specs())
+                steer = Interventions.parse(req.driftlab.specs(), request_heads)
                 backend.capabilities.require(backend.name, steer)
             except DriftlabError as err:
                 raise APIError(422, f"driftlab.steer: {err}", param="driftlab.steer") from None

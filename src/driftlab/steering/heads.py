@@ -11,7 +11,8 @@ task's own top-k ("task-specific", Sec. 5.3).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -40,20 +41,62 @@ class Profile(BaseModel):
         return [(layer, head) for layer, head, _ in self.scores[:k]]
 
 
-def load_heads(path: str | Path, topk: int | None = None) -> Heads:
-    """Heads from a file: a pastalib head config, or a driftlab profile's top `topk`."""
+@dataclass(frozen=True)
+class HeadSources:
+    """Where `pasta:heads=` may take its head sets from.
+
+    `named`: head sets registered under a name (a head config's heads, or a profile to take a
+    top-k from), e.g. by `driftlab serve --heads json=heads.json`. `files`: whether a spec may
+    name a file itself; False for specs that arrive in requests, which must never make a
+    server open a path it chose.
+    """
+
+    named: Mapping[str, Heads | Profile] = field(default_factory=dict)
+    files: bool = True
+
+    def resolve(self, value: str, topk: int | None) -> Heads | None:
+        """The heads `value` names (a registered name, or a file where files are allowed); None
+        when it names neither, so it is read as a head selection ('3.1+5.2')."""
+        name = value.strip()
+        if name in self.named:
+            return _heads_of(self.named[name], topk, f"head set '{name}'")
+        if not _looks_like_a_file(name):
+            return None
+        if not self.files:
+            known = ", ".join(sorted(self.named)) or "none registered"
+            raise DriftlabError(f"heads={name}: a request cannot name a file.",
+                                hint=f"Use a head set this server registered ({known}), or give heads inline, "
+                                     "e.g. heads=3.1+5.2.")
+        return load_heads(name, topk)
+
+
+def _looks_like_a_file(value: str) -> bool:
+    return value.lower().endswith(".json") or "/" in value or "\\" in value
+
+
+def load_head_source(path: str | Path) -> Heads | Profile:
+    """A file's head set as registered: a head config's heads, or a whole profile (top-k chosen later)."""
     data = _read_json(path)
     if isinstance(data, dict) and "driftlab_profile" in data:
-        profile = _profile(data, path)
-        if topk is None:
-            raise DriftlabError(
-                f"{path} is a head profile (a ranking of {len(profile.scores)} heads); say how many to steer.",
-                hint="Add topk=K, e.g. --steer pasta:heads=profile.json,topk=20.",
-            )
-        return tuple(profile.top(topk))
-    if topk is not None:
-        raise DriftlabError(f"topk is for head profiles, but {path} is a head config.", hint="Drop topk=.")
+        return _profile(data, path)
     return _from_pastalib(data, path)
+
+
+def _heads_of(source: Heads | Profile, topk: int | None, what: str) -> Heads:
+    """A registered head set's heads; `topk` picks them from a profile (and only from one)."""
+    if isinstance(source, Profile):
+        if topk is None:
+            raise DriftlabError(f"{what} is a head profile (a ranking of {len(source.scores)} heads); "
+                                "say how many to steer.", hint="Add topk=K, e.g. heads=NAME,topk=20.")
+        return tuple(source.top(topk))
+    if topk is not None:
+        raise DriftlabError(f"topk is for head profiles, but {what} is a head config.", hint="Drop topk=.")
+    return source
+
+
+def load_heads(path: str | Path, topk: int | None = None) -> Heads:
+    """Heads from a file: a pastalib head config, or a driftlab profile's top `topk`."""
+    return _heads_of(load_head_source(path), topk, str(path))
 
 
 def load_profile(path: str | Path) -> Profile:

@@ -33,6 +33,7 @@ from pydantic import (
     PlainSerializer,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -42,6 +43,7 @@ from driftlab.attention.config import AttentionConfig, BiasTerm, Heads, heads_sp
 from driftlab.errors import DriftlabError
 from driftlab.messages import Conversation
 from driftlab.steering.emphasis import DEFAULT_MARKER
+from driftlab.steering.heads import HeadSources
 
 Hook = Literal["conversation", "attention", "logits"]
 # Which keys a bias acts on: the system prompt, or the text a user marked (`*...*`).
@@ -139,8 +141,9 @@ class Pasta(_WithHeads):
     authors' pastalib does (its mask edit stops at the input length), so the tokens a reply
     generates are never scaled; `scope=all` scales generated keys too, Eq. 2 read literally.
     `heads` is a head selection (`3.1+5.2`), a pastalib head config file, or a profile file
-    with `topk=K` (from `driftlab pasta profile`); files are read once, and the manifest
-    records the heads themselves.
+    with `topk=K` (from `driftlab pasta profile`), or the name of a head set registered in the
+    parse's `HeadSources` (a server's `--heads NAME=PATH`); files are read once, and the
+    manifest records the heads themselves. Specs from requests may name no file.
     """
 
     kind: Literal["pasta"] = "pasta"
@@ -154,16 +157,18 @@ class Pasta(_WithHeads):
 
     @model_validator(mode="before")
     @classmethod
-    def _heads_from_file(cls, data):
+    def _heads_from_source(cls, data, info: ValidationInfo):
+        """heads=NAME or heads=FILE: the heads themselves, from where `HeadSources` allows."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
         topk = data.pop("topk", None)
         heads = data.get("heads")
-        if isinstance(heads, str) and heads.strip().lower().endswith(".json"):
-            from driftlab.steering.heads import load_heads
-
-            data["heads"] = load_heads(heads.strip(), _positive_int(topk, "topk") if topk is not None else None)
+        sources = (info.context or {}).get("heads") or HeadSources()
+        found = sources.resolve(heads, _positive_int(topk, "topk") if topk is not None else None) \
+            if isinstance(heads, str) else None
+        if found is not None:
+            data["heads"] = found
         elif topk is not None:
             raise ValueError("give heads=PROFILE.json with topk (topk picks heads from a profile file)")
         return data
@@ -286,9 +291,13 @@ class Interventions(BaseModel):
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
-    def parse(cls, specs: Sequence[str] | None) -> Interventions:
-        """Read `--steer` specs (`NAME[:key=value,...]`), each validated with a one-line error."""
-        return cls.of(*(_parse_one(s) for s in specs or []))
+    def parse(cls, specs: Sequence[str] | None, heads: HeadSources | None = None) -> Interventions:
+        """Read `--steer` specs (`NAME[:key=value,...]`), each validated with a one-line error.
+
+        `heads` says where `pasta:heads=` may take head sets from (default: files, as on the
+        command line); a server parses requests with files refused.
+        """
+        return cls.of(*(_parse_one(s, heads) for s in specs or []))
 
     @classmethod
     def of(cls, *items: BaseIntervention) -> Interventions:
@@ -365,7 +374,7 @@ class Interventions(BaseModel):
         return Interventions(items=tuple(i for i in self.items if i.kind not in kinds))
 
 
-def _parse_one(spec: str) -> BaseIntervention:
+def _parse_one(spec: str, heads: HeadSources | None = None) -> BaseIntervention:
     name, _, body = spec.strip().partition(":")
     name = name.strip().lower()
     if name not in KINDS:
@@ -385,7 +394,7 @@ def _parse_one(spec: str) -> BaseIntervention:
                                 f"--steer {spec!r}: 'kind' is not a setting.", hint=f"Write it as {form}.")
         fields[key] = value.strip()
     try:
-        return _ADAPTER.validate_python({"kind": name, **fields})
+        return _ADAPTER.validate_python({"kind": name, **fields}, context={"heads": heads})
     except ValidationError as err:
         raise DriftlabError(f"--steer {spec!r}: {_first_error(err, fields)}", hint=f"Write it as {form}.") from None
 
