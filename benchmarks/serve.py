@@ -6,6 +6,8 @@ the batcher's default (up to 32 requests per decode batch) and with `max_batch_s
 each client sends its requests one after another (greedy, distinct prompts, 32 new
 tokens); we report requests/s and p50/p95 latency. Both modes decode the same requests
 greedily to at most the same length; the note counts how many replies came out identical.
+A third mode repeats the batched one with every 5th client disconnecting early (tokens/s and
+latency count the requests that were answered).
 
 RESULT serve_batching_speedup: throughput at 32 clients, batched / one at a time (target >= 3).
 """
@@ -13,6 +15,7 @@ RESULT serve_batching_speedup: throughput at 32 clients, batched / one at a time
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 
@@ -30,26 +33,39 @@ def _prompt(i: int) -> str:
     return f"In two sentences, tell me something interesting about {TOPICS[i % len(TOPICS)]} (note {i})."
 
 
-async def _load(url: str, model: str, clients: int, per_client: int, tokens: int) -> tuple[float, list[float], list[str]]:
+async def _load(url: str, model: str, clients: int, per_client: int, tokens: int,
+                leave_every: int = 0) -> tuple[float, list[float], dict[int, str], int]:
+    """Each client sends its requests one after another. With `leave_every` k, every k-th
+    client gives up on each request after a moment (a client timeout: it disconnects), as
+    real clients do; its requests count neither in latency nor in tokens."""
     latencies: list[float] = []
     texts: dict[int, str] = {}
+    done_tokens = 0
 
     async def client(c: int, http: httpx.AsyncClient) -> None:
+        nonlocal done_tokens
+        leaves = leave_every and c % leave_every == leave_every - 1
         for r in range(per_client):
             i = c * per_client + r
             body = {"model": model, "messages": [{"role": "user", "content": _prompt(i)}], "max_tokens": tokens,
                     "temperature": 0}
             t = time.perf_counter()
+            if leaves:
+                with contextlib.suppress(httpx.TimeoutException):
+                    await http.post(f"{url}/v1/chat/completions", json=body, timeout=0.2)
+                continue
             resp = await http.post(f"{url}/v1/chat/completions", json=body)
             resp.raise_for_status()
             latencies.append(time.perf_counter() - t)
-            texts[i] = resp.json()["choices"][0]["message"]["content"]
+            out = resp.json()
+            texts[i] = out["choices"][0]["message"]["content"]
+            done_tokens += out["usage"]["completion_tokens"]
 
     async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=clients + 4)) as http:
         start = time.perf_counter()
         await asyncio.gather(*[client(c, http) for c in range(clients)])
         wall = time.perf_counter() - start
-    return wall, latencies, [texts[i] for i in sorted(texts)]
+    return wall, latencies, texts, done_tokens
 
 
 def run(quick: bool = False) -> Result:
@@ -57,27 +73,33 @@ def run(quick: bool = False) -> Result:
     loads = [(1, 2), (8, 1), (32, 1)] if quick else [(1, 4), (8, 2), (32, 1)]  # (clients, requests per client)
     backend = HFChatBackend("smollm2-135m", dtype="auto", prefix_cache_bytes=0)
     res = Result(f"driftlab serve on loopback: smollm2-135m ({backend.model.dtype}), greedy, {tokens} new tokens",
-                 ["mode", "clients", "requests", "req/s", "p50 latency s", "p95 latency s", "mean batch"])
+                 ["mode", "clients", "requests", "req/s", "tok/s", "p50 latency s", "p95 latency s", "mean batch"])
     throughput: dict[tuple[str, int], float] = {}
-    replies: dict[tuple[str, int], list[str]] = {}
-    for mode, batch in (("batched", 32), ("one at a time", 1)):
+    replies: dict[tuple[str, int], dict[int, str]] = {}
+    modes = (("batched", 32, 0), ("one at a time", 1, 0), ("batched, 20% leave early", 32, 5))
+    for mode, batch, leave_every in modes:
         app = create_app(backend, ServeSettings(max_batch_size=batch, max_wait_ms=10))
         with background(app) as url:
             asyncio.run(_load(url, backend.name, 2, 1, 4))  # warm-up
             for clients, per_client in loads:
-                before = len(app.state.batcher.batches)
-                wall, lat, texts = asyncio.run(_load(url, backend.name, clients, per_client, tokens))
-                sizes = app.state.batcher.batches[before:]
-                n = clients * per_client
+                if leave_every and clients < leave_every:
+                    continue
+                before = app.state.batcher.n_batches
+                wall, lat, texts, n_tokens = asyncio.run(
+                    _load(url, backend.name, clients, per_client, tokens, leave_every))
+                sizes = app.state.batcher.sizes_since(before)
+                n = len(lat)
                 throughput[(mode, clients)] = n / wall
                 replies[(mode, clients)] = texts
                 p95 = statistics.quantiles(lat, n=20)[-1] if len(lat) > 1 else lat[0]
-                res.rows.append([mode, clients, n, f"{n / wall:.2f}", f"{statistics.median(lat):.2f}", f"{p95:.2f}",
-                                 f"{sum(sizes) / len(sizes):.1f}"])
-    pairs = [(a, b) for c, _ in loads for a, b in zip(replies[("batched", c)], replies[("one at a time", c)])]
+                res.rows.append([mode, clients, n, f"{n / wall:.2f}", f"{n_tokens / wall:.1f}",
+                                 f"{statistics.median(lat):.2f}", f"{p95:.2f}", f"{sum(sizes) / len(sizes):.1f}"])
+    pairs = [(text, replies[("one at a time", c)][i]) for c, _ in loads for i, text in replies[("batched", c)].items()]
     same = sum(a == b for a, b in pairs)
     res.notes.append(f"greedy replies identical in both modes: {same} of {len(pairs)} (in {backend.model.dtype}, "
-                     "a different batch can flip a near-tied token; float32 keeps them identical, see tests)")
+                     "a different batch can flip a near-tied token; --deterministic or float32, see docs/serve.md)")
+    res.notes.append("'20% leave early': every 5th client disconnects 0.2 s into each request; its rows leave the "
+                     "batch at the next step, so the others' latency stays that of the batched mode")
     for c, _ in loads:
         res.results[f"serve_batching_speedup_{c}"] = f"{throughput[('batched', c)] / throughput[('one at a time', c)]:.2f}"
     res.results["serve_batching_speedup"] = res.results["serve_batching_speedup_32"]

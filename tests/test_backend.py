@@ -239,3 +239,30 @@ def test_every_pulled_preset_starts_its_prompts_as_its_tokenizer_does():
             assert rendered.ids == renderer.encode(rendered.text), name  # nothing added
         checked.append(name)
     assert "smollm2-135m" in checked  # the default model is always pulled where tests run
+
+
+def test_rows_stop_at_their_own_limit_when_cancelled_and_hand_over_early(smol32):
+    """What a server needs from the decode loop: per-row token limits, a row cancelled mid-way
+    (the others unchanged), and a row's reply handed over as soon as that row is done."""
+    from driftlab.chat import ChatRequest
+
+    convs = [[{"role": "user", "content": f"Count from {i} to one hundred."}] for i in (1, 5, 9)]
+    sampling = Sampling(max_new_tokens=12, temperature=0, ignore_eos=True)
+    alone = [smol32.generate(ChatRequest([c], sampling))[0] for c in convs]
+    finished_at: list[tuple[int, int]] = []  # (row, tokens the longest row had by then)
+    streamed = [0, 0, 0]
+
+    def on_token(row: int, token: int) -> None:
+        streamed[row] += 1
+
+    replies = smol32.generate(ChatRequest(
+        convs, sampling, row_max_tokens=[4, 12, 12], on_token=on_token,
+        cancelled=lambda row: row == 2 and streamed[2] >= 6,
+        on_finish=lambda row, reply: finished_at.append((row, streamed[1]))))
+    assert [r.n_tokens for r in replies] == [4, 12, 6]
+    assert [r.finish_reason for r in replies] == ["length", "length", "cancelled"]
+    assert replies[0].token_ids == alone[0].token_ids[:4] and replies[1].token_ids == alone[1].token_ids
+    assert replies[2].token_ids == alone[2].token_ids[:6]
+    assert finished_at[:2] == [(0, 4), (2, 6)]  # handed over while row 1 was still decoding
+    with pytest.raises(DriftlabError, match="outside"):
+        ChatRequest(convs, sampling, row_max_tokens=[4, 13, 1])

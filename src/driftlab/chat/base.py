@@ -81,7 +81,7 @@ class Reply:
 
     text: str
     n_tokens: int
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "cancelled"]  # cancelled: its caller gave up (ChatRequest.cancelled)
     token_ids: list[int] = field(default_factory=list)
     trace: Any = None  # attention trace when one was requested (local backend only)
     n_prompt_tokens: int = 0  # tokens the model was shown (0 where unknown)
@@ -97,6 +97,13 @@ class ChatRequest:
     replies); backends without a prefix cache ignore it. `logprobs=k` asks for each generated
     token's log-probability and its k most likely alternatives (None: none). `on_token(row, id)`
     is called with each token as it is sampled (streaming; local backends only).
+    `cancelled(row)` is asked once per decode step for each unfinished row: True stops that
+    row there (finish_reason "cancelled"), so a server drops a request whose client left
+    without waiting for the batch to end (local backends only). `row_max_tokens[i]` lowers
+    row i's token limit below `sampling.max_new_tokens`, so requests that differ only in
+    their limit share a batch (local backends only; others use `sampling`'s). `on_finish(row,
+    reply)` receives a row's reply as soon as that row is done, while longer rows of its
+    batch still decode (local backends, without pi tracing; the returned list has it too).
     """
 
     conversations: Sequence[Conversation]
@@ -106,12 +113,18 @@ class ChatRequest:
     cache_store: Sequence[bool] | None = None
     logprobs: int | None = None
     on_token: Callable[[int, int], None] | None = None
+    cancelled: Callable[[int], bool] | None = None
+    row_max_tokens: Sequence[int] | None = None
+    on_finish: Callable[[int, Reply], None] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.conversations)
         for i, conv in enumerate(self.conversations):
             validate_conversation(conv, i)
-        for name in ("seeds", "cache_store"):
+        for limit in self.row_max_tokens or ():
+            if not 1 <= limit <= self.sampling.max_new_tokens:
+                raise DriftlabError(f"A row's token limit {limit} is outside [1, {self.sampling.max_new_tokens}].")
+        for name in ("seeds", "cache_store", "row_max_tokens"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise DriftlabError(f"{len(value)} {name} given for {n} conversations.")
@@ -120,6 +133,10 @@ class ChatRequest:
         for s in self.seeds or ():
             if not 0 <= int(s) <= MAX_SEED:
                 raise DriftlabError(f"Seed {s} is outside [0, 2^63 - 1].", hint="Use a non-negative 63-bit seed.")
+
+    def local_only(self) -> list[str]:
+        """The fields set here that only a local backend honours (streaming and serving hooks)."""
+        return [n for n in ("on_token", "cancelled", "on_finish", "row_max_tokens") if getattr(self, n) is not None]
 
     def row_seeds(self) -> list[int]:
         return [int(s) for s in self.seeds] if self.seeds is not None else list(range(len(self.conversations)))
@@ -261,9 +278,11 @@ class TokenBackend(ChatBackend, Protocol):
         cache_store: Sequence[bool] | None = None,
         logprobs: int | None = None,
         on_token: Callable[[int, int], None] | None = None,
+        cancelled: Callable[[int], bool] | None = None,
     ) -> list[Reply]:
         """Continue rendered prompts; `interventions` is one for every row or one per row (rows
-        may differ in their key biases, e.g. a different head steered in each row)."""
+        may differ in their key biases, e.g. a different head steered in each row).
+        `on_token` and `cancelled` work as in `ChatRequest`."""
         ...
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:

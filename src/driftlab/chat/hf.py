@@ -97,7 +97,9 @@ class HFChatBackend:
         replies = self._decode(
             [r.ids for r in rendered], request.sampling, seeds=seeds, interventions=[iv] * len(rendered),
             spans=[r.spans() for r in rendered], cache_store=store, guidance=alpha,
-            logprobs=request.logprobs, on_token=request.on_token,
+            logprobs=request.logprobs, on_token=request.on_token, cancelled=request.cancelled,
+            row_max_tokens=list(request.row_max_tokens) * (2 if alpha is not None else 1)
+            if request.row_max_tokens is not None else None, on_finish=request.on_finish,
         )
         return replies[: len(convs)]
 
@@ -216,6 +218,7 @@ class HFChatBackend:
         cache_store: Sequence[bool] | None = None,
         logprobs: int | None = None,
         on_token: Callable[[int, int], None] | None = None,
+        cancelled: Callable[[int], bool] | None = None,
     ) -> list[Reply]:
         """Continue rendered prompts (see TokenBackend.generate_tokens); one reply per prompt.
 
@@ -233,7 +236,7 @@ class HFChatBackend:
                                     "which token prompts do not carry.", hint="Use generate() for cfg.")
         return self._decode([p.ids for p in prompts], sampling, seeds=seeds, interventions=rows,
                             spans=[p.spans() for p in prompts], cache_store=cache_store, logprobs=logprobs,
-                            on_token=on_token)
+                            on_token=on_token, cancelled=cancelled)
 
     @torch.inference_mode()
     def _decode(
@@ -248,6 +251,9 @@ class HFChatBackend:
         guidance: float | None = None,
         logprobs: int | None = None,
         on_token: Callable[[int, int], None] | None = None,
+        cancelled: Callable[[int], bool] | None = None,
+        row_max_tokens: Sequence[int] | None = None,
+        on_finish: Callable[[int, Reply], None] | None = None,
     ) -> list[Reply]:
         """The core decode loop over token prompts, with each row's interventions.
 
@@ -258,7 +264,12 @@ class HFChatBackend:
         of the first half: both halves are fed the token sampled from the mixed logits.
         `logprobs=k` records each token's log-probability under the (mixed) model
         distribution, before temperature and top-p, with its k best alternatives;
-        `on_token(row, id)` sees every sampled token of a (conditional) row as it comes.
+        `on_token(row, id)` sees every sampled token of a (conditional) row as it comes;
+        `cancelled(row)`, asked before each step, ends a (conditional) row and its guidance
+        twin there: the row stops costing sampling, and a batch whose rows are all done ends;
+        `row_max_tokens[b]` ends row b earlier than `sampling.max_new_tokens` (reason "length");
+        `on_finish(row, reply)` hands over a row's reply as soon as it stops or hits its limit
+        (not with pi tracing, whose traces are assembled at the end).
         """
         if not prompts:
             return []
@@ -305,16 +316,40 @@ class HFChatBackend:
 
         if guidance is not None and B % 2:
             raise DriftlabError("Guided decoding needs an unconditional row for every conditional one.")
+
+        def reply(b: int, trace: Any = None) -> Reply:
+            # A final EOS ends the reply and is not part of it; with ignore_eos it is just a token.
+            ended = not sampling.ignore_eos and sampled[b] and sampled[b][-1] in self.eos_ids
+            toks = sampled[b][:-1] if ended else sampled[b]
+            text = self.tokenizer.decode(toks, skip_special_tokens=True)
+            if self.renderer.stop_strings:
+                text = self._cut_stop(text)
+            return Reply(text=text.strip(), n_tokens=len(toks), finish_reason=reasons[b], token_ids=toks,
+                         trace=trace or None, n_prompt_tokens=len(prompts[b]),
+                         logprobs=scored[b][: len(toks)] if logprobs is not None else None)
+
+        # A row's reply is known when it finishes, unless pi traces (built at the end) are asked for.
+        early = on_finish if state is None or not state.trace else None
         logits = self._forward(ids[:, S:], mask, positions[:, S:], cache, state)
         n_fed = 0  # decode steps run: sampled[b][:n_fed] have their KV in the cache
         for step in range(sampling.max_new_tokens):
+            if cancelled is not None:
+                for b in torch.nonzero(~finished[:real]).flatten().tolist():
+                    if cancelled(b):
+                        finished[b] = finished[b + real if guidance is not None else b] = True
+                        reasons[b] = "cancelled"
+                        if early is not None:
+                            early(b, reply(b))
+                if bool(finished.all()):
+                    break
             mixed = logits if guidance is None else _guide(logits, guidance)
             drawn = _sample(mixed, warpers, gens[:real])
             nxt = drawn if guidance is None else torch.cat([drawn, drawn])
             nxt = torch.where(finished, torch.full_like(nxt, self.pad_id), nxt)
             tokens = nxt.tolist()  # one device-to-host copy per step, not one per row
             top = _top_logprobs(mixed, nxt[:real], logprobs) if logprobs is not None else None
-            for b in torch.nonzero(~finished).flatten().tolist():
+            running = torch.nonzero(~finished).flatten().tolist()
+            for b in running:
                 tok = tokens[b]
                 sampled[b].append(tok)
                 if b < real:
@@ -322,11 +357,17 @@ class HFChatBackend:
                         scored[b].append(top[b])
                     if on_token is not None:
                         on_token(b, tok)
+                if row_max_tokens is not None and len(sampled[b]) >= row_max_tokens[b]:
+                    finished[b] = True
                 if sampling.ignore_eos:
                     continue
                 if tok in self.eos_ids or (self.renderer.stop_strings and self._hit_stop(sampled[b])):
                     finished[b] = True
                     reasons[b] = "stop"
+            if early is not None:
+                for b in running:
+                    if b < real and finished[b]:
+                        early(b, reply(b))
             if bool(finished.all()) or step == sampling.max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=self.device)], dim=1)
@@ -336,20 +377,7 @@ class HFChatBackend:
 
         self._store_prefixes(prompts, sampled, 0 if prompt_only else n_fed, pads, cache, tags, cache_store)
         traces = state.row_traces([len(x) for x in sampled], pads) if state is not None else [None] * B
-        replies = []
-        for b in range(B):
-            # A final EOS ends the reply and is not part of it; with ignore_eos it is just a token.
-            ended = not sampling.ignore_eos and sampled[b] and sampled[b][-1] in self.eos_ids
-            toks = sampled[b][:-1] if ended else sampled[b]
-            text = self.tokenizer.decode(toks, skip_special_tokens=True)
-            if self.renderer.stop_strings:
-                text = self._cut_stop(text)
-            replies.append(
-                Reply(text=text.strip(), n_tokens=len(toks), finish_reason=reasons[b], token_ids=toks,
-                      trace=traces[b] or None, n_prompt_tokens=len(prompts[b]),
-                      logprobs=scored[b][: len(toks)] if logprobs is not None else None)
-            )
-        return replies
+        return [reply(b, traces[b]) for b in range(B)]
 
     # -- internals ---------------------------------------------------------------------------
     def _check_context(self, prompt_len: int, new_tokens: int) -> None:

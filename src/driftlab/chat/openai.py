@@ -125,8 +125,8 @@ class OpenAIChatBackend:
     def generate(self, request: ChatRequest) -> list[Reply]:
         iv = request.interventions
         self.capabilities.require(self.name, iv)
-        if request.on_token is not None:
-            raise DriftlabError(f"{self.name} does not stream tokens to a callback.")
+        if hooks := request.local_only():
+            raise DriftlabError(f"{self.name} does not take {', '.join(hooks)} (a local model's decode-loop hooks).")
         seeds = request.row_seeds()
         bodies = [
             self._body(iv.model_view(conv), request.sampling, seed, request.logprobs)
@@ -253,6 +253,8 @@ class OpenAIChatBackend:
                             hint=_status_hint(err.status_code),
                         ) from None
                     problem, wait = f"HTTP {err.status_code}: {_message(err)}", _retry_after(err)
+                except openai.APITimeoutError:
+                    problem = f"no answer within {self.runtime.timeout:g} s (--timeout)"
                 except (openai.APIConnectionError, openai.APIResponseValidationError, _Malformed) as err:
                     problem = f"{type(err).__name__}: {err}"
                 else:
@@ -264,8 +266,9 @@ class OpenAIChatBackend:
                 if attempt == self.runtime.max_retries:
                     raise DriftlabError(
                         f"{self.base_url} failed {attempt + 1} times; last: {problem}",
-                        hint="Check that the server is up and not overloaded (lower --concurrency); "
-                        "re-running the same command resumes without re-sending finished requests.",
+                        hint="Check that the server is up and not overloaded (lower --concurrency, or raise "
+                        "--timeout for slow replies); re-running the same command resumes without re-sending "
+                        "finished requests.",
                     )
                 first, cap = self.backoff
                 delay = random.uniform(0, min(cap, first * 2**attempt))  # exponential backoff, full jitter

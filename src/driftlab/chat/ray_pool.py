@@ -116,8 +116,9 @@ class RayBackend:
     def generate(self, request: ChatRequest) -> list[Reply]:
         """Each actor continues one contiguous shard of the rows, with those rows' own seeds."""
         self.capabilities.require(self.name, request.interventions)
-        if request.on_token is not None:
-            raise DriftlabError("A Ray pool cannot stream tokens to a callback.", hint="Serve a local model instead.")
+        if hooks := request.local_only():
+            raise DriftlabError(f"A Ray pool does not take {', '.join(hooks)} (a local model's decode-loop hooks).",
+                                hint="Serve a local model instead.")
         seeds, store = request.row_seeds(), request.cache_store
         shards = _split([1] * len(request.conversations), len(self._actors))
         jobs = [((ChatRequest([request.conversations[i] for i in rows], request.sampling,

@@ -55,6 +55,10 @@ BaseUrlOpt = Annotated[str | None, typer.Option(
     help="OpenAI-compatible server of an openai:MODEL, e.g. http://127.0.0.1:8000/v1 (default: $OPENAI_BASE_URL).")]
 ApiKeyEnvOpt = Annotated[str, typer.Option(help="Environment variable that holds the server's API key.")]
 ConcurrencyOpt = Annotated[int, typer.Option(help="Requests in flight at once to an openai: server.")]
+TimeoutOpt = Annotated[float, typer.Option(
+    help="Seconds an openai: server has to answer one request before it is retried (or the command stops).")]
+MaxRetriesOpt = Annotated[int, typer.Option(
+    help="Retries of a request to an openai: server on 429, 5xx, timeouts and dropped connections.")]
 RayOpt = Annotated[str | None, typer.Option(
     "--ray", help="Shard a local model's work over Ray actors: 'local' starts a cluster here, else its address.")]
 ActorsOpt = Annotated[int | None, typer.Option(help="Ray actors (default: one per GPU, else 2).")]
@@ -64,7 +68,7 @@ ActorsOpt = Annotated[int | None, typer.Option(help="Ray actors (default: one pe
 _LOCAL = {"model": (ModelOpt, DEFAULT_MODEL), "dtype": (DtypeOpt, "auto"), "device": (DeviceOpt, "auto")}
 _SPAN = {"span": (SpanOpt, "content")}
 _REMOTE = {"base_url": (BaseUrlOpt, None), "api_key_env": (ApiKeyEnvOpt, "OPENAI_API_KEY"),
-           "concurrency": (ConcurrencyOpt, 8)}
+           "concurrency": (ConcurrencyOpt, 8), "timeout": (TimeoutOpt, 300.0), "max_retries": (MaxRetriesOpt, 5)}
 _RAY = {"ray": (RayOpt, None), "actors": (ActorsOpt, None)}
 
 
@@ -72,8 +76,8 @@ def backend_options(*, span: bool = True, remote: bool = False, ray: bool = Fals
     """Give a command the options that choose its backend, as one validated `backend: BackendSpec`.
 
     --model, --dtype and --device always; --span (which tokens are the system prompt) unless
-    `span=False`; --base-url, --api-key-env and --concurrency for commands that may run on an
-    OpenAI-compatible server (`remote`); --ray and --actors for those that can shard a local
+    `span=False`; --base-url, --api-key-env, --concurrency, --timeout and --max-retries for
+    commands that may run on an OpenAI-compatible server (`remote`); --ray and --actors for those that can shard a local
     model over Ray (`ray`). The command declares a `backend` parameter; the options take its
     place in the signature Typer reads.
     """
@@ -101,13 +105,13 @@ def backend_options(*, span: bool = True, remote: bool = False, ray: bool = Fals
 
 
 def backend_spec(model: str, dtype: str, device: str, span: str = "content", base_url: str | None = None,
-                 api_key_env: str = "OPENAI_API_KEY", concurrency: int = 8, ray: str | None = None,
-                 actors: int | None = None) -> Any:
+                 api_key_env: str = "OPENAI_API_KEY", concurrency: int = 8, timeout: float = 300.0,
+                 max_retries: int = 5, ray: str | None = None, actors: int | None = None) -> Any:
     """The validated `BackendSpec` of the backend options, with a one-line error naming a bad flag."""
     from driftlab.chat.spec import BackendSpec, Runtime
 
-    runtime = build(Runtime, base_url=base_url, api_key_env=api_key_env, concurrency=concurrency, ray=ray,
-                    actors=actors)
+    runtime = build(Runtime, base_url=base_url, api_key_env=api_key_env, concurrency=concurrency, timeout=timeout,
+                    max_retries=max_retries, ray=ray, actors=actors)
     return build(BackendSpec, model=model, dtype=dtype, device=device, span=span, runtime=runtime)
 
 

@@ -1,19 +1,30 @@
 """Concurrent HTTP requests in, batched decode calls out.
 
 The local backend decodes a batch of conversations in one loop, and a batch of 32 costs
-little more per step than a batch of one on most hardware. The batcher is a queue plus
-one worker thread that owns the backend: it takes the first waiting job, gathers more for
-at most `max_wait_s` (up to `max_batch_size`), groups them by what a `ChatRequest` shares
-(sampling, interventions, logprobs) and runs each group as one `generate` call. Requests
-that arrive while a batch decodes form the next batch.
+little more per step than a batch of one on most hardware. The batcher is a bounded queue
+plus one worker thread that owns the backend: it takes the first waiting job, gathers more
+for at most `max_wait_s` (up to `max_batch_size`), groups them by what a `ChatRequest`
+shares (sampling but for the token limit, interventions, logprobs) and runs each group as
+one `generate` call.
+Requests that arrive while a batch decodes form the next batch.
+
+A job belongs to one client, and nothing one client does reaches another (vLLM's rule):
+- a job whose client left, timed out or was drained is *aborted*: it is skipped if still
+  queued, and its row stops at the next decode step if it is running (`ChatRequest.cancelled`);
+- a batch that fails is re-run one job at a time, so an error fails only the job that causes it
+  (a stream that already sent tokens fails with it: a re-run could contradict them);
+- the queue is bounded (`QueueFull`, HTTP 429) and no record of past work grows: the batch
+  sizes kept for tests and `/health` are the last `HISTORY` only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,29 +32,45 @@ from typing import Any
 from driftlab.chat.base import ChatBackend, ChatRequest, Conversation, Reply, Sampling
 from driftlab.steering.interventions import Interventions
 
+log = logging.getLogger("driftlab.serve")
+HISTORY = 1024  # batch sizes remembered (a deque: a server's memory must not grow with its uptime)
+
 
 class ServerClosing(Exception):
-    """The server shut down before this request's batch started."""
+    """The server shut down (or is draining) before this request could finish."""
 
 
-@dataclass
+class QueueFull(Exception):
+    """As many requests are waiting as the server accepts (`--max-queue`)."""
+
+
+@dataclass(eq=False)  # a job is itself, not its fields (kept in sets)
 class Job:
     conversation: Conversation
     sampling: Sampling
     seed: int
     interventions: Interventions
     logprobs: int | None
+    store: bool = True  # keep this row's KV in the prefix cache (off under --deterministic)
     future: asyncio.Future | None = None  # set by the server on its event loop
     loop: asyncio.AbstractEventLoop | None = None
     on_token: Callable[[int], None] | None = None  # called on the worker thread
     queued_at: float = field(default_factory=time.monotonic)
+    aborted: threading.Event = field(default_factory=threading.Event)  # read by the worker at every step
+    streamed: bool = False  # some of its tokens reached the client already
+    resolved: bool = False  # its result was handed over (a short row finishes before its batch)
 
     def group(self) -> tuple[Any, ...]:
-        return (self.sampling, tuple(self.interventions.specs()), self.logprobs)
+        """What jobs must share to be decoded together (token limits may differ: each row has its own)."""
+        return (self.sampling.model_copy(update={"max_new_tokens": 1}), tuple(self.interventions.specs()),
+                self.logprobs)
 
     def resolve(self, result: Reply | BaseException) -> None:
+        """Hand the result to the waiting request (from the worker thread; the first result counts)."""
+        self.resolved = True
+
         def _set() -> None:
-            if self.future.done():  # the client went away
+            if self.future.done():  # aborted: the client left, timed out, or the server drained
                 return
             if isinstance(result, BaseException):
                 self.future.set_exception(result)
@@ -52,18 +79,29 @@ class Job:
 
         self.loop.call_soon_threadsafe(_set)
 
+    def abort(self, reason: BaseException) -> None:
+        """Give up on this job (on the event loop): its row leaves the batch at the next step,
+        and whoever awaits its future gets `reason`."""
+        self.aborted.set()
+        if not self.future.done():
+            self.future.set_exception(reason)
+            self.future.exception()  # retrieved: nobody may be left to await it (a client that left)
+
 
 class Batcher:
     """The one thread that calls the backend; everything else talks to it through a queue."""
 
-    def __init__(self, backend: ChatBackend, *, max_batch_size: int = 32, max_wait_s: float = 0.01) -> None:
+    def __init__(self, backend: ChatBackend, *, max_batch_size: int = 32, max_wait_s: float = 0.01,
+                 max_queue: int = 256) -> None:
         self.backend = backend
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
-        self._queue: queue.Queue[Job] = queue.Queue()
+        self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._work, name="driftlab-batcher", daemon=True)
-        self.batches: list[int] = []  # sizes of the generate calls made (for tests and /health)
+        self.batches: deque[int] = deque(maxlen=HISTORY)  # sizes of the last generate calls
+        self.n_batches = 0  # generate calls made, ever
+        self.on_batch: Callable[[int, list[Reply]], None] | None = None  # metrics: (size, replies)
 
     def start(self) -> None:
         self._thread.start()
@@ -71,11 +109,18 @@ class Batcher:
     def submit(self, job: Job) -> None:
         if self._closing.is_set():
             raise ServerClosing("the server is shutting down")
-        self._queue.put(job)
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
 
     @property
     def waiting(self) -> int:
         return self._queue.qsize()
+
+    def sizes_since(self, n_batches: int) -> list[int]:
+        """Sizes of the batches run after the first `n_batches` (those still remembered)."""
+        return list(self.batches)[max(0, len(self.batches) - (self.n_batches - n_batches)):]
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish the batch being decoded, refuse what is still queued, stop the thread."""
@@ -108,26 +153,46 @@ class Batcher:
                 self._run(jobs)
 
     def _run(self, jobs: list[Job]) -> None:
-        live = [j for j in jobs if not j.future.done()]  # cancelled by a client that left
+        live = [j for j in jobs if not j.aborted.is_set()]
         if not live:
             return
+        try:
+            replies = self._generate(live)
+        except Exception as err:  # noqa: BLE001 - a failed batch must not fail the jobs that did nothing wrong
+            if len(live) == 1:
+                log.error("a request failed in the model", exc_info=err)
+                live[0].resolve(err)
+                return
+            for job in live:  # one at a time: only the job that causes the error fails
+                if job.resolved:
+                    continue
+                if job.streamed:  # its client already has tokens a re-run could contradict
+                    job.resolve(err)
+                else:
+                    self._run([job])
+            return
+        for j, reply in zip(live, replies, strict=True):
+            j.resolve(reply)
+
+    def _generate(self, live: list[Job]) -> list[Reply]:
         callbacks = [j.on_token for j in live]
 
         def on_token(row: int, token: int) -> None:
             if callbacks[row] is not None:
+                live[row].streamed = True
                 callbacks[row](token)
 
+        limits = [j.sampling.max_new_tokens for j in live]
         request = ChatRequest(
-            [j.conversation for j in live], live[0].sampling, seeds=[j.seed for j in live],
-            interventions=live[0].interventions, logprobs=live[0].logprobs,
-            on_token=on_token if any(callbacks) else None,
+            [j.conversation for j in live], live[0].sampling.model_copy(update={"max_new_tokens": max(limits)}),
+            seeds=[j.seed for j in live], row_max_tokens=limits,
+            interventions=live[0].interventions, logprobs=live[0].logprobs, cache_store=[j.store for j in live],
+            on_token=on_token if any(callbacks) else None, cancelled=lambda row: live[row].aborted.is_set(),
+            on_finish=lambda row, reply: live[row].resolve(reply),  # a short reply need not wait for the batch
         )
         self.batches.append(len(live))
-        try:
-            replies = self.backend.generate(request)
-        except BaseException as err:  # noqa: BLE001 - every waiting client must hear about it
-            for j in live:
-                j.resolve(err)
-            return
-        for j, reply in zip(live, replies, strict=True):
-            j.resolve(reply)
+        self.n_batches += 1
+        replies = self.backend.generate(request)
+        if self.on_batch is not None:
+            self.on_batch(len(live), replies)
+        return replies

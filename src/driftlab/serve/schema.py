@@ -54,16 +54,18 @@ class ChatCompletionRequest(BaseModel):
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
-    stream: bool = False
+    # strict: JSON's true is not the number 1, nor "0.5" a temperature
+    max_tokens: int | None = Field(None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False, strict=True)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, strict=True)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, strict=True)
+    n: int = Field(1, ge=1, le=1, strict=True, description="one choice per request")
+    stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: bool = Field(False, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
+    ignore_eos: bool = Field(False, strict=True, description="vLLM's extension: generate max_tokens (benchmarks)")
     stop: Any = None
     tools: Any = None
     driftlab: DriftlabOptions | None = None
