@@ -183,6 +183,26 @@ def test_turn_history_steered_condition_and_resume(tiny, tmp_path):
     assert set(summarize(out)) >= {"plain", "steered", "drop"}
 
 
+def test_drop_is_an_exact_mcnemar_on_the_questions_both_conditions_answered():
+    from scipy import stats
+
+    from driftlab.protocol.mmlu import accuracy, drop, questions_needed
+
+    plain = {i: float(i < 30) for i in range(60)}  # 30 of 60 right
+    steered = {i: float(i < 24 or 30 <= i < 32) for i in range(60)}  # 6 lost, 2 gained
+    steered[99] = 1.0  # not asked in plain: not a pair
+    d = drop(plain, steered)
+    assert (d["n"], d["lost"], d["gained"], d["method"]) == (60, 6, 2, "exact McNemar")
+    assert d["mean"] == pytest.approx(4 / 60) and d["ci_method"] == "bca" and d["ci"][0] < d["mean"] < d["ci"][1]
+    assert d["p"] == pytest.approx(stats.binomtest(6, 8).pvalue) and "no difference shown" in d["warning"]
+    acc = accuracy(plain)
+    assert acc["accuracy"] == 0.5 and acc["ci_method"] == "wilson" and acc["n"] == 60
+    need = questions_needed(0.05, plain, steered)
+    assert need["measured_discordant"] == pytest.approx(8 / 60) and need["discordant"] == pytest.approx(8 / 60)
+    assert need["n"] > 60  # a drop of 0.05 with this much disagreement needs more questions than were asked
+    assert questions_needed(0.05)["discordant"] == pytest.approx(0.1)  # nothing measured: 2 |effect|
+
+
 # -- calibration ---------------------------------------------------------------------------------
 @pytest.mark.model
 def test_calibration_on_a_tiny_model_writes_points_and_resumes(tiny, tmp_path):

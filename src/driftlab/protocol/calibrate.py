@@ -16,8 +16,9 @@ point is its own resumable MMLU run directory, planned once (the questions and t
 persona pair recorded in the calibration's manifest), so an interrupted calibration resumes
 with the same questions for every point.
 
-The decision uses the measured drop; its paired 95% CI is reported next to it, with a note
-when the CI reaches past the budget (more questions, `--n`, narrow it).
+The decision uses the measured drop; its paired 95% interval (t below 30 questions, BCa
+bootstrap from there) and exact McNemar p (`driftlab.stats`) are reported next to it, with
+a note when the interval reaches past the budget (more questions, `--n`, narrow it).
 """
 
 from __future__ import annotations
@@ -92,11 +93,18 @@ class CalibrationConfig(BaseModel):
 
 
 class Point(BaseModel):
+    """One measured strength: its MMLU drop with the paired interval and exact McNemar test
+    (n, method and p default to None in calibrations written before they were recorded)."""
+
     strength: float
     steer: str
     drop: float
     ci: tuple[float, float]
     within: bool
+    n: int | None = None
+    ci_method: str | None = None
+    p: float | None = None
+    method: str | None = None
 
 
 @register
@@ -146,11 +154,13 @@ class Calibration(Protocol[CalibrationConfig]):
         where = self.run_dir / "points" / point_name(cfg.method, s)
         run_protocol(MMLU(self._mmlu(steer), self.backend), where, plan=self._plan, progress=self.progress)
         d = drop(self.plain, correctness(where)["steered"])
-        point = Point(strength=s, steer=steer.spec(), drop=d["mean"], ci=d["ci"], within=d["mean"] <= cfg.max_drop)
+        point = Point(strength=s, steer=steer.spec(), drop=d["mean"], ci=d["ci"], within=d["mean"] <= cfg.max_drop,
+                      n=d["n"], ci_method=d["ci_method"], p=d["p"], method=d["method"])
         self.points.append(point)
         if self.progress:
             err_console().print(f"calibrate: {point.steer}: drop {point.drop:+.3f} [{point.ci[0]:+.3f}, "
-                                f"{point.ci[1]:+.3f}] -> {'within' if point.within else 'over'} budget",
+                                f"{point.ci[1]:+.3f}] (n={point.n}, McNemar p={point.p:.3g}) -> "
+                                f"{'within' if point.within else 'over'} budget",
                                 highlight=False, markup=False)
         return []
 
