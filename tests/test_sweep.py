@@ -70,7 +70,21 @@ def test_tiny_sweep_end_to_end_and_resume(tiny, tmp_path):
     # the paired gain over plain: zero for plain, and (complete runs, same pairs) the difference of the means
     assert table.loc[0, "stability_gain"] == 0.0
     assert (table.stability_gain - (table.stability - table.loc[0, "stability"])).abs().max() < 1e-9
+    # each point against plain on the same pairs and questions, Holm over the sweep's points
+    from statsmodels.stats.multitest import multipletests
+
+    steered = table.iloc[1:]
+    assert (steered.gain_method.str.startswith("Wilcoxon signed-rank")).all()
+    assert (steered.mmlu_method == "exact McNemar").all() and (table.mmlu_n == 4).all() and (table.gain_n == 2).all()
+    assert table.loc[0, ["gain_p", "mmlu_p"]].isna().all()  # plain is the baseline, not a comparison
+    for col in ("gain_p", "mmlu_p"):
+        assert list(steered[f"{col}_holm"]) == pytest.approx(list(multipletests(steered[col], method="holm")[1]))
+    assert (steered.mmlu_drop == (steered.mmlu_lost - steered.mmlu_gained) / 4).all()
+    assert (steered.gain_better + steered.gain_worse + steered.gain_tied == 2).all()
+    assert steered.warning.str.contains("too few pairs|tied").all()  # 2 pairs and 4 questions support nothing
     page = write_sweep_report(tmp_path / "sweep")
+    text = page.read_text()
+    assert "Where n does not support a difference" in text and "What this n can detect" in text
     assert page.stat().st_size > 10_000 and (tmp_path / "sweep" / "sweep_tradeoff.png").is_file()
     records = sorted((tmp_path / "sweep").rglob("records.jsonl"))
     assert len(records) == 3 * 2 + 3 * 1  # per point: self-chat + MMLU; and each MMLU's history (turn 2)
