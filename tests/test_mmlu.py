@@ -278,3 +278,21 @@ def test_questions_holding_unicode_line_separators_load(tmp_path):
     path.write_text(json.dumps(row, ensure_ascii=False) + "\n", encoding="utf-8")
     (q,) = load_questions(str(path))
     assert q.question == "Line one\u2028line two?"
+
+
+@pytest.mark.model
+def test_mmlu_cli_prints_the_test_the_warning_and_the_power(tmp_path):
+    from typer.testing import CliRunner
+
+    from driftlab.cli import app
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model("qwen2", tmp_path / "qwen2")
+    args = ["mmlu", "--model", str(path), "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path / "m"),
+            "--n", "12", "--turn", "0", "--data", str(RAW), "--steer", "split-softmax:k=0.2", "--effect", "0.1"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "wilson" in out and "exact McNemar" in out and "questions lost and" in out
+    assert "Warning:" in out  # 12 questions cannot support a drop
+    assert "Power: a drop of 0.1 needs about" in out and "this run has 12" in out
