@@ -71,6 +71,32 @@ def test_empty_user_prompt_keeps_qwens_default_system_prompt_out(smol_dir):
     assert "You are Qwen" in renderer.text(_dialog("empty-user").user_view(2, fold=True)[1:])  # the old behaviour
 
 
+def test_cfg_unconditional_rows_keep_an_empty_system_message_under_qwens_template(smol_dir):
+    """CFG contrasts the persona with no instruction, not with Qwen's default persona: its
+    unconditional conversation empties the system prompt (as the ablation does) and drops SPR's
+    repeated copies; rendered with Qwen2.5's real template, no "You are Qwen" appears."""
+    from transformers import AutoTokenizer
+
+    from driftlab.chat.hf import _without_system
+    from driftlab.chat.templates import Renderer
+    from driftlab.steering import Interventions
+
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    tok.chat_template = (Path(__file__).parent / "fixtures" / "qwen2.5_chat_template.jinja").read_text()
+    renderer = Renderer(tok)
+    conv = Interventions.parse(["spr:p=1"]).model_view(_dialog().agent_view(3, "a3"))
+    assert sum(m["role"] == "system" for m in conv) == 3  # s_B and SPR's copies before user turns 2 and 3
+    uncond = _without_system(conv)
+    assert uncond[0] == {"role": "system", "content": ""} and all(m["role"] != "system" for m in uncond[1:])
+    assert uncond[1:] == [m for m in conv if m["role"] != "system"]
+    text = renderer.text(uncond)
+    assert "You are Qwen" not in text and text.startswith("<|im_start|>system\n<|im_end|>")
+    assert _dialog().pair.agent.system_prompt not in text
+    assert "You are Qwen" in renderer.text([m for m in conv if m["role"] != "system"])  # the old behaviour
+    no_system = [{"role": "user", "content": "hi"}]
+    assert _without_system(no_system) == no_system  # nothing to remove: the same as the conditional row
+
+
 def test_item_seeds_are_stable_and_distinct():
     assert item_seed(0, 1, "persona", 2, "agent") == item_seed(0, 1, "persona", 2, "agent")
     seeds = {item_seed(0, p, c, r, w) for p in range(5) for c in ("persona", "empty-user")
