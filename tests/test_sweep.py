@@ -26,6 +26,40 @@ def test_paper_pairs_are_the_20_ordered_pairs_of_one_persona_per_category():
     assert len({a for a, _ in pairs[:5]}) == 5  # the first few pairs already spread over the agents
 
 
+# The reference code's index 0 of each category list (likenneth/persona_drift, hundred_system_prompts.py),
+# its system prompts as written there; the pattern one is Table 2's wording in driftlab's data.
+REFERENCE_PROMPTS = {
+    "multiple_choice": "You are a pretentious academic. Your vocabulary is that of a pretentious academic.",
+    "persona": "You love playing tennis. It's your favorite hobby.",
+    "memorization": "If you are asked for a book recommendation, suggest the Harry Potter series.",
+    "language": "Always reply in French. After every sentence, put in parenthes",
+}
+
+
+def test_reference_persona_set_is_index_0_of_each_category_of_the_reference_code():
+    from driftlab.errors import DriftlabError
+    from driftlab.protocol.sweep import sweep_personas
+
+    five = sweep_personas("reference")
+    personas = [get_persona(i) for i in five]
+    assert [p.category for p in personas] == ["multiple_choice", "persona", "pattern", "memorization", "language"]
+    for p in personas:
+        if p.category in REFERENCE_PROMPTS:
+            assert p.system_prompt.startswith(REFERENCE_PROMPTS[p.category]), p.id
+    assert get_persona(five[2]).system_prompt == "Always start your words with the letter A."
+    pairs = paper_pairs("reference")
+    assert len(pairs) == 20 == len(set(pairs)) and {a for a, _ in pairs} == set(five)
+    assert paper_pairs() == paper_pairs("table2") != pairs  # the default set is kept, by name
+    assert sweep_personas("table2") != five
+    cfg = SweepConfig(personas="reference")
+    assert cfg.pair_ids == pairs and cfg.model_dump(mode="json")["personas"] == "reference"  # recorded
+    assert SweepConfig(personas="reference", pair_ids=pairs[:3]).pair_ids == pairs[:3]  # explicit pairs win
+    assert SweepConfig().personas == "table2" and SweepConfig().pair_ids == paper_pairs()
+    assert SweepConfig(probe_after="agent").selfchat(None).probe_after == "agent"
+    with pytest.raises(DriftlabError, match="Unknown sweep persona set"):
+        sweep_personas("paper")
+
+
 def test_grid_is_validated_and_normalised():
     cfg = SweepConfig(grid={"split-softmax": ["split-softmax:k=.5"]})
     assert cfg.model_dump(mode="json")["grid"] == {"split-softmax": ["split-softmax:k=0.5,heads=all"]}
@@ -93,3 +127,30 @@ def test_tiny_sweep_end_to_end_and_resume(tiny, tmp_path):
     assert [r.read_bytes() for r in records] == before
     pd.testing.assert_frame_equal(sweep_table(tmp_path / "sweep"), table)
     assert point_dir(tmp_path / "sweep", "spr:p=1.0,seed=0").name == "spr_p1.0_seed0"
+
+
+@pytest.mark.parametrize("argv, field, value", [
+    (["run", "--probe-after", "agent"], "probe_after", "agent"),
+    (["run"], "probe_after", "user"),
+    (["sweep", "--personas", "reference", "--pairs", "3", "--probe-after", "agent"], "personas", "reference"),
+])
+def test_cli_records_probe_after_and_the_persona_set_in_the_config(monkeypatch, tmp_path, argv, field, value):
+    """The flags reach the protocol's config (what the manifest records); the run itself is cut off."""
+    from typer.testing import CliRunner
+
+    import driftlab.protocol.runner as runner
+    from driftlab.cli import app
+
+    seen = {}
+
+    def capture(protocol, out, **kwargs):
+        seen["config"] = protocol.config
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_protocol", capture)
+    CliRunner().invoke(app, [*argv, "--out", str(tmp_path / "out"), "--device", "cpu"])
+    config = seen["config"]
+    assert getattr(config, field) == value
+    if argv[0] == "sweep":
+        assert config.pair_ids == paper_pairs("reference")[:3] and config.probe_after == "agent"
+        assert config.selfchat(None).probe_after == "agent"

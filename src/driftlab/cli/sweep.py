@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from driftlab.chat.spec import BackendSpec
-from driftlab.cli.options import MaxNewTokensOpt, MMLUDataOpt, backend_options, build
+from driftlab.cli.options import MaxNewTokensOpt, MMLUDataOpt, ProbeAfterOpt, backend_options, build
 
 
 @backend_options(remote=True, ray=True)
@@ -19,7 +19,11 @@ def sweep(
         "split-softmax,spr,cfg,instaboost"),
     point: Annotated[list[str] | None, typer.Option(
         "--point", help="A grid point as a --steer spec (repeatable); replaces the default grids.")] = None,
-    pairs: Annotated[int, typer.Option(help="Use the first N of the 20 ordered pairs of the paper's 5 personas.")] = 20,
+    pairs: Annotated[int, typer.Option(help="Use the first N of the 20 ordered pairs of the 5 sweep personas.")] = 20,
+    personas: Annotated[str, typer.Option(
+        help="The 5 sweep personas: 'table2' (the first of each category in driftlab's data) or 'reference' "
+             "(index 0 of each category, as the reference code likenneth/persona_drift does).")] = "table2",
+    probe_after: ProbeAfterOpt = "user",
     rounds: Annotated[int, typer.Option(help="Dialog rounds per self-chat (paper: 8 rounds, i.e. 16 turns).")] = 8,
     max_new_tokens: MaxNewTokensOpt = 400,
     starters: Annotated[str, typer.Option(
@@ -63,7 +67,10 @@ def sweep(
     if not 1 <= pairs <= 20:
         raise DriftlabError(f"Invalid --pairs {pairs}: use 1 to 20.")
     sampling = build(Sampling, max_new_tokens=max_new_tokens)
-    config = build(SweepConfig, backend=backend, grid=grid, pair_ids=paper_pairs()[:pairs], rounds=rounds,
+    if personas not in ("table2", "reference"):
+        raise DriftlabError(f"Invalid --personas {personas!r}.", hint="Use 'table2' or 'reference'.")
+    config = build(SweepConfig, backend=backend, grid=grid, personas=personas,
+                   pair_ids=paper_pairs(personas)[:pairs], probe_after=probe_after, rounds=rounds,
                    starters=starters, sampling=sampling, seed=seed, mmlu_n=mmlu_n, mmlu_turn=mmlu_turn,
                    data=str(data) if data else None, batch_size=batch_size)
     run_protocol(Sweep(config), out)
