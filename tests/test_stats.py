@@ -304,26 +304,35 @@ def test_pairs_needed_for_means_match_statsmodels(d: float) -> None:
     assert paired_t_power(10, d) == pytest.approx(TTestPower().power(effect_size=d, nobs=10, alpha=0.05), rel=1e-8)
 
 
-def _exact_mcnemar_power(n: int, p_better: float, p_worse: float, alpha: float = 0.05) -> float:
-    """The exact power of the exact McNemar test by enumeration: the discordant count k ~
-    Binomial(n, psi); given k, the better count ~ Binomial(k, p_better / psi); reject where the
-    two-sided binomial p is below alpha."""
+def _slow_mcnemar_power(n: int, p_better: float, p_worse: float, alpha: float = 0.05) -> float:
+    """The exact power of the exact McNemar test by brute force: for every discordant count k and
+    better count x, the probability of (k, x) times whether scipy's binomtest rejects at alpha."""
     psi = p_better + p_worse
     power = 0.0
     for k in range(1, n + 1):
-        x = np.arange(k + 1)
-        tail = np.minimum(1.0, 2 * np.minimum(stats.binom.cdf(x, k, 0.5), stats.binom.sf(x - 1, k, 0.5)))
-        power += stats.binom.pmf(k, n, psi) * stats.binom.pmf(x[tail <= alpha], k, p_better / psi).sum()
+        pk = stats.binom.pmf(k, n, psi)
+        for x in range(k + 1):
+            if stats.binomtest(x, k, 0.5).pvalue < alpha:
+                power += pk * stats.binom.pmf(x, k, p_better / psi)
     return power
 
 
-@pytest.mark.parametrize("p_better, p_worse", [(0.15, 0.05), (0.08, 0.02), (0.3, 0.1)])
+@pytest.mark.parametrize("n, p_better, p_worse", [(20, 0.15, 0.05), (57, 0.08, 0.02), (40, 0.3, 0.1), (9, 0.4, 0.0)])
+def test_mcnemar_power_matches_brute_force(n: int, p_better: float, p_worse: float) -> None:
+    assert ds.mcnemar_power(n, p_better, p_worse) == pytest.approx(_slow_mcnemar_power(n, p_better, p_worse), abs=1e-12)
+
+
+@pytest.mark.parametrize("p_better, p_worse", [(0.15, 0.05), (0.08, 0.02), (0.3, 0.1), (0.05, 0.0)])
 def test_pairs_needed_for_proportions_give_the_power_asked(p_better: float, p_worse: float) -> None:
-    """Connor's formula against the exact power of the exact test at the n it gives: near 0.8
-    (the exact test is a little conservative), and well below at two thirds of that n."""
+    """The n returned is the first, from Connor's approximation up, whose exact power reaches 0.8;
+    Connor's n itself falls short (the exact test is conservative), so the search is needed."""
     n = pairs_needed_proportions(p_better - p_worse, p_better + p_worse)
-    assert 0.74 <= _exact_mcnemar_power(n, p_better, p_worse) <= 0.86
-    assert _exact_mcnemar_power(int(n * 2 / 3), p_better, p_worse) < 0.72
+    assert ds.mcnemar_power(n, p_better, p_worse) >= 0.8 > ds.mcnemar_power(n - 1, p_better, p_worse)
+    delta, psi = p_better - p_worse, p_better + p_worse
+    connor = math.ceil((1.959963984540054 * math.sqrt(psi) + 0.8416212335729143 * math.sqrt(psi - delta**2)) ** 2
+                       / delta**2)
+    assert connor <= n <= 1.35 * connor + 5
+    assert _slow_mcnemar_power(int(n * 2 / 3), p_better, p_worse) < 0.72
 
 
 def test_power_inputs_are_checked() -> None:

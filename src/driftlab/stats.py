@@ -24,9 +24,10 @@ a paired 0/1 difference of 3 better / 0 worse out of 20 is not evidence of anyth
   better / worse / tied.
 * **A family** of comparisons (a sweep's points against the baseline, a table's baselines
   against zero-shot) is corrected by Holm's step-down method (`holm`, `with_holm`).
-* **Power** (`pairs_needed_proportions`, `pairs_needed_means`): how many pairs or questions
-  a paired effect needs at alpha 0.05 and power 0.8, so a "no measurable difference" comes
-  with the n that would have measured one.
+* **Power** (`pairs_needed_proportions`: the exact McNemar test's exact power;
+  `pairs_needed_means`: the paired t-test's, noncentral t): how many pairs or questions a
+  paired effect needs at alpha 0.05 and power 0.8, so a "no measurable difference" comes with
+  the n that would have measured one.
 
 `bootstrap_mean_ci` remains the BCa bootstrap itself (used by `mean_interval` at n >= 30).
 """
@@ -305,8 +306,8 @@ def wilcoxon_signed_rank(diffs: Iterable[float] | np.ndarray) -> tuple[float, st
     d = _finite(diffs)
     d = d[d != 0]
     k = d.size
-    if k == 0:
-        return 1.0, "Wilcoxon signed-rank"
+    if k == 0:  # every pair tied: p = 1, exactly
+        return 1.0, "Wilcoxon signed-rank (exact)"
     if k > WILCOXON_EXACT_MAX:
         return float(stats.wilcoxon(d, method="approx").pvalue), "Wilcoxon signed-rank (normal approx.)"
     ranks2 = np.rint(2 * stats.rankdata(np.abs(d))).astype(np.int64)  # mid-ranks are multiples of 1/2
@@ -401,24 +402,50 @@ def _z(q: float) -> float:
     return float(stats.norm.ppf(q))
 
 
+def mcnemar_power(n: int, p_better: float, p_worse: float, alpha: float = ALPHA) -> float:
+    """Exact power of the exact McNemar test with n pairs, when a pair is better with probability
+    `p_better` and worse with `p_worse`: the discordant count k ~ Binomial(n, psi), psi = p_better +
+    p_worse; given k, the better count ~ Binomial(k, p_better / psi), and the test rejects where
+    its two-sided binomial p is below alpha (x <= c_k or x >= k - c_k)."""
+    from scipy import stats
+
+    psi = p_better + p_worse
+    if n < 1 or psi <= 0:
+        return 0.0
+    k = np.arange(1, n + 1)
+    c = stats.binom.ppf(alpha / 2, k, 0.5) - 1  # the largest x with 2 P(X <= x) < alpha
+    q = p_better / psi
+    reject = stats.binom.cdf(c, k, q) + stats.binom.sf(k - c - 1, k, q)
+    return float(np.sum(stats.binom.pmf(k, n, psi) * reject))
+
+
 def pairs_needed_proportions(effect: float, discordant: float, alpha: float = ALPHA, power: float = POWER) -> int:
-    """Pairs (e.g. MMLU questions asked twice) McNemar's test needs to detect a difference in
-    paired proportions of `effect` (p_better - p_worse) when a share `discordant` (p_better +
-    p_worse) of the pairs differ, two-sided at `alpha` with `power` (Connor 1987):
+    """Pairs (e.g. MMLU questions asked twice) the exact McNemar test needs to detect a difference
+    in paired proportions of `effect` (p_better - p_worse) when a share `discordant` (p_better +
+    p_worse) of the pairs differ, two-sided at `alpha` with `power`.
 
-        n = (z_{1-alpha/2} sqrt(psi) + z_power sqrt(psi - delta^2))^2 / delta^2
+    Connor's (1987) normal approximation gives a start,
 
-    The discordant share must be at least |effect| (every difference is a discordant pair).
-    This is the normal approximation; the exact test, being conservative, has a little less
-    power at this n (about 0.76 for a nominal 0.8 in the tests, which enumerate it exactly).
+        n = (z_{1-alpha/2} sqrt(psi) + z_power sqrt(psi - delta^2))^2 / delta^2,
+
+    but the exact test is conservative (about 0.76 power there for a nominal 0.8), so n grows
+    from there to the first n whose exact power (`mcnemar_power`) reaches `power`. (Exact power
+    is a sawtooth in n: a slightly larger n can dip just below again.) The discordant share must
+    be at least |effect|: every difference is a discordant pair.
     """
     delta, psi = abs(effect), discordant
     if not 0 < delta <= 1:
         raise ValueError(f"effect must be a nonzero difference in proportions within [-1, 1], got {effect}")
     if not delta <= psi <= 1:
         raise ValueError(f"the discordant share must lie in [|effect|, 1] = [{delta:g}, 1], got {psi}")
-    n = (_z(1 - alpha / 2) * math.sqrt(psi) + _z(power) * math.sqrt(max(psi - delta**2, 0.0))) ** 2 / delta**2
-    return max(1, math.ceil(n - 1e-9))
+    approx = (_z(1 - alpha / 2) * math.sqrt(psi) + _z(power) * math.sqrt(max(psi - delta**2, 0.0))) ** 2 / delta**2
+    n = max(1, math.ceil(approx - 1e-9))
+    p_better, p_worse = (psi + delta) / 2, (psi - delta) / 2
+    for _ in range(10 * n + 100):  # the exact power reaches the target well within this
+        if mcnemar_power(n, p_better, p_worse, alpha) >= power:
+            return n
+        n += 1
+    raise ValueError(f"no n up to {n} reaches power {power} for effect {effect} at discordant share {discordant}")
 
 
 def paired_t_power(n: int, effect_size: float, alpha: float = ALPHA) -> float:
