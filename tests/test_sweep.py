@@ -116,6 +116,13 @@ def test_tiny_sweep_end_to_end_and_resume(tiny, tmp_path):
     assert (steered.mmlu_drop == (steered.mmlu_lost - steered.mmlu_gained) / 4).all()
     assert (steered.gain_better + steered.gain_worse + steered.gain_tied == 2).all()
     assert steered.warning.str.contains("too few pairs|tied").all()  # 2 pairs and 4 questions support nothing
+    from driftlab.report.sweep import power_notes
+    from driftlab.stats import pairs_needed_proportions
+
+    notes = power_notes(table)
+    shares = ((steered.mmlu_lost + steered.mmlu_gained) / 4).median()
+    want = pairs_needed_proportions(0.05, min(1.0, max(0.1, shares)))
+    assert f"An MMLU drop of 0.05 needs about {want} questions" in notes[-1] and "this sweep has 4" in notes[-1]
     page = write_sweep_report(tmp_path / "sweep")
     text = page.read_text()
     assert "Where n does not support a difference" in text and "What this n can detect" in text

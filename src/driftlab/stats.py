@@ -14,7 +14,8 @@ a paired 0/1 difference of 3 better / 0 worse out of 20 is not evidence of anyth
   Clopper-Pearson on request); graded values get Student's t-interval below
   `BOOTSTRAP_MIN_N` = 30 values (`"t"`) and the BCa bootstrap from 30 on (`"bca"`), where
   it has enough points to see the shape of the distribution (skew) that t assumes away.
-  n < 2 gives a NaN interval (`"none"`): one value says nothing about spread.
+  Graded values with n < 2 get a NaN interval (`"none"`): one value says nothing about
+  spread (a single 0/1 value still bounds a proportion, so Wilson applies from n = 1).
 * **Paired tests** (`paired_test`): the same items measured twice (conversations under two
   steerings, MMLU questions, PASTA examples). 0/1 outcomes get the exact McNemar test (a
   binomial test on the discordant pairs), graded scores the Wilcoxon signed-rank test

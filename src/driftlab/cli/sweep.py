@@ -87,6 +87,6 @@ def sweep(
     for row in table.itertuples():
         if isinstance(row.warning, str) and row.warning:
             console.print(f"Warning: {row.spec}: {row.warning}", highlight=False, markup=False)
-    for note in power_notes(out):
+    for note in power_notes(table):
         console.print(f"Power: {note}", highlight=False, markup=False)
     typer.echo(str(page))

@@ -71,12 +71,14 @@ def sweep_table(out: str | Path) -> pd.DataFrame:
         if not spec:
             plain_stability = per_conv
         gains.append(paired_test(per_conv.to_dict(), plain_stability.to_dict(), method="wilcoxon") if spec else None)
+        diffs = (per_conv - plain_stability).dropna()
         drops.append(drop_test(plain_correct, steered) if spec else None)
         rows.append({
             "method": method, "spec": spec or "plain", "strength_rank": grid[method].index(spec) + 1 if spec else 0,
             "stability": agent["mean"], "stability_ci_low": agent["ci_low"], "stability_ci_high": agent["ci_high"],
             "stability_ci_method": agent.get("ci_method", "bca"),
             "mmlu_accuracy": sum(steered.values()) / len(steered), "n_conversations": int(agent["n"]),
+            "gain_sd": float(diffs.std(ddof=1)) if spec and len(diffs) > 1 else NAN,
         })
     gains, drops = with_holm(gains), with_holm(drops)
     for row, gain, d in zip(rows, gains, drops, strict=True):
@@ -92,7 +94,7 @@ def sweep_table(out: str | Path) -> pd.DataFrame:
 
 COLUMNS = ["method", "spec", "strength_rank", "stability", "stability_ci_low", "stability_ci_high",
            "stability_ci_method", "stability_gain", "stability_gain_ci_low", "stability_gain_ci_high", "gain_ci_method",
-           "gain_n", "gain_better", "gain_worse", "gain_tied", "gain_method", "gain_p", "gain_p_holm",
+           "gain_n", "gain_better", "gain_worse", "gain_tied", "gain_sd", "gain_method", "gain_p", "gain_p_holm",
            "mmlu_accuracy", "mmlu_drop", "mmlu_drop_ci_low", "mmlu_drop_ci_high", "mmlu_ci_method", "mmlu_n",
            "mmlu_lost", "mmlu_gained", "mmlu_method", "mmlu_p", "mmlu_p_holm", "n_conversations", "warning"]
 NAN = float("nan")
@@ -120,37 +122,24 @@ def _drop_columns(t: PairedTest | None, n: int) -> dict:
             "mmlu_method": t.method, "mmlu_p": t.p, "mmlu_p_holm": t.p_adjusted}
 
 
-def power_notes(out: str | Path, gain: float = POWER_GAIN, mmlu_drop: float = POWER_DROP) -> list[str]:
-    """What the sweep's n can detect: the pairs a stability gain of `gain` needs, and the MMLU
-    questions a drop of `mmlu_drop` needs (alpha 0.05, power 0.8), from the spread of the
-    paired differences and the disagreement measured here (the median over the points)."""
-    out = Path(out)
-    manifest = RunDir(out).read_manifest()
-    table = pd.read_csv(out / "sweep.csv")
-    steered = [spec for spec in manifest["points"] if spec]
-    if not steered:
+def power_notes(table: pd.DataFrame, gain: float = POWER_GAIN, mmlu_drop: float = POWER_DROP) -> list[str]:
+    """What the sweep's n can detect, from its table (`sweep_table`): the pairs a stability gain of
+    `gain` needs (paired t, from the sd of the paired differences) and the MMLU questions a drop of
+    `mmlu_drop` needs (exact McNemar, from the share of questions answered differently), each at
+    alpha 0.05 and power 0.8, with the median over the steered points as the spread."""
+    steered = table[table.method != "plain"]
+    if steered.empty:
         return []
-    plain_dir = point_dir(out, "")
-    plain_conv = _per_conversation(summarize_run(plain_dir / "selfchat").scores)
-    plain_correct = correctness(plain_dir / "mmlu")["plain"]
-    sds, discordant = [], []
-    for spec in steered:
-        where = point_dir(out, spec)
-        diff = (_per_conversation(summarize_run(where / "selfchat").scores) - plain_conv).dropna()
-        if len(diff) > 1 and diff.std(ddof=1) > 0:
-            sds.append(float(diff.std(ddof=1)))
-        t = drop_test(plain_correct, correctness(where / "mmlu")["steered"])
-        discordant.append(t.untied / t.n if t.n else NAN)
     notes = []
-    n_pairs = int(table.n_conversations.max())
-    if sds:
-        sd = float(pd.Series(sds).median())
+    sds = steered.gain_sd[steered.gain_sd > 0].dropna()
+    if len(sds):
+        sd = float(sds.median())
         notes.append(f"A stability gain of {gain:g} needs about {pairs_needed_means(gain, sd)} pairs (paired t, "
                      f"alpha 0.05, power 0.8, sd of the paired differences {sd:.3f}, the median over the points); "
-                     f"this sweep has {n_pairs}.")
-    observed = pd.Series(discordant).dropna()
-    # As `questions_needed`: the measured disagreement, never below 2 |drop|.
-    share = min(1.0, max(2 * mmlu_drop, float(observed.median()) if len(observed) else 0.0))
+                     f"this sweep has {int(table.n_conversations.max())}.")
+    shares = ((steered.mmlu_lost + steered.mmlu_gained) / steered.mmlu_n).dropna()
+    # As `driftlab.protocol.mmlu.questions_needed`: the measured disagreement, never below 2 |drop|.
+    share = min(1.0, max(2 * mmlu_drop, float(shares.median()) if len(shares) else 0.0))
     notes.append(f"An MMLU drop of {mmlu_drop:g} needs about {pairs_needed_proportions(mmlu_drop, share)} questions "
                  f"(exact McNemar, alpha 0.05, power 0.8, {share:.0%} of questions answered differently, the median "
                  f"over the points); this sweep has {int(table.mmlu_n.max())}.")
@@ -234,7 +223,7 @@ def write_sweep_report(out: str | Path, match_drop: float | None = None) -> Path
         f"sweep's points p = {best.gain_p_holm:.3g}).")
     warnings = "".join(f"<li><b>{html.escape(str(r.spec))}</b>: {html.escape(str(r.warning))}</li>"
                        for r in table.itertuples() if isinstance(r.warning, str) and r.warning)
-    notes = "".join(f"<li>{html.escape(n)}</li>" for n in power_notes(out))
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in power_notes(table))
     page = (f"<!doctype html><meta charset='utf-8'><title>driftlab sweep</title>"
             f"<body style='font-family:sans-serif;max-width:1100px;margin:auto'>"
             f"<h1>Mitigation trade-off</h1>{imgs}"
