@@ -220,6 +220,8 @@ def test_calibration_on_a_tiny_model_writes_points_and_resumes(tiny, tmp_path):
         assert found["best"]["within"] and found["best"]["drop"] <= 0.2
         stronger = [p for p in points if p["strength"] > found["best"]["strength"]]
         assert all(not p["within"] for p in stronger)
+    assert all(p["n"] == 12 and p["method"] == "exact McNemar" and 0 <= p["p"] <= 1 for p in points)
+    assert found["power"]["n"] > 12 and f"needs about {found['power']['n']}" in found["note"]  # 12 questions: say so
     assert write_calibration_figure(tmp_path / "cal").stat().st_size > 5000
     files = sorted((tmp_path / "cal").rglob("records.jsonl"))
     before = [f.read_bytes() for f in files]
