@@ -206,6 +206,14 @@ def test_exact_mcnemar_hand_checked_and_against_statsmodels(better: int, worse: 
     assert t.diff.estimate == pytest.approx((better - worse) / len(a))
 
 
+def test_paired_proportion_differences_stay_within_minus_one_and_one() -> None:
+    t = paired_test([1.0] * 18 + [0.0] * 2, [0.0] * 20)  # a t-interval of these differences reaches past 1
+    raw = stats.t.interval(0.95, 19, loc=0.9, scale=stats.sem([1.0] * 18 + [0.0] * 2))
+    assert raw[1] > 1.0 and t.diff.high == 1.0 and t.diff.low == pytest.approx(raw[0])
+    graded = paired_test([2.0, 3.5, 4.0], [0.1, 0.2, 0.0])  # graded scores: no bound is known, none applied
+    assert graded.diff.high > 3.0
+
+
 def test_sign_test_of_the_sweeps_cfg_claim() -> None:
     """Issue 22: CFG vs plain over 10 pairs, 4 constant, 5 better / 1 worse: sign test p = 0.22."""
     cfg = [0.6, 0.7, 0.5, 0.9, 0.8, 0.2, 0.5, 0.5, 0.5, 0.5]

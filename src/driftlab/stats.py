@@ -367,8 +367,11 @@ def paired_test(a: Mapping[Any, float] | Sequence[float], b: Mapping[Any, float]
         p, name = wilcoxon_signed_rank(d)
     else:
         raise ValueError(f"unknown paired method {method!r}; use auto, mcnemar, wilcoxon or sign")
+    diff = difference_interval(d, confidence=confidence, rng=rng)
+    if binary and np.isfinite(diff.low):  # a difference of proportions lies in [-1, 1]: clipping keeps coverage
+        diff = replace(diff, low=max(-1.0, diff.low), high=min(1.0, diff.high))
     return PairedTest(n=int(d.size), better=better, worse=worse, tied=int(d.size) - better - worse,
-                      diff=difference_interval(d, confidence=confidence, rng=rng), p=p, method=name, alpha=alpha)
+                      diff=diff, p=p, method=name, alpha=alpha)
 
 
 # -- a family of comparisons --------------------------------------------------------------------
