@@ -109,6 +109,10 @@ CASES = [
          ("no persona with id 'nope'",)),
     Case("run-bad-span", ("run", "--out", "{ws}/run", "--span", "middle"), ("Invalid --span middle",)),
     Case("run-bad-dtype", ("run", "--out", "{ws}/run", "--dtype", "float8"), ("Invalid --dtype float8",)),
+    Case("run-bad-probe-after", ("run", "--out", "{ws}/run", "--probe-after", "probe"),
+         ("Invalid --probe-after probe", "user, agent")),
+    Case("sweep-bad-personas", ("sweep", "--out", "{ws}/sweep", "--personas", "paper"),
+         ("Invalid --personas 'paper'",)),
     # -- --steer: one grammar, one-line errors, no silent overwrite
     Case("chat-steer-nan", ("chat", "--steer", "bias:value=nan", "hi"), ("value=nan", "finite number")),
     Case("run-steer-twice", ("run", "--out", "{ws}/run", "--steer", "split-softmax:k=0.9",

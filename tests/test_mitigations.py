@@ -44,14 +44,23 @@ def _logprobs(model, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
 
 
+def _unconditional(conv):
+    """CFG's unconditional conversation, written out: the system prompt emptied (not dropped, or
+    the template inserts its default persona: SmolLM2's 'You are a helpful AI assistant named
+    SmolLM', Qwen2.5's 'You are Qwen')."""
+    return [{"role": "system", "content": ""}, *(m for m in conv if m["role"] != "system")]
+
+
 def test_cfg_matches_a_two_pass_reference(smol32):
-    """Reference: every step, two full forwards (with and without the system prompt, no cache,
+    """Reference: every step, two full forwards (with and with an empty system prompt, no cache,
     no batching), Eq. 5 on their log-probs, argmax."""
     alpha = 2.5
     got = _tokens(smol32, [f"cfg:alpha={alpha}"])
+    assert "SmolLM" not in smol32.render(_unconditional(CONVS[0])).text
+    assert "SmolLM" in smol32.render(CONVS[0][1:]).text  # what dropping the system message would show
     for conv, tokens in zip(CONVS, got):
         cond = smol32.render(conv).ids
-        uncond = smol32.render([m for m in conv if m["role"] != "system"]).ids
+        uncond = smol32.render(_unconditional(conv)).ids
         want: list[int] = []
         for _ in range(GREEDY.max_new_tokens):
             lc, lu = _logprobs(smol32.model, cond + want), _logprobs(smol32.model, uncond + want)
@@ -71,7 +80,7 @@ def test_loglikelihood_under_cfg_is_eq5_renormalised(smol32):
     cont_ids = smol32.tokenizer(cont, add_special_tokens=False)["input_ids"]
     got = smol32.loglikelihood([conv], [cont], Interventions.parse([f"cfg:alpha={alpha}"]))[0]
     cond = smol32.render(conv).ids
-    uncond = smol32.render(conv[1:]).ids
+    uncond = smol32.render(_unconditional(conv)).ids
     want = 0.0
     for i, t in enumerate(cont_ids):
         lc, lu = _logprobs(smol32.model, cond + cont_ids[:i]), _logprobs(smol32.model, uncond + cont_ids[:i])

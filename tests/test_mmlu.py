@@ -183,6 +183,26 @@ def test_turn_history_steered_condition_and_resume(tiny, tmp_path):
     assert set(summarize(out)) >= {"plain", "steered", "drop"}
 
 
+def test_drop_is_an_exact_mcnemar_on_the_questions_both_conditions_answered():
+    from scipy import stats
+
+    from driftlab.protocol.mmlu import accuracy, drop, questions_needed
+
+    plain = {i: float(i < 30) for i in range(60)}  # 30 of 60 right
+    steered = {i: float(i < 24 or 30 <= i < 32) for i in range(60)}  # 6 lost, 2 gained
+    steered[99] = 1.0  # not asked in plain: not a pair
+    d = drop(plain, steered)
+    assert (d["n"], d["lost"], d["gained"], d["method"]) == (60, 6, 2, "exact McNemar")
+    assert d["mean"] == pytest.approx(4 / 60) and d["ci_method"] == "bca" and d["ci"][0] < d["mean"] < d["ci"][1]
+    assert d["p"] == pytest.approx(stats.binomtest(6, 8).pvalue) and "no difference shown" in d["warning"]
+    acc = accuracy(plain)
+    assert acc["accuracy"] == 0.5 and acc["ci_method"] == "wilson" and acc["n"] == 60
+    need = questions_needed(0.05, plain, steered)
+    assert need["measured_discordant"] == pytest.approx(8 / 60) and need["discordant"] == pytest.approx(8 / 60)
+    assert need["n"] > 60  # a drop of 0.05 with this much disagreement needs more questions than were asked
+    assert questions_needed(0.05)["discordant"] == pytest.approx(0.1)  # nothing measured: 2 |effect|
+
+
 # -- calibration ---------------------------------------------------------------------------------
 @pytest.mark.model
 def test_calibration_on_a_tiny_model_writes_points_and_resumes(tiny, tmp_path):
@@ -200,6 +220,8 @@ def test_calibration_on_a_tiny_model_writes_points_and_resumes(tiny, tmp_path):
         assert found["best"]["within"] and found["best"]["drop"] <= 0.2
         stronger = [p for p in points if p["strength"] > found["best"]["strength"]]
         assert all(not p["within"] for p in stronger)
+    assert all(p["n"] == 12 and p["method"] == "exact McNemar" and 0 <= p["p"] <= 1 for p in points)
+    assert found["power"]["n"] > 12 and f"needs about {found['power']['n']}" in found["note"]  # 12 questions: say so
     assert write_calibration_figure(tmp_path / "cal").stat().st_size > 5000
     files = sorted((tmp_path / "cal").rglob("records.jsonl"))
     before = [f.read_bytes() for f in files]
@@ -258,3 +280,21 @@ def test_questions_holding_unicode_line_separators_load(tmp_path):
     path.write_text(json.dumps(row, ensure_ascii=False) + "\n", encoding="utf-8")
     (q,) = load_questions(str(path))
     assert q.question == "Line one\u2028line two?"
+
+
+@pytest.mark.model
+def test_mmlu_cli_prints_the_test_the_warning_and_the_power(tmp_path):
+    from typer.testing import CliRunner
+
+    from driftlab.cli import app
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model("qwen2", tmp_path / "qwen2")
+    args = ["mmlu", "--model", str(path), "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path / "m"),
+            "--n", "12", "--turn", "0", "--data", str(RAW), "--steer", "split-softmax:k=0.2", "--effect", "0.1"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "wilson" in out and "exact McNemar" in out and "questions lost and" in out
+    assert "Warning:" in out  # 12 questions cannot support a drop
+    assert "Power: a drop of 0.1 needs about" in out and "this run has 12" in out

@@ -239,19 +239,34 @@ def test_profile_scoring_modes(tmp_path, smol32, task, score) -> None:
         assert profile.metric == "es" and all(v in (0.0, 0.5, 1.0) for v in values)
 
 
-def test_paired_gains_subtract_example_by_example(tmp_path) -> None:
+def test_paired_gains_are_exact_paired_tests_holm_corrected_across_baselines(tmp_path) -> None:
+    from scipy import stats
+
     from driftlab.pasta.evaluate import ExampleRecord, paired_gains
 
     rd = RunDir(tmp_path / "e")
-    cfg = PastaEvalConfig(task="counterfact", baselines=["zero-shot", "marked"])
+    cfg = PastaEvalConfig(task="counterfact", baselines=["zero-shot", "marked", "few-shot"])
+    ids = [f"x{i}" for i in range(8)]
+    zero = {"es": dict.fromkeys(ids, 0.0), "ps": dict(zip(ids, [0.1, 0.2, 0.0, 0.5, 0.3, 0.3, 0.0, 0.4], strict=True))}
+    marked = {"es": {**dict.fromkeys(ids, 0.0), "x0": 1.0, "x1": 1.0, "x2": 1.0},  # 3 better, 0 worse
+              "ps": dict(zip(ids, [0.3, 0.6, 0.2, 0.5, 0.9, 0.4, 0.1, 0.8], strict=True))}
+    few = {"es": {**dict.fromkeys(ids, 0.0), "x3": 1.0}, "ps": zero["ps"]}
     with rd.writing():
-        rd.start(cfg.model_dump(mode="json"), {"examples": [{}, {}, {}], "baselines": cfg.baselines},
+        rd.start(cfg.model_dump(mode="json"), {"examples": [{}] * 8, "baselines": cfg.baselines},
                  protocol="pasta-eval")
-        zero, marked = {"a": 1.0, "b": 0.0, "c": 0.0}, {"a": 1.0, "b": 1.0, "c": 1.0}
-        rd.append([ExampleRecord(baseline=b, id=i, metrics={"es": v[i]})
-                   for b, v in (("zero-shot", zero), ("marked", marked)) for i in "abc"])
+        rd.append([ExampleRecord(baseline=b, id=i, metrics={m: v[m][i] for m in v})
+                   for b, v in (("zero-shot", zero), ("marked", marked), ("few-shot", few)) for i in ids])
     gains = paired_gains(rd.path)
-    assert set(gains) == {"marked"} and gains["marked"]["es"][0] == pytest.approx(2 / 3)
-    lo, hi = gains["marked"]["es"][1:]
-    assert 0.0 <= lo <= 2 / 3 <= hi <= 1.0
-    assert paired_gains(rd.path, reference="few-shot") == {}
+    assert set(gains) == {"marked", "few-shot"}
+    es = gains["marked"]["es"]  # 0/1 metric: exact McNemar, 3 vs 0 -> p = 0.25 (paired by example)
+    assert (es.method, es.n, es.better, es.worse, es.tied) == ("exact McNemar", 8, 3, 0, 5)
+    assert es.p == pytest.approx(0.25) and es.diff.estimate == pytest.approx(3 / 8)
+    assert es.p_holm == pytest.approx(min(1.0, 2 * 0.25)) and "too few pairs" in es.warning()
+    assert gains["few-shot"]["es"].p == pytest.approx(1.0) and gains["few-shot"]["es"].p_holm == pytest.approx(1.0)
+    ps = gains["marked"]["ps"]  # graded metric: Wilcoxon signed-rank on the per-example differences
+    diffs = [marked["ps"][i] - zero["ps"][i] for i in ids]
+    nonzero = [d for d in diffs if abs(d) > 1e-12]
+    assert ps.method == "Wilcoxon signed-rank (exact)" and ps.tied == 1
+    assert ps.p == pytest.approx(stats.wilcoxon(nonzero, method=stats.PermutationMethod(n_resamples=float("inf"))).pvalue)
+    assert gains["few-shot"]["ps"].tied == 8 and gains["few-shot"]["ps"].p == 1.0
+    assert paired_gains(rd.path, reference="pasta") == {}  # no such baseline in the run

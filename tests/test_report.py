@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import typer
+from scipy import stats
 from typer.testing import CliRunner
 
 from driftlab.cli.report import print_summary, report, summary_table
@@ -261,7 +262,9 @@ def test_summarize_matches_slow_reference(summary) -> None:
         std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
         assert got.n == len(vals) == 3
         assert got["mean"] == pytest.approx(mean) and got["std"] == pytest.approx(std)
-        assert min(vals) <= got.ci_low <= mean <= got.ci_high <= max(vals)
+        # three conversations: a t-interval (a bootstrap of 3 points cannot see past them)
+        half = stats.t.ppf(0.975, 2) * std / math.sqrt(3)
+        assert got.ci_method == "t" and (got.ci_low, got.ci_high) == pytest.approx((mean - half, mean + half))
     # per category: one conversation each -> the value itself, NaN std and CI
     lang = per_round[(per_round.category == "language") & (per_round.target == "agent")]
     assert set(lang.n) == {1} and lang["std"].isna().all() and lang.ci_low.isna().all()
@@ -374,6 +377,7 @@ def test_summary_csv_matches_summary(run_dir, summary, report_html) -> None:
         "std",
         "ci_low",
         "ci_high",
+        "ci_method",
     ]
     assert np.allclose(csv["mean"], summary.per_round["mean"])
 
@@ -443,6 +447,8 @@ def test_print_summary_for_driftlab_run(run_dir) -> None:
     text = console.export_text()
     assert "agent stability, empty-user ablation" in text and "Incomplete" not in text
     assert summary_table(s).row_count == 4  # rounds 1-3 + overall
+    assert "empty-user - persona (agent)" in text and "Wilcoxon signed-rank (exact)" in text
+    assert "Warning: too few pairs to support a difference" in text  # 3 pairs: the terminal says so too
 
 
 def test_a_completed_manifest_with_short_records_is_reported_incomplete(tmp_path) -> None:
@@ -490,3 +496,27 @@ def test_adoption_excess_is_each_conversations_rise_over_its_round_1(summary) ->
     overall = summary.overall
     cell = overall[(overall.target == "user-excess") & (overall.category == "all")].iloc[0]
     assert cell["mean"] == pytest.approx(0.15) and cell.rounds == "2,3"
+
+
+def test_conditions_are_compared_pair_by_pair(run_dir, summary, report_html) -> None:
+    """The empty-user ablation against the persona run, per conversation: the paired differences
+    of each conversation's mean over rounds, tested by the exact signed-rank test (three pairs:
+    no outcome could reach p < 0.05, and the report says so)."""
+    from driftlab.report.tables import comparison_table
+
+    cmp = summary.comparisons
+    assert list(cmp.target) == ["agent"] and list(cmp.condition) == ["empty-user"] and list(cmp.versus) == ["persona"]
+    row = cmp.iloc[0]
+    per = {c: [np.mean([agent_score(i, c, r, k) for r in (1, 2, 3) for k in (0, 1)]) for i in range(3)]
+           for c in ("persona", "empty-user")}
+    diffs = np.subtract(per["empty-user"], per["persona"])
+    assert row.n == 3 and row["diff"] == pytest.approx(diffs.mean())
+    half = stats.t.ppf(0.975, 2) * diffs.std(ddof=1) / math.sqrt(3)
+    assert (row.diff_ci_low, row.diff_ci_high) == pytest.approx((diffs.mean() - half, diffs.mean() + half))
+    nonzero = diffs[diffs != 0]
+    ref = stats.wilcoxon(nonzero, method=stats.PermutationMethod(n_resamples=np.inf)).pvalue
+    assert row.p == pytest.approx(ref) and row.p_holm == pytest.approx(ref)  # a family of one
+    assert row.method == "Wilcoxon signed-rank (exact)" and "too few pairs" in row.warning
+    table = comparison_table(summary)
+    assert table.rows[0][-1] == row.warning and "Conditions compared on the same conversations" in report_html
+    assert "too few pairs to support a difference" in report_html

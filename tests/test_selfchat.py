@@ -71,6 +71,32 @@ def test_empty_user_prompt_keeps_qwens_default_system_prompt_out(smol_dir):
     assert "You are Qwen" in renderer.text(_dialog("empty-user").user_view(2, fold=True)[1:])  # the old behaviour
 
 
+def test_cfg_unconditional_rows_keep_an_empty_system_message_under_qwens_template(smol_dir):
+    """CFG contrasts the persona with no instruction, not with Qwen's default persona: its
+    unconditional conversation empties the system prompt (as the ablation does) and drops SPR's
+    repeated copies; rendered with Qwen2.5's real template, no "You are Qwen" appears."""
+    from transformers import AutoTokenizer
+
+    from driftlab.chat.hf import _without_system
+    from driftlab.chat.templates import Renderer
+    from driftlab.steering import Interventions
+
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    tok.chat_template = (Path(__file__).parent / "fixtures" / "qwen2.5_chat_template.jinja").read_text()
+    renderer = Renderer(tok)
+    conv = Interventions.parse(["spr:p=1"]).model_view(_dialog().agent_view(3, "a3"))
+    assert sum(m["role"] == "system" for m in conv) == 3  # s_B and SPR's copies before user turns 2 and 3
+    uncond = _without_system(conv)
+    assert uncond[0] == {"role": "system", "content": ""} and all(m["role"] != "system" for m in uncond[1:])
+    assert uncond[1:] == [m for m in conv if m["role"] != "system"]
+    text = renderer.text(uncond)
+    assert "You are Qwen" not in text and text.startswith("<|im_start|>system\n<|im_end|>")
+    assert _dialog().pair.agent.system_prompt not in text
+    assert "You are Qwen" in renderer.text([m for m in conv if m["role"] != "system"])  # the old behaviour
+    no_system = [{"role": "user", "content": "hi"}]
+    assert _without_system(no_system) == no_system  # nothing to remove: the same as the conditional row
+
+
 def test_item_seeds_are_stable_and_distinct():
     assert item_seed(0, 1, "persona", 2, "agent") == item_seed(0, 1, "persona", 2, "agent")
     seeds = {item_seed(0, p, c, r, w) for p in range(5) for c in ("persona", "empty-user")
@@ -111,6 +137,55 @@ def test_scripted_run_has_every_record_once_and_each_turn_sees_its_dialog(tmp_pa
             probe = d.pair.agent.probe if r.target == "agent" else d.pair.user.probe
             assert r.text == scripted_text(d.agent_view(r.round, probe), r.seed)
             assert r.score == pytest.approx(get_persona(r.persona).score(r.text))
+
+
+def test_probe_after_agent_sees_the_exchange_of_its_round_as_the_reference_code_does(tmp_path):
+    """--probe-after agent (likenneth/persona_drift): the probe of round i follows b_i, so it sees
+    [s_B, a_1, b_1, ..., a_i, b_i, p_B]; it runs with b_{i+1} (same prefix), the last round's after
+    the dialog. The dialog itself is the same as with the default, and so is every seed."""
+    from driftlab.protocol.dialog import pairs_from_manifest
+    from fakes import scripted_text
+
+    backend = ScriptedBackend()
+    records = _scripted_run(tmp_path / "agent", backend, probe_after="agent")
+    manifest = RunDir(tmp_path / "agent").read_manifest()
+    assert manifest["config"]["probe_after"] == "agent"  # recorded
+    assert len(records) == sum(SelfChat.expected(manifest).values()) == len(set(_keys(records)))
+    dialogs = Dialog.from_records(pairs_from_manifest(manifest), manifest["conditions"], records)
+    probes = [r for r in records if r.kind == "probe"]
+    assert {r.round for r in probes} == {1, 2, 3}
+    for r in probes:
+        d = next(x for x in dialogs if (x.pair.index, x.condition) == (r.pair, r.condition))
+        probe = d.pair.agent.probe if r.target == "agent" else d.pair.user.probe
+        shown = d.agent_view(r.round + 1, probe)
+        assert shown[-3:-1] == [{"role": "user", "content": d.a[r.round]}, {"role": "assistant", "content": d.b[r.round]}]
+        assert r.text == scripted_text(shown, r.seed)
+    # Probes of round i share the batch of b_{i+1} (their common prefix); the last round's come alone.
+    probe_texts = {d.pair.agent.probe for d in dialogs} | {d.pair.user.probe for d in dialogs}
+    for request in backend.requests:
+        rows = request.conversations
+        is_probe = [c[-1]["content"] in probe_texts and c[-1]["role"] == "user" for c in rows]
+        prefixes = {repr(c[:-1]) for c, p in zip(rows, is_probe, strict=True) if not p}
+        if any(is_probe) and prefixes:
+            assert all(repr(c[:-1]) in prefixes for c, p in zip(rows, is_probe, strict=True) if p)
+    last = backend.requests[-1].conversations
+    assert all(len(c) == 1 + 2 * 3 + 1 for c in last)  # the final batch: round 3's probes, after b_3
+    default = _scripted_run(tmp_path / "user")
+    turns = lambda rs: sorted(r.model_dump_json() for r in rs if r.kind == "turn")  # noqa: E731
+    assert turns(records) == turns(default)  # the dialogs do not depend on where the probes go
+    assert SelfChatConfig().probe_after == "user"  # the default is unchanged: the probe replaces a_i
+
+
+def test_probe_after_agent_resumes_exactly(tmp_path):
+    full = _scripted_run(tmp_path / "full", probe_after="agent")
+    run = tmp_path / "cut"
+    _scripted_run(run, probe_after="agent")
+    lines = (run / "records.jsonl").read_text().splitlines(keepends=True)
+    gone = [i for i, line in enumerate(lines) if '"kind": "probe"' in line and '"round": 3' in line][:2]
+    gone.append(next(i for i, line in enumerate(lines) if '"round": 2' in line and '"speaker": "agent"' in line))
+    (run / "records.jsonl").write_text("".join(line for i, line in enumerate(lines) if i not in gone))
+    resumed = _scripted_run(run, probe_after="agent")
+    assert sorted(r.model_dump_json() for r in resumed) == sorted(r.model_dump_json() for r in full)
 
 
 def test_probe_replies_never_enter_the_dialog(tmp_path):

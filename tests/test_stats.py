@@ -10,7 +10,22 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from driftlab.stats import bootstrap_mean_ci, mean_ci, paired_mean_ci
+from driftlab import stats as ds
+from driftlab.stats import (
+    BOOTSTRAP_MIN_N,
+    bootstrap_mean_ci,
+    holm,
+    mean_ci,
+    mean_interval,
+    paired_t_power,
+    paired_test,
+    pairs_needed_means,
+    pairs_needed_proportions,
+    proportion_interval,
+    t_interval,
+    wilcoxon_signed_rank,
+    with_holm,
+)
 
 
 def _quantile(sorted_vals: list[float], p: float) -> float:
@@ -112,22 +127,227 @@ def test_bootstrap_falls_back_to_percentile_where_bca_is_undefined() -> None:
     assert x.min() <= lo <= hi <= x.max()
 
 
-def test_mean_ci_is_the_mean_with_the_bootstrap_interval():
+def test_mean_ci_is_mean_interval_as_a_tuple():
     values = [True, False, True, True, False, True, True, False]
-    mean, lo, hi = mean_ci(values, seed=3)
-    assert mean == pytest.approx(5 / 8)
-    assert (lo, hi) == bootstrap_mean_ci(np.asarray(values, dtype=float), rng=3)
-    assert 0.0 <= lo <= mean <= hi <= 1.0
-    assert mean_ci([2.0, 2.0, 2.0]) == (2.0, 2.0, 2.0)
+    assert mean_ci(values) == mean_interval(values).as_tuple()
     m, lo1, hi1 = mean_ci([0.5])
     assert m == 0.5 and math.isnan(lo1) and math.isnan(hi1)
     assert all(math.isnan(x) for x in mean_ci([]))
 
 
-def test_paired_mean_ci_pairs_items_in_the_first_mappings_order():
+# -- intervals chosen by n ------------------------------------------------------------------------
+def test_the_interval_rule_picks_by_data_and_n() -> None:
+    gen = np.random.default_rng(4)
+    assert mean_interval([1, 0, 1, 1]).method == "wilson"  # 0/1 values: a proportion, at any n
+    assert mean_interval((gen.uniform(size=200) < 0.4).astype(float)).method == "wilson"
+    assert mean_interval(gen.uniform(size=BOOTSTRAP_MIN_N - 1)).method == "t"
+    assert mean_interval(gen.uniform(size=BOOTSTRAP_MIN_N)).method == "bca"
+    assert mean_interval([0.3]).method == "none" and math.isnan(mean_interval([0.3]).low)
+    assert mean_interval([]).n == 0 and math.isnan(mean_interval([]).estimate)
+    assert mean_interval([0.4] * 5).as_tuple() == (0.4, 0.4, 0.4)  # constant graded values
+    # Twelve of twelve right is not certainty: Wilson keeps width where a bootstrap has none.
+    all_right = mean_interval([1.0] * 12)
+    assert all_right.high == 1.0 and all_right.low == pytest.approx(0.7575, abs=1e-4)
+    assert mean_interval([1.0, float("nan"), 0.0]).n == 2  # NaN dropped
+    x = gen.uniform(size=40)
+    assert mean_interval(x, rng=3).as_tuple()[1:] == bootstrap_mean_ci(x, rng=3)
+
+
+@pytest.mark.parametrize("n", [2, 4, 9, 29])
+def test_t_interval_matches_scipy(n: int) -> None:
+    x = np.random.default_rng(n).normal(0.3, 0.2, size=n)
+    iv = t_interval(x)
+    lo, hi = stats.t.interval(0.95, n - 1, loc=x.mean(), scale=stats.sem(x))
+    assert (iv.low, iv.high) == pytest.approx((lo, hi), rel=1e-12) and iv.n == n and iv.method == "t"
+
+
+def test_t_interval_of_qwen_papers_four_conversations() -> None:
+    """Issue 22's example: qwen-paper's 4 conversations (overall agent stability, committed records)
+    have a bootstrap CI of [0.07, 0.45] but a t-interval of [-0.05, 0.63]; their paired
+    difference from the empty-user ablation has a t-interval of [-0.22, +0.64]."""
+    persona = {0: 0.0, 1: 0.28965745236617696, 2: 0.375, 3: 0.5}
+    empty = {0: 0.5, 1: 0.6361017145378838, 2: 0.5, 3: 0.375}
+    iv = mean_interval(list(persona.values()))
+    assert iv.method == "t" and (round(iv.low, 2), round(iv.high, 2)) == (-0.05, 0.63)
+    t = paired_test(empty, persona)
+    assert (round(t.diff.low, 2), round(t.diff.high, 2)) == (-0.22, 0.64)
+    assert (t.better, t.worse, t.method) == (3, 1, "Wilcoxon signed-rank (exact)")
+    assert t.p == pytest.approx(0.375)  # ranks 1..4, T- = 1 (the 0.125 drop): P(T- <= 1) * 2 = 3/16 * 2
+    assert "too few pairs" in t.warning()
+
+
+@pytest.mark.parametrize("k, n", [(0, 10), (3, 20), (7, 12), (12, 12), (40, 100)])
+def test_proportion_intervals_match_statsmodels(k: int, n: int) -> None:
+    from statsmodels.stats.proportion import proportion_confint
+
+    wilson = proportion_interval(k, n)
+    exact = proportion_interval(k, n, method="exact")
+    assert (wilson.low, wilson.high) == pytest.approx(proportion_confint(k, n, method="wilson"), abs=1e-10)
+    assert (exact.low, exact.high) == pytest.approx(proportion_confint(k, n, method="beta"), abs=1e-10)
+    assert wilson.estimate == k / n and wilson.method == "wilson" and exact.method == "exact"
+    assert exact.high - exact.low >= wilson.high - wilson.low  # exact never undercovers: it is wider
+
+
+# -- paired tests ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("better, worse, tied, p", [(3, 0, 17, 0.25), (5, 0, 7, 0.0625), (4, 0, 6, 0.125),
+                                                     (0, 0, 5, 1.0), (9, 1, 10, 0.021484375)])
+def test_exact_mcnemar_hand_checked_and_against_statsmodels(better: int, worse: int, tied: int, p: float) -> None:
+    """Issue 22's cases: CounterFact 3 better / 0 worse of 20 -> p = 0.25; pronouns 5 vs 0 of 12 ->
+    0.0625; the smoke sweep's 4 vs 0 -> 0.125 (2 * 0.5^k when every discordant pair goes one way)."""
+    from statsmodels.stats.contingency_tables import mcnemar
+
+    a = [1.0] * better + [0.0] * worse + [1.0] * (tied // 2) + [0.0] * (tied - tied // 2)
+    b = [0.0] * better + [1.0] * worse + [1.0] * (tied // 2) + [0.0] * (tied - tied // 2)
+    t = paired_test(a, b)
+    assert t.method == "exact McNemar" and (t.better, t.worse, t.tied, t.n) == (better, worse, tied, len(a))
+    assert t.p == pytest.approx(p, rel=1e-12)
+    table = [[tied // 2, better], [worse, tied - tied // 2]]
+    assert t.p == pytest.approx(mcnemar(table, exact=True).pvalue, rel=1e-12)
+    assert t.diff.estimate == pytest.approx((better - worse) / len(a))
+
+
+def test_paired_proportion_differences_stay_within_minus_one_and_one() -> None:
+    t = paired_test([1.0] * 18 + [0.0] * 2, [0.0] * 20)  # a t-interval of these differences reaches past 1
+    raw = stats.t.interval(0.95, 19, loc=0.9, scale=stats.sem([1.0] * 18 + [0.0] * 2))
+    assert raw[1] > 1.0 and t.diff.high == 1.0 and t.diff.low == pytest.approx(raw[0])
+    graded = paired_test([2.0, 3.5, 4.0], [0.1, 0.2, 0.0])  # graded scores: no bound is known, none applied
+    assert graded.diff.high > 3.0
+
+
+def test_sign_test_of_the_sweeps_cfg_claim() -> None:
+    """Issue 22: CFG vs plain over 10 pairs, 4 constant, 5 better / 1 worse: sign test p = 0.22."""
+    cfg = [0.6, 0.7, 0.5, 0.9, 0.8, 0.2, 0.5, 0.5, 0.5, 0.5]
+    plain = [0.5, 0.6, 0.4, 0.3, 0.7, 0.4, 0.5, 0.5, 0.5, 0.5]
+    t = paired_test(cfg, plain, method="sign")
+    assert (t.better, t.worse, t.tied, t.method) == (5, 1, 4, "sign test")
+    assert t.p == pytest.approx(0.21875) and round(t.p, 2) == 0.22
+    from statsmodels.stats.descriptivestats import sign_test as sm_sign
+
+    assert t.p == pytest.approx(sm_sign(np.subtract(cfg, plain))[1])
+
+
+@pytest.mark.parametrize("n", [5, 9, 20, 45])
+def test_wilcoxon_without_ties_matches_scipys_exact(n: int) -> None:
+    gen = np.random.default_rng(n)
+    d = gen.normal(0.2, 1.0, size=n)
+    p, name = wilcoxon_signed_rank(d)
+    assert name == "Wilcoxon signed-rank (exact)"
+    assert p == pytest.approx(stats.wilcoxon(d, method="exact").pvalue, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_wilcoxon_with_ties_and_zeros_matches_scipys_full_permutation(seed: int) -> None:
+    """Graded scores (probe means in steps of 1/8) tie often; scipy's "exact" ignores ties, its
+    full sign-flip permutation does not: ours must equal the permutation, zeros dropped."""
+    gen = np.random.default_rng(seed)
+    d = np.round(gen.normal(0.1, 0.3, size=12) * 8) / 8
+    nz = d[d != 0]
+    assert len(np.unique(np.abs(nz))) < len(nz)  # there are ties (the case under test)
+    p, _ = wilcoxon_signed_rank(d)
+    ref = stats.wilcoxon(nz, method=stats.PermutationMethod(n_resamples=np.inf)).pvalue
+    assert p == pytest.approx(ref, rel=1e-9)
+
+
+def test_wilcoxon_beyond_the_exact_limit_is_scipys_normal_approximation(monkeypatch) -> None:
+    d = np.random.default_rng(1).normal(0.1, 1.0, size=60)
+    monkeypatch.setattr(ds, "WILCOXON_EXACT_MAX", 50)
+    p, name = wilcoxon_signed_rank(d)
+    assert "normal approx" in name and p == pytest.approx(stats.wilcoxon(d, method="approx").pvalue)
+
+
+def test_paired_test_pairs_by_key_and_checks_its_inputs() -> None:
     a = {"x": 1.0, "y": 0.0, "z": 1.0, "w": 1.0}
-    b = {"w": 0.0, "y": 0.0, "x": 1.0, "v": 5.0}  # v unpaired, z unpaired
-    n, mean, lo, hi = paired_mean_ci(a, b, seed=2)
-    assert n == 3 and mean == pytest.approx(1 / 3)
-    assert (mean, lo, hi) == mean_ci([0.0, 0.0, 1.0], seed=2)  # x, y, w: a's order
-    assert paired_mean_ci({}, b)[0] == 0 and math.isnan(paired_mean_ci({}, b)[1])
+    b = {"w": 0.0, "y": 0.0, "x": 1.0, "v": 5.0}  # v and z unpaired
+    t = paired_test(a, b)
+    assert (t.n, t.better, t.worse, t.tied, t.method) == (3, 1, 0, 2, "exact McNemar")
+    assert t.diff.estimate == pytest.approx(1 / 3)
+    assert paired_test([0.2, float("nan")], [0.1, 0.3]).n == 1  # a pair with a NaN is dropped
+    with pytest.raises(ValueError, match="McNemar"):
+        paired_test([0.5, 1.0], [0.0, 1.0], method="mcnemar")
+    with pytest.raises(ValueError, match="length"):
+        paired_test([1.0], [1.0, 0.0])
+    with pytest.raises(TypeError):
+        paired_test({"a": 1.0}, [1.0])
+    empty = paired_test({}, b)
+    assert empty.n == 0 and empty.p == 1.0 and empty.warning() == "no pairs: nothing to compare"
+
+
+def test_warnings_say_when_n_cannot_support_a_difference() -> None:
+    assert "all 5 pairs tied" in paired_test([1.0] * 5, [1.0] * 5).warning()
+    few = paired_test([1.0] * 5 + [0.0] * 7, [0.0] * 12)
+    assert few.min_p == 0.0625 and "even all 5 one way would give p = 0.0625" in few.warning()
+    enough = paired_test([1.0] * 9 + [0.0] * 11, [0.0] * 9 + [1.0] + [0.0] * 10)
+    assert enough.warning() is None and enough.significant  # 9 vs 1: p = 0.021
+    corrected = with_holm([enough, enough, enough])[0]
+    assert corrected.p_holm == pytest.approx(3 * enough.p) and not corrected.significant
+    assert "Holm-corrected p" in corrected.warning()
+    row = corrected.as_dict("gain_")
+    assert row["gain_n"] == 20 and row["gain_method"] == "exact McNemar" and row["gain_ci_method"] == "t"
+
+
+# -- Holm -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(5))
+def test_holm_matches_statsmodels(seed: int) -> None:
+    from statsmodels.stats.multitest import multipletests
+
+    gen = np.random.default_rng(seed)
+    p = gen.uniform(0, 0.2, size=int(gen.integers(1, 12)))
+    p[gen.uniform(size=p.size) < 0.2] = 0.01  # ties
+    assert holm(p) == pytest.approx(list(multipletests(p, method="holm")[1]), rel=1e-12)
+
+
+def test_holm_leaves_nan_out_of_the_family() -> None:
+    out = holm([0.01, float("nan"), 0.04])
+    assert out[0] == pytest.approx(0.02) and math.isnan(out[1]) and out[2] == pytest.approx(0.04)
+    assert holm([]) == [] and with_holm([None]) == [None]
+
+
+# -- power ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("d", [0.2, 0.5, 0.8, 1.3])
+def test_pairs_needed_for_means_match_statsmodels(d: float) -> None:
+    from statsmodels.stats.power import TTestPower
+
+    ref = TTestPower().solve_power(effect_size=d, alpha=0.05, power=0.8)
+    assert pairs_needed_means(d * 0.3, 0.3) == math.ceil(ref)
+    assert paired_t_power(10, d) == pytest.approx(TTestPower().power(effect_size=d, nobs=10, alpha=0.05), rel=1e-8)
+
+
+def _slow_mcnemar_power(n: int, p_better: float, p_worse: float, alpha: float = 0.05) -> float:
+    """The exact power of the exact McNemar test by brute force: for every discordant count k and
+    better count x, the probability of (k, x) times whether scipy's binomtest rejects at alpha."""
+    psi = p_better + p_worse
+    power = 0.0
+    for k in range(1, n + 1):
+        pk = stats.binom.pmf(k, n, psi)
+        for x in range(k + 1):
+            if stats.binomtest(x, k, 0.5).pvalue < alpha:
+                power += pk * stats.binom.pmf(x, k, p_better / psi)
+    return power
+
+
+@pytest.mark.parametrize("n, p_better, p_worse", [(20, 0.15, 0.05), (57, 0.08, 0.02), (40, 0.3, 0.1), (9, 0.4, 0.0)])
+def test_mcnemar_power_matches_brute_force(n: int, p_better: float, p_worse: float) -> None:
+    assert ds.mcnemar_power(n, p_better, p_worse) == pytest.approx(_slow_mcnemar_power(n, p_better, p_worse), abs=1e-12)
+
+
+@pytest.mark.parametrize("p_better, p_worse", [(0.15, 0.05), (0.08, 0.02), (0.3, 0.1), (0.05, 0.0)])
+def test_pairs_needed_for_proportions_give_the_power_asked(p_better: float, p_worse: float) -> None:
+    """The n returned is the first, from Connor's approximation up, whose exact power reaches 0.8;
+    Connor's n itself falls short (the exact test is conservative), so the search is needed."""
+    n = pairs_needed_proportions(p_better - p_worse, p_better + p_worse)
+    assert ds.mcnemar_power(n, p_better, p_worse) >= 0.8 > ds.mcnemar_power(n - 1, p_better, p_worse)
+    delta, psi = p_better - p_worse, p_better + p_worse
+    connor = math.ceil((1.959963984540054 * math.sqrt(psi) + 0.8416212335729143 * math.sqrt(psi - delta**2)) ** 2
+                       / delta**2)
+    assert connor <= n <= 1.35 * connor + 5
+    assert _slow_mcnemar_power(int(n * 2 / 3), p_better, p_worse) < 0.72
+
+
+def test_power_inputs_are_checked() -> None:
+    assert pairs_needed_proportions(0.1, 0.1) < pairs_needed_proportions(0.1, 0.3)  # more noise, more pairs
+    with pytest.raises(ValueError, match="discordant share"):
+        pairs_needed_proportions(0.2, 0.1)
+    with pytest.raises(ValueError, match="effect"):
+        pairs_needed_proportions(0.0, 0.1)
+    with pytest.raises(ValueError, match="sd"):
+        pairs_needed_means(0.1, 0.0)

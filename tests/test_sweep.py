@@ -26,6 +26,40 @@ def test_paper_pairs_are_the_20_ordered_pairs_of_one_persona_per_category():
     assert len({a for a, _ in pairs[:5]}) == 5  # the first few pairs already spread over the agents
 
 
+# The reference code's index 0 of each category list (likenneth/persona_drift, hundred_system_prompts.py),
+# its system prompts as written there; the pattern one is Table 2's wording in driftlab's data.
+REFERENCE_PROMPTS = {
+    "multiple_choice": "You are a pretentious academic. Your vocabulary is that of a pretentious academic.",
+    "persona": "You love playing tennis. It's your favorite hobby.",
+    "memorization": "If you are asked for a book recommendation, suggest the Harry Potter series.",
+    "language": "Always reply in French. After every sentence, put in parenthes",
+}
+
+
+def test_reference_persona_set_is_index_0_of_each_category_of_the_reference_code():
+    from driftlab.errors import DriftlabError
+    from driftlab.protocol.sweep import sweep_personas
+
+    five = sweep_personas("reference")
+    personas = [get_persona(i) for i in five]
+    assert [p.category for p in personas] == ["multiple_choice", "persona", "pattern", "memorization", "language"]
+    for p in personas:
+        if p.category in REFERENCE_PROMPTS:
+            assert p.system_prompt.startswith(REFERENCE_PROMPTS[p.category]), p.id
+    assert get_persona(five[2]).system_prompt == "Always start your words with the letter A."
+    pairs = paper_pairs("reference")
+    assert len(pairs) == 20 == len(set(pairs)) and {a for a, _ in pairs} == set(five)
+    assert paper_pairs() == paper_pairs("table2") != pairs  # the default set is kept, by name
+    assert sweep_personas("table2") != five
+    cfg = SweepConfig(personas="reference")
+    assert cfg.pair_ids == pairs and cfg.model_dump(mode="json")["personas"] == "reference"  # recorded
+    assert SweepConfig(personas="reference", pair_ids=pairs[:3]).pair_ids == pairs[:3]  # explicit pairs win
+    assert SweepConfig().personas == "table2" and SweepConfig().pair_ids == paper_pairs()
+    assert SweepConfig(probe_after="agent").selfchat(None).probe_after == "agent"
+    with pytest.raises(DriftlabError, match="Unknown sweep persona set"):
+        sweep_personas("paper")
+
+
 def test_grid_is_validated_and_normalised():
     cfg = SweepConfig(grid={"split-softmax": ["split-softmax:k=.5"]})
     assert cfg.model_dump(mode="json")["grid"] == {"split-softmax": ["split-softmax:k=0.5,heads=all"]}
@@ -70,7 +104,28 @@ def test_tiny_sweep_end_to_end_and_resume(tiny, tmp_path):
     # the paired gain over plain: zero for plain, and (complete runs, same pairs) the difference of the means
     assert table.loc[0, "stability_gain"] == 0.0
     assert (table.stability_gain - (table.stability - table.loc[0, "stability"])).abs().max() < 1e-9
+    # each point against plain on the same pairs and questions, Holm over the sweep's points
+    from statsmodels.stats.multitest import multipletests
+
+    steered = table.iloc[1:]
+    assert (steered.gain_method.str.startswith("Wilcoxon signed-rank")).all()
+    assert (steered.mmlu_method == "exact McNemar").all() and (table.mmlu_n == 4).all() and (table.gain_n == 2).all()
+    assert table.loc[0, ["gain_p", "mmlu_p"]].isna().all()  # plain is the baseline, not a comparison
+    for col in ("gain_p", "mmlu_p"):
+        assert list(steered[f"{col}_holm"]) == pytest.approx(list(multipletests(steered[col], method="holm")[1]))
+    assert (steered.mmlu_drop == (steered.mmlu_lost - steered.mmlu_gained) / 4).all()
+    assert (steered.gain_better + steered.gain_worse + steered.gain_tied == 2).all()
+    assert steered.warning.str.contains("too few pairs|tied").all()  # 2 pairs and 4 questions support nothing
+    from driftlab.report.sweep import power_notes
+    from driftlab.stats import pairs_needed_proportions
+
+    notes = power_notes(table)
+    shares = ((steered.mmlu_lost + steered.mmlu_gained) / 4).median()
+    want = pairs_needed_proportions(0.05, min(1.0, max(0.1, shares)))
+    assert f"An MMLU drop of 0.05 needs about {want} questions" in notes[-1] and "this sweep has 4" in notes[-1]
     page = write_sweep_report(tmp_path / "sweep")
+    text = page.read_text()
+    assert "Where n does not support a difference" in text and "What this n can detect" in text
     assert page.stat().st_size > 10_000 and (tmp_path / "sweep" / "sweep_tradeoff.png").is_file()
     records = sorted((tmp_path / "sweep").rglob("records.jsonl"))
     assert len(records) == 3 * 2 + 3 * 1  # per point: self-chat + MMLU; and each MMLU's history (turn 2)
@@ -79,3 +134,30 @@ def test_tiny_sweep_end_to_end_and_resume(tiny, tmp_path):
     assert [r.read_bytes() for r in records] == before
     pd.testing.assert_frame_equal(sweep_table(tmp_path / "sweep"), table)
     assert point_dir(tmp_path / "sweep", "spr:p=1.0,seed=0").name == "spr_p1.0_seed0"
+
+
+@pytest.mark.parametrize("argv, field, value", [
+    (["run", "--probe-after", "agent"], "probe_after", "agent"),
+    (["run"], "probe_after", "user"),
+    (["sweep", "--personas", "reference", "--pairs", "3", "--probe-after", "agent"], "personas", "reference"),
+])
+def test_cli_records_probe_after_and_the_persona_set_in_the_config(monkeypatch, tmp_path, argv, field, value):
+    """The flags reach the protocol's config (what the manifest records); the run itself is cut off."""
+    from typer.testing import CliRunner
+
+    import driftlab.protocol.runner as runner
+    from driftlab.cli import app
+
+    seen = {}
+
+    def capture(protocol, out, **kwargs):
+        seen["config"] = protocol.config
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_protocol", capture)
+    CliRunner().invoke(app, [*argv, "--out", str(tmp_path / "out"), "--device", "cpu"])
+    config = seen["config"]
+    assert getattr(config, field) == value
+    if argv[0] == "sweep":
+        assert config.pair_ids == paper_pairs("reference")[:3] and config.probe_after == "agent"
+        assert config.selfchat(None).probe_after == "agent"

@@ -1,24 +1,236 @@
-"""Statistics every layer shares: confidence intervals of means, paired differences.
+"""Statistics every layer shares: intervals chosen by n, paired tests, Holm, power.
 
 Below protocols and reports: a protocol that decides from a measured difference
-(calibration) and a report that prints one use the same procedures.
+(calibration) and a report that prints one use the same procedures, so a number means the
+same thing in every table. Every result carries its n and the name of its method.
 
-* `bootstrap_mean_ci(values)`: BCa bootstrap CI of a mean (scipy.stats.bootstrap), with
-  the cases scipy leaves open handled (n < 2, constant data, degenerate jackknife);
-* `mean_ci(values)`: (mean, low, high) with that CI, NaNs dropped;
-* `paired_mean_ci(a, b)`: the mean of the per-item differences a - b over the items both
-  have, with its CI (the same items measured twice: MMLU questions, PASTA examples).
+Why these rules (issue 22): with the few conversations or examples a CPU run affords, a
+bootstrap interval is too narrow (it cannot see further than the n points it resamples) and
+a paired 0/1 difference of 3 better / 0 worse out of 20 is not evidence of anything
+(exact p = 0.25). So:
+
+* **Intervals, chosen by the data and n** (`mean_interval`):
+  0/1 values (a proportion) get the Wilson score interval at every n (`"wilson"`; exact
+  Clopper-Pearson on request); graded values get Student's t-interval below
+  `BOOTSTRAP_MIN_N` = 30 values (`"t"`) and the BCa bootstrap from 30 on (`"bca"`), where
+  it has enough points to see the shape of the distribution (skew) that t assumes away.
+  Graded values with n < 2 get a NaN interval (`"none"`): one value says nothing about
+  spread (a single 0/1 value still bounds a proportion, so Wilson applies from n = 1).
+* **Paired tests** (`paired_test`): the same items measured twice (conversations under two
+  steerings, MMLU questions, PASTA examples). 0/1 outcomes get the exact McNemar test (a
+  binomial test on the discordant pairs), graded scores the Wilcoxon signed-rank test
+  (exact by enumerating sign flips, ties and all, up to `WILCOXON_EXACT_MAX` untied pairs;
+  normal approximation beyond) or, on request, the sign test. The effect size is the mean
+  difference a - b with its interval (by the rule above, on the differences) and the counts
+  better / worse / tied.
+* **A family** of comparisons (a sweep's points against the baseline, a table's baselines
+  against zero-shot) is corrected by Holm's step-down method (`holm`, `with_holm`).
+* **Power** (`pairs_needed_proportions`: the exact McNemar test's exact power;
+  `pairs_needed_means`: the paired t-test's, noncentral t): how many pairs or questions a
+  paired effect needs at alpha 0.05 and power 0.8, so a "no measurable difference" comes with
+  the n that would have measured one.
+
+`bootstrap_mean_ci` remains the BCa bootstrap itself (used by `mean_interval` at n >= 30).
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
 
 import numpy as np
 
 N_RESAMPLES = 2000
 CONFIDENCE = 0.95
+ALPHA = 0.05
+POWER = 0.8
+BOOTSTRAP_MIN_N = 30  # below this many values a mean gets a t-interval, not a bootstrap
+WILCOXON_EXACT_MAX = 400  # untied pairs up to which the signed-rank null is enumerated exactly
+
+IntervalMethod = Literal["wilson", "exact", "t", "bca", "constant", "none"]
+PairedMethod = Literal["auto", "mcnemar", "wilcoxon", "sign"]
+
+METHOD_LABELS = {
+    "wilson": "Wilson score interval", "exact": "Clopper-Pearson exact interval", "t": "t-interval",
+    "bca": "BCa bootstrap", "constant": "constant values", "none": "n < 2: no interval",
+}
+
+
+# -- result types -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Interval:
+    """An estimate with its interval, the n behind it and the method that made the interval."""
+
+    estimate: float
+    low: float
+    high: float
+    n: int
+    method: IntervalMethod
+    confidence: float = CONFIDENCE
+
+    def as_tuple(self) -> tuple[float, float, float]:
+        """(estimate, low, high), the shape older callers use."""
+        return (self.estimate, self.low, self.high)
+
+    def cell(self, digits: int = 3, sign: bool = False) -> str:
+        """'0.42 [0.31, 0.55]' (signed with `sign`); just the estimate when there is no interval."""
+        f = f"{{:+.{digits}f}}" if sign else f"{{:.{digits}f}}"
+        if not math.isfinite(self.estimate):
+            return "-"
+        if not (math.isfinite(self.low) and math.isfinite(self.high)):
+            return f.format(self.estimate)
+        return f"{f.format(self.estimate)} [{f.format(self.low)}, {f.format(self.high)}]"
+
+
+@dataclass(frozen=True)
+class PairedTest:
+    """A paired comparison of a against b: the test, its p-value and the effect size.
+
+    `diff` is the mean of a - b over the `n` pairs with its interval; `better`, `worse` and
+    `tied` count pairs with a > b, a < b, a == b. `p_holm` is set once the test is corrected
+    within a family (`with_holm`); `p_adjusted` is that, or `p` for a lone comparison.
+    """
+
+    n: int
+    better: int
+    worse: int
+    tied: int
+    diff: Interval
+    p: float
+    method: str
+    p_holm: float | None = None
+    alpha: float = ALPHA
+
+    @property
+    def untied(self) -> int:
+        return self.better + self.worse
+
+    @property
+    def min_p(self) -> float:
+        """The smallest two-sided p any outcome of these untied pairs could give: all of them one
+        way has probability 2^-k under every test here (McNemar, sign, signed-rank)."""
+        return min(1.0, 2.0 ** (1 - self.untied)) if self.untied else 1.0
+
+    @property
+    def p_adjusted(self) -> float:
+        return self.p if self.p_holm is None else self.p_holm
+
+    @property
+    def significant(self) -> bool:
+        return math.isfinite(self.p_adjusted) and self.p_adjusted < self.alpha
+
+    def warning(self) -> str | None:
+        """A plain sentence when n does not support a difference, None when the test does."""
+        if self.n == 0:
+            return "no pairs: nothing to compare"
+        if self.untied == 0:
+            return f"all {self.n} pairs tied: no difference measurable"
+        if self.min_p >= self.alpha:
+            return (f"too few pairs to support a difference: {self.untied} of {self.n} differ, and even all "
+                    f"{self.untied} one way would give p = {self.min_p:.3g} (>= {self.alpha:g})")
+        if not self.significant:
+            which = "Holm-corrected p" if self.p_holm is not None else "p"
+            return f"no difference shown: {which} = {self.p_adjusted:.3g} (>= {self.alpha:g}, n = {self.n})"
+        return None
+
+    def as_dict(self, prefix: str = "") -> dict[str, Any]:
+        """Flat columns for a table: n, better/worse/tied, diff with its CI and CI method, p, p_holm, method."""
+        d = {"n": self.n, "better": self.better, "worse": self.worse, "tied": self.tied,
+             "diff": self.diff.estimate, "diff_ci_low": self.diff.low, "diff_ci_high": self.diff.high,
+             "ci_method": self.diff.method, "p": self.p,
+             "p_holm": float("nan") if self.p_holm is None else self.p_holm, "method": self.method}
+        return {f"{prefix}{k}": v for k, v in d.items()}
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "warning": self.warning()}
+
+
+# -- intervals ----------------------------------------------------------------------------------
+def _finite(values: Iterable[float | bool] | np.ndarray) -> np.ndarray:
+    x = np.asarray([float(v) for v in values], dtype=np.float64)
+    return x[np.isfinite(x)]
+
+
+def is_binary(values: np.ndarray) -> bool:
+    """All values 0 or 1 (a proportion), and at least one value."""
+    return bool(values.size) and bool(np.all((values == 0) | (values == 1)))
+
+
+def proportion_interval(successes: int, n: int, method: Literal["wilson", "exact"] = "wilson",
+                        confidence: float = CONFIDENCE) -> Interval:
+    """The proportion successes/n with its Wilson score (default) or Clopper-Pearson exact interval.
+
+    Wilson keeps its coverage near nominal at small n and at 0/n or n/n, where the normal
+    (Wald) interval collapses to zero width; Clopper-Pearson never undercovers, at the cost
+    of width.
+    """
+    if n <= 0:
+        return Interval(float("nan"), float("nan"), float("nan"), 0, "none", confidence)
+    from scipy import stats
+
+    ci = stats.binomtest(int(successes), int(n)).proportion_ci(confidence_level=confidence, method=method)
+    return Interval(successes / n, float(ci.low), float(ci.high), int(n), method, confidence)
+
+
+def t_interval(values: Iterable[float] | np.ndarray, confidence: float = CONFIDENCE) -> Interval:
+    """Student's t-interval of the mean (NaNs dropped): mean +- t_{n-1} * sd / sqrt(n)."""
+    from scipy import stats
+
+    x = _finite(values)
+    n = x.size
+    if n < 2:
+        return Interval(float(x.mean()) if n else float("nan"), float("nan"), float("nan"), n, "none", confidence)
+    mean = float(x.mean())
+    if np.ptp(x) == 0:
+        return Interval(mean, mean, mean, n, "constant", confidence)
+    half = float(stats.t.ppf((1 + confidence) / 2, n - 1) * x.std(ddof=1) / math.sqrt(n))
+    return Interval(mean, mean - half, mean + half, n, "t", confidence)
+
+
+def mean_interval(values: Iterable[float | bool] | np.ndarray, *, confidence: float = CONFIDENCE,
+                  rng: np.random.Generator | int | None = 0, proportion: Literal["wilson", "exact"] = "wilson",
+                  n_resamples: int = N_RESAMPLES) -> Interval:
+    """The mean of `values` (NaNs dropped) with the interval the data and n support.
+
+    0/1 values: Wilson (or `proportion="exact"`: Clopper-Pearson) at any n; graded values:
+    t below BOOTSTRAP_MIN_N, BCa bootstrap (seeded by `rng`) from there; n < 2: no interval;
+    constant graded values: zero width at the value.
+    """
+    x = _finite(values)
+    n = x.size
+    if n == 0:
+        return Interval(float("nan"), float("nan"), float("nan"), 0, "none", confidence)
+    if is_binary(x):
+        return proportion_interval(int(x.sum()), n, proportion, confidence)
+    if n < BOOTSTRAP_MIN_N:
+        return t_interval(x, confidence)
+    mean = float(x.mean())
+    if np.ptp(x) == 0:
+        return Interval(mean, mean, mean, n, "constant", confidence)
+    lo, hi = bootstrap_mean_ci(x, n_resamples=n_resamples, confidence=confidence, rng=rng)
+    return Interval(mean, lo, hi, n, "bca", confidence)
+
+
+def difference_interval(diffs: Iterable[float] | np.ndarray, *, confidence: float = CONFIDENCE,
+                        rng: np.random.Generator | int | None = 0) -> Interval:
+    """The mean of paired differences with its interval: t below BOOTSTRAP_MIN_N, BCa from there.
+
+    Differences of 0/1 outcomes are -1/0/+1, not a proportion, so Wilson does not apply; the
+    test that decides is the exact one (`paired_test`), this interval describes the size.
+    """
+    x = _finite(diffs)
+    return t_interval(x, confidence) if x.size < BOOTSTRAP_MIN_N else _bca(x, confidence, rng)
+
+
+def _bca(x: np.ndarray, confidence: float, rng: np.random.Generator | int | None) -> Interval:
+    mean = float(x.mean())
+    if np.ptp(x) == 0:
+        return Interval(mean, mean, mean, x.size, "constant", confidence)
+    lo, hi = bootstrap_mean_ci(x, confidence=confidence, rng=rng)
+    return Interval(mean, lo, hi, x.size, "bca", confidence)
 
 
 def bootstrap_mean_ci(
@@ -35,9 +247,8 @@ def bootstrap_mean_ci(
     same resamples) where BCa is undefined (its jackknife is degenerate, e.g. binary data
     with a single 1). The interval is clipped to [min, max] of the data against float noise.
     `rng` seeds the resampling; `chunk` caps the entries (resamples x n) drawn at once.
+    Prefer `mean_interval`, which uses this only where n supports it.
     """
-    import warnings
-
     from scipy import stats
 
     x = np.asarray(values, dtype=float)
@@ -68,24 +279,209 @@ def bootstrap_mean_ci(
     return (float(lo), float(hi))
 
 
+# -- paired tests -------------------------------------------------------------------------------
+def mcnemar_exact(better: int, worse: int) -> float:
+    """Exact McNemar p (two-sided): a binomial test of `better` successes in the better + worse
+    discordant pairs at 1/2. Concordant pairs carry no information about the difference."""
+    from scipy import stats
+
+    k = better + worse
+    return 1.0 if k == 0 else float(stats.binomtest(better, k, 0.5).pvalue)
+
+
+def sign_test(better: int, worse: int) -> float:
+    """Sign test p (two-sided) of graded pairs: the same binomial test on the signs, ties dropped."""
+    return mcnemar_exact(better, worse)
+
+
+def wilcoxon_signed_rank(diffs: Iterable[float] | np.ndarray) -> tuple[float, str]:
+    """(two-sided p, method) of the Wilcoxon signed-rank test; zero differences dropped (Wilcoxon's rule).
+
+    Exact up to WILCOXON_EXACT_MAX untied pairs, ties among |d| included: the statistic T+
+    (sum of the mid-ranks of positive differences) is enumerated over all 2^k sign flips by
+    a convolution on doubled ranks (integers), which scipy's "exact" method does not do for
+    ties. Beyond that, scipy's normal approximation (tie-corrected).
+    """
+    from scipy import stats
+
+    d = _finite(diffs)
+    d = d[d != 0]
+    k = d.size
+    if k == 0:  # every pair tied: p = 1, exactly
+        return 1.0, "Wilcoxon signed-rank (exact)"
+    if k > WILCOXON_EXACT_MAX:
+        return float(stats.wilcoxon(d, method="approx").pvalue), "Wilcoxon signed-rank (normal approx.)"
+    ranks2 = np.rint(2 * stats.rankdata(np.abs(d))).astype(np.int64)  # mid-ranks are multiples of 1/2
+    dist = np.zeros(int(ranks2.sum()) + 1)  # dist[t]: P(2 T+ = t)
+    dist[0] = 1.0
+    top = 0
+    for r in ranks2:  # each rank joins T+ with probability 1/2, independently
+        shifted = np.zeros_like(dist)
+        shifted[r : r + top + 1] = dist[: top + 1]
+        dist = 0.5 * (dist + shifted)
+        top += int(r)
+    t_plus = int(ranks2[d > 0].sum())
+    cdf_low, cdf_high = dist[: t_plus + 1].sum(), dist[t_plus:].sum()
+    return float(min(1.0, 2 * min(cdf_low, cdf_high))), "Wilcoxon signed-rank (exact)"
+
+
+def _pairs(a: Mapping[Any, float] | Sequence[float], b: Mapping[Any, float] | Sequence[float],
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Paired arrays: by key over the keys both hold, in a's order (mappings), or by position."""
+    if isinstance(a, Mapping) != isinstance(b, Mapping):
+        raise TypeError("pair two mappings (by key) or two sequences (by position), not one of each")
+    if isinstance(a, Mapping):
+        keys = [k for k in a if k in b]
+        xa = np.asarray([float(a[k]) for k in keys], dtype=float)
+        xb = np.asarray([float(b[k]) for k in keys], dtype=float)  # type: ignore[index]
+    else:
+        if len(a) != len(b):
+            raise ValueError(f"paired sequences differ in length: {len(a)} vs {len(b)}")
+        xa, xb = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    keep = np.isfinite(xa) & np.isfinite(xb)
+    return xa[keep], xb[keep]
+
+
+def paired_test(a: Mapping[Any, float] | Sequence[float], b: Mapping[Any, float] | Sequence[float], *,
+                method: PairedMethod = "auto", alpha: float = ALPHA, confidence: float = CONFIDENCE,
+                rng: np.random.Generator | int | None = 0) -> PairedTest:
+    """Compare a with b on the same items: a paired test and the mean difference a - b.
+
+    `a` and `b` are mappings item -> value (paired over the items both hold) or equal-length
+    sequences; pairs with a NaN are dropped. `method="auto"` takes the exact McNemar test
+    when every value is 0 or 1 and the Wilcoxon signed-rank test otherwise.
+    """
+    xa, xb = _pairs(a, b)
+    d = xa - xb
+    better, worse = int((d > 0).sum()), int((d < 0).sum())
+    binary = is_binary(np.concatenate([xa, xb]))
+    if method == "auto":
+        method = "mcnemar" if binary else "wilcoxon"
+    if method == "mcnemar":
+        if d.size and not binary:
+            raise ValueError("McNemar's test needs 0/1 outcomes; use method='wilcoxon' or 'sign' for graded scores")
+        p, name = mcnemar_exact(better, worse), "exact McNemar"
+    elif method == "sign":
+        p, name = sign_test(better, worse), "sign test"
+    elif method == "wilcoxon":
+        p, name = wilcoxon_signed_rank(d)
+    else:
+        raise ValueError(f"unknown paired method {method!r}; use auto, mcnemar, wilcoxon or sign")
+    diff = difference_interval(d, confidence=confidence, rng=rng)
+    if binary and np.isfinite(diff.low):  # a difference of proportions lies in [-1, 1]: clipping keeps coverage
+        diff = replace(diff, low=max(-1.0, diff.low), high=min(1.0, diff.high))
+    return PairedTest(n=int(d.size), better=better, worse=worse, tied=int(d.size) - better - worse,
+                      diff=diff, p=p, method=name, alpha=alpha)
+
+
+# -- a family of comparisons --------------------------------------------------------------------
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the input's order; NaNs stay NaN and are not counted.
+
+    Sorted ascending, p_(i) is multiplied by (m - i) (i from 0), made non-decreasing, capped at
+    1. It controls the family-wise error at alpha for any dependence between the tests, and
+    is uniformly more powerful than Bonferroni.
+    """
+    p = np.asarray(pvalues, dtype=float)
+    out = np.full(p.shape, np.nan)
+    idx = np.flatnonzero(np.isfinite(p))
+    m = idx.size
+    if m:
+        order = idx[np.argsort(p[idx], kind="stable")]
+        adjusted = np.minimum(1.0, np.maximum.accumulate(p[order] * (m - np.arange(m))))
+        out[order] = adjusted
+    return [float(v) for v in out]
+
+
+def with_holm(tests: Sequence[PairedTest | None]) -> list[PairedTest | None]:
+    """The tests of one family, each with its Holm-corrected p (None entries pass through)."""
+    adjusted = holm([t.p if t is not None else float("nan") for t in tests])
+    return [None if t is None else replace(t, p_holm=q) for t, q in zip(tests, adjusted, strict=True)]
+
+
+# -- power ------------------------------------------------------------------------------------
+def _z(q: float) -> float:
+    from scipy import stats
+
+    return float(stats.norm.ppf(q))
+
+
+def mcnemar_power(n: int, p_better: float, p_worse: float, alpha: float = ALPHA) -> float:
+    """Exact power of the exact McNemar test with n pairs, when a pair is better with probability
+    `p_better` and worse with `p_worse`: the discordant count k ~ Binomial(n, psi), psi = p_better +
+    p_worse; given k, the better count ~ Binomial(k, p_better / psi), and the test rejects where
+    its two-sided binomial p is below alpha (x <= c_k or x >= k - c_k)."""
+    from scipy import stats
+
+    psi = p_better + p_worse
+    if n < 1 or psi <= 0:
+        return 0.0
+    k = np.arange(1, n + 1)
+    c = stats.binom.ppf(alpha / 2, k, 0.5) - 1  # the largest x with 2 P(X <= x) < alpha
+    q = p_better / psi
+    reject = stats.binom.cdf(c, k, q) + stats.binom.sf(k - c - 1, k, q)
+    return float(np.sum(stats.binom.pmf(k, n, psi) * reject))
+
+
+def pairs_needed_proportions(effect: float, discordant: float, alpha: float = ALPHA, power: float = POWER) -> int:
+    """Pairs (e.g. MMLU questions asked twice) the exact McNemar test needs to detect a difference
+    in paired proportions of `effect` (p_better - p_worse) when a share `discordant` (p_better +
+    p_worse) of the pairs differ, two-sided at `alpha` with `power`.
+
+    Connor's (1987) normal approximation gives a start,
+
+        n = (z_{1-alpha/2} sqrt(psi) + z_power sqrt(psi - delta^2))^2 / delta^2,
+
+    but the exact test is conservative (about 0.76 power there for a nominal 0.8), so n grows
+    from there to the first n whose exact power (`mcnemar_power`) reaches `power`. (Exact power
+    is a sawtooth in n: a slightly larger n can dip just below again.) The discordant share must
+    be at least |effect|: every difference is a discordant pair.
+    """
+    delta, psi = abs(effect), discordant
+    if not 0 < delta <= 1:
+        raise ValueError(f"effect must be a nonzero difference in proportions within [-1, 1], got {effect}")
+    if not delta <= psi <= 1:
+        raise ValueError(f"the discordant share must lie in [|effect|, 1] = [{delta:g}, 1], got {psi}")
+    approx = (_z(1 - alpha / 2) * math.sqrt(psi) + _z(power) * math.sqrt(max(psi - delta**2, 0.0))) ** 2 / delta**2
+    n = max(1, math.ceil(approx - 1e-9))
+    p_better, p_worse = (psi + delta) / 2, (psi - delta) / 2
+    for _ in range(10 * n + 100):  # the exact power reaches the target well within this
+        if mcnemar_power(n, p_better, p_worse, alpha) >= power:
+            return n
+        n += 1
+    raise ValueError(f"no n up to {n} reaches power {power} for effect {effect} at discordant share {discordant}")
+
+
+def paired_t_power(n: int, effect_size: float, alpha: float = ALPHA) -> float:
+    """Power of the two-sided paired t-test with n pairs at a standardized effect d = mean/sd of the differences."""
+    from scipy import stats
+
+    if n < 2:
+        return 0.0
+    df, nc = n - 1, effect_size * math.sqrt(n)
+    crit = stats.t.ppf(1 - alpha / 2, df)
+    return float(stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc))
+
+
+def pairs_needed_means(effect: float, sd: float, alpha: float = ALPHA, power: float = POWER) -> int:
+    """Pairs a paired comparison of means needs to detect a mean difference `effect` when the
+    paired differences have standard deviation `sd`: the smallest n whose paired t-test power
+    (noncentral t) reaches `power`. The signed-rank test needs about 5% more (its asymptotic
+    relative efficiency is 3/pi = 0.955 under normality)."""
+    if not (sd > 0 and math.isfinite(sd)):
+        raise ValueError(f"sd of the paired differences must be positive, got {sd}")
+    if effect == 0 or not math.isfinite(effect):
+        raise ValueError(f"effect must be a nonzero finite difference, got {effect}")
+    d = abs(effect) / sd
+    n = max(2, math.ceil((_z(1 - alpha / 2) + _z(power)) ** 2 / d**2))  # normal approximation: a lower bound
+    while paired_t_power(n, d, alpha) < power:
+        n += 1
+    while n > 2 and paired_t_power(n - 1, d, alpha) >= power:
+        n -= 1
+    return n
+
+
+# -- compatibility ------------------------------------------------------------------------------
 def mean_ci(values: Iterable[float | bool], *, seed: int = 0) -> tuple[float, float, float]:
-    """(mean, ci_low, ci_high): the mean with its 95% bootstrap CI (values resampled).
-
-    NaNs are dropped; no values give NaN everywhere, one value a NaN interval (n < 2 says
-    nothing about spread), constant values a zero-width interval at the value.
-    """
-    x = np.asarray([float(v) for v in values], dtype=np.float64)
-    x = x[np.isfinite(x)]
-    mean = float(x.mean()) if x.size else float("nan")
-    lo, hi = bootstrap_mean_ci(x, rng=seed)
-    return mean, lo, hi
-
-
-def paired_mean_ci(a: Mapping[Any, float], b: Mapping[Any, float], *, seed: int = 0) -> tuple[int, float, float, float]:
-    """(n, mean, ci_low, ci_high) of a[i] - b[i] over the items i both hold, in a's order.
-
-    Pairing first matters: with a few dozen items the two means' own CIs overlap far more
-    than the CI of their paired difference does.
-    """
-    diff = [a[i] - b[i] for i in a if i in b]
-    return (len(diff), *mean_ci(diff, seed=seed))
+    """(mean, ci_low, ci_high) by `mean_interval`'s rule (Wilson / t / BCa by data and n)."""
+    return mean_interval(values, rng=seed).as_tuple()

@@ -10,6 +10,7 @@ step for every unfinished row.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -92,7 +93,8 @@ class HFChatBackend:
         seeds, store = request.row_seeds(), request.cache_store
         alpha = iv.guidance()
         if alpha is not None:
-            rendered += [self.render(_without_system(c), interventions=iv) for c in convs]
+            # An emptied system prompt is no prompt to steer towards: the unconditional rows have no system span.
+            rendered += [replace(self.render(_without_system(c), interventions=iv), system_span=None) for c in convs]
             seeds, store = seeds * 2, (list(store) * 2 if store is not None else None)
         replies = self._decode(
             [r.ids for r in rendered], request.sampling, seeds=seeds, interventions=[iv] * len(rendered),
@@ -486,8 +488,19 @@ def _shape(config) -> ModelShape:
 
 
 def _without_system(conversation: Conversation) -> Conversation:
-    """The unconditional conversation of CFG: every system message (and repeated copy) removed."""
-    return [m for m in conversation if m["role"] != "system"]
+    """The unconditional conversation of CFG: the system prompt emptied, its repeated copies (SPR) removed.
+
+    Emptied, not dropped: without a system message some chat templates insert their own
+    default (Qwen2.5's "You are Qwen, created by Alibaba Cloud...", SmolLM2's "You are a
+    helpful AI assistant named SmolLM..."), and guidance would then contrast the persona
+    with the template's default persona instead of with no instruction at all. The
+    empty-user ablation keeps an empty system message for the same reason. A conversation
+    without a system message is its own unconditional version.
+    """
+    rest = [m for m in conversation if m["role"] != "system"]
+    if len(rest) == len(conversation):
+        return rest
+    return [{"role": "system", "content": ""}, *rest]
 
 
 def _guide(logits: torch.Tensor, alpha: float) -> torch.Tensor:

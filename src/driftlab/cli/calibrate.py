@@ -54,11 +54,12 @@ def calibrate(
     found = summary(rundir.path)
     console = Console(stderr=True)
     table = Table(title=f"{method}: MMLU drop at turn {turn} ({n} questions), budget {max_mmlu_drop:g}")
-    for col in ("--steer", "drop", "95% CI", "within budget"):
+    for col in ("--steer", "n", "drop", "95% CI", "McNemar p", "within budget"):
         table.add_column(col)
     for p in found["points"]:
-        table.add_row(p["steer"], f"{p['drop']:+.3f}", f"[{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}]",
-                      "yes" if p["within"] else "no")
+        pval = "" if p.get("p") is None else f"{p['p']:.3g}"
+        table.add_row(p["steer"], str(p.get("n") or ""), f"{p['drop']:+.3f}", f"[{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}]",
+                      pval, "yes" if p["within"] else "no")
     console.print(table)
     console.print(found["note"], highlight=False, markup=False)
     if found["best"] is None:

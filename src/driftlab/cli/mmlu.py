@@ -30,16 +30,21 @@ def mmlu(
     seed: MMLUSeedOpt = 0,
     data: MMLUDataOpt = None,
     batch_size: Annotated[int, typer.Option(help="Questions scored per forward pass.")] = 8,
+    effect: Annotated[float, typer.Option(
+        help="Say how many questions a drop of this size would need (exact McNemar, alpha 0.05, power 0.8).",
+        min=0.001, max=1.0)] = 0.05,
 ) -> None:
     """MMLU accuracy with and without --steer, the question asked at a turn of the agent's dialog.
 
     Letters are chosen by next-token log-likelihood (no generation). Prints the accuracy per
-    condition with 95% CIs and the drop with a paired CI. Re-running the same command resumes.
+    condition with 95% Wilson intervals, the drop with its paired interval and exact McNemar p,
+    a warning where the questions are too few to support a drop, and how many questions a
+    drop of --effect would need. Re-running the same command resumes.
     """
     from rich.console import Console
     from rich.table import Table
 
-    from driftlab.protocol.mmlu import MMLU, MMLUConfig, summarize
+    from driftlab.protocol.mmlu import MMLU, MMLUConfig, correctness, questions_needed, summarize
     from driftlab.protocol.runner import run_protocol
 
     config = build(MMLUConfig, backend=backend, steer=steer or [], n=n, turn=turn, history_tokens=history_tokens,
@@ -47,14 +52,27 @@ def mmlu(
     rundir = run_protocol(MMLU(config), out)
     s = summarize(rundir.path)
     table = Table(title=f"MMLU at turn {config.turn} · {backend.model} · {s['n']} questions")
-    for col in ("condition", "accuracy", "95% CI"):
+    for col in ("condition", "n", "accuracy", "95% CI", "method", "p"):
         table.add_column(col)
     for condition in config.conditions:
         row = s[condition]
         label = "plain" if condition == "plain" else f"steered: {', '.join(config.steer.specs())}"
-        table.add_row(label, f"{row['accuracy']:.3f}", f"[{row['ci'][0]:.3f}, {row['ci'][1]:.3f}]")
+        table.add_row(label, str(row["n"]), f"{row['accuracy']:.3f}", f"[{row['ci'][0]:.3f}, {row['ci'][1]:.3f}]",
+                      row["ci_method"], "")
+    console = Console()
     if "drop" in s:
         d = s["drop"]
-        table.add_row("drop (plain - steered)", f"{d['mean']:+.3f}", f"[{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]")
-    Console().print(table)
+        table.add_row("drop (plain - steered)", str(d["n"]), f"{d['mean']:+.3f}",
+                      f"[{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]", f"{d['ci_method']}; {d['method']}", f"{d['p']:.3g}")
+        console.print(table)
+        console.print(f"{d['lost']} questions lost and {d['gained']} gained under steering.", highlight=False)
+        if d["warning"]:
+            console.print(f"[yellow]Warning:[/] {d['warning']}.", highlight=False)
+        correct = correctness(rundir.path)
+        need = questions_needed(effect, correct["plain"], correct["steered"])
+        console.print(f"Power: a drop of {effect:g} needs about {need['n']} questions (exact McNemar, alpha "
+                      f"{need['alpha']:g}, power {need['power']:g}, {need['discordant']:.0%} of questions answered "
+                      f"differently); this run has {d['n']}.", highlight=False)
+    else:
+        console.print(table)
     typer.echo(f"records: {rundir.records_path}")

@@ -45,6 +45,9 @@ TemperatureOpt = Annotated[float, typer.Option(help="Sampling temperature (0 = g
 TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")]
 GreedyOpt = Annotated[bool, typer.Option(help="Greedy decoding (deterministic).")]
 SeedOpt = Annotated[int, typer.Option(help="Seed, 0 to 2^63-1.")]
+ProbeAfterOpt = Annotated[str, typer.Option(
+    help="Where the probe of round i goes: 'user' (replaces the user's turn a_i, the paper's text; round 1 sees no "
+         "exchange) or 'agent' (after the agent's reply b_i, as the reference code likenneth/persona_drift does).")]
 # MMLU cost (mmlu, calibrate, sweep)
 TurnOpt = Annotated[int, typer.Option(help="Ask at this turn of the agent's dialog (paper: 4); 0 = plain MMLU.")]
 MMLUSeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the question subset and the dialog.")]

@@ -106,11 +106,16 @@ def evaluate(
     data: DataOpt = None,
     batch_size: Annotated[int, typer.Option(help="Examples per batch.")] = 8,
 ) -> None:
-    """Run a PASTA task under several baselines; print each metric with a 95% CI."""
+    """Run a PASTA task under several baselines; print each metric with a 95% CI.
+
+    Then each baseline against zero-shot on the same examples: the mean difference, the
+    counts better/worse/tied, and the exact McNemar (0/1 metrics) or Wilcoxon signed-rank
+    (graded) p, Holm-corrected across the baselines, with a warning where n is too small.
+    """
     from rich.console import Console
     from rich.table import Table
 
-    from driftlab.pasta.evaluate import PastaEval, PastaEvalConfig, paired_gains, summarize
+    from driftlab.pasta.evaluate import PastaEval, PastaEvalConfig, paired_gains
     from driftlab.pasta.tasks import BASELINES
     from driftlab.protocol.runner import run_protocol
     from driftlab.steering import Pasta
@@ -127,27 +132,48 @@ def evaluate(
     rundir = run_protocol(PastaEval(config), out)
     from driftlab.report.pasta import write_pasta_figures  # matplotlib: only once the run is done
     figure = write_pasta_figures(rundir.path)
-    summary = summarize(rundir.path)
+    from driftlab.pasta.evaluate import RECORDS, metric_intervals
+    from driftlab.records.rundir import RunDir
+
+    summary = metric_intervals(RunDir(rundir.path).records(RECORDS), lambda r: r.baseline)
     names = list(next(iter(summary.values())))
-    table = Table(title=f"PASTA {task} · {backend.model} · {len(rundir.read_manifest()['examples'])} {split} examples")
+    n_examples = len(rundir.read_manifest()["examples"])
+    table = Table(title=f"PASTA {task} · {backend.model} · {n_examples} {split} examples")
     table.add_column("baseline")
     for name in names:
         table.add_column(f"{name} [95% CI]")
     for b in config.baselines:
-        table.add_row(b, *[f"{summary[b][m][0]:.3f} [{summary[b][m][1]:.2f}, {summary[b][m][2]:.2f}]"
-                           for m in names])
+        table.add_row(b, *[summary[b][m].cell(3) for m in names])
     console = Console()
     console.print(table)
+    methods = sorted({iv.method for ivs in summary.values() for iv in ivs.values()})
+    console.print(f"intervals: {', '.join(methods)} (0/1 metrics: Wilson; graded: t below 30 examples, BCa "
+                  f"bootstrap from 30)", highlight=False)
     gains = paired_gains(rundir.path)
     if gains:
-        paired = Table(title="paired difference from zero-shot (same examples), mean [95% CI]")
+        paired = Table(title="paired difference from zero-shot (same examples): mean [95% CI], "
+                             "better/worse/tied, p (Holm across baselines)")
         paired.add_column("baseline")
         for name in names:
             paired.add_column(name)
+        warnings = []
         for b in (b for b in config.baselines if b in gains):
-            paired.add_row(b, *[f"{gains[b][m][0]:+.3f} [{gains[b][m][1]:+.2f}, {gains[b][m][2]:+.2f}]"
-                                if m in gains[b] else "-" for m in names])
+            cells = []
+            for m in names:
+                t = gains[b].get(m)
+                if t is None:
+                    cells.append("-")
+                    continue
+                cells.append(f"{t.diff.cell(3, sign=True)} {t.better}/{t.worse}/{t.tied} "
+                             f"p={t.p:.3g} p_holm={t.p_adjusted:.3g}")
+                if t.warning():
+                    warnings.append(f"{b} {m}: {t.warning()}")
+            paired.add_row(b, *cells)
         console.print(paired)
+        tests = sorted({t.method for ts in gains.values() for t in ts.values()})
+        console.print(f"tests: {', '.join(tests)}; n = {n_examples} pairs", highlight=False)
+        for w in warnings:
+            console.print(f"[yellow]Warning:[/] {w}", highlight=False)
     typer.echo(f"records: {rundir.records_path}\nplot: {figure}")
 
 

@@ -60,6 +60,13 @@ def print_summary(run_dir: str | Path, console: Console | None = None) -> RunSum
     summary = summarize_run(run_dir)
     console = console or Console()
     console.print(summary_table(summary))
+    cmp = summary.comparisons
+    for r in cmp.itertuples() if cmp is not None else ():
+        console.print(f"{r.condition} - {r.versus} ({r.target}): {r.diff:+.3f} [{r.diff_ci_low:+.3f}, "
+                      f"{r.diff_ci_high:+.3f}] over n={r.n} pairs, {r.better} better / {r.worse} worse / {r.tied} tied, "
+                      f"{r.method} p={r.p:.3g} (Holm {r.p_holm:.3g})", highlight=False, markup=False)
+        if r.warning:
+            console.print(f"Warning: {r.warning}.", highlight=False, markup=False, style="yellow")
     from driftlab.report.html import progress
 
     cut = summary.truncation
@@ -109,7 +116,8 @@ def report(
         ErrorDisplay,
         typer.Option(
             "--errors",
-            help="Figure uncertainty: ci = 95% bootstrap CI band, std = ±1 std bars (the paper's).",
+            help="Figure uncertainty: ci = 95% CI band (t below 30 conversations, bootstrap from 30), "
+            "std = ±1 std bars (the paper's).",
         ),
     ] = ErrorDisplay.ci,
     transcripts: Annotated[

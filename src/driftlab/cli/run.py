@@ -11,6 +11,7 @@ from driftlab.chat.spec import BackendSpec
 from driftlab.cli.options import (
     GreedyOpt,
     MaxNewTokensOpt,
+    ProbeAfterOpt,
     SteerOpt,
     TemperatureOpt,
     TopPOpt,
@@ -46,6 +47,7 @@ def run(
     rounds: Annotated[int, typer.Option(help="Dialog rounds (paper: 8 rounds, i.e. 16 turns).")] = 8,
     probe_every: Annotated[int, typer.Option(help="Probe rounds i with i % k == 0.")] = 1,
     probe_repeats: Annotated[int, typer.Option(help="Probe replies per probed round.")] = 1,
+    probe_after: ProbeAfterOpt = "user",
     user_probe: Annotated[bool, typer.Option(help="Also probe with the user's persona (adoption).")] = False,
     user_probe_version: Annotated[str, typer.Option(
         help="p_A for --user-probe: '000' (the user persona's own probe) or '001' (seed 001's crafted or generic "
@@ -78,7 +80,8 @@ def run(
         SelfChatConfig, {"pair_ids": "--pair", "persona_file": "--persona-file"},
         backend=backend, user_model=user_model, pairs=pairs, pair_ids=_pairs(pair or []),
         categories=[c.strip() for c in categories.split(",")] if categories else None,
-        rounds=rounds, probe_every=probe_every, probe_repeats=probe_repeats, user_probe=user_probe,
+        rounds=rounds, probe_every=probe_every, probe_repeats=probe_repeats, probe_after=probe_after,
+        user_probe=user_probe,
         user_probe_version=user_probe_version, starters=starters, ablation=ablation, sampling=sampling, seed=seed,
         steer=steer or [], persona_file=str(persona_file) if persona_file else None, batch_size=batch_size,
     )

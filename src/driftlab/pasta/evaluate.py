@@ -1,9 +1,12 @@
 """`driftlab pasta eval`: one task under several baselines, in a resumable run directory.
 
 Per baseline and test example one record: the metrics of that example (and the reply for
-generation tasks). The summary is each metric's mean with a 95% bootstrap CI over
-examples, per baseline; every baseline sees the same examples (and few-shot the same 3
-train demonstrations), so differences between baselines are paired. The examples themselves
+generation tasks). The summary is each metric's mean with a 95% interval over examples, per
+baseline (`driftlab.stats.mean_interval`: Wilson for 0/1 metrics, t or BCa by n for graded
+ones); every baseline sees the same examples (and few-shot the same 3 train
+demonstrations), so differences between baselines are paired and tested as such
+(`paired_gains`: exact McNemar for 0/1 metrics, Wilcoxon signed-rank for graded ones, Holm
+across the baselines compared with the reference). The examples themselves
 are recorded in the manifest's plan, so a resumed run answers what it planned even if the
 data file changed since.
 """
@@ -25,7 +28,7 @@ from driftlab.pasta.tasks import BASELINES, EXAMPLES, N_SHOTS, Example, PromptNa
 from driftlab.protocol.registry import register
 from driftlab.protocol.runner import Protocol, ProtocolConfig, RunState
 from driftlab.records.rundir import RunDir
-from driftlab.stats import mean_ci, paired_mean_ci
+from driftlab.stats import Interval, PairedTest, mean_interval, paired_test, with_holm
 from driftlab.steering.interventions import Interventions, Steer
 
 
@@ -237,12 +240,14 @@ class PastaEval(TaskProtocol):
                 for ex, (m, t) in zip(chunk, scored, strict=True)]
 
 
-def paired_gains(run_dir: str | Path, reference: str = "zero-shot") -> dict[str, dict[str, tuple[float, float, float]]]:
-    """baseline -> metric -> (mean, CI low, CI high) of its per-example difference from `reference`.
+def paired_gains(run_dir: str | Path, reference: str = "zero-shot") -> dict[str, dict[str, PairedTest]]:
+    """baseline -> metric -> the paired test of that baseline against `reference`, example by example.
 
-    Every baseline answers the same examples, so the difference is taken example by example
-    before bootstrapping: with a few dozen examples the two baselines' own CIs overlap far
-    more than their paired difference's does. Empty if the run has no `reference` baseline.
+    Every baseline answers the same examples, so the comparison is paired: the exact McNemar
+    test for a 0/1 metric (only the examples where the two disagree count), the Wilcoxon
+    signed-rank test for a graded one, with the mean difference (baseline - reference) and
+    its interval. For each metric the baselines form one family and are Holm-corrected
+    (`p_holm`). Empty if the run has no `reference` baseline.
     """
     per: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
     for r in RunDir(run_dir).records(RECORDS):
@@ -250,14 +255,17 @@ def paired_gains(run_dir: str | Path, reference: str = "zero-shot") -> dict[str,
     ref = per.get(reference)
     if not ref:
         return {}
-    out = {}
+    out: dict[str, dict[str, PairedTest]] = {}
     for baseline, rows in per.items():
         if baseline == reference:
             continue
         ids = [i for i in rows if i in ref]
         metrics = [m for m in rows[ids[0]] if m in ref[ids[0]]] if ids else []
-        out[baseline] = {m: paired_mean_ci({i: rows[i][m] for i in ids}, {i: ref[i][m] for i in ids})[1:]
-                         for m in metrics}
+        out[baseline] = {m: paired_test({i: rows[i][m] for i in ids}, {i: ref[i][m] for i in ids}) for m in metrics}
+    for metric in {m for tests in out.values() for m in tests}:  # one family per metric: the baselines
+        family = [b for b in out if metric in out[b]]
+        for b, t in zip(family, with_holm([out[b][metric] for b in family]), strict=True):
+            out[b][metric] = t
     return out
 
 
@@ -266,10 +274,16 @@ def summarize(run_dir: str | Path) -> dict[str, dict[str, tuple[float, float, fl
     return metric_cis(RunDir(run_dir).records(RECORDS), lambda r: r.baseline)
 
 
-def metric_cis(records: Iterable[Any], group: Callable[[Any], Hashable]) -> dict[Any, dict[str, tuple[float, float, float]]]:
-    """group -> metric -> (mean, CI low, CI high) over the records (each with `.metrics`) of that group."""
+def metric_intervals(records: Iterable[Any], group: Callable[[Any], Hashable]) -> dict[Any, dict[str, Interval]]:
+    """group -> metric -> its mean over the records (each with `.metrics`) of that group, with the
+    interval `driftlab.stats.mean_interval` chooses (n and method included)."""
     values: dict[Any, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
         for name, v in r.metrics.items():
             values[group(r)][name].append(v)
-    return {g: {m: mean_ci(v) for m, v in ms.items()} for g, ms in values.items()}
+    return {g: {m: mean_interval(v) for m, v in ms.items()} for g, ms in values.items()}
+
+
+def metric_cis(records: Iterable[Any], group: Callable[[Any], Hashable]) -> dict[Any, dict[str, tuple[float, float, float]]]:
+    """group -> metric -> (mean, CI low, CI high): `metric_intervals` as plain tuples (JSON, figures)."""
+    return {g: {m: iv.as_tuple() for m, iv in ms.items()} for g, ms in metric_intervals(records, group).items()}

@@ -16,8 +16,9 @@ point is its own resumable MMLU run directory, planned once (the questions and t
 persona pair recorded in the calibration's manifest), so an interrupted calibration resumes
 with the same questions for every point.
 
-The decision uses the measured drop; its paired 95% CI is reported next to it, with a note
-when the CI reaches past the budget (more questions, `--n`, narrow it).
+The decision uses the measured drop; its paired 95% interval (t below 30 questions, BCa
+bootstrap from there) and exact McNemar p (`driftlab.stats`) are reported next to it, with
+a note when the interval reaches past the budget (more questions, `--n`, narrow it).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from driftlab.console import err_console
 from driftlab.protocol.mmlu import MMLU, MMLUConfig, correctness, drop
 from driftlab.protocol.registry import register
 from driftlab.protocol.runner import Protocol, RunState, run_protocol
+from driftlab.stats import pairs_needed_proportions
 from driftlab.steering.interventions import KINDS, BaseIntervention
 
 Method = Literal["split-softmax", "instaboost", "cfg", "spr"]
@@ -92,11 +94,20 @@ class CalibrationConfig(BaseModel):
 
 
 class Point(BaseModel):
+    """One measured strength: its MMLU drop with the paired interval and exact McNemar test
+    (n, method and p default to None in calibrations written before they were recorded)."""
+
     strength: float
     steer: str
     drop: float
     ci: tuple[float, float]
     within: bool
+    n: int | None = None
+    ci_method: str | None = None
+    p: float | None = None
+    method: str | None = None
+    lost: int | None = None  # questions right without the steering and wrong with it
+    gained: int | None = None
 
 
 @register
@@ -146,11 +157,14 @@ class Calibration(Protocol[CalibrationConfig]):
         where = self.run_dir / "points" / point_name(cfg.method, s)
         run_protocol(MMLU(self._mmlu(steer), self.backend), where, plan=self._plan, progress=self.progress)
         d = drop(self.plain, correctness(where)["steered"])
-        point = Point(strength=s, steer=steer.spec(), drop=d["mean"], ci=d["ci"], within=d["mean"] <= cfg.max_drop)
+        point = Point(strength=s, steer=steer.spec(), drop=d["mean"], ci=d["ci"], within=d["mean"] <= cfg.max_drop,
+                      n=d["n"], ci_method=d["ci_method"], p=d["p"], method=d["method"], lost=d["lost"],
+                      gained=d["gained"])
         self.points.append(point)
         if self.progress:
             err_console().print(f"calibrate: {point.steer}: drop {point.drop:+.3f} [{point.ci[0]:+.3f}, "
-                                f"{point.ci[1]:+.3f}] -> {'within' if point.within else 'over'} budget",
+                                f"{point.ci[1]:+.3f}] (n={point.n}, McNemar p={point.p:.3g}) -> "
+                                f"{'within' if point.within else 'over'} budget",
                                 highlight=False, markup=False)
         return []
 
@@ -162,14 +176,31 @@ class Calibration(Protocol[CalibrationConfig]):
             "plain_accuracy": sum(self.plain.values()) / len(self.plain),
             "points": [p.model_dump() for p in sorted(self.points, key=lambda p: p.strength)],
             "best": best.model_dump() if best else None,
-            "note": _note(best, cfg),
+            "power": _power(self.points, cfg.max_drop),
         }
+        summary["note"] = _note(best, cfg) + _power_note(summary["power"], len(self.plain))
         (self.run_dir / SUMMARY).write_text(json.dumps(summary, indent=2))
 
 
 def summary(run_dir: str | Path) -> dict[str, Any]:
     """What a finished calibration found (its calibration.json)."""
     return json.loads((Path(run_dir) / SUMMARY).read_text())
+
+
+def _power(points: list[Point], max_drop: float) -> dict[str, Any]:
+    """The questions the exact McNemar test needs to detect a drop of the budget itself (alpha 0.05,
+    power 0.8), at the share of questions the points answered differently from plain (median)."""
+    shares = sorted((p.lost + p.gained) / p.n for p in points if p.n and p.lost is not None and p.gained is not None)
+    measured = shares[len(shares) // 2] if shares else 0.0
+    share = min(1.0, max(2 * max_drop, measured))
+    return {"effect": max_drop, "discordant": share, "n": pairs_needed_proportions(max_drop, share)}
+
+
+def _power_note(power: dict[str, Any], n: int) -> str:
+    if n >= power["n"]:
+        return ""
+    return (f" With {n} questions a drop of {power['effect']:g} is more likely missed than found: detecting it "
+            f"needs about {power['n']} (exact McNemar, alpha 0.05, power 0.8).")
 
 
 def _note(best: Point | None, config: CalibrationConfig) -> str:

@@ -11,8 +11,11 @@ Here, per condition (plain, and steered when --steer is given):
 2. each question is asked as the user turn of round `turn`, and the answer is the letter
    (A-D) with the highest next-token log-likelihood as the start of the agent's reply, under
    the same interventions (no generation);
-3. accuracy per condition with a 95% bootstrap CI over questions, and the drop
-   (plain - steered) with a paired CI, the same questions being asked in both.
+3. accuracy per condition with a 95% Wilson interval over questions, and the drop
+   (plain - steered) on the same questions: the exact McNemar test on the questions one
+   condition answers right and the other wrong, with the mean drop's interval (t below 30
+   questions, BCa bootstrap from there; `driftlab.stats`), and the questions a given drop
+   would need (`questions_needed`).
 
 Questions are a fixed, seeded subset stratified by subject (round-robin over the 57
 subjects). Records (one per condition and question) make the run resumable like a self-chat.
@@ -39,10 +42,11 @@ from driftlab.protocol.registry import register
 from driftlab.protocol.runner import Protocol, ProtocolConfig, RunState, run_protocol
 from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
 from driftlab.records.rundir import RunDir
-from driftlab.stats import mean_ci, paired_mean_ci
+from driftlab.stats import ALPHA, POWER, PairedTest, mean_interval, paired_test, pairs_needed_proportions
 from driftlab.steering.interventions import DialogSteer, Interventions
 
 LETTERS = ("A", "B", "C", "D")
+POWER_EFFECT = 0.05  # the MMLU drop whose needed questions `summarize` states
 Condition = Literal["plain", "steered"]
 
 
@@ -265,19 +269,49 @@ def correctness(run_dir: str | Path) -> dict[str, dict[int, float]]:
 
 
 def accuracy(correct: dict[int, float]) -> dict[str, Any]:
-    """Accuracy over questions with a 95% bootstrap CI."""
-    mean, lo, hi = mean_ci(correct.values())
-    return {"n": len(correct), "accuracy": mean, "ci": (lo, hi)}
+    """Accuracy over questions with its 95% Wilson interval (`driftlab.stats.mean_interval`)."""
+    iv = mean_interval(correct.values())
+    return {"n": len(correct), "accuracy": iv.estimate, "ci": (iv.low, iv.high), "ci_method": iv.method}
+
+
+def drop_test(plain: dict[int, float], steered: dict[int, float]) -> PairedTest:
+    """plain vs steered on the questions both answered: exact McNemar, and the mean drop with its interval.
+
+    `better` counts questions only the plain model answers right (lost under steering),
+    `worse` those only the steered one does.
+    """
+    return paired_test(dict(sorted(plain.items())), steered, method="mcnemar")
 
 
 def drop(plain: dict[int, float], steered: dict[int, float]) -> dict[str, Any]:
-    """Accuracy drop (plain - steered) over the questions both answered, with a paired 95% CI."""
-    n, mean, lo, hi = paired_mean_ci(dict(sorted(plain.items())), steered)
-    return {"n": n, "mean": mean, "ci": (lo, hi)}
+    """Accuracy drop (plain - steered) over the questions both answered: the mean with its paired
+    95% interval, the exact McNemar p, the counts lost / gained, and a warning where n is too small."""
+    t = drop_test(plain, steered)
+    return {"n": t.n, "mean": t.diff.estimate, "ci": (t.diff.low, t.diff.high), "ci_method": t.diff.method,
+            "p": t.p, "method": t.method, "lost": t.better, "gained": t.worse, "warning": t.warning()}
+
+
+def questions_needed(effect: float, plain: dict[int, float] | None = None, steered: dict[int, float] | None = None,
+                     alpha: float = ALPHA, power: float = POWER) -> dict[str, Any]:
+    """How many questions, asked in both conditions, McNemar's test needs to detect a drop of `effect`.
+
+    The answer depends on how often the two conditions disagree (the discordant share):
+    the share measured in `plain` vs `steered` when given, never below 2 |effect| (a drop
+    of `effect` with no gains has a discordant share of |effect|; twice that allows as many
+    gains again, a usual pattern of noise around a real drop)."""
+    measured = float("nan")
+    if plain is not None and steered is not None:
+        t = drop_test(plain, steered)
+        measured = t.untied / t.n if t.n else float("nan")
+    discordant = min(1.0, max(2 * abs(effect), measured if measured == measured else 0.0))
+    n = pairs_needed_proportions(effect, discordant, alpha, power)
+    return {"effect": effect, "discordant": discordant, "measured_discordant": measured, "n": n,
+            "alpha": alpha, "power": power}
 
 
 def summarize(run_dir: str | Path) -> dict[str, Any]:
-    """Accuracy per condition with a 95% CI, and the drop (plain - steered) with a paired CI."""
+    """Accuracy per condition with a 95% CI; with both conditions, the drop (plain - steered) with
+    its paired test (`drop`) and the questions a drop of POWER_EFFECT would need (`power`)."""
     manifest = RunDir(run_dir).read_manifest()
     correct = correctness(run_dir)
     out: dict[str, Any] = {"n": len(manifest.get("questions", [])), "turn": manifest["config"].get("turn")}
@@ -285,4 +319,5 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         out[condition] = accuracy(correct[condition])
     if "plain" in correct and "steered" in correct:
         out["drop"] = drop(correct["plain"], correct["steered"])
+        out["power"] = questions_needed(POWER_EFFECT, correct["plain"], correct["steered"])
     return out

@@ -2,9 +2,14 @@
 
 Two chatbots talk: the user LM with system prompt s_A and the agent LM with s_B. The user
 LM opens with a conversation starter a_1; then they alternate for N rounds. At round i
-the agent is probed: a_i is replaced by the probe p_B, the reply b'_i is scored by f_B
-(instruction stability), and optionally by p_A / f_A (does the agent adopt the user's
-persona?). Probe replies never enter the dialog.
+the agent is probed, the reply b'_i is scored by f_B (instruction stability), and
+optionally by p_A / f_A (does the agent adopt the user's persona?). Probe replies never
+enter the dialog. Where the probe goes is `probe_after`:
+
+    "user"   (default; the paper's text) the probe replaces a_i: it sees
+             [s_B, a_1, b_1, ..., a_{i-1}, b_{i-1}, p_B], so round 1's probe sees no exchange;
+    "agent"  (the reference code, likenneth/persona_drift) the probe follows b_i: it sees
+             [s_B, a_1, b_1, ..., a_i, b_i, p_B], so round 1's probe already sees one exchange.
 
 Every generation has its own seed, derived from (run seed, pair, condition, round, what,
 repeat), so results do not depend on how work is batched, and a resumed run continues
@@ -14,7 +19,9 @@ missing, in dependency order, and never writes one twice (`run_protocol`).
 
 Schedule, per round i, batched over all conversations:
     user call    a_i for every dialog (i >= 2; a_1 is the starter)
-    agent call   b_i for every dialog + all probes of round i, sharing the dialog's KV prefix
+    agent call   b_i for every dialog + the probes that share its KV prefix: those of round i
+                 (probe_after "user"), or of round i - 1 (probe_after "agent"; the last
+                 round's probes then run after the dialog)
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -53,6 +60,9 @@ class SelfChatConfig(ProtocolConfig):
     rounds: int = Field(8, ge=1, le=1000)
     probe_every: int = Field(1, ge=1, description="probe rounds i with i % probe_every == 0")
     probe_repeats: int = Field(1, ge=1, le=1000)
+    probe_after: Literal["user", "agent"] = Field(
+        "user", description="'user': the probe replaces a_i (the paper's text); 'agent': it follows b_i (the "
+                            "reference code, whose first probe already sees one exchange)")
     user_probe: bool = False
     user_probe_version: ProbeVersion = Field(
         "000", description="p_A: the user persona's own probe (seed 000) or seed 001's crafted/generic probes")
@@ -241,11 +251,13 @@ class SelfChat(Protocol[SelfChatConfig]):
         pairs = pairs_from_manifest(state.manifest)
         self.dialogs = Dialog.from_records(pairs, state.manifest["conditions"], state.records)
         self._by_key = {(d.pair.index, d.condition): d for d in self.dialogs}
-        for i in range(1, self.config.rounds + 1):
-            yield from self._batches([self._user_job(d, i) for d in self.dialogs if i > 1 and i not in d.a])
-            jobs = [self._agent_job(d, i) for d in self.dialogs if i not in d.b]
+        lag = 1 if self.config.probe_after == "agent" else 0  # probes of round i - lag go with b_i
+        for i in range(1, self.config.rounds + 1 + lag):
+            if i <= self.config.rounds:
+                yield from self._batches([self._user_job(d, i) for d in self.dialogs if i > 1 and i not in d.a])
+            jobs = [self._agent_job(d, i) for d in self.dialogs if i <= self.config.rounds and i not in d.b]
             jobs += [self._probe_job(d, rec, persona) for d in self.dialogs
-                     for rec, persona in self._probe_specs(d, i) if _key(rec) not in state.done]
+                     for rec, persona in self._probe_specs(d, i - lag) if _key(rec) not in state.done]
             yield from self._batches(jobs)
 
     def _batches(self, jobs: list[Job]) -> Iterator[list[Job]]:
@@ -290,7 +302,7 @@ class SelfChat(Protocol[SelfChatConfig]):
 
     def _probe_specs(self, d: Dialog, i: int) -> list[tuple[dict[str, Any], Persona]]:
         """The probe records due at round i (agent persona, and the user's if asked)."""
-        if i not in self.config.probe_rounds():
+        if i < 1 or i not in self.config.probe_rounds():
             return []
         targets = [("agent", d.pair.agent)]
         if self.config.user_probe and d.condition == "persona":  # p_A, scored by f_A
@@ -304,7 +316,8 @@ class SelfChat(Protocol[SelfChatConfig]):
     def _probe_job(self, d: Dialog, rec: dict[str, Any], persona: Persona) -> Job:
         seed = item_seed(self.config.seed, d.pair.index, d.condition, rec["round"], "probe", rec["target"],
                          rec["repeat"])
-        return Job(rec, d.agent_view(rec["round"], persona.probe), seed, "agent", False, persona.score)
+        after = rec["round"] + (self.config.probe_after == "agent")  # after b_i: the view of round i + 1
+        return Job(rec, d.agent_view(after, persona.probe), seed, "agent", False, persona.score)
 
 
 def _key(rec: dict[str, Any]) -> tuple:

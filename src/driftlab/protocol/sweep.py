@@ -2,8 +2,10 @@
 
 For every point (method, strength) of a grid, on one loaded backend:
 
-* a self-chat under `--steer <point>` over the ordered pairs of the paper's five personas
-  (the first of each category: 20 ordered pairs), probing the agent every round: stability;
+* a self-chat under `--steer <point>` over the ordered pairs of five personas, one per
+  category (20 ordered pairs; `personas`: "table2", the first of each category in driftlab's
+  data, or "reference", the reference code's index 0 of each), probing the agent every
+  round: stability;
 * MMLU at turn T under the same intervention (`driftlab mmlu`'s protocol), against one
   plain baseline shared by all points: the drop.
 
@@ -19,14 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, TypeAdapter, field_validator
+from pydantic import Field, TypeAdapter, field_validator, model_validator
 
 from driftlab.bench import CATEGORIES, load_personas
 from driftlab.bench.starters import StarterSetName
 from driftlab.chat.base import Sampling
 from driftlab.console import err_console
+from driftlab.errors import DriftlabError
 from driftlab.protocol.mmlu import MMLU, MMLUConfig
 from driftlab.protocol.registry import register
 from driftlab.protocol.runner import Protocol, ProtocolConfig, RunState, run_protocol
@@ -51,14 +54,42 @@ GRID: dict[str, list[BaseIntervention]] = {
 PLAIN = "plain"
 
 
-def paper_pairs() -> list[tuple[str, str]]:
-    """The 20 ordered (agent, user) pairs of the first persona of each of the five categories.
+PersonaSet = Literal["table2", "reference"]
+# The reference code (likenneth/persona_drift, run.py) sweeps index 0 of each of its category
+# lists (hundred_system_prompts.py); driftlab's ids for those prompts, in CATEGORIES order. Its
+# pattern prompt reads "start your reply with the letter A"; driftlab's start-words-with-a is
+# Table 2's wording of it.
+REFERENCE_PERSONAS = {
+    "multiple_choice": "academic-synonym",
+    "persona": "loves-tennis",
+    "pattern": "start-words-with-a",
+    "memorization": "harry-potter-recommendation",
+    "language": "french-with-english-translation",
+}
+
+
+def sweep_personas(personas: PersonaSet = "table2") -> list[str]:
+    """The five sweep personas, one per category in CATEGORIES order.
+
+    "table2" (the default, kept by name): the first persona of each category in driftlab's
+    data (Table 2 order); "reference": the reference code's index 0 of each category
+    (`REFERENCE_PERSONAS`), the five personas behind the paper's Fig. 5/6.
+    """
+    if personas == "reference":
+        return [REFERENCE_PERSONAS[c] for c in CATEGORIES]
+    if personas != "table2":
+        raise DriftlabError(f"Unknown sweep persona set {personas!r}.", hint="Use 'table2' or 'reference'.")
+    everyone = load_personas()
+    return [next(p.id for p in everyone if p.category == c) for c in CATEGORIES]
+
+
+def paper_pairs(personas: PersonaSet = "table2") -> list[tuple[str, str]]:
+    """The 20 ordered (agent, user) pairs of the five sweep personas (`sweep_personas`).
 
     Ordered so that any first N pairs spread over the agents: pair k has agent k mod 5 and
     user (k mod 5 + 1 + k // 5) mod 5, so `--pairs 5` already covers every category once.
     """
-    personas = load_personas()
-    five = [next(p.id for p in personas if p.category == c) for c in CATEGORIES]
+    five = sweep_personas(personas)
     return [(five[i], five[(i + d) % 5]) for d in range(1, 5) for i in range(5)]
 
 
@@ -66,8 +97,11 @@ class SweepConfig(ProtocolConfig):
     """The grid and the per-point protocols (recorded in the sweep's manifest)."""
 
     grid: dict[str, list[OneSteer]] = Field(default_factory=lambda: {m: list(v) for m, v in GRID.items()})
+    personas: PersonaSet = Field("table2", description="the five personas whose ordered pairs are swept "
+                                                        "(without explicit pair_ids): 'table2' or 'reference'")
     pair_ids: list[tuple[str, str]] = Field(default_factory=paper_pairs)
     rounds: int = Field(8, ge=1, le=1000)
+    probe_after: Literal["user", "agent"] = Field("user", description="where the self-chats probe (SelfChatConfig)")
     starters: StarterSetName = "reference"
     sampling: Sampling = Sampling(max_new_tokens=PAPER_TOKENS)
     seed: int = Field(0, ge=0)
@@ -78,6 +112,13 @@ class SweepConfig(ProtocolConfig):
     batch_size: int = Field(32, ge=1, le=4096)
 
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pairs_of_the_persona_set(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "pair_ids" not in data and data.get("personas", "table2") != "table2":
+            data = {**data, "pair_ids": paper_pairs(data["personas"])}
+        return data
 
     @field_validator("grid")
     @classmethod
@@ -99,6 +140,7 @@ class SweepConfig(ProtocolConfig):
         return SelfChatConfig(
             backend=self.backend, pairs=0, pair_ids=self.pair_ids, rounds=self.rounds, sampling=self.sampling,
             seed=self.seed, batch_size=self.batch_size, steer=[point] if point else [], starters=self.starters,
+            probe_after=self.probe_after,
         )
 
     def mmlu(self, point: BaseIntervention | None) -> MMLUConfig:

@@ -5,7 +5,8 @@ persona (f_B), orange = the agent adopts the user's persona (f_A). One panel per
 with the ablation a second panel shows the empty-user condition, as in 001's Figure 3B.
 `category_figure`: the same lines split by category of the persona being probed.
 
-Uncertainty: by default a band with the 95% bootstrap CI of the mean (it shrinks with n,
+Uncertainty: by default a band with the 95% CI of the mean (t-interval below 30
+conversations, BCa bootstrap from 30: `driftlab.stats.mean_interval`; it shrinks with n,
 so it says whether a drop is real); `errors="std"` draws +-1 std error bars as the paper
 does (the spread of single conversations). The figure says which one it shows.
 """
@@ -23,6 +24,7 @@ from matplotlib.figure import Figure
 from driftlab.protocol.runner import config_of
 from driftlab.report.metrics import ALL, CONFIDENCE, N_RESAMPLES, RunSummary, category_order
 from driftlab.report.tables import CONDITION_LABELS, series_keys
+from driftlab.stats import BOOTSTRAP_MIN_N
 
 Errors = Literal["ci", "std"]
 COLORS = {"agent": "#1f77b4", "user": "#ff7f0e"}  # the paper's blue and orange
@@ -34,8 +36,9 @@ DPI = 130
 def error_note(errors: Errors) -> str:
     if errors == "ci":
         return (
-            f"Bands: {CONFIDENCE:.0%} bootstrap CI of the mean "
-            f"({N_RESAMPLES} resamples of conversations). Repeats averaged per conversation."
+            f"Bands: {CONFIDENCE:.0%} CI of the mean over conversations (t-interval below "
+            f"{BOOTSTRAP_MIN_N} conversations, BCa bootstrap with {N_RESAMPLES} resamples from "
+            f"{BOOTSTRAP_MIN_N}; Wilson for 0/1 scores). Repeats averaged per conversation."
         )
     return "Error bars: ±1 std across conversations (as in the paper's Figure 3). Repeats averaged."
 

@@ -30,7 +30,14 @@ from driftlab.report.metrics import (
     RunSummary,
     summarize_run,
 )
-from driftlab.report.tables import CONDITION_LABELS, TextTable, category_table, fmt, round_table
+from driftlab.report.tables import (
+    CONDITION_LABELS,
+    TextTable,
+    category_table,
+    comparison_table,
+    fmt,
+    round_table,
+)
 
 REPORT = "report.html"
 SUMMARY_CSV = "summary.csv"
@@ -290,7 +297,8 @@ def render_html(
             {"title": "Figure 3: drift over rounds", "src": _png_data_uri(figures["drift"]), "caption": note},
             {"title": "By persona category", "src": _png_data_uri(figures["categories"]), "caption": note},
         ],
-        tables=[round_table(summary), category_table(summary), _frame_table(
+        tables=[t for t in (round_table(summary), comparison_table(summary)) if t is not None]
+        + [category_table(summary), _frame_table(
             summary.truncation,
             "Replies cut at --max-new-tokens, per round",
             "turns_cut / probes_cut: share of replies that hit the token limit (finish_reason 'length'); "
@@ -300,7 +308,8 @@ def render_html(
         full_table=_frame_table(
             summary.per_round,
             "Every cell (summary.csv)",
-            "std: across conversations (ddof=1); CI: BCa bootstrap of the mean (scipy); NaN (–) when n < 2.",
+            "std: across conversations (ddof=1); CI of the mean by ci_method: t (t-interval, below 30 "
+            "conversations), bca (BCa bootstrap, scipy, from 30), wilson (0/1 values); NaN (–) when n < 2.",
         ),
         conversations=transcripts(summary, max_pairs),
         n_pairs=len(summary.manifest.get("pairs", [])),

@@ -6,7 +6,8 @@ Two steps, both tidy pandas frames:
                                      repeats averaged, because the conversation, not the
                                      sample, is the unit the paper averages over.
     summarize(scores)                per condition x target x round x category (and "all"):
-                                     n conversations, mean, std, bootstrap 95% CI of the mean.
+                                     n conversations, mean, std, 95% CI of the mean and
+                                     the CI's method (`driftlab.stats.mean_interval`).
     summarize_overall(scores)        the same per conversation averaged over probe rounds.
 
 Targets: "agent" is instruction stability f_B(b'_i | a_i = p_B); "user" is adoption of the
@@ -15,8 +16,10 @@ own baseline, f_A at round i minus f_A at round 1. At round 1 the agent has seen
 system prompt and p_A, no word of the user LM, so round 1 is "the same probe answered by the
 agent with no user persona": a format persona whose measure any reply satisfies (e.g. a
 length or language measure the agent meets anyway) then scores high at every round but
-shows no excess. It exists only when round 1 is a probe round. The CI resamples conversations with replacement
-(`driftlab.stats.bootstrap_mean_ci`: BCa, percentile where BCa is undefined); with n < 2 it is
+shows no excess. It exists only when round 1 is a probe round. The CI is over conversations,
+chosen by n (`driftlab.stats.mean_interval`): a t-interval below 30 conversations, where a
+bootstrap is too narrow; the BCa bootstrap (conversations resampled) from 30 on; Wilson
+where every value is 0 or 1. Its method is the `ci_method` column. With n < 2 it is
 undefined and reported as NaN, like the std.
 """
 
@@ -32,15 +35,15 @@ import pandas as pd
 
 from driftlab.errors import DriftlabError
 from driftlab.protocol.registry import protocol_of
-from driftlab.stats import CONFIDENCE, N_RESAMPLES, bootstrap_mean_ci
+from driftlab.stats import CONFIDENCE, N_RESAMPLES, mean_interval, paired_test, with_holm
 
 ALL = "all"  # the category label of rows that pool every category
 TARGETS = ("agent", "user", "user-excess")
 TARGET_LABELS = {"agent": "agent stability", "user": "user-persona adoption",
                  "user-excess": "adoption above round 1"}
 SCORE_COLUMNS = ["pair", "condition", "round", "target", "persona", "category", "score", "n_repeats"]
-SUMMARY_COLUMNS = ["condition", "target", "category", "round", "n", "mean", "std", "ci_low", "ci_high"]
-OVERALL_COLUMNS = ["condition", "target", "category", "rounds", "n", "mean", "std", "ci_low", "ci_high"]
+SUMMARY_COLUMNS = ["condition", "target", "category", "round", "n", "mean", "std", "ci_low", "ci_high", "ci_method"]
+OVERALL_COLUMNS = ["condition", "target", "category", "rounds", "n", "mean", "std", "ci_low", "ci_high", "ci_method"]
 def _group_rng(seed: int, key: Iterable[Any]) -> np.random.Generator:
     """One generator per summary cell, so a cell's CI does not depend on which other cells exist."""
     return np.random.default_rng([seed, zlib.crc32(repr(tuple(key)).encode())])
@@ -48,13 +51,14 @@ def _group_rng(seed: int, key: Iterable[Any]) -> np.random.Generator:
 
 def _stats(values: np.ndarray, rng: np.random.Generator, n_resamples: int, confidence: float) -> dict:
     x = values[np.isfinite(values)]
-    lo, hi = bootstrap_mean_ci(x, n_resamples, confidence, rng)
+    iv = mean_interval(x, confidence=confidence, rng=rng, n_resamples=n_resamples)
     return {
         "n": int(x.size),
         "mean": float(x.mean()) if x.size else float("nan"),
         "std": float(x.std(ddof=1)) if x.size > 1 else float("nan"),
-        "ci_low": lo,
-        "ci_high": hi,
+        "ci_low": iv.low,
+        "ci_high": iv.high,
+        "ci_method": iv.method,
     }
 
 
@@ -141,7 +145,7 @@ def _cells(scores: pd.DataFrame):
 def summarize(
     scores: pd.DataFrame, n_resamples: int = N_RESAMPLES, confidence: float = CONFIDENCE, seed: int = 0
 ) -> pd.DataFrame:
-    """Per condition x target x category x round: n, mean, std (ddof=1), bootstrap CI of the mean."""
+    """Per condition x target x category x round: n, mean, std (ddof=1), CI of the mean and its method."""
     rows = []
     for cond, target, cat, sub in _cells(scores):
         for rnd, cell in sub.groupby("round", sort=True):
@@ -195,6 +199,38 @@ def summarize_overall(
     return pd.DataFrame(rows, columns=OVERALL_COLUMNS)
 
 
+COMPARISON_COLUMNS = ["target", "condition", "versus", "rounds", "n", "better", "worse", "tied", "diff",
+                      "diff_ci_low", "diff_ci_high", "ci_method", "p", "p_holm", "method", "warning"]
+
+
+def compare_conditions(scores: pd.DataFrame) -> pd.DataFrame:
+    """Each condition against the first (e.g. the empty-user ablation against the persona run),
+    paired by conversation: per target, each conversation's mean over the rounds both
+    conditions reached, `condition - versus` tested by the Wilcoxon signed-rank test (exact at
+    these n, ties included), with the mean difference, its interval (t below 30 pairs) and
+    the counts better / worse / tied; Holm over the run's comparisons; a plain `warning`
+    where n does not support a difference. Empty with one condition.
+    """
+    conditions = list(dict.fromkeys(scores["condition"]))
+    rows, tests = [], []
+    for target in [t for t in TARGETS if t in set(scores["target"])]:
+        sub = scores[scores["target"] == target]
+        base = sub[sub["condition"] == conditions[0]] if conditions else sub
+        for cond in conditions[1:]:
+            other = sub[sub["condition"] == cond]
+            if other.empty or base.empty:
+                continue
+            rounds = sorted(set(common_rounds(base)) & set(common_rounds(other)))
+            per = {c: d[d["round"].isin(rounds)].groupby("pair")["score"].mean().to_dict()
+                   for c, d in ((cond, other), (conditions[0], base))}
+            tests.append(paired_test(per[cond], per[conditions[0]], method="wilcoxon"))
+            rows.append({"target": target, "condition": cond, "versus": conditions[0],
+                         "rounds": ",".join(map(str, rounds))})
+    for row, t in zip(rows, with_holm(tests), strict=True):
+        row.update(t.as_dict(), warning=t.warning() or "")
+    return pd.DataFrame(rows, columns=COMPARISON_COLUMNS)
+
+
 # -- a whole run ------------------------------------------------------------------------------
 def truncation(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
     """Per condition x round: how many dialog turns and probe replies hit --max-new-tokens.
@@ -231,6 +267,7 @@ class RunSummary(NamedTuple):
     per_round: pd.DataFrame
     overall: pd.DataFrame
     truncation: pd.DataFrame
+    comparisons: pd.DataFrame  # `compare_conditions`: each condition against the first, paired
 
 
 def summarize_run(run_dir: str | Path, n_resamples: int = N_RESAMPLES, seed: int = 0) -> RunSummary:
@@ -262,4 +299,5 @@ def summarize_run(run_dir: str | Path, n_resamples: int = N_RESAMPLES, seed: int
         per_round=summarize(scores, n_resamples=n_resamples, seed=seed),
         overall=summarize_overall(scores, n_resamples=n_resamples, seed=seed),
         truncation=truncation(records),
+        comparisons=compare_conditions(scores),
     )

@@ -2,8 +2,10 @@
 
 `sweep_table` reads every point's self-chat and MMLU runs and writes RUN/sweep.csv: each
 point's stability with its CI, its gain over the plain model paired by conversation (every
-point runs the same pairs, starters and seeds) with a bootstrap CI over conversations, and
-its MMLU accuracy and drop with a paired CI over questions.
+point runs the same pairs, starters and seeds) with the Wilcoxon signed-rank test, and its
+MMLU accuracy and drop paired by question with the exact McNemar test; the p-values are
+Holm-corrected over the sweep's points, and every test carries its n and method
+(`driftlab.stats`). `power_notes` says how many pairs and questions a given effect needs.
 
 Fig. 5: stability (mean agent probe score over rounds and conversations) against the MMLU
 drop, one curve per method through its strengths, all starting at the plain model.
@@ -22,26 +24,37 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from driftlab.errors import DriftlabError
-from driftlab.protocol.mmlu import correctness, drop
+from driftlab.protocol.mmlu import correctness, drop_test
 from driftlab.protocol.runner import config_of
 from driftlab.protocol.sweep import point_dir
 from driftlab.records.rundir import RunDir
 from driftlab.report.figures import save_png
 from driftlab.report.metrics import summarize_run
-from driftlab.stats import bootstrap_mean_ci
+from driftlab.stats import PairedTest, paired_test, pairs_needed_means, pairs_needed_proportions, with_holm
 
+POWER_GAIN = 0.1  # the stability gain whose needed pairs the sweep states
+POWER_DROP = 0.05  # the MMLU drop whose needed questions the sweep states
 COLORS = {"plain": "0.2", "split-softmax": "tab:blue", "spr": "tab:orange", "cfg": "tab:green",
           "instaboost": "tab:purple", "bias": "tab:brown"}
 
 
 def sweep_table(out: str | Path) -> pd.DataFrame:
-    """One row per point of a finished sweep (plain first, then grid order); also RUN/sweep.csv."""
+    """One row per point of a finished sweep (plain first, then grid order); also RUN/sweep.csv.
+
+    Each steered point is compared with the plain point on the same pairs and questions:
+    its stability gain by the Wilcoxon signed-rank test over conversations (`gain_*`), its
+    MMLU drop by the exact McNemar test over questions (`mmlu_*`); each family (the sweep's
+    points) is Holm-corrected (`*_p_holm`). `warning` says where n does not support a
+    difference. Intervals follow `driftlab.stats.mean_interval`'s rule (t below 30 values).
+    """
     out = Path(out)
     manifest = RunDir(out).read_manifest()
     if manifest.get("protocol") != "sweep" or manifest.get("completed") is not True:
         raise DriftlabError(f"{out} is not a finished sweep.", hint="Run (or resume) the same `driftlab sweep` command.")
     grid = config_of(manifest).get("grid", {})
     rows: list[dict] = []
+    gains: list[PairedTest | None] = []
+    drops: list[PairedTest | None] = []
     plain_correct: dict[int, float] = {}
     plain_stability = pd.Series(dtype=float)
     for spec in manifest["points"]:
@@ -57,20 +70,80 @@ def sweep_table(out: str | Path) -> pd.DataFrame:
         per_conv = _per_conversation(summary.scores)
         if not spec:
             plain_stability = per_conv
-        gain = (per_conv - plain_stability).dropna()
-        gain_ci = bootstrap_mean_ci(gain.to_numpy(float))
-        d = drop(plain_correct, steered)
+        gains.append(paired_test(per_conv.to_dict(), plain_stability.to_dict(), method="wilcoxon") if spec else None)
+        diffs = (per_conv - plain_stability).dropna()
+        drops.append(drop_test(plain_correct, steered) if spec else None)
         rows.append({
             "method": method, "spec": spec or "plain", "strength_rank": grid[method].index(spec) + 1 if spec else 0,
             "stability": agent["mean"], "stability_ci_low": agent["ci_low"], "stability_ci_high": agent["ci_high"],
-            "stability_gain": float(gain.mean()) if len(gain) else float("nan"),
-            "stability_gain_ci_low": gain_ci[0], "stability_gain_ci_high": gain_ci[1],
-            "mmlu_accuracy": sum(steered.values()) / len(steered), "mmlu_drop": d["mean"],
-            "mmlu_drop_ci_low": d["ci"][0], "mmlu_drop_ci_high": d["ci"][1], "n_conversations": int(agent["n"]),
+            "stability_ci_method": agent.get("ci_method", "bca"),
+            "mmlu_accuracy": sum(steered.values()) / len(steered), "n_conversations": int(agent["n"]),
+            "gain_sd": float(diffs.std(ddof=1)) if spec and len(diffs) > 1 else NAN,
         })
-    table = pd.DataFrame(rows)
+    gains, drops = with_holm(gains), with_holm(drops)
+    for row, gain, d in zip(rows, gains, drops, strict=True):
+        row.update(_gain_columns(gain, row["n_conversations"]))
+        row.update(_drop_columns(d, len(plain_correct)))
+        warnings = [f"stability gain: {gain.warning()}" if gain and gain.warning() else "",
+                    f"MMLU drop: {d.warning()}" if d and d.warning() else ""]
+        row["warning"] = "; ".join(w for w in warnings if w)
+    table = pd.DataFrame(rows)[COLUMNS]
     table.to_csv(out / "sweep.csv", index=False)
     return table
+
+
+COLUMNS = ["method", "spec", "strength_rank", "stability", "stability_ci_low", "stability_ci_high",
+           "stability_ci_method", "stability_gain", "stability_gain_ci_low", "stability_gain_ci_high", "gain_ci_method",
+           "gain_n", "gain_better", "gain_worse", "gain_tied", "gain_sd", "gain_method", "gain_p", "gain_p_holm",
+           "mmlu_accuracy", "mmlu_drop", "mmlu_drop_ci_low", "mmlu_drop_ci_high", "mmlu_ci_method", "mmlu_n",
+           "mmlu_lost", "mmlu_gained", "mmlu_method", "mmlu_p", "mmlu_p_holm", "n_conversations", "warning"]
+NAN = float("nan")
+
+
+def _gain_columns(t: PairedTest | None, n: int) -> dict:
+    """The stability gain of a point over plain (steered - plain, per conversation); plain itself: 0, no test."""
+    if t is None:
+        return {"stability_gain": 0.0, "stability_gain_ci_low": 0.0, "stability_gain_ci_high": 0.0,
+                "gain_ci_method": "", "gain_n": n, "gain_better": 0, "gain_worse": 0, "gain_tied": n,
+                "gain_method": "", "gain_p": NAN, "gain_p_holm": NAN}
+    return {"stability_gain": t.diff.estimate, "stability_gain_ci_low": t.diff.low,
+            "stability_gain_ci_high": t.diff.high, "gain_ci_method": t.diff.method, "gain_n": t.n,
+            "gain_better": t.better, "gain_worse": t.worse, "gain_tied": t.tied, "gain_method": t.method,
+            "gain_p": t.p, "gain_p_holm": t.p_adjusted}
+
+
+def _drop_columns(t: PairedTest | None, n: int) -> dict:
+    """The MMLU drop of a point (plain - steered, per question); plain itself: 0, no test."""
+    if t is None:
+        return {"mmlu_drop": 0.0, "mmlu_drop_ci_low": 0.0, "mmlu_drop_ci_high": 0.0, "mmlu_ci_method": "",
+                "mmlu_n": n, "mmlu_lost": 0, "mmlu_gained": 0, "mmlu_method": "", "mmlu_p": NAN, "mmlu_p_holm": NAN}
+    return {"mmlu_drop": t.diff.estimate, "mmlu_drop_ci_low": t.diff.low, "mmlu_drop_ci_high": t.diff.high,
+            "mmlu_ci_method": t.diff.method, "mmlu_n": t.n, "mmlu_lost": t.better, "mmlu_gained": t.worse,
+            "mmlu_method": t.method, "mmlu_p": t.p, "mmlu_p_holm": t.p_adjusted}
+
+
+def power_notes(table: pd.DataFrame, gain: float = POWER_GAIN, mmlu_drop: float = POWER_DROP) -> list[str]:
+    """What the sweep's n can detect, from its table (`sweep_table`): the pairs a stability gain of
+    `gain` needs (paired t, from the sd of the paired differences) and the MMLU questions a drop of
+    `mmlu_drop` needs (exact McNemar, from the share of questions answered differently), each at
+    alpha 0.05 and power 0.8, with the median over the steered points as the spread."""
+    steered = table[table.method != "plain"]
+    if steered.empty:
+        return []
+    notes = []
+    sds = steered.gain_sd[steered.gain_sd > 0].dropna()
+    if len(sds):
+        sd = float(sds.median())
+        notes.append(f"A stability gain of {gain:g} needs about {pairs_needed_means(gain, sd)} pairs (paired t, "
+                     f"alpha 0.05, power 0.8, sd of the paired differences {sd:.3f}, the median over the points); "
+                     f"this sweep has {int(table.n_conversations.max())}.")
+    shares = ((steered.mmlu_lost + steered.mmlu_gained) / steered.mmlu_n).dropna()
+    # As `driftlab.protocol.mmlu.questions_needed`: the measured disagreement, never below 2 |drop|.
+    share = min(1.0, max(2 * mmlu_drop, float(shares.median()) if len(shares) else 0.0))
+    notes.append(f"An MMLU drop of {mmlu_drop:g} needs about {pairs_needed_proportions(mmlu_drop, share)} questions "
+                 f"(exact McNemar, alpha 0.05, power 0.8, {share:.0%} of questions answered differently, the median "
+                 f"over the points); this sweep has {int(table.mmlu_n.max())}.")
+    return notes
 
 
 def _per_conversation(scores: pd.DataFrame) -> pd.Series:
@@ -139,18 +212,33 @@ def write_sweep_report(out: str | Path, match_drop: float | None = None) -> Path
     imgs = "".join(f'<img src="data:image/png;base64,{base64.b64encode(f.read_bytes()).decode()}" '
                    f'style="max-width:48%">' for f in figs)
     cols = ["method", "spec", "stability", "stability_ci_low", "stability_ci_high", "stability_gain",
-            "stability_gain_ci_low", "stability_gain_ci_high", "mmlu_accuracy", "mmlu_drop", "mmlu_drop_ci_low",
-            "mmlu_drop_ci_high", "n_conversations"]
-    cols = [c for c in cols if c in table]  # sweeps written before the paired gain lack it
-    body = table[cols].to_html(index=False, float_format=lambda v: f"{v:.3f}", border=0)
+            "stability_gain_ci_low", "stability_gain_ci_high", "gain_n", "gain_better", "gain_worse", "gain_tied",
+            "gain_method", "gain_p", "gain_p_holm", "mmlu_accuracy", "mmlu_drop", "mmlu_drop_ci_low",
+            "mmlu_drop_ci_high", "mmlu_n", "mmlu_method", "mmlu_p", "mmlu_p_holm", "n_conversations"]
+    body = table[cols].to_html(index=False, float_format=lambda v: f"{v:.3f}", border=0, na_rep="")
+    gain = "" if best.method == "plain" else (
+        f" Its stability gain over plain is {best.stability_gain:+.3f} [{best.stability_gain_ci_low:+.3f}, "
+        f"{best.stability_gain_ci_high:+.3f}] ({best.gain_better} pairs better, {best.gain_worse} worse, "
+        f"{best.gain_tied} tied; {html.escape(str(best.gain_method))} p = {best.gain_p:.3g}, Holm over the "
+        f"sweep's points p = {best.gain_p_holm:.3g}).")
+    warnings = "".join(f"<li><b>{html.escape(str(r.spec))}</b>: {html.escape(str(r.warning))}</li>"
+                       for r in table.itertuples() if isinstance(r.warning, str) and r.warning)
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in power_notes(table))
     page = (f"<!doctype html><meta charset='utf-8'><title>driftlab sweep</title>"
             f"<body style='font-family:sans-serif;max-width:1100px;margin:auto'>"
             f"<h1>Mitigation trade-off</h1>{imgs}"
-            f"<p>At a matched MMLU drop of about {target:.3f}, the most stable method is "
+            f"<p>At a matched MMLU drop of about {target:.3f}, the method with the highest mean stability is "
             f"<b>{html.escape(str(best.spec))}</b> (stability {best.stability:.3f}, "
-            f"95% CI [{best.stability_ci_low:.3f}, {best.stability_ci_high:.3f}], MMLU drop {best.mmlu_drop:+.3f}). "
-            f"Compare the CIs before calling a winner: <i>stability_gain</i> is the gain over the plain model "
-            f"paired by conversation (same pairs, starters and seeds at every point), with its bootstrap CI."
-            f"</p>{body}</body>")
+            f"95% CI [{best.stability_ci_low:.3f}, {best.stability_ci_high:.3f}], MMLU drop {best.mmlu_drop:+.3f})."
+            f"{gain} A method wins only where its Holm-corrected p is below 0.05.</p>"
+            f"<p>Every point runs the same pairs, starters and seeds and is asked the same MMLU questions, so each is "
+            f"compared with plain pair by pair: <i>gain_*</i> is the stability gain (steered - plain per "
+            f"conversation, Wilcoxon signed-rank test), <i>mmlu_*</i> the MMLU drop (plain - steered per question, "
+            f"exact McNemar test; lost/gained questions in sweep.csv); <i>p_holm</i> corrects each column's p over "
+            f"the sweep's points (Holm). Intervals: t below 30 values, BCa bootstrap from 30 "
+            f"(the <i>*_ci_method</i> columns of sweep.csv).</p>"
+            + (f"<h2>Where n does not support a difference</h2><ul>{warnings}</ul>" if warnings else "")
+            + (f"<h2>What this n can detect</h2><ul>{notes}</ul>" if notes else "")
+            + f"{body}</body>")
     (out / "sweep.html").write_text(page, encoding="utf-8")
     return out / "sweep.html"

@@ -85,7 +85,7 @@ def round_table(summary: RunSummary) -> TextTable:
         title="Probe scores by round (mean over conversations)",
         columns=columns,
         rows=rows,
-        note=f"mean [{CONFIDENCE:.0%} bootstrap CI, conversations resampled]; scores in [0, 1], "
+        note=f"mean [{CONFIDENCE:.0%} CI over conversations: {ci_methods(summary)}]; scores in [0, 1], "
         "higher = persona followed. 'overall': each conversation's mean over the probe rounds. 'adoption above "
         "round 1': the user-persona score minus the same conversation's round-1 score (p_A answered before any "
         "word of the user LM), in [-1, 1].",
@@ -113,5 +113,38 @@ def category_table(summary: RunSummary) -> TextTable:
         columns=columns,
         rows=rows,
         note="Category of the persona being probed: the agent's own for stability, the user's for "
-        "adoption. Each conversation averaged over the probe rounds, then mean [95% CI] (n conversations).",
+        "adoption. Each conversation averaged over the probe rounds, then mean [95% CI] (n conversations); "
+        f"CI: {ci_methods(summary)}.",
+    )
+
+
+def ci_methods(summary: RunSummary) -> str:
+    """The interval methods the summary's cells used, in words (t below 30 conversations, ...)."""
+    from driftlab.stats import METHOD_LABELS
+
+    used = pd.concat([summary.per_round, summary.overall])
+    used = used[used["n"] > 1]["ci_method"] if "ci_method" in used else pd.Series(["bca"])
+    names = [METHOD_LABELS.get(m, m) for m in dict.fromkeys(used.dropna())]
+    return ", ".join(names) + " (chosen by n: t below 30, BCa bootstrap from 30, Wilson for 0/1 values)" \
+        if names else "none (n < 2)"
+
+
+def comparison_table(summary: RunSummary) -> TextTable | None:
+    """Each condition against the first, paired by conversation (`compare_conditions`); None with one condition."""
+    cmp = summary.comparisons
+    if cmp is None or cmp.empty:
+        return None
+    rows = []
+    for r in cmp.itertuples():
+        rows.append([TARGET_LABELS.get(r.target, r.target), f"{SHORT_CONDITION.get(r.condition, r.condition)} - "
+                     f"{SHORT_CONDITION.get(r.versus, r.versus)}", str(r.n), fmt_cell(r.diff, r.diff_ci_low, r.diff_ci_high),
+                     f"{r.better}/{r.worse}/{r.tied}", r.method, fmt(r.p, 3), fmt(r.p_holm, 3),
+                     r.warning or "supported (p_holm < 0.05)"])
+    return TextTable(
+        title="Conditions compared on the same conversations",
+        columns=["target", "difference", "n", "mean [95% CI]", "better/worse/tied", "test", "p", "p_holm", "verdict"],
+        rows=rows,
+        note="Each conversation's mean over the probe rounds both conditions reached, differenced pair by pair; "
+             "the CI is a t-interval below 30 pairs (BCa bootstrap from 30); p: two-sided, Holm-corrected over "
+             "the comparisons of this run (p_holm).",
     )
