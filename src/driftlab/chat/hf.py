@@ -28,7 +28,7 @@ from driftlab.chat.base import (
     TokenLogprob,
     validate_conversation,
 )
-from driftlab.chat.loading import load_model
+from driftlab.chat.loading import input_device, load_model
 from driftlab.chat.prefix_cache import PrefixCache
 from driftlab.chat.spec import BackendSpec
 from driftlab.chat.templates import Renderer
@@ -52,15 +52,19 @@ class HFChatBackend:
         span_mode: str = "content",
         prefix_cache_bytes: int = 2 << 30,
         attn_implementation: str | None = None,
+        device_map: str | None = None,
+        quantize: str | None = None,
     ) -> None:
         if attn_implementation is None:
             from driftlab.attention import ATTENTION_NAME, register
 
             register()
             attn_implementation = ATTENTION_NAME
-        self.model, self.tokenizer, self.path = load_model(model, dtype, device, attn_implementation)
+        self.model, self.tokenizer, self.path = load_model(
+            model, dtype, device, attn_implementation, device_map=device_map, quantize=quantize)
         self.name = model
-        self.device = self.model.device
+        self.device_map, self.quantize = device_map, quantize
+        self.device = input_device(self.model)
         self.renderer = Renderer(self.tokenizer, span_mode)
         self.eos_ids = self.renderer.eos_ids(self.model.config, self.model.generation_config)
         self.stop_ids = frozenset(self.eos_ids)
@@ -73,7 +77,7 @@ class HFChatBackend:
     def from_spec(cls, spec: BackendSpec, *, prefix_cache_bytes: int = 2 << 30) -> HFChatBackend:
         """The local model a `BackendSpec` names (its runtime is the caller's business)."""
         return cls(spec.model, dtype=spec.dtype, device=spec.device, span_mode=spec.span,
-                   prefix_cache_bytes=prefix_cache_bytes)
+                   prefix_cache_bytes=prefix_cache_bytes, device_map=spec.device_map, quantize=spec.quantize)
 
     # -- public API -------------------------------------------------------------------------
     def generate(self, request: ChatRequest) -> list[Reply]:
@@ -108,10 +112,18 @@ class HFChatBackend:
             "span_mode": self.renderer.span_mode, "max_context": self.shape.max_context,
         }
         from driftlab.assets import pulled_info
+        from driftlab.assets.hub import snapshot_info
 
-        info = pulled_info(self.name) if "/" not in self.name else None
+        info = pulled_info(self.name) if "/" not in self.name and "@" not in self.name else None
         if info:
             meta["preset"] = info
+        hub = snapshot_info(self.path)
+        if hub:  # which weights exactly: a resumed run refuses others (protocol.runner)
+            meta["hub"] = {**hub, "requested": self.name}
+        if self.device_map:
+            meta["device_map"] = {k: str(v) for k, v in getattr(self.model, "hf_device_map", {}).items()}
+        if self.quantize:
+            meta["quantize"] = self.quantize
         return meta
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:

@@ -1,0 +1,242 @@
+"""Models by Hugging Face Hub id, fully offline: a tiny random model in a hand-built hub cache.
+
+What a user with models in the Hugging Face cache meets: the resolution order (preset, local
+directory, Hub id), chat and a self-chat run by id, revision pins, `models list`, the commit
+sha in the manifest and a resume that refuses other weights, and every error (malformed id,
+offline and not cached, gated, misspelt, missing revision, unreachable hub) as one line that
+leaves nothing behind. The hub's answers come from a local HTTP server speaking the hub's
+error protocol (status + X-Error-Code), through huggingface_hub's real client: nothing leaves
+the machine.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from driftlab.assets.hub import HubRef, parse_hub_id
+from driftlab.errors import DriftlabError
+from hub_cache import REPO, SHA_MAIN, SHA_V2, build_cache, hub_env, set_ref
+
+
+# -- the id itself: string rules only ------------------------------------------------------------
+@pytest.mark.parametrize("name, ref", [
+    ("meta-llama/Llama-2-7b-chat-hf", HubRef("meta-llama/Llama-2-7b-chat-hf")),
+    ("Qwen/Qwen2.5-7B-Instruct@main", HubRef("Qwen/Qwen2.5-7B-Instruct", "main")),
+    (f"org/m.v1_x@{SHA_V2}", HubRef("org/m.v1_x", SHA_V2)),
+    ("org/name@refs/pr/1", HubRef("org/name", "refs/pr/1")),
+    ("smollm2-135m", None), ("./org/name", None), ("/abs/org/name", None), ("a/b/c", None), ("~/m", None),
+])
+def test_parse_hub_id(name: str, ref: HubRef | None) -> None:
+    assert parse_hub_id(name) == ref
+
+
+@pytest.mark.parametrize("name, problem", [
+    ("org/na me", "is not org/name"), ("org--x/name", "no '--'"), ("org/name-", "is not org/name"),
+    ("org/name@", "must be followed by a revision"), ("org/name@ x", "is not a revision"),
+    ("preset@v1", "is not org/name"), ("org/" + "n" * 97, "longer than 96"),
+])
+def test_malformed_ids_are_refused(name: str, problem: str) -> None:
+    with pytest.raises(DriftlabError, match="not a valid Hugging Face Hub id") as err:
+        parse_hub_id(name)
+    assert problem in err.value.message and "org/name@revision" in err.value.hint
+
+
+def test_a_malformed_id_fails_the_cli_before_torch_is_imported() -> None:
+    code = ("import sys\nfrom driftlab.cli.options import backend_spec\nfrom driftlab.errors import DriftlabError\n"
+            "try:\n    backend_spec('org/na me', 'auto', 'cpu')\nexcept DriftlabError as e:\n    print(e.message)\n"
+            "print('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.splitlines()[0].startswith("Invalid --model org/na me: 'org/na me' is not a valid Hugging")
+    assert proc.stdout.splitlines()[-1] == "False"
+
+
+# -- a hub cache ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hub_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("hf_home")
+    build_cache(root)
+    return root
+
+
+@pytest.fixture
+def hub(hub_root: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for key, value in hub_env(hub_root).items():
+        monkeypatch.setenv(key, value)
+    set_ref(hub_root / "hub", REPO, "main", SHA_MAIN)  # a test may move it
+    return hub_root
+
+
+def cli(env: dict[str, str], *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The real `driftlab` entry point in a fresh process (huggingface_hub reads its settings at import)."""
+    full = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return subprocess.run([sys.executable, "-m", "driftlab", *args], capture_output=True, text=True, env=full,
+                          cwd=cwd, timeout=300)
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *expect: str) -> str:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0].startswith("Error: ") and len(lines) <= 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+    for text in expect:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+def tree(root: Path) -> dict[str, tuple]:
+    return {str(p.relative_to(root)): (p.is_symlink(), p.stat().st_size if p.is_file() else None)
+            for p in sorted(root.rglob("*"))}
+
+
+def test_resolution_order_preset_then_directory_then_hub(hub: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from driftlab.assets import model_dir, resolve_model
+
+    snapshots = hub / "hub" / "models--tiny-org--tiny-chat" / "snapshots"
+    assert resolve_model("smollm2-135m", auto_pull_default=False) == model_dir("smollm2-135m")
+    assert resolve_model(REPO) == snapshots / SHA_MAIN
+    assert resolve_model(f"{REPO}@v2") == snapshots / SHA_V2  # a tag
+    assert resolve_model(f"{REPO}@{SHA_V2}") == snapshots / SHA_V2  # a commit
+    # A local directory named like the id comes first.
+    local = tmp_path / REPO
+    local.mkdir(parents=True)
+    (local / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model(REPO) == Path(REPO)
+
+
+def test_chat_by_hub_id_records_the_commit(hub: Path) -> None:
+    """In-process: the backend loads the snapshot and says exactly which weights it holds."""
+    import torch
+
+    from driftlab.chat import ChatRequest, Sampling
+    from driftlab.chat.hf import HFChatBackend
+
+    main = HFChatBackend(REPO, dtype="float32", device="cpu", prefix_cache_bytes=0)
+    pinned = HFChatBackend(f"{REPO}@v2", dtype="float32", device="cpu", prefix_cache_bytes=0)
+    assert main.describe()["hub"] == {"id": REPO, "sha": SHA_MAIN, "requested": REPO}
+    assert pinned.describe()["hub"] == {"id": REPO, "sha": SHA_V2, "requested": f"{REPO}@v2"}
+    assert not torch.equal(next(main.model.parameters()), next(pinned.model.parameters()))
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    (reply,) = main.generate(ChatRequest([conv], Sampling(greedy=True, max_new_tokens=6, ignore_eos=True)))
+    assert len(reply.token_ids) == 6
+
+
+def test_cli_chat_and_selfchat_run_by_hub_id_and_resume_refuses_changed_weights(hub: Path, tmp_path: Path) -> None:
+    env = hub_env(hub)
+    proc = cli(env, "chat", "--model", REPO, "--device", "cpu", "--dtype", "float32", "--greedy",
+               "--max-new-tokens", "4", "Hello")
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "run"
+    run = ("run", "--model", REPO, "--out", str(out), "--device", "cpu", "--dtype", "float32", "--pairs", "1",
+           "--rounds", "1", "--max-new-tokens", "3", "--no-report")
+    proc = cli(env, *run)
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["completed"] is True
+    assert manifest["config"]["backend"]["model"] == REPO
+    for role in ("agent", "user"):
+        assert manifest["models"][role]["hub"] == {"id": REPO, "sha": SHA_MAIN, "requested": REPO}
+    # The branch moves to other weights: the run refuses to continue on them, and is left as it was.
+    set_ref(hub / "hub", REPO, "main", SHA_V2)
+    before = tree(out)
+    line = one_line_error(cli(env, *run), f"at commit {SHA_MAIN}", f"now loads commit {SHA_V2}")
+    assert "agent model" in line
+    assert tree(out) == before
+    # Pinned to the recorded commit, it is the same run again.
+    pinned = list(run)
+    pinned[2] = f"{REPO}@{SHA_MAIN}"
+    proc = cli(env, *pinned)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_models_list_shows_cached_causal_lms(hub: Path) -> None:
+    proc = cli(hub_env(hub), "models", "list", "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    rows = [r for r in json.loads(proc.stdout) if r["source"] == "hf-cache"]
+    assert [(r["name"], r["revision"], r["refs"]) for r in rows] == [
+        (REPO, SHA_MAIN, ["main"]), (f"{REPO}@{SHA_V2}", SHA_V2, ["v2"])]  # the encoder is not a causal LM
+    assert all(r["size_bytes"] > 100_000 for r in rows)
+    table = cli({**hub_env(hub), "COLUMNS": "200"}, "models", "list")
+    assert REPO in table.stdout and "Hugging Face cache" in table.stdout and SHA_V2[:12] in table.stdout
+
+
+def test_offline_and_not_cached_is_one_line_and_writes_nothing(hub: Path, tmp_path: Path) -> None:
+    before = tree(hub / "hub")
+    proc = cli(hub_env(hub), "run", "--model", "other-org/not-here@v1", "--out", str(tmp_path / "run"),
+               "--device", "cpu")
+    one_line_error(proc, "'other-org/not-here@v1' is not in the Hugging Face cache", "HF_HUB_OFFLINE")
+    assert "driftlab models pull other-org/not-here@v1" in proc.stderr
+    assert not (tmp_path / "run").exists() and tree(hub / "hub") == before
+    one_line_error(cli(hub_env(hub), "chat", "--model", f"{REPO}@no-such-tag", "hi"), "is not in the Hugging Face")
+
+
+# -- the hub's answers, from a local server ------------------------------------------------------
+class FakeHub(http.server.BaseHTTPRequestHandler):
+    """Answers model-info requests as the hub does for gated, missing and revision-less repos."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        path = self.path.split("?")[0]
+        if "/gated-org/" in path:
+            status, code = 401, "GatedRepo"
+        elif "/missing-org/" in path:
+            status, code = 404, "RepoNotFound"
+        elif "/revision/" in path and not path.endswith(("/main", "/revision/" + SHA_MAIN)):
+            status, code = 404, "RevisionNotFound"
+        else:
+            status, code = 500, ""
+        self.send_response(status)
+        if code:
+            self.send_header("X-Error-Code", code)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"error": "fake"}')
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def fake_hub() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.mark.parametrize("model, expect, hint", [
+    ("gated-org/llama@main", ("is gated", "no Hugging Face token is set"), "HF_TOKEN"),
+    ("missing-org/lama", ("No model 'missing-org/lama' on the Hugging Face Hub",), "Check the spelling"),
+    ("some-org/model@v9", ("has no revision 'v9'",), "drop '@v9'"),
+    ("some-org/model", ("Could not download 'some-org/model'",), "HF_ENDPOINT"),  # the hub fails (500)
+])
+def test_hub_errors_are_one_line_and_download_nothing(tmp_path: Path, fake_hub: str, model: str,
+                                                      expect: tuple[str, ...], hint: str) -> None:
+    env = {**hub_env(tmp_path), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": fake_hub, "HF_TOKEN": "",
+           "HF_HUB_ETAG_TIMEOUT": "2", "HF_HUB_DOWNLOAD_TIMEOUT": "2"}
+    proc = cli(env, "models", "pull", model)
+    one_line_error(proc, *expect)
+    assert hint in proc.stderr.splitlines()[1]
+    assert not any(p.is_file() for p in tmp_path.rglob("*")), list(tmp_path.rglob("*"))
+
+
+def test_gated_with_a_token_says_the_token_lacks_access(tmp_path: Path, fake_hub: str) -> None:
+    env = {**hub_env(tmp_path), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": fake_hub, "HF_TOKEN": "hf_fake"}
+    one_line_error(cli(env, "chat", "--model", "gated-org/llama", "--device", "cpu", "hi"),
+                   "is gated", "has not been granted access")
+
+
+def test_unreachable_hub_is_one_line(tmp_path: Path) -> None:
+    env = {**hub_env(tmp_path), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9",
+           "HF_HUB_ETAG_TIMEOUT": "2"}
+    one_line_error(cli(env, "models", "pull", "some-org/model"), "Could not download 'some-org/model'")
