@@ -240,3 +240,43 @@ def test_unreachable_hub_is_one_line(tmp_path: Path) -> None:
     env = {**hub_env(tmp_path), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9",
            "HF_HUB_ETAG_TIMEOUT": "2"}
     one_line_error(cli(env, "models", "pull", "some-org/model"), "Could not download 'some-org/model'")
+
+
+# -- chat templates Hub models bring ---------------------------------------------------------------
+# Llama-2-chat's template (meta-llama/Llama-2-7b-chat-hf, tokenizer_config.json): no system turn of
+# its own; the system prompt is folded into the first user turn between <<SYS>> tags.
+LLAMA2_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}{% if message['role'] == 'user' %}"
+    "{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+    "{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("mode", ["content", "prefix"])
+def test_llama2_template_folds_the_system_prompt_and_its_span_is_still_found(mode: str) -> None:
+    from transformers import AutoTokenizer
+
+    from driftlab.chat.templates import Renderer
+    from tiny_models import tokenizer_dir
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir())
+    tok.chat_template = LLAMA2_TEMPLATE
+    system = "Always answer in French, whatever the question."
+    conv = [{"role": "system", "content": system}, {"role": "user", "content": "What is the capital of Italy?"},
+            {"role": "assistant", "content": "Rome."}, {"role": "user", "content": "And of Spain?"}]
+    rendered = Renderer(tok, mode).render(conv)
+    assert "[INST] <<SYS>>\n" + system in rendered.text  # folded into the first user turn
+    start, end = rendered.system_span
+    shown = tok.decode(rendered.ids[start:end])
+    assert shown.endswith(system) and "capital" not in shown
+    if mode == "content":
+        assert shown.strip() == system
+    else:
+        assert start == 0 and shown.startswith(tok.decode(rendered.ids[:1])) and "<<SYS>>" in shown
