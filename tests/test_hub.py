@@ -280,3 +280,28 @@ def test_llama2_template_folds_the_system_prompt_and_its_span_is_still_found(mod
         assert shown.strip() == system
     else:
         assert start == 0 and shown.startswith(tok.decode(rendered.ids[:1])) and "<<SYS>>" in shown
+
+
+def test_a_selfchat_runs_under_llama2s_template_with_split_softmax(tmp_path: Path) -> None:
+    """The whole dialog flow (agent and user views, probes) through Llama-2's template, whose
+    alternation rule rejects malformed turn orders, with an intervention that needs the span."""
+    from driftlab.chat import BackendSpec, Sampling
+    from driftlab.chat.hf import HFChatBackend
+    from driftlab.protocol.runner import run_protocol
+    from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
+    from driftlab.records.rundir import RunDir
+    from tiny_models import make_tiny_model
+
+    model = make_tiny_model("qwen2", tmp_path / "llama2-templated")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = LLAMA2_TEMPLATE
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    backend = HFChatBackend(str(model), dtype="float32", device="cpu")
+    assert backend.tokenizer.chat_template == LLAMA2_TEMPLATE
+    cfg = SelfChatConfig(backend=BackendSpec(model=str(model), device="cpu", dtype="float32"), pairs=1, rounds=2,
+                         user_probe=True, sampling=Sampling(max_new_tokens=4), steer=["split-softmax:k=0.5"])
+    rundir = run_protocol(SelfChat(cfg, backend), tmp_path / "run", progress=False)
+    manifest = RunDir(rundir.path).read_manifest()
+    assert manifest["completed"] is True
+    assert len((rundir.path / "records.jsonl").read_text().splitlines()) >= 2 * 2 + 2

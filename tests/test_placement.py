@@ -124,3 +124,17 @@ def test_strategies_fall_back_to_the_cpu_without_a_gpu(tiny: Path, plain: HFChat
     assert auto.device == torch.device("cpu")
     assert [r.token_ids for r in _run(auto, ["split-softmax:k=0.5"])] == \
         [r.token_ids for r in _run(plain, ["split-softmax:k=0.5"])]
+
+
+def test_prefix_reuse_on_a_mapped_model_equals_a_fresh_prefill(tiny: Path, plain: HFChatBackend) -> None:
+    """The KV of a shared dialog prefix, stored from each layer and restored to it, gives the
+    same tokens as the plain model computing everything."""
+    mapped = HFChatBackend(str(tiny), dtype="float32", device="cpu", device_map=json.dumps(OFFLOAD))
+    iv = Interventions.parse(["split-softmax:k=0.7"])
+    first = mapped.generate(ChatRequest(CONVERSATIONS, SAMPLING, interventions=iv, cache_store=[True, True]))
+    longer = [c + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "Go on."}]
+              for c, r in zip(CONVERSATIONS, first, strict=True)]
+    reused = mapped.generate(ChatRequest(longer, SAMPLING, interventions=iv))
+    assert mapped.prefix_cache.hits_tokens > 0
+    fresh = plain.generate(ChatRequest(longer, SAMPLING, interventions=iv))
+    assert [r.token_ids for r in reused] == [r.token_ids for r in fresh]

@@ -437,7 +437,8 @@ class HFChatBackend:
                 if n > 0:
                     keys[b, :, pads[b] : S] = entry.kv[layer][0][:, :n]
                     values[b, :, pads[b] : S] = entry.kv[layer][1][:, :n]
-            cache.update(keys.to(self.device), values.to(self.device), layer)
+            # On the device the layer stored them from: with a device map, each layer's own.
+            cache.update(keys, values, layer)
         return cache
 
     def _store_prefixes(self, prompts, sampled, n_fed: int, pads, cache, tags: list[str], store) -> None:
