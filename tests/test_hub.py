@@ -131,6 +131,7 @@ def test_chat_by_hub_id_records_the_commit(hub: Path) -> None:
     assert len(reply.token_ids) == 6
 
 
+@pytest.mark.model  # a whole protocol, three CLI processes
 def test_cli_chat_and_selfchat_run_by_hub_id_and_resume_refuses_changed_weights(hub: Path, tmp_path: Path) -> None:
     env = hub_env(hub)
     proc = cli(env, "chat", "--model", REPO, "--device", "cpu", "--dtype", "float32", "--greedy",
@@ -282,6 +283,7 @@ def test_llama2_template_folds_the_system_prompt_and_its_span_is_still_found(mod
         assert start == 0 and shown.startswith(tok.decode(rendered.ids[:1])) and "<<SYS>>" in shown
 
 
+@pytest.mark.model  # a whole protocol on a tiny model
 def test_a_selfchat_runs_under_llama2s_template_with_split_softmax(tmp_path: Path) -> None:
     """The whole dialog flow (agent and user views, probes) through Llama-2's template, whose
     alternation rule rejects malformed turn orders, with an intervention that needs the span."""
@@ -305,3 +307,25 @@ def test_a_selfchat_runs_under_llama2s_template_with_split_softmax(tmp_path: Pat
     manifest = RunDir(rundir.path).read_manifest()
     assert manifest["completed"] is True
     assert len((rundir.path / "records.jsonl").read_text().splitlines()) >= 2 * 2 + 2
+
+
+def test_a_model_without_chat_template_gets_the_plain_one_with_a_note(tmp_path: Path, capfd) -> None:
+    from driftlab.chat import ChatRequest, Sampling
+    from driftlab.chat.hf import HFChatBackend
+    from tiny_models import make_tiny_model
+
+    model = make_tiny_model("qwen2", tmp_path / "base")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    capfd.readouterr()
+    backend = HFChatBackend(str(model), dtype="float32", device="cpu")
+    assert "has no chat template" in " ".join(capfd.readouterr().err.split())
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    rendered = backend.render(conv)
+    assert rendered.text == "Be brief.\n\nUser: Hello\nAssistant:"
+    start, end = rendered.system_span
+    assert backend.decode(rendered.ids[start:end]).strip() == "Be brief."
+    (reply,) = backend.generate(ChatRequest([conv], Sampling(greedy=True, max_new_tokens=3, ignore_eos=True)))
+    assert len(reply.token_ids) <= 3

@@ -66,6 +66,13 @@ class HFChatBackend:
         self.device_map, self.quantize = device_map, quantize
         self.device = input_device(self.model)
         self.renderer = Renderer(self.tokenizer, span_mode)
+        if self.renderer.plain and "preset" not in self._preset_meta():
+            from driftlab.console import err_console
+
+            err_console().print(
+                f"note: {model} has no chat template (a base model?): dialogs are rendered as plain text "
+                "(the system prompt, then 'User:' and 'Assistant:' lines), and replies stop at the next speaker.",
+                highlight=False, markup=False)
         self.eos_ids = self.renderer.eos_ids(self.model.config, self.model.generation_config)
         self.stop_ids = frozenset(self.eos_ids)
         self.stop_strings = self.renderer.stop_strings
@@ -111,12 +118,9 @@ class HFChatBackend:
             "dtype": str(self.model.dtype).replace("torch.", ""), "device": str(self.device),
             "span_mode": self.renderer.span_mode, "max_context": self.shape.max_context,
         }
-        from driftlab.assets import pulled_info
         from driftlab.assets.hub import snapshot_info
 
-        info = pulled_info(self.name) if "/" not in self.name and "@" not in self.name else None
-        if info:
-            meta["preset"] = info
+        meta.update(self._preset_meta())
         hub = snapshot_info(self.path)
         if hub:  # which weights exactly: a resumed run refuses others (protocol.runner)
             meta["hub"] = {**hub, "requested": self.name}
@@ -125,6 +129,12 @@ class HFChatBackend:
         if self.quantize:
             meta["quantize"] = self.quantize
         return meta
+
+    def _preset_meta(self) -> dict[str, Any]:
+        from driftlab.assets import pulled_info
+
+        info = pulled_info(self.name) if "/" not in self.name and "@" not in self.name else None
+        return {"preset": info} if info else {}
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
