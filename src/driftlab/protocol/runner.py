@@ -49,7 +49,7 @@ class ProtocolConfig(BaseModel):
     backend: BackendSpec = BackendSpec()
 
     # Settings that may change between a run and its resume: they do not change results.
-    RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("backend.device", "backend.runtime")
+    RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("backend.device", "backend.device_map", "backend.runtime")
 
 
 C = TypeVar("C", bound=ProtocolConfig)
