@@ -131,6 +131,17 @@ def test_chat_by_hub_id_records_the_commit(hub: Path) -> None:
     assert len(reply.token_ids) == 6
 
 
+def test_loading_leaves_the_hub_setting_alone(hub: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load never switches the hub off for the rest of the process: a --user-model or a
+    --compare model loaded after it may still need a download."""
+    from driftlab.chat.hf import HFChatBackend
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    snapshot = hub / "hub" / "models--tiny-org--tiny-chat" / "snapshots" / SHA_MAIN
+    HFChatBackend(str(snapshot), dtype="float32", device="cpu")  # a directory: no hub involved
+    assert "HF_HUB_OFFLINE" not in os.environ
+
+
 @pytest.mark.model  # a whole protocol, three CLI processes
 def test_cli_chat_and_selfchat_run_by_hub_id_and_resume_refuses_changed_weights(hub: Path, tmp_path: Path) -> None:
     env = hub_env(hub)

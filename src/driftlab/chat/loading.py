@@ -111,20 +111,20 @@ def load_model(
     Device, dtype and quantisation are checked first, so a bad flag fails before the default
     model is pulled or a Hub model downloaded; damaged weight files are named, with the
     command that repairs them. The name is resolved (maybe downloaded) before the load itself,
-    which then reads only the local directory (`HF_HUB_OFFLINE` is set for it).
+    which then reads only the local directory.
     `device_map` spreads the layers over devices with accelerate, whose hooks move each
     layer's inputs to where its weights are (the attention engine follows them);
     `quantize` loads 8- or 4-bit weights with bitsandbytes.
     """
-    import os
-
     from driftlab.assets import resolve_model
 
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     placement = _placement(device_map, quantize, torch_device, torch_dtype)
     path = Path(resolve_model(name_or_path))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # The load itself reads only `path` (local_files_only): the network is for resolving a Hub
+    # id, above. HF_HUB_OFFLINE is left as the user set it, so a later model of the same
+    # process (a --user-model, a --compare model) can still be downloaded.
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -132,9 +132,9 @@ def load_model(
     check_weights(path, name_or_path)
     hf_logging.disable_progress_bar()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, attn_implementation=attn_implementation, **placement)
+            path, dtype=torch_dtype, attn_implementation=attn_implementation, local_files_only=True, **placement)
     except SafetensorError as err:  # a damage check_weights could not see from the header
         raise DriftlabError(
             f"A weights file in {path} is damaged: {err}", hint=_repair_hint(path, name_or_path)
