@@ -5,18 +5,16 @@ directory, Hub id), chat and a self-chat run by id, revision pins, `models list`
 sha in the manifest and a resume that refuses other weights, and every error (malformed id,
 offline and not cached, gated, misspelt, missing revision, unreachable hub) as one line that
 leaves nothing behind. The hub's answers come from a local HTTP server speaking the hub's
-error protocol (status + X-Error-Code), through huggingface_hub's real client: nothing leaves
-the machine.
+protocol (repo info, tree, file metadata and downloads; status + X-Error-Code for refusals),
+through huggingface_hub's real client: nothing leaves the machine.
 """
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import pytest
 
 from driftlab.assets.hub import HubRef, parse_hub_id
 from driftlab.errors import DriftlabError
+from fake_hub import FakeHub, fake_hub
 from hub_cache import REPO, SHA_MAIN, SHA_V2, build_cache, hub_env, set_ref
 
 
@@ -42,6 +41,7 @@ def test_parse_hub_id(name: str, ref: HubRef | None) -> None:
 @pytest.mark.parametrize("name, problem", [
     ("org/na me", "is not org/name"), ("org--x/name", "no '--'"), ("org/name-", "is not org/name"),
     ("org/name@", "must be followed by a revision"), ("org/name@ x", "is not a revision"),
+    ("org/name@refs/../../x", "is not a revision"),
     ("preset@v1", "is not org/name"), ("org/" + "n" * 97, "longer than 96"),
 ])
 def test_malformed_ids_are_refused(name: str, problem: str) -> None:
@@ -193,64 +193,82 @@ def test_offline_and_not_cached_is_one_line_and_writes_nothing(hub: Path, tmp_pa
 
 
 # -- the hub's answers, from a local server ------------------------------------------------------
-class FakeHub(http.server.BaseHTTPRequestHandler):
-    """Answers model-info requests as the hub does for gated, missing and revision-less repos."""
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        path = self.path.split("?")[0]
-        if "/gated-org/" in path:
-            status, code = 401, "GatedRepo"
-        elif "/missing-org/" in path:
-            status, code = 404, "RepoNotFound"
-        elif "/revision/" in path and not path.endswith(("/main", "/revision/" + SHA_MAIN)):
-            status, code = 404, "RevisionNotFound"
-        else:
-            status, code = 500, ""
-        self.send_response(status)
-        if code:
-            self.send_header("X-Error-Code", code)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(b'{"error": "fake"}')
-
-    def log_message(self, *args) -> None:
-        pass
+SERVED, SERVED_B = "tiny-org/served", "tiny-org/served-b"
+SHA_SERVED, SHA_SERVED_B = "a" * 40, "b" * 40
 
 
 @pytest.fixture(scope="module")
-def fake_hub() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+def hub_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from tiny_models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("served")
+    a = make_tiny_model("qwen2", root / "a", seed=2)
+    (a / "model.Q4_K_M.gguf").write_bytes(b"a duplicate weight format, never downloaded")
+    b = make_tiny_model("qwen2", root / "b", seed=3)
+    with fake_hub({SERVED: (SHA_SERVED, a), SERVED_B: (SHA_SERVED_B, b)}) as endpoint:
+        yield endpoint
+
+
+def online(root: Path, endpoint: str, **extra: str) -> dict[str, str]:
+    return {**hub_env(root), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": endpoint, "HF_TOKEN": "",
+            "HF_HUB_ETAG_TIMEOUT": "2", "HF_HUB_DOWNLOAD_TIMEOUT": "2", **extra}
+
+
+def test_pull_downloads_once_then_loads_offline(tmp_path: Path, hub_server: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    proc = cli(online(tmp_path, hub_server), "models", "pull", SERVED)
+    assert proc.returncode == 0, proc.stderr
+    snapshot = Path(proc.stdout.strip())
+    assert snapshot == tmp_path / "hub" / "models--tiny-org--served" / "snapshots" / SHA_SERVED
+    assert (snapshot.parent.parent / "refs" / "main").read_text() == SHA_SERVED
+    assert (snapshot / "model.safetensors").is_file() and not list(snapshot.glob("*.gguf"))
+    assert "Fetching" in proc.stderr  # huggingface_hub's progress bar
+    FakeHub.requests.clear()
+    again = cli(online(tmp_path, hub_server), "models", "pull", SERVED)
+    assert again.returncode == 0 and Path(again.stdout.strip()) == snapshot
+    assert not [r for r in FakeHub.requests if "/resolve/" in r]  # cached: nothing downloaded again
+    for key, value in hub_env(tmp_path).items():  # and offline from here on
+        monkeypatch.setenv(key, value)
+    from driftlab.assets import resolve_model
+
+    assert resolve_model(SERVED) == snapshot
+
+
+@pytest.mark.model  # a whole protocol
+def test_a_run_downloads_its_agent_and_user_models(tmp_path: Path, hub_server: str) -> None:
+    """Two uncached Hub models in one process: loading the first must not switch the hub off."""
+    out = tmp_path / "run"
+    proc = cli(online(tmp_path, hub_server), "run", "--model", SERVED, "--user-model", SERVED_B, "--out", str(out),
+               "--device", "cpu", "--dtype", "float32", "--pairs", "1", "--rounds", "1", "--max-new-tokens", "2",
+               "--no-report")
+    assert proc.returncode == 0, proc.stderr
+    models = json.loads((out / "manifest.json").read_text())["models"]
+    assert (models["agent"]["hub"]["sha"], models["user"]["hub"]["sha"]) == (SHA_SERVED, SHA_SERVED_B)
 
 
 @pytest.mark.parametrize("model, expect, hint", [
     ("gated-org/llama@main", ("is gated", "no Hugging Face token is set"), "HF_TOKEN"),
     ("missing-org/lama", ("No model 'missing-org/lama' on the Hugging Face Hub",), "Check the spelling"),
-    ("some-org/model@v9", ("has no revision 'v9'",), "drop '@v9'"),
+    (f"{SERVED}@v9", ("has no revision 'v9'",), "drop '@v9'"),
+    (f"{SERVED}@{'c' * 40}", (f"has no revision '{'c' * 40}'",), "commits"),
     ("some-org/model", ("Could not download 'some-org/model'",), "HF_ENDPOINT"),  # the hub fails (500)
 ])
-def test_hub_errors_are_one_line_and_download_nothing(tmp_path: Path, fake_hub: str, model: str,
+def test_hub_errors_are_one_line_and_download_nothing(tmp_path: Path, hub_server: str, model: str,
                                                       expect: tuple[str, ...], hint: str) -> None:
-    env = {**hub_env(tmp_path), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": fake_hub, "HF_TOKEN": "",
-           "HF_HUB_ETAG_TIMEOUT": "2", "HF_HUB_DOWNLOAD_TIMEOUT": "2"}
-    proc = cli(env, "models", "pull", model)
+    proc = cli(online(tmp_path, hub_server), "models", "pull", model)
     one_line_error(proc, *expect)
     assert hint in proc.stderr.splitlines()[1]
-    assert not any(p.is_file() for p in tmp_path.rglob("*")), list(tmp_path.rglob("*"))
+    assert not any(p.is_file() and "models--" in str(p) for p in tmp_path.rglob("*")), list(tmp_path.rglob("*"))
 
 
-def test_gated_with_a_token_says_the_token_lacks_access(tmp_path: Path, fake_hub: str) -> None:
-    env = {**hub_env(tmp_path), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": fake_hub, "HF_TOKEN": "hf_fake"}
+def test_gated_with_a_token_says_the_token_lacks_access(tmp_path: Path, hub_server: str) -> None:
+    env = online(tmp_path, hub_server, HF_TOKEN="hf_fake")
     one_line_error(cli(env, "chat", "--model", "gated-org/llama", "--device", "cpu", "hi"),
                    "is gated", "has not been granted access")
 
 
 def test_unreachable_hub_is_one_line(tmp_path: Path) -> None:
-    env = {**hub_env(tmp_path), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9",
-           "HF_HUB_ETAG_TIMEOUT": "2"}
+    env = online(tmp_path, "http://127.0.0.1:9")
     one_line_error(cli(env, "models", "pull", "some-org/model"), "Could not download 'some-org/model'")
 
 

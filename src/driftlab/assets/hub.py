@@ -70,7 +70,7 @@ def parse_hub_id(name: str) -> HubRef | None:
         problem = f"'{repo}' is not org/name (letters, digits, '-', '_', '.'; no '--' or '..')"
     elif len(repo.split("/")[1]) > 96:
         problem = "the name is longer than 96 characters"
-    elif at and not _REVISION.fullmatch(revision):
+    elif at and (not _REVISION.fullmatch(revision) or ".." in revision.split("/")):
         problem = f"'@{revision}' is not a revision" if revision else "'@' must be followed by a revision"
     if problem:
         raise DriftlabError(f"'{name}' is not a valid Hugging Face Hub id: {problem}.", hint=f"Write {ID_FORM}.")
@@ -108,15 +108,24 @@ def _complete(path: Path) -> bool:
 
 
 def cached_snapshot(ref: HubRef) -> Path | None:
-    """The cached snapshot of `ref` (its branch or tag resolved through refs/), or None. No network."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    """The cached snapshot of `ref` (a branch or tag resolved through `refs/`), or None. No network.
 
-    try:
-        path = Path(snapshot_download(ref.repo_id, revision=ref.revision, cache_dir=hub_cache(),
-                                      local_files_only=True))
-    except (LocalEntryNotFoundError, HFValidationError, OSError):
+    Read from the cache layout itself rather than through `snapshot_download(local_files_only=True)`,
+    which also demands every file of the repo's tree listing: a snapshot that holds a causal LM
+    (as `transformers` or driftlab's filtered download leaves it) is usable without the rest.
+    """
+    repo = hub_cache() / ("models--" + ref.repo_id.replace("/", "--"))
+    revision = ref.revision or "main"
+    if _SHA.fullmatch(revision):
+        sha = revision
+    else:
+        try:
+            sha = (repo / "refs" / revision).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+    if not _SHA.fullmatch(sha):
         return None
+    path = repo / "snapshots" / sha
     return path if _complete(path) else None
 
 
