@@ -180,6 +180,9 @@ def test_models_list_shows_cached_causal_lms(hub: Path) -> None:
     assert all(r["size_bytes"] > 100_000 for r in rows)
     table = cli({**hub_env(hub), "COLUMNS": "200"}, "models", "list")
     assert REPO in table.stdout and "Hugging Face cache" in table.stdout and SHA_V2[:12] in table.stdout
+    info = cli({**hub_env(hub), "COLUMNS": "200"}, "models", "info", REPO)
+    assert info.returncode == 0 and SHA_MAIN in info.stdout and "qwen2: 3 layers" in info.stdout, info.stderr
+    one_line_error(cli(hub_env(hub), "models", "info", "tiny-org/an-encoder"), "No causal LM 'tiny-org/an-encoder'")
 
 
 def test_offline_and_not_cached_is_one_line_and_writes_nothing(hub: Path, tmp_path: Path) -> None:

