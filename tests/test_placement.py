@@ -138,3 +138,14 @@ def test_prefix_reuse_on_a_mapped_model_equals_a_fresh_prefill(tiny: Path, plain
     assert mapped.prefix_cache.hits_tokens > 0
     fresh = plain.generate(ChatRequest(longer, SAMPLING, interventions=iv))
     assert [r.token_ids for r in reused] == [r.token_ids for r in fresh]
+
+
+def test_the_cli_options_reach_the_loaded_model(tiny: Path) -> None:
+    """--device-map and --quantize travel in the BackendSpec, through make_backend, to the load."""
+    from driftlab.chat import make_backend
+    from driftlab.cli.options import backend_spec
+
+    spec = backend_spec(str(tiny), "float32", "cpu", device_map=json.dumps(OFFLOAD))
+    backend = make_backend(spec)
+    assert backend.model.hf_device_map["model.layers.2"] == "disk"
+    assert spec.model_dump()["device_map"] == json.dumps(OFFLOAD) and spec.quantize is None
