@@ -200,7 +200,8 @@ def _placement(device_map: str | None, quantize: str | None, device: torch.devic
         if missing:
             raise DriftlabError(
                 f"--quantize {quantize} needs {' and '.join(missing)}, which this machine lacks.",
-                hint="Install a CUDA build of torch and `pip install bitsandbytes` on a GPU machine, or drop --quantize.",
+                hint="Install a CUDA build of torch and `pip install bitsandbytes` on a GPU machine, "
+                "or drop --quantize.",
             )
         from transformers import BitsAndBytesConfig
 

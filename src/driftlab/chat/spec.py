@@ -95,7 +95,8 @@ class BackendSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: ModelName = Field(DEFAULT_MODEL, description="preset, local HF model directory, Hub id org/name[@rev] or openai:NAME")
+    model: ModelName = Field(
+        DEFAULT_MODEL, description="preset, local HF model directory, Hub id org/name[@rev] or openai:NAME")
     dtype: Dtype = "auto"
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     span: SpanMode = Field("content", description="which tokens are the system prompt: its text or its whole turn")
