@@ -361,3 +361,24 @@ def test_a_model_without_chat_template_gets_the_plain_one_with_a_note(tmp_path: 
     assert backend.decode(rendered.ids[start:end]).strip() == "Be brief."
     (reply,) = backend.generate(ChatRequest([conv], Sampling(greedy=True, max_new_tokens=3, ignore_eos=True)))
     assert len(reply.token_ids) <= 3
+
+
+def test_a_snapshot_missing_a_shard_is_not_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A download that stopped between shards leaves a snapshot that names files it lacks."""
+    from driftlab.assets.hub import cached_snapshot
+    from hub_cache import add_snapshot
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (src / "model-00001-of-00002.safetensors").write_bytes(b"1")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    cache = tmp_path / "hub"
+    snapshot = add_snapshot(cache, "org/sharded", "9" * 40, src, refs=("main",))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    assert cached_snapshot(HubRef("org/sharded")) is None
+    (snapshot / "model-00002-of-00002.safetensors").write_bytes(b"2")
+    assert cached_snapshot(HubRef("org/sharded")) == snapshot
+    assert cached_snapshot(HubRef("org/sharded", "9" * 40)) == snapshot
+    assert cached_snapshot(HubRef("org/sharded", "v1")) is None  # no such ref

@@ -100,11 +100,18 @@ def offline() -> bool:
 
 
 def _complete(path: Path) -> bool:
-    """A snapshot a causal LM can load from: config and weights (another tool may have
-    fetched only config.json into the cache)."""
-    return (path / "config.json").is_file() and any(
-        next(path.glob(pattern), None) is not None for pattern in ("*.safetensors", "*.bin", "*.gguf")
-    )
+    """A snapshot a causal LM can load from: config and weights, every shard its index names
+    (another tool may have fetched only config.json, or a download stopped between shards)."""
+    if not (path / "config.json").is_file():
+        return False
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (path / index).is_file():
+            try:
+                shards = set(json.loads((path / index).read_text(encoding="utf-8"))["weight_map"].values())
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                return False
+            return all((path / shard).is_file() for shard in shards)
+    return any(next(path.glob(pattern), None) is not None for pattern in ("*.safetensors", "*.bin", "*.gguf"))
 
 
 def cached_snapshot(ref: HubRef) -> Path | None:
