@@ -21,6 +21,7 @@ from urllib.parse import unquote, urlparse
 
 class FakeHub(http.server.BaseHTTPRequestHandler):
     repos: dict[str, tuple[str, Path]] = {}
+    gated: set[str] = set()  # served repos whose files need an accepted licence (the hub's metadata stays public)
     requests: list[str] = []
 
     def _reply(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None,
@@ -63,6 +64,8 @@ class FakeHub(http.server.BaseHTTPRequestHandler):
             body = [{"type": "file", "path": f, "size": (root / f).stat().st_size,
                      "oid": hashlib.sha1((root / f).read_bytes()).hexdigest()} for f in files]
             return self._reply(200, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        if not api and repo in self.gated:
+            return self._reply(401, b"{}", code="GatedRepo")
         if not api and parts[2] == "resolve" and parts[3] in ("main", sha):
             file = root / "/".join(parts[4:])
             if not file.is_file():
@@ -78,9 +81,10 @@ class FakeHub(http.server.BaseHTTPRequestHandler):
 
 
 @contextmanager
-def fake_hub(repos: dict[str, tuple[str, Path]] | None = None) -> Iterator[str]:
-    """Serve `repos` until the block ends; yields the endpoint (for HF_ENDPOINT)."""
-    FakeHub.repos, FakeHub.requests = dict(repos or {}), []
+def fake_hub(repos: dict[str, tuple[str, Path]] | None = None, gated: set[str] | None = None) -> Iterator[str]:
+    """Serve `repos` (of which `gated` only to the licensed) until the block ends; yields the
+    endpoint (for HF_ENDPOINT)."""
+    FakeHub.repos, FakeHub.gated, FakeHub.requests = dict(repos or {}), set(gated or ()), []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

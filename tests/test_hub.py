@@ -198,6 +198,7 @@ def test_offline_and_not_cached_is_one_line_and_writes_nothing(hub: Path, tmp_pa
 # -- the hub's answers, from a local server ------------------------------------------------------
 SERVED, SERVED_B = "tiny-org/served", "tiny-org/served-b"
 SHA_SERVED, SHA_SERVED_B = "a" * 40, "b" * 40
+GATED_FILES = "licensed-org/llama"  # public metadata, files behind a licence: how the hub gates Llama-2
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +209,11 @@ def hub_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     a = make_tiny_model("qwen2", root / "a", seed=2)
     (a / "model.Q4_K_M.gguf").write_bytes(b"a duplicate weight format, never downloaded")
     b = make_tiny_model("qwen2", root / "b", seed=3)
-    with fake_hub({SERVED: (SHA_SERVED, a), SERVED_B: (SHA_SERVED_B, b)}) as endpoint:
+    dataset_like = root / "not-a-model"
+    dataset_like.mkdir()
+    (dataset_like / "README.md").write_text("# not a model\n")
+    with fake_hub({SERVED: (SHA_SERVED, a), SERVED_B: (SHA_SERVED_B, b), GATED_FILES: (SHA_SERVED, a),
+                   "tiny-org/not-a-model": (SHA_SERVED, dataset_like)}, gated={GATED_FILES}) as endpoint:
         yield endpoint
 
 
@@ -251,9 +256,11 @@ def test_a_run_downloads_its_agent_and_user_models(tmp_path: Path, hub_server: s
 
 @pytest.mark.parametrize("model, expect, hint", [
     ("gated-org/llama@main", ("is gated", "no Hugging Face token is set"), "HF_TOKEN"),
+    (GATED_FILES, ("is gated", "no Hugging Face token is set"), "https://huggingface.co/licensed-org/llama"),
     ("missing-org/lama", ("No model 'missing-org/lama' on the Hugging Face Hub",), "Check the spelling"),
     (f"{SERVED}@v9", ("has no revision 'v9'",), "drop '@v9'"),
     (f"{SERVED}@{'c' * 40}", (f"has no revision '{'c' * 40}'",), "commits"),
+    ("tiny-org/not-a-model", ("has no config.json: it is not a transformers model",), "causal LMs"),
     ("some-org/model", ("Could not download 'some-org/model'",), "HF_ENDPOINT"),  # the hub fails (500)
 ])
 def test_hub_errors_are_one_line_and_download_nothing(tmp_path: Path, hub_server: str, model: str,

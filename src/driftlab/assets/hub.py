@@ -163,7 +163,7 @@ def download_snapshot(ref: HubRef, *, force: bool = False) -> Path:
     """Fetch `ref`'s config, tokenizer and weights into the cache; checksums are the hub's
     (huggingface_hub verifies each file as it lands; partial files stay `.incomplete` blobs
     that the next attempt resumes, never a snapshot that looks complete)."""
-    from huggingface_hub import HfApi, get_token, snapshot_download
+    from huggingface_hub import HfApi, get_hf_file_metadata, get_token, hf_hub_url, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -176,6 +176,12 @@ def download_snapshot(ref: HubRef, *, force: bool = False) -> Path:
     try:
         info = HfApi(endpoint=endpoint).model_info(ref.repo_id, revision=ref.revision, files_metadata=False)
         files = [s.rfilename for s in info.siblings or []]
+        if "config.json" not in files:
+            raise DriftlabError(f"'{ref}' has no config.json: it is not a transformers model.",
+                                hint="driftlab loads Hugging Face causal LMs (config.json, weights, tokenizer).")
+        # A gated repo shows its file list to anyone and refuses the files: ask for one before
+        # the progress bars start, so a refusal is one line.
+        get_hf_file_metadata(hf_hub_url(ref.repo_id, "config.json", revision=info.sha, endpoint=endpoint))
         has_safetensors = any(f.endswith(".safetensors") for f in files)
         path = snapshot_download(
             ref.repo_id, revision=ref.revision, cache_dir=cache, endpoint=endpoint, force_download=force,
@@ -202,6 +208,8 @@ def download_snapshot(ref: HubRef, *, force: bool = False) -> Path:
             hint="Check the spelling (case matters) at https://huggingface.co/models, or use a preset from "
             "`driftlab models list`.",
         ) from None
+    except DriftlabError:
+        raise
     except Exception as err:
         if not isinstance(err, (HfHubHTTPError, LocalEntryNotFoundError, OSError)) and not _transport_error(err):
             raise
