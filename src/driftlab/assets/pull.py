@@ -314,9 +314,10 @@ def _convert(gguf: Path, out: Path, dtype: str) -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # our own progress bar shows this step
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
         # float32 is the fast path for GGUF dequantisation; cast once afterwards.
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                     local_files_only=True)
     except (ImportError, ValueError, OSError, KeyError) as err:
         raise DriftlabError(
             f"transformers could not load {gguf.name}: {err}",

@@ -198,5 +198,5 @@ def get_preset(name: str) -> Preset:
         known = ", ".join(sorted(PRESETS))
         raise DriftlabError(
             f"Unknown model preset '{name}'. Known presets: {known}.",
-            hint="Run `driftlab models list`, or pass a local Hugging Face model directory instead of a name.",
+            hint="Run `driftlab models list`, or pass a local Hugging Face model directory or a Hub id (org/name).",
         ) from None

@@ -153,11 +153,11 @@ def driftlab_attention(
     dtype, neg = query.dtype, torch.finfo(query.dtype).min
     # Keys of this call are the last K of the absolute key slots (sliding-window layers keep fewer).
     lo, hi = state.kv_len - K, state.kv_len
-    bias = state.layer_bias(layer, lo, hi)  # [B, H, 1, K] or None
-    split_heads = state.split_heads_for(layer)  # [H] bool or None
+    bias = state.layer_bias(layer, lo, hi, query.device)  # [B, H, 1, K] or None
+    split_heads = state.split_heads_for(layer, query.device)  # [H] bool or None
     need_pi = state.trace or split_heads is not None
     sys_range = state.system_range(lo, hi) if need_pi else None  # [a, b) of this call's keys
-    sys_keys = state.system_keys[:, lo:hi] if need_pi else None
+    sys_keys = state.on("system_keys", query.device)[:, lo:hi] if need_pi else None
     use_lse = need_pi and _flash_ok(query, key, value)
 
     base = attention_mask

@@ -83,6 +83,19 @@ class AttentionState:
         self.kv_len = 0
         self.records: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
         self.mask_memo: dict = {}  # the engine's per-mask facts, for the layers sharing a mask
+        # Copies of the state on other devices: a model spread by a device map runs each layer
+        # where its weights are, and the state must meet it there (one copy per device and call).
+        self._copies: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def on(self, name: str, device: torch.device) -> torch.Tensor | None:
+        """The state tensor `name` (system_keys, bias_keys, split_mask, bias_mask) on `device`."""
+        tensor = getattr(self, name)
+        if tensor is None or tensor.device == device:
+            return tensor
+        copy = self._copies.get((name, device))
+        if copy is None:
+            copy = self._copies[(name, device)] = tensor.to(device)
+        return copy
 
     # -- layout, set by the decode loop ------------------------------------------------------
     def on_layout(self, pads: list[int], prompt_len: int, max_len: int, ends: Sequence[int] | None = None) -> None:
@@ -121,6 +134,7 @@ class AttentionState:
             self.bias_keys = keys.to(self.device)
         self.kv_len = prompt_len
         self.records = [[] for _ in range(self.n_layers)]
+        self._copies = {}
 
     def forward_kwargs(self, kv_len: int) -> dict:
         self.kv_len = kv_len
@@ -130,10 +144,10 @@ class AttentionState:
     def acts_on(self, layer: int) -> bool:
         return self._acts[layer]
 
-    def split_heads_for(self, layer: int) -> torch.Tensor | None:
+    def split_heads_for(self, layer: int, device: torch.device | None = None) -> torch.Tensor | None:
         if not self._split_layers[layer]:
             return None
-        return self.split_mask[layer]
+        return self.on("split_mask", device or self.device)[layer]
 
     def system_range(self, lo: int, hi: int) -> tuple[int, int] | None:
         """[a, b) relative to a call whose keys are absolute slots [lo, hi): the slots that
@@ -143,12 +157,14 @@ class AttentionState:
         a, b = max(self.system_slots[0], lo), min(self.system_slots[1], hi)
         return (a - lo, b - lo) if a < b else None
 
-    def layer_bias(self, layer: int, lo: int, hi: int) -> torch.Tensor | None:
+    def layer_bias(self, layer: int, lo: int, hi: int, device: torch.device | None = None) -> torch.Tensor | None:
         """[B, H, 1, K] additive logits for this layer's keys (the sum of the terms), or None."""
         if not self._bias_layers[layer]:
             return None
         out = None
-        for keys, heads in zip(self.bias_keys[:, :, lo:hi], self.bias_mask[:, :, layer], strict=True):
+        device = device or self.device
+        for keys, heads in zip(self.on("bias_keys", device)[:, :, lo:hi], self.on("bias_mask", device)[:, :, layer],
+                               strict=True):
             term = keys[:, None, None, :] * heads[:, :, None, None].to(keys.dtype)
             out = term if out is None else out + term
         return out
@@ -164,13 +180,15 @@ class AttentionState:
         with trace_prefill, `prefill` [prompt_tokens, L, H] (pi at each prompt query)."""
         if not self.trace or not self.records[0]:
             return [{} for _ in n_steps]
-        per_layer_last = [torch.cat([r[..., -1:] for r in recs], dim=-1) for recs in self.records]  # [B,H,F]
+        # Layers of a device-mapped model record where they ran: gather them on the state's device.
+        per_layer_last = [torch.cat([r[..., -1:] for r in recs], dim=-1).to(self.device)
+                          for recs in self.records]  # [B,H,F]
         stacked = torch.stack(per_layer_last, dim=0)  # [L, B, H, F]
         out = []
         for b, n in enumerate(n_steps):
             row = {"decode": stacked[:, b, :, :n].permute(2, 0, 1).cpu()}
             if self.config.trace_prefill:
-                pre = torch.stack([recs[0][b] for recs in self.records], dim=0)  # [L, H, q0]
+                pre = torch.stack([recs[0][b].to(self.device) for recs in self.records], dim=0)  # [L, H, q0]
                 row["prefill"] = pre[:, :, pads[b] :].permute(2, 0, 1).cpu()
             out.append(row)
         return out

@@ -25,6 +25,10 @@ def make_backend(
     a resumed run never sends a finished request again.
     """
     if spec.remote:
+        if spec.device_map or spec.quantize:
+            flag = "--device-map" if spec.device_map else "--quantize"
+            raise DriftlabError(f"{flag} places a local model's weights; a remote openai: model is the server's.",
+                                hint=f"Drop {flag}, or give the server's own options.")
         if spec.runtime.ray:
             raise DriftlabError("--ray shards local models; a remote openai: model needs no Ray.",
                                 hint="Drop --ray, and raise --concurrency instead.")

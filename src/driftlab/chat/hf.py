@@ -29,7 +29,7 @@ from driftlab.chat.base import (
     TokenLogprob,
     validate_conversation,
 )
-from driftlab.chat.loading import load_model
+from driftlab.chat.loading import input_device, load_model
 from driftlab.chat.prefix_cache import PrefixCache
 from driftlab.chat.spec import BackendSpec
 from driftlab.chat.templates import Renderer
@@ -53,16 +53,27 @@ class HFChatBackend:
         span_mode: str = "content",
         prefix_cache_bytes: int = 2 << 30,
         attn_implementation: str | None = None,
+        device_map: str | None = None,
+        quantize: str | None = None,
     ) -> None:
         if attn_implementation is None:
             from driftlab.attention import ATTENTION_NAME, register
 
             register()
             attn_implementation = ATTENTION_NAME
-        self.model, self.tokenizer, self.path = load_model(model, dtype, device, attn_implementation)
+        self.model, self.tokenizer, self.path = load_model(
+            model, dtype, device, attn_implementation, device_map=device_map, quantize=quantize)
         self.name = model
-        self.device = self.model.device
+        self.device_map, self.quantize = device_map, quantize
+        self.device = input_device(self.model)
         self.renderer = Renderer(self.tokenizer, span_mode)
+        if self.renderer.plain and "preset" not in self._preset_meta():
+            from driftlab.console import err_console
+
+            err_console().print(
+                f"note: {model} has no chat template (a base model?): dialogs are rendered as plain text "
+                "(the system prompt, then 'User:' and 'Assistant:' lines), and replies stop at the next speaker.",
+                highlight=False, markup=False)
         self.eos_ids = self.renderer.eos_ids(self.model.config, self.model.generation_config)
         self.stop_ids = frozenset(self.eos_ids)
         self.stop_strings = self.renderer.stop_strings
@@ -74,7 +85,7 @@ class HFChatBackend:
     def from_spec(cls, spec: BackendSpec, *, prefix_cache_bytes: int = 2 << 30) -> HFChatBackend:
         """The local model a `BackendSpec` names (its runtime is the caller's business)."""
         return cls(spec.model, dtype=spec.dtype, device=spec.device, span_mode=spec.span,
-                   prefix_cache_bytes=prefix_cache_bytes)
+                   prefix_cache_bytes=prefix_cache_bytes, device_map=spec.device_map, quantize=spec.quantize)
 
     # -- public API -------------------------------------------------------------------------
     def generate(self, request: ChatRequest) -> list[Reply]:
@@ -111,12 +122,23 @@ class HFChatBackend:
             "dtype": str(self.model.dtype).replace("torch.", ""), "device": str(self.device),
             "span_mode": self.renderer.span_mode, "max_context": self.shape.max_context,
         }
+        from driftlab.assets.hub import snapshot_info
+
+        meta.update(self._preset_meta())
+        hub = snapshot_info(self.path)
+        if hub:  # which weights exactly: a resumed run refuses others (protocol.runner)
+            meta["hub"] = {**hub, "requested": self.name}
+        if self.device_map:
+            meta["device_map"] = {k: str(v) for k, v in getattr(self.model, "hf_device_map", {}).items()}
+        if self.quantize:
+            meta["quantize"] = self.quantize
+        return meta
+
+    def _preset_meta(self) -> dict[str, Any]:
         from driftlab.assets import pulled_info
 
-        info = pulled_info(self.name) if "/" not in self.name else None
-        if info:
-            meta["preset"] = info
-        return meta
+        info = pulled_info(self.name) if "/" not in self.name and "@" not in self.name else None
+        return {"preset": info} if info else {}
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
@@ -455,7 +477,8 @@ class HFChatBackend:
                 if n > 0:
                     keys[b, :, pads[b] : S] = entry.kv[layer][0][:, :n]
                     values[b, :, pads[b] : S] = entry.kv[layer][1][:, :n]
-            cache.update(keys.to(self.device), values.to(self.device), layer)
+            # On the device the layer stored them from: with a device map, each layer's own.
+            cache.update(keys, values, layer)
         return cache
 
     def _store_prefixes(self, prompts, sampled, n_fed: int, pads, cache, tags: list[str], store) -> None:

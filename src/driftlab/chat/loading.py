@@ -97,42 +97,130 @@ def pick_dtype(dtype: str, device: torch.device | None = None) -> torch.dtype:
         ) from None
 
 
-def load_model(name_or_path: str, dtype: str = "auto", device: str = "auto", attn_implementation: str = "sdpa"):
-    """Load (model, tokenizer, path) from a preset name or a local directory, offline.
+def load_model(
+    name_or_path: str,
+    dtype: str = "auto",
+    device: str = "auto",
+    attn_implementation: str = "sdpa",
+    *,
+    device_map: str | None = None,
+    quantize: str | None = None,
+):
+    """Load (model, tokenizer, path) from a preset, a local directory or a Hub id.
 
-    Device and dtype are checked first, so a bad flag fails before the default model is
-    pulled; damaged weight files are named, with the command that repairs them.
+    Device, dtype and quantisation are checked first, so a bad flag fails before the default
+    model is pulled or a Hub model downloaded; damaged weight files are named, with the
+    command that repairs them. The name is resolved (maybe downloaded) before the load itself,
+    which then reads only the local directory.
+    `device_map` spreads the layers over devices with accelerate, whose hooks move each
+    layer's inputs to where its weights are (the attention engine follows them);
+    `quantize` loads 8- or 4-bit weights with bitsandbytes.
     """
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     from driftlab.assets import resolve_model
 
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
+    placement = _placement(device_map, quantize, torch_device, torch_dtype)
     path = Path(resolve_model(name_or_path))
+    # The load itself reads only `path` (local_files_only): the network is for resolving a Hub
+    # id, above. HF_HUB_OFFLINE is left as the user set it, so a later model of the same
+    # process (a --user-model, a --compare model) can still be downloaded.
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
     check_weights(path, name_or_path)
     hf_logging.disable_progress_bar()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, attn_implementation=attn_implementation, local_files_only=True, **placement)
     except SafetensorError as err:  # a damage check_weights could not see from the header
         raise DriftlabError(
             f"A weights file in {path} is damaged: {err}", hint=_repair_hint(path, name_or_path)
         ) from err
     except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DriftlabError(
-            f"Could not load a causal language model from {path}: {err}",
-            hint="The directory must hold a Hugging Face causal LM (config.json, weights, tokenizer).",
+            f"Could not load a causal language model from {path}: {first}",
+            hint="The directory must hold a Hugging Face causal LM (config.json, weights, tokenizer)"
+            + ("; check --device-map." if device_map else "."),
         ) from err
     finally:
         hf_logging.enable_progress_bar()
-    model.to(torch_device).eval()
+    if not placement:
+        model.to(torch_device)
+    model.eval()
     return model, tokenizer, path
+
+
+def input_device(model) -> torch.device:
+    """Where a model's inputs go: its device, or, for a model spread by a device map, the
+    first GPU of the map (the CPU when it keeps everything on the CPU or disk: offloaded
+    weights sit on the meta device and must not be asked)."""
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map:
+        return model.device
+    for where in device_map.values():
+        if isinstance(where, int):
+            return torch.device("cuda", where)
+        if where not in ("cpu", "disk"):
+            return torch.device(where)
+    return torch.device("cpu")
+
+
+def _placement(device_map: str | None, quantize: str | None, device: torch.device, dtype: torch.dtype) -> dict:
+    """from_pretrained's keyword arguments for --device-map and --quantize ({} for neither).
+
+    Refuses, before anything is resolved or loaded, what this machine cannot do: bitsandbytes
+    quantisation needs CUDA and the bitsandbytes package; a device map needs accelerate.
+    """
+    import importlib.util
+
+    kwargs: dict = {}
+    if device_map is not None:
+        if importlib.util.find_spec("accelerate") is None:
+            raise DriftlabError("--device-map needs the accelerate package, which is not installed.",
+                                hint="pip install accelerate")
+        mapping = json.loads(device_map) if device_map.startswith("{") else device_map
+        if isinstance(mapping, dict):
+            gpus = [d for d in mapping.values() if isinstance(d, int) or str(d).startswith("cuda")]
+            if gpus and not torch.cuda.is_available():
+                raise DriftlabError(f"--device-map places modules on GPU {gpus[0]!r}, but this torch build sees no "
+                                    "CUDA GPU.", hint="Map them to 'cpu' or 'disk', or run on a GPU machine.")
+        elif not torch.cuda.is_available():
+            mapping = {"": "cpu"}  # accelerate's strategies would put everything on the CPU anyway
+        kwargs["device_map"] = mapping
+        if "disk" in (mapping.values() if isinstance(mapping, dict) else ()):
+            kwargs["offload_folder"] = _offload_folder()
+    if quantize is not None:
+        missing = [what for what, ok in (("a CUDA GPU", torch.cuda.is_available()),
+                                         ("the bitsandbytes package", importlib.util.find_spec("bitsandbytes")))
+                   if not ok]
+        if missing:
+            raise DriftlabError(
+                f"--quantize {quantize} needs {' and '.join(missing)}, which this machine lacks.",
+                hint="Install a CUDA build of torch and `pip install bitsandbytes` on a GPU machine, "
+                "or drop --quantize.",
+            )
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = (
+            BitsAndBytesConfig(load_in_8bit=True) if quantize == "8bit"
+            else BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype))
+        kwargs.setdefault("device_map", {"": device.index or 0} if device.type == "cuda" else {"": 0})
+    return kwargs
+
+
+def _offload_folder() -> str:
+    """A private folder for the weights a device map sends to 'disk', removed at exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="driftlab-offload-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def check_weights(path: Path, name_or_path: str | None = None) -> None:

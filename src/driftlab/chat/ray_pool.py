@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from driftlab.chat.base import Capabilities, ChatRequest, Conversation, LogLikelihood, Reply
@@ -104,6 +105,7 @@ class RayBackend:
         # Inside an actor Ray shows only its own GPU, as cuda:0; runtime reset so it does not recurse.
         device = ("cuda" if spec.device.startswith("cuda") else spec.device) if use_gpu else "cpu"
         self._local = spec.model_copy(update={"runtime": Runtime(), "device": device})
+        _download_once(spec.model)
         self._cache_bytes = prefix_cache_bytes
         self._threads = None if use_gpu else 1
         self._actor_cls = ray.remote(_Worker).options(
@@ -225,3 +227,16 @@ def _merge(shards: list[list[int]], results: list[list[Any] | None]) -> list[Any
         for i, r in zip(rows, res or [], strict=True):
             out[i] = r
     return out
+
+
+def _download_once(model: str) -> None:
+    """A Hub model that is not cached is downloaded here, once, before the actors start
+    (on one machine they share the Hugging Face cache; they would all download it at once)."""
+    from driftlab.assets import PRESETS
+    from driftlab.assets.hub import parse_hub_id, resolve_hub
+
+    if model in PRESETS or Path(model).expanduser().exists():
+        return
+    ref = parse_hub_id(model)
+    if ref is not None:
+        resolve_hub(ref)

