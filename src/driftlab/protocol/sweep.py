@@ -269,7 +269,9 @@ class Sweep(Protocol[SweepConfig]):
             return
         stale = self.run_dir / "stale"
         stale.mkdir(exist_ok=True)
-        n = 1 + sum(1 for p in stale.iterdir() if p.name.split(".", 1)[0] == where.name)
+        n = 1
+        while (stale / f"{where.name}.{n}").exists():  # an earlier stale copy of this point is kept too
+            n += 1
         dest = stale / f"{where.name}.{n}"
         shutil.move(str(where), dest)
         err_console().print(
@@ -344,4 +346,5 @@ def check_points(out: str | Path) -> None:
                 raise DriftlabError(
                     f"{out}: point {spec} cannot be compared with plain: its {child} run differs in more than the "
                     f"intervention ({'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}).",
-                    hint="Resume the sweep with the same `driftlab sweep` command: it re-runs stale points.")
+                    hint="Resume the sweep with the same `driftlab sweep` command: it re-runs stale points "
+                         "(a sweep of an older manifest format needs a new --out).")
