@@ -158,6 +158,7 @@ def test_letter_scoring_matches_a_slow_reference(tiny, tmp_path):
 
 @pytest.mark.model
 def test_turn_history_steered_condition_and_resume(tiny, tmp_path):
+    from driftlab.protocol.dialog import RECORDS as DIALOG
     from driftlab.protocol.mmlu import MMLU, RECORDS, summarize
     from driftlab.records.rundir import RunDir
 
@@ -174,6 +175,13 @@ def test_turn_history_steered_condition_and_resume(tiny, tmp_path):
         history = json.loads((out / f"history-{condition}" / "manifest.json").read_text())
         assert history["config"]["rounds"] == 2 and history["completed"] is True
     assert json.loads((out / "history-steered" / "manifest.json").read_text())["config"]["steer"] == config.steer.specs()
+    # Both conditions continue one history plan: the same pair, personas, starter and per-turn seeds.
+    plans = [json.loads((out / f"history-{c}" / "manifest.json").read_text()) for c in ("plain", "steered")]
+    history = json.loads((out / "manifest.json").read_text())["history"]
+    assert [{k: p[k] for k in history} for p in plans] == [history] * 2 and history["pairs"]
+    seeds = [{(r.round, r.speaker): r.seed for r in RunDir(out / f"history-{c}").records(DIALOG)}
+             for c in ("plain", "steered")]
+    assert seeds[0] == seeds[1] and len(seeds[0]) == 3  # b_1, a_2, b_2
     steered = {r.index: r.logprobs for r in records if r.condition == "steered"}
     plain = {r.index: r.logprobs for r in records if r.condition == "plain"}
     assert steered != plain
