@@ -343,6 +343,19 @@ def test_an_mmlu_run_recorded_before_turn_counting_is_not_resumed_with_a_new_mea
             rd.start(MMLUConfig(n=1, turn=4).model_dump(mode="json"), {}, protocol="mmlu", legacy=MMLUConfig.LEGACY)
         resumed = MMLUConfig(n=1, turn=4, turn_counting="round").model_dump(mode="json")
         assert rd.start(resumed, {}, protocol="mmlu", legacy=MMLUConfig.LEGACY)["config"] == old
+    # A calibration nests its MMLU settings: the same, under their dotted names.
+    from driftlab.protocol.calibrate import CalibrationConfig
+
+    cal = CalibrationConfig(method="spr", max_drop=0.1, mmlu=MMLUConfig(n=1, turn_counting="round"))
+    old = cal.model_dump(mode="json")
+    del old["mmlu"]["turn_counting"], old["mmlu"]["history"]
+    rd = RunDir(tmp_path / "cal")
+    with rd.writing():
+        rd.start(old, {}, protocol="calibrate")
+        with pytest.raises(DriftlabError, match=r"mmlu.turn_counting: 'round' \(recorded before the option"):
+            rd.start(CalibrationConfig(method="spr", max_drop=0.1, mmlu=MMLUConfig(n=1)).model_dump(mode="json"),
+                     {}, protocol="calibrate", legacy=CalibrationConfig.LEGACY)
+        rd.start(cal.model_dump(mode="json"), {}, protocol="calibrate", legacy=CalibrationConfig.LEGACY)
 
 
 def test_a_given_dialog_history_is_cut_before_the_question_and_says_where_it_came_from(tmp_path):
