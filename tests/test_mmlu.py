@@ -412,4 +412,5 @@ def test_cli_turn_counting_reaches_the_config_and_an_odd_paper_turn_is_one_line(
     assert str(result.exception).startswith("Invalid --turn 3: paper turn 3 is a user message")
     assert not (tmp_path / "m").exists()
     result = CliRunner().invoke(app, ["sweep", "--out", str(tmp_path / "s"), "--rounds", "1", "--device", "cpu"])
-    assert str(result.exception).startswith("Invalid options: the MMLU question at turn 4 (paper counting) follows 2 rounds")
+    assert str(result.exception).startswith(
+        "Invalid options: the MMLU question at turn 4 (paper counting) follows 2 rounds")

@@ -55,7 +55,8 @@ def calibrate(
     write_calibration_figure(rundir.path)
     found = summary(rundir.path)
     console = Console(stderr=True)
-    table = Table(title=f"{method}: MMLU drop at turn {turn} ({turn_counting} counting, round {mmlu.round}; {n} questions), budget {max_mmlu_drop:g}")
+    table = Table(title=f"{method}: MMLU drop at turn {turn} ({turn_counting} counting, round {mmlu.round}; "
+                        f"{n} questions), budget {max_mmlu_drop:g}")
     for col in ("--steer", "n", "drop", "95% CI", "McNemar p", "within budget"):
         table.add_column(col)
     for p in found["points"]:
