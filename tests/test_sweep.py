@@ -282,6 +282,10 @@ def test_a_stale_point_is_refused_by_the_table_then_moved_aside_and_redone(swept
     assert {c: (point / c / "records.jsonl").read_bytes() for c in ("selfchat", "mmlu")} == before  # redone alike
     assert not (out / "stale" / "plain.1").exists()  # the plain point was current: kept
     sweep_table(out)  # comparable again
+    if why == "versions.driftlab":  # stale a second time: the earlier stale copy is kept beside the new one
+        (point / child / "manifest.json").write_text(json.dumps(manifest))
+        run_protocol(Sweep(_tiny_config(tiny), tiny), out, progress=False)
+        assert _manifest(out / "stale" / f"{point.name}.2" / child) == manifest and stale.is_dir()
 
 
 def test_sweep_config_records_the_turn_counting_and_refuses_a_dialog_too_short():
