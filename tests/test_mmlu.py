@@ -158,10 +158,11 @@ def test_letter_scoring_matches_a_slow_reference(tiny, tmp_path):
 
 @pytest.mark.model
 def test_turn_history_steered_condition_and_resume(tiny, tmp_path):
+    from driftlab.protocol.dialog import RECORDS as DIALOG
     from driftlab.protocol.mmlu import MMLU, RECORDS, summarize
     from driftlab.records.rundir import RunDir
 
-    config = MMLUConfig(backend=BackendSpec(model=tiny.name), n=6, turn=3, data=str(RAW), history_tokens=6,
+    config = MMLUConfig(backend=BackendSpec(model=tiny.name), n=6, turn=4, data=str(RAW), history_tokens=6,
                         steer=["split-softmax:k=0.5"])
     out = tmp_path / "run"
     run_protocol(MMLU(config, tiny), out, progress=False)
@@ -169,10 +170,18 @@ def test_turn_history_steered_condition_and_resume(tiny, tmp_path):
     planned = json.loads((out / "manifest.json").read_text())["questions"]
     assert sorted((r.condition, r.index) for r in records) == sorted(
         (c, q["index"]) for c in ("plain", "steered") for q in planned)
-    for condition in ("plain", "steered"):  # each condition has its own 2-round history, made under it
+    # paper turn 4 = round 3: each condition has its own 2-round history, made under it
+    for condition in ("plain", "steered"):
         history = json.loads((out / f"history-{condition}" / "manifest.json").read_text())
         assert history["config"]["rounds"] == 2 and history["completed"] is True
     assert json.loads((out / "history-steered" / "manifest.json").read_text())["config"]["steer"] == config.steer.specs()
+    # Both conditions continue one history plan: the same pair, personas, starter and per-turn seeds.
+    plans = [json.loads((out / f"history-{c}" / "manifest.json").read_text()) for c in ("plain", "steered")]
+    history = json.loads((out / "manifest.json").read_text())["history"]
+    assert [{k: p[k] for k in history} for p in plans] == [history] * 2 and history["pairs"]
+    seeds = [{(r.round, r.speaker): r.seed for r in RunDir(out / f"history-{c}").records(DIALOG)}
+             for c in ("plain", "steered")]
+    assert seeds[0] == seeds[1] and len(seeds[0]) == 3  # b_1, a_2, b_2
     steered = {r.index: r.logprobs for r in records if r.condition == "steered"}
     plain = {r.index: r.logprobs for r in records if r.condition == "plain"}
     assert steered != plain
@@ -298,3 +307,110 @@ def test_mmlu_cli_prints_the_test_the_warning_and_the_power(tmp_path):
     assert "wilson" in out and "exact McNemar" in out and "questions lost and" in out
     assert "Warning:" in out  # 12 questions cannot support a drop
     assert "Power: a drop of 0.1 needs about" in out and "this run has 12" in out
+
+
+# -- which turn: the paper's counting ------------------------------------------------------------
+def test_paper_turns_count_messages_as_the_reference_code_does():
+    """likenneth/persona_drift run.py: history = [a_1, b_1, a_2, b_2, ...] (a_1 is turn 1) and the probe
+    "at turn t" is history[:t] + [probe]; so the paper's 4th turn asks after two exchanges: round 3."""
+    from driftlab.protocol.mmlu import question_round
+
+    assert [question_round(t, "paper") for t in (0, 2, 4, 6, 16)] == [0, 2, 3, 4, 9]
+    assert [question_round(t, "round") for t in (0, 1, 4)] == [0, 1, 4]
+    with pytest.raises(ValueError, match="paper turn 3 is a user message"):
+        question_round(3, "paper")
+    assert MMLUConfig().round == 3 and MMLUConfig().turn_counting == "paper"  # the default is the paper's turn
+    assert MMLUConfig(turn=4, turn_counting="round").round == 4
+    assert MMLUConfig(turn=4).history_run("plain").rounds == 2  # [s_B, a_1, b_1, a_2, b_2, question]
+    with pytest.raises(ValueError, match="paper turn 5 is a user message"):
+        MMLUConfig(turn=5)
+    with pytest.raises(ValueError, match="made under one condition"):
+        MMLUConfig(history="dialog", steer=["trace"])
+
+
+def test_an_mmlu_run_recorded_before_turn_counting_is_not_resumed_with_a_new_meaning(tmp_path):
+    """An old run's turn 4 was round 4: resuming it with today's default (paper counting, round 3) is
+    refused in one line naming the setting, and resumes with --turn-counting round."""
+    from driftlab.records.rundir import RunDir
+
+    old = MMLUConfig(n=1, turn=4, turn_counting="round").model_dump(mode="json")
+    del old["turn_counting"], old["history"]  # as driftlab wrote it before these options
+    rd = RunDir(tmp_path / "run")
+    with rd.writing():
+        rd.start(old, {"questions": []}, protocol="mmlu")
+        with pytest.raises(DriftlabError, match=r"turn_counting: 'round' \(recorded before the option existed\) "
+                                                r"-> 'paper'"):
+            rd.start(MMLUConfig(n=1, turn=4).model_dump(mode="json"), {}, protocol="mmlu", legacy=MMLUConfig.LEGACY)
+        resumed = MMLUConfig(n=1, turn=4, turn_counting="round").model_dump(mode="json")
+        assert rd.start(resumed, {}, protocol="mmlu", legacy=MMLUConfig.LEGACY)["config"] == old
+    # A calibration nests its MMLU settings: the same, under their dotted names.
+    from driftlab.protocol.calibrate import CalibrationConfig
+
+    cal = CalibrationConfig(method="spr", max_drop=0.1, mmlu=MMLUConfig(n=1, turn_counting="round"))
+    old = cal.model_dump(mode="json")
+    del old["mmlu"]["turn_counting"], old["mmlu"]["history"]
+    rd = RunDir(tmp_path / "cal")
+    with rd.writing():
+        rd.start(old, {}, protocol="calibrate")
+        with pytest.raises(DriftlabError, match=r"mmlu.turn_counting: 'round' \(recorded before the option"):
+            rd.start(CalibrationConfig(method="spr", max_drop=0.1, mmlu=MMLUConfig(n=1)).model_dump(mode="json"),
+                     {}, protocol="calibrate", legacy=CalibrationConfig.LEGACY)
+        rd.start(cal.model_dump(mode="json"), {}, protocol="calibrate", legacy=CalibrationConfig.LEGACY)
+
+
+def test_a_given_dialog_history_is_cut_before_the_question_and_says_where_it_came_from(tmp_path):
+    from driftlab.protocol.dialog import RECORDS as DIALOG
+    from driftlab.protocol.dialog import Dialog, pairs_from_manifest
+    from driftlab.protocol.mmlu import MMLU, dialog_history
+    from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
+    from driftlab.records.rundir import RunDir
+    from fakes import ScriptedBackend
+
+    chat = tmp_path / "chat"
+    run_protocol(SelfChat(SelfChatConfig(pairs=2, rounds=3, seed=1), ScriptedBackend()), chat, progress=False)
+    h = dialog_history(chat, 3, source="../chat")
+    (dialog,) = Dialog.from_records(pairs_from_manifest(RunDir(chat).read_manifest())[:1], ["persona"],
+                                    RunDir(chat).records(DIALOG))
+    assert h["conversation"] == dialog.agent_view(3, "")[:-1] and len(h["conversation"]) == 5
+    assert (h["from"], h["pair"], h["rounds"], h["starter"]) == ("../chat", 0, 2, dialog.pair.starter)
+    assert dialog_history(chat, 1)["conversation"] == [dialog.agent_view(1, "")[0]]  # the system prompt only
+    assert dialog_history(chat, 0) is None
+    with pytest.raises(DriftlabError, match="holds 3 complete rounds of pair 0; the MMLU question at round 5 needs 4"):
+        dialog_history(chat, 5)
+    with pytest.raises(DriftlabError, match="has no persona pair 7"):
+        dialog_history(chat, 2, pair=7)
+    # Standalone, a run that expects a given dialog and was handed none says so in one line.
+    config = MMLUConfig(n=2, turn=2, history="dialog", data=str(RAW))
+    with pytest.raises(DriftlabError, match="takes its MMLU history from a dialog its parent hands over"):
+        run_protocol(MMLU(config, _Scoring()), tmp_path / "m", progress=False)
+
+
+class _Scoring:
+    """A backend that scores (every letter alike) and generates nothing."""
+
+    name = "scoring"
+
+    def __init__(self) -> None:
+        from driftlab.chat.base import Capabilities
+
+        self.capabilities = Capabilities(loglikelihood=True)
+
+    def describe(self) -> dict:
+        return {"name": self.name}
+
+    def loglikelihood(self, conversations, continuations, interventions=None, batch_size=8):
+        raise AssertionError("no question is asked without its history")
+
+
+def test_cli_turn_counting_reaches_the_config_and_an_odd_paper_turn_is_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from driftlab.cli import app
+
+    result = CliRunner().invoke(app, ["mmlu", "--out", str(tmp_path / "m"), "--turn", "3", "--device", "cpu"])
+    assert isinstance(result.exception, DriftlabError), result.output
+    assert str(result.exception).startswith("Invalid --turn 3: paper turn 3 is a user message")
+    assert not (tmp_path / "m").exists()
+    result = CliRunner().invoke(app, ["sweep", "--out", str(tmp_path / "s"), "--rounds", "1", "--device", "cpu"])
+    assert str(result.exception).startswith(
+        "Invalid options: the MMLU question at turn 4 (paper counting) follows 2 rounds")

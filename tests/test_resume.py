@@ -150,7 +150,7 @@ CASES = {
                                  str(d / "mmlu.jsonl")],
                       _mmlu_data, _mmlu_change, 4),
     "sweep": Case(lambda d: ["sweep", "--point", "split-softmax:k=0.5", "--pairs", "1", "--rounds", "1",
-                             "--max-new-tokens", "6", "--mmlu-n", "3", "--mmlu-turn", "0", "--batch-size", "1",
+                             "--max-new-tokens", "6", "--mmlu-n", "3", "--mmlu-turn", "2", "--batch-size", "1",
                              "--data", str(d / "mmlu.jsonl")],
                   _mmlu_data, _mmlu_change, 4, _swept),
     "pasta-eval": Case(lambda d: ["pasta", "eval", "--task", "json", "--n", "2", "--max-new-tokens", "6",
@@ -189,7 +189,9 @@ def test_killed_run_resumes_from_its_recorded_plan(name, tmp_path, smol_dir) -> 
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     _cli([*case.args(data), *F32, "--out", str(reference)])
 
-    env = {**os.environ, "KILL_AFTER_APPENDS": str(case.kill_after), "PYTHONPATH": str(Path(__file__).parent)}
+    # tests/ for fakes; the caller's PYTHONPATH kept, so both processes import the same driftlab.
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "KILL_AFTER_APPENDS": str(case.kill_after), "PYTHONPATH": path}
     killed = subprocess.run([sys.executable, "-c", KILLER, *case.args(data), *F32, "--out", str(resumed)],
                             env=env, capture_output=True, text=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]

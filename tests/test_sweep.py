@@ -128,7 +128,7 @@ def test_tiny_sweep_end_to_end_and_resume(tiny, tmp_path):
     assert "Where n does not support a difference" in text and "What this n can detect" in text
     assert page.stat().st_size > 10_000 and (tmp_path / "sweep" / "sweep_tradeoff.png").is_file()
     records = sorted((tmp_path / "sweep").rglob("records.jsonl"))
-    assert len(records) == 3 * 2 + 3 * 1  # per point: self-chat + MMLU; and each MMLU's history (turn 2)
+    assert len(records) == 3 * 2  # per point: self-chat + MMLU (whose history is the point's own dialog)
     before = [r.read_bytes() for r in records]
     run_protocol(Sweep(cfg, tiny), tmp_path / "sweep", progress=False)  # a finished point is never recomputed
     assert [r.read_bytes() for r in records] == before
@@ -161,3 +161,141 @@ def test_cli_records_probe_after_and_the_persona_set_in_the_config(monkeypatch, 
     if argv[0] == "sweep":
         assert config.pair_ids == paper_pairs("reference")[:3] and config.probe_after == "agent"
         assert config.selfchat(None).probe_after == "agent"
+
+
+# -- no confounds by construction ----------------------------------------------------------------
+def _tiny_config(tiny, **kw) -> SweepConfig:
+    return SweepConfig(backend=BackendSpec(model=tiny.name), grid={"split-softmax": ["split-softmax:k=0.5"]},
+                       pair_ids=paper_pairs()[:2], rounds=2, sampling=Sampling(max_new_tokens=4), mmlu_n=4,
+                       mmlu_turn=2, data=str(RAW), **kw)
+
+
+@pytest.fixture(scope="module")
+def swept(tiny, tmp_path_factory) -> Path:
+    """A finished two-point sweep (plain, split-softmax) on the tiny model; tests copy it before changing it."""
+    out = tmp_path_factory.mktemp("swept") / "sweep"
+    run_protocol(Sweep(_tiny_config(tiny), tiny), out, progress=False)
+    return out
+
+
+def _manifest(path: Path) -> dict:
+    import json
+
+    return json.loads((path / "manifest.json").read_text())
+
+
+def _records(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (path / "records.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.model
+def test_every_point_runs_the_same_pairs_starters_seeds_and_questions(swept):
+    """Read from the points' own records: each point's self-chat has the same pairs, personas,
+    starters and per-generation seeds, and its MMLU run the same questions, with the history
+    taken from that point's own dialog."""
+    from driftlab.protocol.dialog import RECORDS, Dialog, pairs_from_manifest
+    from driftlab.records.rundir import RunDir
+
+    specs = _manifest(swept)["points"]
+    assert specs == ["", "split-softmax:k=0.5,heads=all"]
+    chats = [point_dir(swept, s) / "selfchat" for s in specs]
+    mmlus = [point_dir(swept, s) / "mmlu" for s in specs]
+    plans = [{k: _manifest(c)[k] for k in ("pairs", "personas", "inputs")} for c in chats]
+    assert plans[0] == plans[1] and [p["starter"] for p in plans[0]["pairs"]]  # pairs, personas, starters
+    seeds = [{(r["kind"], r["pair"], r["condition"], r["round"], r.get("speaker"), r.get("target")): r["seed"]
+              for r in _records(c)} for c in chats]
+    assert seeds[0] == seeds[1] and len(seeds[0]) == 2 * (3 + 2)  # 2 pairs x (3 turns + 2 probes), same seeds
+    texts = [{k: r["text"] for r in _records(c) if r["kind"] == "turn"
+              for k in [(r["pair"], r["round"], r["speaker"])]} for c in chats]
+    assert texts[0] != texts[1]  # the intervention did change the dialogs (so the history test below means it)
+    questions = [[q["index"] for q in _manifest(m)["questions"]] for m in mmlus]
+    assert questions[0] == questions[1] and len(questions[0]) == 4
+    assert [sorted(r["index"] for r in _records(m)) for m in mmlus] == [sorted(questions[0])] * 2
+    for chat, mmlu in zip(chats, mmlus, strict=True):
+        manifest = _manifest(mmlu)
+        assert manifest["config"]["history"] == "dialog" and manifest["question_round"] == 2  # paper turn 2
+        history = manifest["history"]
+        assert {k: history[k] for k in ("from", "pair", "rounds", "agent", "user", "starter")} == {
+            "from": "../selfchat", "pair": 0, "rounds": 1, "agent": plans[0]["pairs"][0]["agent"],
+            "user": plans[0]["pairs"][0]["user"], "starter": plans[0]["pairs"][0]["starter"]}
+        (dialog,) = Dialog.from_records(pairs_from_manifest(_manifest(chat))[:1], ["persona"],
+                                         RunDir(chat).records(RECORDS))
+        assert history["conversation"] == dialog.agent_view(2, "")[:-1]  # [s_B, a_1, b_1] of this point's dialog
+        assert not list(mmlu.glob("history-*"))  # no separate self-chat any more
+    from driftlab.protocol.sweep import check_points
+
+    check_points(swept)  # nothing but the intervention differs
+
+
+def _break_version(m: dict) -> None:
+    m["versions"]["driftlab"] = "0.0.1"
+
+
+def _break_sampling(m: dict) -> None:
+    m["config"]["sampling"]["temperature"] = 0.123
+
+
+def _old_mmlu(m: dict) -> None:
+    """A point written before the MMLU turn counting and history source existed (round 2, separate history)."""
+    if m["protocol"] == "mmlu":
+        del m["config"]["turn_counting"], m["config"]["history"]
+
+
+def _break_data(m: dict) -> None:
+    m["inputs"] = {**m["inputs"], **{k: "0" * 64 for k in m["inputs"]}}
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("child, change, why", [
+    ("selfchat", _break_version, "versions.driftlab"),
+    ("selfchat", _break_sampling, "config.sampling.temperature"),
+    ("mmlu", _old_mmlu, "config.turn_counting: 'round' -> 'paper'"),
+    ("mmlu", _break_data, "inputs.mmlu"),
+])
+def test_a_stale_point_is_refused_by_the_table_then_moved_aside_and_redone(swept, tiny, tmp_path, capsys, child,
+                                                                         change, why):
+    import json
+    import shutil
+
+    from driftlab.errors import DriftlabError
+
+    out = tmp_path / "sweep"
+    shutil.copytree(swept, out)
+    point = point_dir(out, "split-softmax:k=0.5,heads=all")
+    before = {c: (point / c / "records.jsonl").read_bytes() for c in ("selfchat", "mmlu")}
+    manifest = _manifest(point / child)
+    change(manifest)
+    (point / child / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DriftlabError, match=f"point split-softmax:k=0.5,heads=all cannot be compared with plain: "
+                                            f"its {child} run differs in more than the intervention") as err:
+        sweep_table(out)
+    assert why.split(":")[0] in str(err.value) and "re-runs stale points" in err.value.hint
+
+    run_protocol(Sweep(_tiny_config(tiny), tiny), out, progress=False)  # the resume redoes the stale point
+    said = capsys.readouterr().err
+    assert "sweep: point split-softmax:k=0.5,heads=all was run with other settings" in said and why in said
+    assert "moved to" in said and "running it again" in said
+    stale = out / "stale" / f"{point.name}.1"
+    assert _manifest(stale / child) == manifest  # kept, not deleted
+    assert {c: (point / c / "records.jsonl").read_bytes() for c in ("selfchat", "mmlu")} == before  # redone alike
+    assert not (out / "stale" / "plain.1").exists()  # the plain point was current: kept
+    sweep_table(out)  # comparable again
+    if why == "versions.driftlab":  # stale a second time: the earlier stale copy is kept beside the new one
+        (point / child / "manifest.json").write_text(json.dumps(manifest))
+        run_protocol(Sweep(_tiny_config(tiny), tiny), out, progress=False)
+        assert _manifest(out / "stale" / f"{point.name}.2" / child) == manifest and stale.is_dir()
+
+
+def test_sweep_config_records_the_turn_counting_and_refuses_a_dialog_too_short():
+    cfg = SweepConfig()
+    assert (cfg.mmlu_turn, cfg.mmlu_turn_counting, cfg.mmlu_history) == (4, "paper", "dialog")
+    mmlu = cfg.mmlu(None)
+    assert (mmlu.round, mmlu.history, mmlu.turn_counting) == (3, "dialog", "paper")  # the paper's 4th turn
+    assert SweepConfig(mmlu_turn_counting="round").mmlu(None).round == 4
+    assert SweepConfig(mmlu_history="selfchat").mmlu(None).history == "selfchat"
+    with pytest.raises(ValueError, match="follows 2 rounds of the point's dialog, which has 1"):
+        SweepConfig(rounds=1)
+    assert SweepConfig(rounds=1, mmlu_turn=2).mmlu(None).round == 2
+    assert SweepConfig.LEGACY == {"mmlu_turn_counting": "round", "mmlu_history": "selfchat"}

@@ -12,6 +12,7 @@ from driftlab.cli.options import (
     HistoryTokensOpt,
     MMLUDataOpt,
     MMLUSeedOpt,
+    TurnCountingOpt,
     TurnOpt,
     backend_options,
     build,
@@ -26,6 +27,7 @@ def calibrate(
     backend: BackendSpec,
     n: Annotated[int, typer.Option("--n", help="MMLU questions per point, stratified by subject.")] = 200,
     turn: TurnOpt = 4,
+    turn_counting: TurnCountingOpt = "paper",
     steps: Annotated[int, typer.Option(help="Bisection halvings after checking the strongest setting.")] = 5,
     history_tokens: HistoryTokensOpt = 64,
     seed: MMLUSeedOpt = 0,
@@ -44,8 +46,8 @@ def calibrate(
     from driftlab.protocol.mmlu import MMLUConfig
     from driftlab.protocol.runner import run_protocol
 
-    mmlu = build(MMLUConfig, backend=backend, n=n, turn=turn, history_tokens=history_tokens, seed=seed,
-                 data=str(data) if data else None)
+    mmlu = build(MMLUConfig, backend=backend, n=n, turn=turn, turn_counting=turn_counting,
+                 history_tokens=history_tokens, seed=seed, data=str(data) if data else None)
     config = build(CalibrationConfig, {"max_drop": "--max-mmlu-drop"}, method=method, max_drop=max_mmlu_drop,
                    steps=steps, mmlu=mmlu)
     rundir = run_protocol(Calibration(config), out)
@@ -53,7 +55,8 @@ def calibrate(
     write_calibration_figure(rundir.path)
     found = summary(rundir.path)
     console = Console(stderr=True)
-    table = Table(title=f"{method}: MMLU drop at turn {turn} ({n} questions), budget {max_mmlu_drop:g}")
+    table = Table(title=f"{method}: MMLU drop at turn {turn} ({turn_counting} counting, round {mmlu.round}; "
+                        f"{n} questions), budget {max_mmlu_drop:g}")
     for col in ("--steer", "n", "drop", "95% CI", "McNemar p", "within budget"):
         table.add_column(col)
     for p in found["points"]:

@@ -13,6 +13,7 @@ from driftlab.cli.options import (
     MMLUDataOpt,
     MMLUSeedOpt,
     SteerOpt,
+    TurnCountingOpt,
     TurnOpt,
     backend_options,
     build,
@@ -26,6 +27,7 @@ def mmlu(
     steer: SteerOpt = None,
     n: Annotated[int, typer.Option("--n", help="Questions, stratified by subject (1-14042).")] = 200,
     turn: TurnOpt = 4,
+    turn_counting: TurnCountingOpt = "paper",
     history_tokens: HistoryTokensOpt = 64,
     seed: MMLUSeedOpt = 0,
     data: MMLUDataOpt = None,
@@ -47,11 +49,12 @@ def mmlu(
     from driftlab.protocol.mmlu import MMLU, MMLUConfig, correctness, questions_needed, summarize
     from driftlab.protocol.runner import run_protocol
 
-    config = build(MMLUConfig, backend=backend, steer=steer or [], n=n, turn=turn, history_tokens=history_tokens,
-                   seed=seed, data=str(data) if data else None, batch_size=batch_size)
+    config = build(MMLUConfig, backend=backend, steer=steer or [], n=n, turn=turn, turn_counting=turn_counting,
+                   history_tokens=history_tokens, seed=seed, data=str(data) if data else None, batch_size=batch_size)
     rundir = run_protocol(MMLU(config), out)
     s = summarize(rundir.path)
-    table = Table(title=f"MMLU at turn {config.turn} · {backend.model} · {s['n']} questions")
+    table = Table(title=f"MMLU at turn {config.turn} ({config.turn_counting} counting, round {config.round}) · "
+                        f"{backend.model} · {s['n']} questions")
     for col in ("condition", "n", "accuracy", "95% CI", "method", "p"):
         table.add_column(col)
     for condition in config.conditions:

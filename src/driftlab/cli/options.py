@@ -55,7 +55,12 @@ ProbeAfterOpt = Annotated[str, typer.Option(
     help="Where the probe of round i goes: 'user' (replaces the user's turn a_i, the paper's text; round 1 sees no "
          "exchange) or 'agent' (after the agent's reply b_i, as the reference code likenneth/persona_drift does).")]
 # MMLU cost (mmlu, calibrate, sweep)
-TurnOpt = Annotated[int, typer.Option(help="Ask at this turn of the agent's dialog (paper: 4); 0 = plain MMLU.")]
+TurnOpt = Annotated[int, typer.Option(
+    help="Ask at this turn of the agent's dialog (paper: 4), counted as --turn-counting says; 0 = plain MMLU.")]
+TurnCountingOpt = Annotated[str, typer.Option(
+    help="How --turn counts: 'paper' (messages, as the reference code likenneth/persona_drift counts: a_1 = 1, "
+         "b_1 = 2; the question follows the first TURN, so turn 4 = round 3) or 'round' (the question is the user "
+         "turn of round TURN; driftlab before this option).")]
 MMLUSeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the question subset and the dialog.")]
 HistoryTokensOpt = Annotated[int, typer.Option(help="Most tokens per turn of the dialog before the question.")]
 MMLUDataOpt = Annotated[Path | None, typer.Option("--data", help="An MMLU jsonl file instead of `driftlab data pull mmlu`.")]
@@ -146,6 +151,7 @@ def build(schema: type[M], flags: dict[str, str] | None = None, /, **values: Any
         if e["type"] == "literal_error":
             choices = literal_choices(e)
             msg = f"use one of {', '.join(choices)}{did_you_mean(given, choices)}"
-        raise DriftlabError(f"Invalid {flag}{shown}: {msg[0].lower() + msg[1:]}.",
+        what = f"Invalid {flag}{shown}" if field != "?" else "Invalid options"  # a check of several options
+        raise DriftlabError(f"{what}: {msg[0].lower() + msg[1:]}.",
                             hint="The command's --help lists every option with its valid values.") from None
 

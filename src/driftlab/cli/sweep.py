@@ -8,7 +8,14 @@ from typing import Annotated
 import typer
 
 from driftlab.chat.spec import BackendSpec
-from driftlab.cli.options import MaxNewTokensOpt, MMLUDataOpt, ProbeAfterOpt, backend_options, build
+from driftlab.cli.options import (
+    MaxNewTokensOpt,
+    MMLUDataOpt,
+    ProbeAfterOpt,
+    TurnCountingOpt,
+    backend_options,
+    build,
+)
 
 
 @backend_options(remote=True, ray=True)
@@ -29,7 +36,12 @@ def sweep(
     starters: Annotated[str, typer.Option(
         help="Conversation starters a_1: 'reference' (the reference code's 45 topics) or 'driftlab'.")] = "reference",
     mmlu_n: Annotated[int, typer.Option(help="MMLU questions per point.")] = 100,
-    mmlu_turn: Annotated[int, typer.Option(help="Ask MMLU at this turn of the agent's dialog (paper: 4).")] = 4,
+    mmlu_turn: Annotated[int, typer.Option(
+        help="Ask MMLU at this turn of the point's dialog (paper: 4), counted as --mmlu-turn-counting says.")] = 4,
+    mmlu_turn_counting: TurnCountingOpt = "paper",
+    mmlu_history: Annotated[str, typer.Option(
+        help="The dialog before the MMLU question: 'dialog' (the point's own self-chat, its first pair) or "
+             "'selfchat' (a separate probe-free self-chat; sweeps recorded before this option).")] = "dialog",
     match_drop: Annotated[float | None, typer.Option(
         help="Fig. 6 compares methods at this MMLU drop (default: the median drop of the grid).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of dialogs, samples and questions.")] = 0,
@@ -72,6 +84,7 @@ def sweep(
     config = build(SweepConfig, backend=backend, grid=grid, personas=personas,
                    pair_ids=paper_pairs(personas)[:pairs], probe_after=probe_after, rounds=rounds,
                    starters=starters, sampling=sampling, seed=seed, mmlu_n=mmlu_n, mmlu_turn=mmlu_turn,
+                   mmlu_turn_counting=mmlu_turn_counting, mmlu_history=mmlu_history,
                    data=str(data) if data else None, batch_size=batch_size)
     run_protocol(Sweep(config), out)
     from driftlab.report.sweep import power_notes, write_sweep_report  # matplotlib: only once the run is done

@@ -87,6 +87,7 @@ class CalibrationConfig(BaseModel):
 
     # The MMLU settings are checked again by each point's own run directory.
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*(f"mmlu.{k}" for k in MMLUConfig.RESUME_IGNORES),)
+    LEGACY: ClassVar[dict[str, Any]] = {f"mmlu.{k}": v for k, v in MMLUConfig.LEGACY.items()}
 
     @property
     def backend(self) -> BackendSpec:

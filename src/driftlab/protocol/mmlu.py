@@ -4,11 +4,14 @@ The paper calibrates every mitigation by its MMLU drop: "given the conversation 
 agent LM under intervention, we sample one and ask questions from MMLU at the 4th turn".
 Here, per condition (plain, and steered when --steer is given):
 
-1. the agent's history: a probe-free self-chat of `turn - 1` rounds for one persona pair
+1. the agent's history: the dialog before the question, `round - 1` complete exchanges
+   [s_B, a_1, b_1, ..., a_{r-1}, b_{r-1}], from one of two sources (`history`):
+   "selfchat" (standalone `driftlab mmlu`): a probe-free self-chat for one persona pair
    drawn from the run seed, generated under that condition's interventions (kept in
-   RUN/history-<condition>, itself a resumable run directory); `turn 0` means no dialog and
-   no system prompt (plain MMLU), `turn 1` the agent's system prompt and nothing else;
-2. each question is asked as the user turn of round `turn`, and the answer is the letter
+   RUN/history-<condition>, itself a resumable run directory); "dialog": a dialog the
+   parent hands over in the plan (a sweep point's own self-chat, so the point's stability
+   gain and MMLU cost are measured on the same dialog), recorded in the manifest;
+2. each question is asked as the user turn of that round, and the answer is the letter
    (A-D) with the highest next-token log-likelihood as the start of the agent's reply, under
    the same interventions (no generation);
 3. accuracy per condition with a 95% Wilson interval over questions, and the drop
@@ -16,6 +19,18 @@ Here, per condition (plain, and steered when --steer is given):
    condition answers right and the other wrong, with the mean drop's interval (t below 30
    questions, BCa bootstrap from there; `driftlab.stats`), and the questions a given drop
    would need (`questions_needed`).
+
+Which round `turn` names depends on `turn_counting` (`question_round`):
+
+    "paper"  (default) turns count messages as the reference code does (likenneth/persona_drift
+             run.py: a_1 is turn 1, b_1 turn 2, ...; its probe "at turn t" follows the first t
+             messages): the question comes after t messages, t even (an agent turn), so the
+             paper's "4th turn" is round 3: [s_B, a_1, b_1, a_2, b_2, question];
+    "round"  (driftlab before this option; runs recorded without it) the question is the user
+             turn of round `turn`: turn 4 sees three exchanges.
+
+In both, turn 0 is plain MMLU (no dialog, no system prompt); with "round" counting turn 1 is
+the agent's system prompt and nothing else.
 
 Questions are a fixed, seeded subset stratified by subject (round-robin over the 57
 subjects). Records (one per condition and question) make the run resumable like a self-chat.
@@ -32,7 +47,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from driftlab.chat.base import MAX_SEED, Conversation, Sampling
 from driftlab.errors import DriftlabError
@@ -48,6 +71,23 @@ from driftlab.steering.interventions import DialogSteer, Interventions
 LETTERS = ("A", "B", "C", "D")
 POWER_EFFECT = 0.05  # the MMLU drop whose needed questions `summarize` states
 Condition = Literal["plain", "steered"]
+TurnCounting = Literal["paper", "round"]
+HistorySource = Literal["selfchat", "dialog"]
+
+
+def question_round(turn: int, counting: TurnCounting) -> int:
+    """The round whose user turn the question is (0: plain MMLU, no dialog), from `turn` as counted.
+
+    "paper": turn t counts messages (a_1 = 1, b_1 = 2, ...) and the question follows the first t,
+    i.e. t / 2 complete exchanges: round t / 2 + 1 (the paper's 4th turn is round 3).
+    "round": turn is the round itself.
+    """
+    if turn == 0 or counting == "round":
+        return turn
+    if turn % 2:
+        raise ValueError(f"paper turn {turn} is a user message; with paper counting the question follows an "
+                         "agent turn (2, 4, ...), or use turn 0 for plain MMLU")
+    return turn // 2 + 1
 
 
 class Question(BaseModel):
@@ -122,7 +162,14 @@ class MMLUConfig(ProtocolConfig):
     """An MMLU-at-turn-T measurement (recorded in the run's manifest)."""
 
     n: int = Field(200, ge=1, le=14042, description="questions, stratified by subject")
-    turn: int = Field(4, ge=0, le=64, description="ask at this turn of the agent's dialog; 0 = plain MMLU")
+    turn_counting: TurnCounting = Field(
+        "paper", description="'paper': turns count messages, the question follows the first `turn` (the reference "
+                             "code's counting; turn 4 = round 3); 'round': the question is round `turn`'s user turn")
+    turn: int = Field(4, ge=0, le=128, description="ask at this turn of the agent's dialog; 0 = plain MMLU")
+    history: HistorySource = Field(
+        "selfchat", description="where the dialog before the question comes from: 'selfchat' (a fresh probe-free "
+                                "self-chat per condition) or 'dialog' (handed over by the parent, e.g. a sweep point's "
+                                "own self-chat)")
     steer: DialogSteer = Field(default_factory=Interventions, description="the interventions whose cost is measured")
     seed: int = Field(0, ge=0, le=MAX_SEED)
     history_tokens: int = Field(64, ge=1, le=32768, description="max new tokens per turn of the history")
@@ -131,12 +178,27 @@ class MMLUConfig(ProtocolConfig):
     plain: bool = Field(True, description="also measure without the interventions (the baseline)")
 
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size")
+    # Runs recorded before these options counted rounds and made their own history.
+    LEGACY: ClassVar[dict[str, Any]] = {"turn_counting": "round", "history": "selfchat"}
+
+    @field_validator("turn")
+    @classmethod
+    def _turn_as_counted(cls, turn: int, info: ValidationInfo) -> int:
+        question_round(turn, info.data.get("turn_counting", "paper"))  # an odd paper turn fails here, named
+        return turn
 
     @model_validator(mode="after")
     def _something_to_measure(self) -> MMLUConfig:
         if not self.plain and not self.steer:
             raise ValueError("nothing to measure: no baseline (plain=False) and no --steer")
+        if self.history == "dialog" and len(self.conditions) != 1:
+            raise ValueError("a given dialog was made under one condition: measure plain or steered, not both")
         return self
+
+    @property
+    def round(self) -> int:
+        """The round whose user turn the question is (0: plain MMLU); see `question_round`."""
+        return question_round(self.turn, self.turn_counting)
 
     @property
     def conditions(self) -> list[str]:
@@ -145,10 +207,10 @@ class MMLUConfig(ProtocolConfig):
     def interventions(self, condition: str) -> Interventions:
         return self.steer if condition == "steered" else Interventions()
 
-    def history(self, condition: str) -> SelfChatConfig:
+    def history_run(self, condition: str) -> SelfChatConfig:
         """The probe-free self-chat whose agent side is the dialog before the question."""
         return SelfChatConfig(
-            backend=self.backend, pairs=1, rounds=max(self.turn - 1, 1), probe_every=self.turn + 1, seed=self.seed,
+            backend=self.backend, pairs=1, rounds=max(self.round - 1, 1), probe_every=self.round + 1, seed=self.seed,
             sampling=Sampling(max_new_tokens=self.history_tokens), steer=self.interventions(condition),
         )
 
@@ -189,8 +251,8 @@ class MMLU(Protocol[MMLUConfig]):
 
     def check(self) -> None:
         load_questions(self.config.data)  # a missing data set fails before anything is loaded or written
-        if self.config.turn:
-            SelfChat(self.config.history("plain")).check()
+        if self.config.round and self.config.history == "selfchat":
+            SelfChat(self.config.history_run("plain")).check()
 
     def require(self) -> None:
         backend = self.backend
@@ -202,7 +264,8 @@ class MMLU(Protocol[MMLUConfig]):
     def plan(self) -> dict[str, Any]:
         cfg = self.config
         questions = stratified_subset(load_questions(cfg.data), cfg.n, cfg.seed)
-        history = SelfChat(cfg.history("plain")).draw_plan() if cfg.turn else None
+        # With a given dialog the parent fills "history" in (`dialog_history`) before the run starts.
+        history = SelfChat(cfg.history_run("plain")).draw_plan() if cfg.round and cfg.history == "selfchat" else None
         return {"questions": [q.model_dump() for q in questions], "history": history}
 
     def inputs(self) -> dict[str, str]:
@@ -213,7 +276,7 @@ class MMLU(Protocol[MMLUConfig]):
 
     def describe(self) -> dict[str, Any]:
         return {"conditions": self.config.conditions, "interventions": self.config.steer.specs(),
-                "models": {"agent": self.backend.describe()}}
+                "question_round": self.config.round, "models": {"agent": self.backend.describe()}}
 
     @classmethod
     def expected(cls, manifest: dict[str, Any]) -> dict[str, int]:
@@ -249,15 +312,44 @@ class MMLU(Protocol[MMLUConfig]):
         """The dialog before the question: the agent's history under this condition's interventions,
         continued (RUN/history-<condition>) from the persona pair recorded in the plan."""
         cfg, history = self.config, self._plan["history"]
-        if cfg.turn == 0:
+        if cfg.round == 0:
             return []
+        if cfg.history == "dialog":
+            if not isinstance(history, dict) or "conversation" not in history:
+                raise DriftlabError(f"{self.run_dir} takes its MMLU history from a dialog its parent hands over, and "
+                                    "its manifest records none.",
+                                    hint="Run it through `driftlab sweep`, or use the 'selfchat' history.")
+            return [dict(m) for m in history["conversation"]]
         (pair,) = pairs_from_manifest(history)
-        if cfg.turn == 1:  # no earlier round: the agent's system prompt only
+        if cfg.round == 1:  # no earlier round: the agent's system prompt only
             return [{"role": "system", "content": pair.agent.system_prompt}]
         where = self.run_dir / f"history-{condition}"
-        rd = run_protocol(SelfChat(cfg.history(condition), self.backend), where, plan=history, progress=False)
+        rd = run_protocol(SelfChat(cfg.history_run(condition), self.backend), where, plan=history, progress=False)
         (dialog,) = Dialog.from_records([pair], ["persona"], rd.records(DIALOG_RECORDS))
-        return dialog.agent_view(cfg.turn, "")[:-1]  # [s_B, a_1, b_1, ..., a_{T-1}, b_{T-1}]
+        return dialog.agent_view(cfg.round, "")[:-1]  # [s_B, a_1, b_1, ..., a_{r-1}, b_{r-1}]
+
+
+def dialog_history(selfchat_run: str | Path, round_: int, pair: int = 0, source: str = "") -> dict[str, Any] | None:
+    """The "history" plan entry of an MMLU run asking at `round_` of a finished self-chat's dialog:
+    that run's pair `pair` (persona condition) up to the question, and where it came from.
+
+    None for round 0 (plain MMLU). A dialog shorter than the question needs is an error.
+    """
+    if round_ == 0:
+        return None
+    rd = RunDir(selfchat_run)
+    manifest = rd.read_manifest()
+    pairs = [p for p in pairs_from_manifest(manifest) if p.index == pair]
+    if not pairs:
+        raise DriftlabError(f"{rd.path} has no persona pair {pair} to take the MMLU history from.")
+    (dialog,) = Dialog.from_records(pairs, ["persona"], rd.records(DIALOG_RECORDS))
+    if dialog.rounds_complete() < round_ - 1:
+        raise DriftlabError(f"{rd.path} holds {dialog.rounds_complete()} complete rounds of pair {pair}; the MMLU "
+                            f"question at round {round_} needs {round_ - 1}.",
+                            hint="Run more dialog rounds, or ask MMLU at an earlier turn.")
+    return {"from": source or str(rd.path), "pair": pair, "condition": "persona", "rounds": round_ - 1,
+            "agent": dialog.pair.agent.id, "user": dialog.pair.user.id, "starter": dialog.pair.starter,
+            "conversation": dialog.agent_view(round_, "")[:-1]}
 
 
 def correctness(run_dir: str | Path) -> dict[str, dict[int, float]]:
@@ -314,7 +406,10 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     its paired test (`drop`) and the questions a drop of POWER_EFFECT would need (`power`)."""
     manifest = RunDir(run_dir).read_manifest()
     correct = correctness(run_dir)
-    out: dict[str, Any] = {"n": len(manifest.get("questions", [])), "turn": manifest["config"].get("turn")}
+    config = manifest["config"]
+    counting = config.get("turn_counting", MMLUConfig.LEGACY["turn_counting"])
+    out: dict[str, Any] = {"n": len(manifest.get("questions", [])), "turn": config.get("turn"),
+                           "turn_counting": counting, "round": question_round(config.get("turn") or 0, counting)}
     for condition in manifest.get("conditions", []):
         out[condition] = accuracy(correct[condition])
     if "plain" in correct and "steered" in correct:

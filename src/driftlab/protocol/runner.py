@@ -50,6 +50,9 @@ class ProtocolConfig(BaseModel):
 
     # Settings that may change between a run and its resume: they do not change results.
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("backend.device", "backend.device_map", "backend.runtime")
+    # Settings added after runs were recorded without them -> what such a run meant (dotted names);
+    # a resume compares them as recorded, so a changed default cannot change an old run's meaning.
+    LEGACY: ClassVar[dict[str, Any]] = {}
 
 
 C = TypeVar("C", bound=ProtocolConfig)
@@ -179,7 +182,8 @@ def _start(protocol: Protocol, rundir: RunDir, plan: dict[str, Any] | None) -> d
     ignore = protocol.config.RESUME_IGNORES
     if rundir.exists():
         config = _pinned_as_recorded(config, rundir.read_manifest())
-        manifest = rundir.start(config, {}, ignore, protocol=protocol.name)
+        legacy = getattr(protocol.config, "LEGACY", {})
+        manifest = rundir.start(config, {}, ignore, protocol=protocol.name, legacy=legacy)
         _same_weights(rundir.path, manifest, protocol)
         try:
             now = protocol.inputs()

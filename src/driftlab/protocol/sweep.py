@@ -7,33 +7,47 @@ For every point (method, strength) of a grid, on one loaded backend:
   data, or "reference", the reference code's index 0 of each), probing the agent every
   round: stability;
 * MMLU at turn T under the same intervention (`driftlab mmlu`'s protocol), against one
-  plain baseline shared by all points: the drop.
+  plain baseline shared by all points: the drop. The dialog before the question is the
+  point's own: the first pair of its self-chat, cut before round T (`mmlu_history`
+  "dialog"), so a point's stability gain and MMLU cost are measured on the same dialog
+  (sweeps recorded before this option asked after a separate self-chat: "selfchat"). T is
+  counted as the paper's reference code counts turns (`mmlu_turn_counting`, see
+  `driftlab.protocol.mmlu.question_round`).
 
 The plain model is the point (none, 0). Every point is a pair of resumable run directories
 under `RUN/points/<spec>/`, all continuing one plan recorded in the sweep's manifest (the
 self-chat's personas and starters, the MMLU questions), so a killed sweep resumes, a
-finished point is never recomputed, and every point sees the same data. The table behind
-the figures (`RUN/sweep.csv`: stability, paired gain, MMLU drop per point) is computed
-from the point directories by `driftlab.report.sweep`.
+finished point is never recomputed, and every point sees the same data.
+
+No confounds by construction: points are only comparable if they differ in nothing but the
+intervention. Before a point runs, its recorded manifests are compared with what this sweep
+would write now (config, plan, input hashes, package versions, model facts:
+`point_differences`); a stale point (run by other code, on other data or settings) is moved
+to `RUN/stale/` with a message and run again. `check_points` refuses to combine points whose
+manifests differ in anything but the intervention; the table behind the figures
+(`RUN/sweep.csv`: stability, paired gain, MMLU drop per point) is computed from the point
+directories by `driftlab.report.sweep`, after that check.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, TypeAdapter, field_validator, model_validator
+from pydantic import Field, TypeAdapter, ValidationInfo, field_validator, model_validator
 
 from driftlab.bench import CATEGORIES, load_personas
 from driftlab.bench.starters import StarterSetName
 from driftlab.chat.base import Sampling
 from driftlab.console import err_console
 from driftlab.errors import DriftlabError
-from driftlab.protocol.mmlu import MMLU, MMLUConfig
+from driftlab.protocol.mmlu import MMLU, MMLUConfig, TurnCounting, dialog_history, question_round
 from driftlab.protocol.registry import register
-from driftlab.protocol.runner import Protocol, ProtocolConfig, RunState, run_protocol
+from driftlab.protocol.runner import Protocol, ProtocolConfig, RunState, config_of, run_protocol
 from driftlab.protocol.selfchat import PAPER_TOKENS, SelfChat, SelfChatConfig
+from driftlab.records.rundir import RunDir, versions
 from driftlab.steering.interventions import (
     KINDS,
     BaseIntervention,
@@ -106,12 +120,33 @@ class SweepConfig(ProtocolConfig):
     sampling: Sampling = Sampling(max_new_tokens=PAPER_TOKENS)
     seed: int = Field(0, ge=0)
     mmlu_n: int = Field(100, ge=1, le=14042)
+    mmlu_turn_counting: TurnCounting = Field(
+        "paper", description="how mmlu_turn counts: 'paper' (messages, as the reference code; 4 = round 3) or 'round'")
     mmlu_turn: int = Field(4, ge=0, le=64)
+    mmlu_history: Literal["dialog", "selfchat"] = Field(
+        "dialog", description="the dialog before the MMLU question: the point's own self-chat (first pair) or a "
+                              "separate probe-free self-chat (sweeps recorded before this option)")
     history_tokens: int = Field(64, ge=1, le=32768)
     data: str | None = None
     batch_size: int = Field(32, ge=1, le=4096)
 
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size")
+    # Sweeps recorded before these options: MMLU at a round, after a separate self-chat.
+    LEGACY: ClassVar[dict[str, Any]] = {"mmlu_turn_counting": "round", "mmlu_history": "selfchat"}
+
+    @field_validator("mmlu_turn")
+    @classmethod
+    def _turn_as_counted(cls, turn: int, info: ValidationInfo) -> int:
+        question_round(turn, info.data.get("mmlu_turn_counting", "paper"))
+        return turn
+
+    @model_validator(mode="after")
+    def _dialog_long_enough(self) -> SweepConfig:
+        needed = question_round(self.mmlu_turn, self.mmlu_turn_counting) - 1
+        if self.mmlu_history == "dialog" and needed > self.rounds:
+            raise ValueError(f"the MMLU question at turn {self.mmlu_turn} ({self.mmlu_turn_counting} counting) "
+                             f"follows {needed} rounds of the point's dialog, which has {self.rounds}")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -145,7 +180,8 @@ class SweepConfig(ProtocolConfig):
 
     def mmlu(self, point: BaseIntervention | None) -> MMLUConfig:
         return MMLUConfig(
-            backend=self.backend, n=self.mmlu_n, turn=self.mmlu_turn, steer=[point] if point else [],
+            backend=self.backend, n=self.mmlu_n, turn=self.mmlu_turn, turn_counting=self.mmlu_turn_counting,
+            history="dialog" if self.mmlu_history == "dialog" else "selfchat", steer=[point] if point else [],
             seed=self.seed, history_tokens=self.history_tokens, data=self.data, plain=point is None,
         )
 
@@ -190,8 +226,125 @@ class Sweep(Protocol[SweepConfig]):
             err_console().print(f"sweep: point {i + 1}/{len(cfg.points())}: {point.spec() if point else 'plain'}",
                                 highlight=False, markup=False)
         where = point_dir(self.run_dir, point.spec() if point else "")
+        self._redo_if_stale(where, point)
         run_protocol(SelfChat(cfg.selfchat(point), self.backend), where / "selfchat", plan=self._plan["selfchat"],
                      progress=self.progress)
-        run_protocol(MMLU(cfg.mmlu(point), self.backend), where / "mmlu", plan=self._plan["mmlu"],
+        run_protocol(MMLU(cfg.mmlu(point), self.backend), where / "mmlu", plan=self._mmlu_plan(where, point),
                      progress=self.progress)
         return []
+
+    def _mmlu_plan(self, where: Path, point: BaseIntervention | None) -> dict[str, Any]:
+        """The sweep's MMLU plan; with the "dialog" history, the point's own dialog (its self-chat's
+        first pair, cut before the question's round) and where it came from."""
+        plan = self._plan["mmlu"]
+        if self.config.mmlu_history != "dialog":
+            return plan
+        history = dialog_history(where / "selfchat", self.config.mmlu(point).round, pair=0, source=HISTORY_FROM)
+        return {**plan, "history": history}
+
+    def _expected(self, point: BaseIntervention | None) -> dict[str, dict[str, Any]]:
+        """The manifests (as far as `point_differences` compares them) this sweep writes for a point now."""
+        cfg, agent = self.config, self.backend.describe()
+        mmlu_plan = dict(self._plan["mmlu"])
+        mmlu = cfg.mmlu(point)
+        if cfg.mmlu_history == "dialog" and mmlu.round:
+            (first, *_) = self._plan["selfchat"]["pairs"]
+            mmlu_plan["history"] = {"from": HISTORY_FROM, "pair": first["pair"], "condition": "persona",
+                                    "rounds": mmlu.round - 1, "agent": first["agent"], "user": first["user"],
+                                    "starter": first["starter"]}
+        common = {"versions": versions()}
+        return {
+            "selfchat": {"config": cfg.selfchat(point).model_dump(mode="json"), **self._plan["selfchat"], **common,
+                         "models": {"agent": agent, "user": agent}},
+            "mmlu": {"config": mmlu.model_dump(mode="json"), **mmlu_plan, **common, "models": {"agent": agent}},
+        }
+
+    def _redo_if_stale(self, where: Path, point: BaseIntervention | None) -> None:
+        """Move a point run by other code, data or settings than this sweep's to RUN/stale/ (and so run it
+        again): its records could not be combined with the others'."""
+        expected = self._expected(point)
+        diffs = [f"{child}: {d}" for child in CHILDREN if RunDir(where / child).exists()
+                 for d in point_differences(RunDir(where / child).read_manifest(), expected[child], child)]
+        if not diffs:
+            return
+        stale = self.run_dir / "stale"
+        stale.mkdir(exist_ok=True)
+        n = 1
+        while (stale / f"{where.name}.{n}").exists():  # an earlier stale copy of this point is kept too
+            n += 1
+        dest = stale / f"{where.name}.{n}"
+        shutil.move(str(where), dest)
+        err_console().print(
+            f"sweep: point {point.spec() if point else 'plain'} was run with other settings than this sweep's "
+            f"({'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}): moved to {dest}, running it again.",
+            highlight=False, markup=False)
+
+
+HISTORY_FROM = "../selfchat"  # a point's MMLU history: its own self-chat, beside its MMLU run
+CHILDREN = ("selfchat", "mmlu")
+CONFIGS: dict[str, type[ProtocolConfig]] = {"selfchat": SelfChatConfig, "mmlu": MMLUConfig}
+PLAN_KEYS = ("pairs", "personas", "questions", "inputs", "history")
+INTERVENTION_KEYS = ("steer", "plain")  # the one thing the points of a sweep may differ in
+RUN_PLACE_KEYS = ("device", "device_map", "path")  # where a model ran, not what it is
+
+
+def _flatten(value: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(value, dict) and value:
+        return {k: v for key, sub in value.items() for k, v in _flatten(sub, f"{prefix}.{key}").items()}
+    return {prefix: value}
+
+
+def manifest_facts(manifest: dict[str, Any], child: str, *, intervention: bool = True) -> dict[str, Any]:
+    """What a point's run must share with the others to be compared with them, flattened to dotted
+    names: its config (settings a resume ignores left out; settings added since filled in as the run
+    meant them), its plan (pairs, personas, questions, input hashes, the MMLU history's source, not its
+    text), package versions (not Python's) and model facts (not the device). With
+    `intervention=False` the intervention itself is left out."""
+    cls = CONFIGS[child]
+    config = {**cls.LEGACY, **config_of(manifest)}  # legacy keys are top-level in these configs
+    facts = _flatten(config, "config")
+    skip = [*cls.RESUME_IGNORES, *(() if intervention else INTERVENTION_KEYS)]
+    facts = {k: v for k, v in facts.items() if not any(k == f"config.{s}" or k.startswith(f"config.{s}.")
+                                                          for s in skip)}
+    for key in PLAN_KEYS:
+        value = manifest.get(key)
+        if key == "history" and isinstance(value, dict):
+            value = {k: v for k, v in value.items() if k != "conversation"}  # each point's own dialog
+        facts.update(_flatten(value, key))
+    facts.update(_flatten({k: v for k, v in (manifest.get("versions") or {}).items() if k != "python"}, "versions"))
+    for role, model in (manifest.get("models") or {}).items():
+        model = {k: v for k, v in (model or {}).items() if k not in RUN_PLACE_KEYS}
+        facts.update(_flatten(model, f"models.{role}"))
+    return facts
+
+
+def point_differences(recorded: dict[str, Any], expected: dict[str, Any], child: str, *,
+                      intervention: bool = True) -> list[str]:
+    """'name: recorded -> expected' for every fact (`manifest_facts`) in which two manifests differ."""
+    a = manifest_facts(recorded, child, intervention=intervention)
+    b = manifest_facts(expected, child, intervention=intervention)
+    return [f"{k}: {_short(a.get(k))} -> {_short(b.get(k))}" for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_points(out: str | Path) -> None:
+    """Refuse a sweep whose points differ in anything but the intervention (code version, sampling,
+    data hashes, model, seeds, pairs, questions): each point's self-chat and MMLU manifests are
+    compared with the plain point's."""
+    out = Path(out)
+    specs = RunDir(out).read_manifest().get("points", [])
+    base = {child: RunDir(point_dir(out, "") / child).read_manifest() for child in CHILDREN}
+    for spec in specs[1:]:
+        for child in CHILDREN:
+            manifest = RunDir(point_dir(out, spec) / child).read_manifest()
+            diffs = point_differences(base[child], manifest, child, intervention=False)
+            if diffs:
+                raise DriftlabError(
+                    f"{out}: point {spec} cannot be compared with plain: its {child} run differs in more than the "
+                    f"intervention ({'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}).",
+                    hint="Resume the sweep with the same `driftlab sweep` command: it re-runs stale points "
+                         "(a sweep of an older manifest format needs a new --out).")

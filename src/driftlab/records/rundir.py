@@ -98,6 +98,7 @@ class RunDir:
         ignore: Iterable[str] = (),
         *,
         protocol: str,
+        legacy: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Write the manifest of a new run, or check it against an existing one; return it.
 
@@ -106,6 +107,10 @@ class RunDir:
         one under dotted names (`backend.dtype`), and an ignored name covers what is under
         it (`backend.runtime`). A resumed run keeps its recorded plan: the caller continues
         from the returned manifest, not from current data.
+
+        `legacy` maps a (dotted) setting added after runs existed to the value a recorded config
+        that lacks it meant (an older run asked MMLU at a round, not a paper turn): such a run
+        compares as that value, so a new default never silently changes what a resume means.
         """
         self._require_writer()
         if self.exists():
@@ -122,9 +127,12 @@ class RunDir:
             # A key the old config lacks is an option added by a newer driftlab: the run predates
             # it, and its recorded plan (pairs, starters, personas) decides how it continues.
             before, now = _flat(old["config"]), _flat(config)
+            added = {k: v for k, v in (legacy or {}).items() if k not in before}
+            before.update(added)
             keys = [k for k in dict.fromkeys([*before, *now])
                     if k in before and not any(k == i or k.startswith(i + ".") for i in ignore)]
-            diffs = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in keys if before.get(k) != now.get(k)]
+            diffs = [f"{k}: {before.get(k)!r}{' (recorded before the option existed)' if k in added else ''} -> "
+                     f"{now.get(k)!r}" for k in keys if before.get(k) != now.get(k)]
             if diffs:
                 raise DriftlabError(
                     f"{self.path} holds a run with a different configuration ({'; '.join(diffs)}).",

@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 from driftlab.errors import DriftlabError
 from driftlab.protocol.mmlu import correctness, drop_test
 from driftlab.protocol.runner import config_of
-from driftlab.protocol.sweep import point_dir
+from driftlab.protocol.sweep import check_points, point_dir
 from driftlab.records.rundir import RunDir
 from driftlab.report.figures import save_png
 from driftlab.report.metrics import summarize_run
@@ -46,11 +46,13 @@ def sweep_table(out: str | Path) -> pd.DataFrame:
     MMLU drop by the exact McNemar test over questions (`mmlu_*`); each family (the sweep's
     points) is Holm-corrected (`*_p_holm`). `warning` says where n does not support a
     difference. Intervals follow `driftlab.stats.mean_interval`'s rule (t below 30 values).
+    A sweep whose points differ in anything but the intervention is refused (`check_points`).
     """
     out = Path(out)
     manifest = RunDir(out).read_manifest()
     if manifest.get("protocol") != "sweep" or manifest.get("completed") is not True:
         raise DriftlabError(f"{out} is not a finished sweep.", hint="Run (or resume) the same `driftlab sweep` command.")
+    check_points(out)  # points that differ in more than the intervention are never combined
     grid = config_of(manifest).get("grid", {})
     rows: list[dict] = []
     gains: list[PairedTest | None] = []
