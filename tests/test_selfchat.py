@@ -111,7 +111,7 @@ def _keys(records):
 
 def _scripted_run(path, model=None, **overrides) -> list:
     cfg = SelfChatConfig(**{"pairs": 2, "rounds": 3, "user_probe": True, "probe_repeats": 2, "seed": 3,
-                            "ablation": True, **overrides})
+                            "ablation": True, "probe_after": "user", **overrides})
     run_protocol(SelfChat(cfg, model or ScriptedBackend()), path, progress=False)
     return RunDir(path).records(RECORDS)
 
@@ -173,7 +173,24 @@ def test_probe_after_agent_sees_the_exchange_of_its_round_as_the_reference_code_
     default = _scripted_run(tmp_path / "user")
     turns = lambda rs: sorted(r.model_dump_json() for r in rs if r.kind == "turn")  # noqa: E731
     assert turns(records) == turns(default)  # the dialogs do not depend on where the probes go
-    assert SelfChatConfig().probe_after == "user"  # the default is unchanged: the probe replaces a_i
+    # The default is the reference code's placement, which produced the paper's figures.
+    assert SelfChatConfig().probe_after == "agent"
+
+
+def test_a_run_recorded_before_probe_after_is_not_resumed_with_a_new_meaning(tmp_path):
+    """Before the option, every probe replaced a_i: resuming such a run under today's default
+    (after b_i) is refused in one line naming the setting; with probe_after "user" it resumes."""
+    old = SelfChatConfig(pairs=1, probe_after="user").model_dump(mode="json")
+    del old["probe_after"]  # as driftlab wrote it before the option
+    rd = RunDir(tmp_path / "run")
+    with rd.writing():
+        rd.start(old, {}, protocol="selfchat")
+        with pytest.raises(DriftlabError, match=r"probe_after: 'user' \(recorded before the option existed\) "
+                                                r"-> 'agent'"):
+            rd.start(SelfChatConfig(pairs=1).model_dump(mode="json"), {}, protocol="selfchat",
+                     legacy=SelfChatConfig.LEGACY)
+        resumed = SelfChatConfig(pairs=1, probe_after="user").model_dump(mode="json")
+        assert rd.start(resumed, {}, protocol="selfchat", legacy=SelfChatConfig.LEGACY)["config"] == old
 
 
 def test_probe_after_agent_resumes_exactly(tmp_path):

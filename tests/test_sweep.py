@@ -138,7 +138,7 @@ def test_tiny_sweep_end_to_end_and_resume(tiny, tmp_path):
 
 @pytest.mark.parametrize("argv, field, value", [
     (["run", "--probe-after", "agent"], "probe_after", "agent"),
-    (["run"], "probe_after", "user"),
+    (["run"], "probe_after", "agent"),
     (["sweep", "--personas", "reference", "--pairs", "3", "--probe-after", "agent"], "personas", "reference"),
 ])
 def test_cli_records_probe_after_and_the_persona_set_in_the_config(monkeypatch, tmp_path, argv, field, value):
@@ -298,4 +298,4 @@ def test_sweep_config_records_the_turn_counting_and_refuses_a_dialog_too_short()
     with pytest.raises(ValueError, match="follows 2 rounds of the point's dialog, which has 1"):
         SweepConfig(rounds=1)
     assert SweepConfig(rounds=1, mmlu_turn=2).mmlu(None).round == 2
-    assert SweepConfig.LEGACY == {"mmlu_turn_counting": "round", "mmlu_history": "selfchat"}
+    assert SweepConfig.LEGACY == {"mmlu_turn_counting": "round", "mmlu_history": "selfchat", "probe_after": "user"}

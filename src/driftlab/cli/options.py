@@ -52,8 +52,9 @@ TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1]."
 GreedyOpt = Annotated[bool, typer.Option(help="Greedy decoding (deterministic).")]
 SeedOpt = Annotated[int, typer.Option(help="Seed, 0 to 2^63-1.")]
 ProbeAfterOpt = Annotated[str, typer.Option(
-    help="Where the probe of round i goes: 'user' (replaces the user's turn a_i, the paper's text; round 1 sees no "
-         "exchange) or 'agent' (after the agent's reply b_i, as the reference code likenneth/persona_drift does).")]
+    help="Where the probe of round i goes: 'agent' (after the agent's reply b_i, as the reference code "
+         "likenneth/persona_drift that produced the paper's figures does) or 'user' (replaces the user's turn a_i, "
+         "the paper's text; round 1 sees no exchange).")]
 # MMLU cost (mmlu, calibrate, sweep)
 TurnOpt = Annotated[int, typer.Option(
     help="Ask at this turn of the agent's dialog (paper: 4), counted as --turn-counting says; 0 = plain MMLU.")]

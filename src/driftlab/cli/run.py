@@ -47,7 +47,7 @@ def run(
     rounds: Annotated[int, typer.Option(help="Dialog rounds (paper: 8 rounds, i.e. 16 turns).")] = 8,
     probe_every: Annotated[int, typer.Option(help="Probe rounds i with i % k == 0.")] = 1,
     probe_repeats: Annotated[int, typer.Option(help="Probe replies per probed round.")] = 1,
-    probe_after: ProbeAfterOpt = "user",
+    probe_after: ProbeAfterOpt = "agent",
     user_probe: Annotated[bool, typer.Option(help="Also probe with the user's persona (adoption).")] = False,
     user_probe_version: Annotated[str, typer.Option(
         help="p_A for --user-probe: '000' (the user persona's own probe) or '001' (seed 001's crafted or generic "

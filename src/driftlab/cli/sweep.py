@@ -30,7 +30,7 @@ def sweep(
     personas: Annotated[str, typer.Option(
         help="The 5 sweep personas: 'table2' (the first of each category in driftlab's data) or 'reference' "
              "(index 0 of each category, as the reference code likenneth/persona_drift does).")] = "table2",
-    probe_after: ProbeAfterOpt = "user",
+    probe_after: ProbeAfterOpt = "agent",
     rounds: Annotated[int, typer.Option(help="Dialog rounds per self-chat (paper: 8 rounds, i.e. 16 turns).")] = 8,
     max_new_tokens: MaxNewTokensOpt = 400,
     starters: Annotated[str, typer.Option(

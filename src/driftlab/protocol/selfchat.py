@@ -6,10 +6,12 @@ the agent is probed, the reply b'_i is scored by f_B (instruction stability), an
 optionally by p_A / f_A (does the agent adopt the user's persona?). Probe replies never
 enter the dialog. Where the probe goes is `probe_after`:
 
-    "user"   (default; the paper's text) the probe replaces a_i: it sees
-             [s_B, a_1, b_1, ..., a_{i-1}, b_{i-1}, p_B], so round 1's probe sees no exchange;
-    "agent"  (the reference code, likenneth/persona_drift) the probe follows b_i: it sees
-             [s_B, a_1, b_1, ..., a_i, b_i, p_B], so round 1's probe already sees one exchange.
+    "agent"  (default: the reference code likenneth/persona_drift, which produced the paper's
+             figures) the probe follows b_i: it sees [s_B, a_1, b_1, ..., a_i, b_i, p_B], so
+             round 1's probe already sees one exchange;
+    "user"   (the paper's text; driftlab's only behaviour before the option) the probe
+             replaces a_i: it sees [s_B, a_1, b_1, ..., a_{i-1}, b_{i-1}, p_B], so round 1's
+             probe sees no exchange.
 
 Every generation has its own seed, derived from (run seed, pair, condition, round, what,
 repeat), so results do not depend on how work is batched, and a resumed run continues
@@ -61,8 +63,9 @@ class SelfChatConfig(ProtocolConfig):
     probe_every: int = Field(1, ge=1, description="probe rounds i with i % probe_every == 0")
     probe_repeats: int = Field(1, ge=1, le=1000)
     probe_after: Literal["user", "agent"] = Field(
-        "user", description="'user': the probe replaces a_i (the paper's text); 'agent': it follows b_i (the "
-                            "reference code, whose first probe already sees one exchange)")
+        "agent", description="'agent' (default): the probe follows b_i, as in the reference code that produced "
+                             "the paper's figures (its first probe already sees one exchange); 'user': it replaces "
+                             "a_i, as the paper's text describes")
     user_probe: bool = False
     user_probe_version: ProbeVersion = Field(
         "000", description="p_A: the user persona's own probe (seed 000) or seed 001's crafted/generic probes")
@@ -76,6 +79,8 @@ class SelfChatConfig(ProtocolConfig):
     batch_size: int = Field(32, ge=1, le=4096, description="most conversations per generate call")
 
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size", "persona_file")
+    # What a run recorded before the option existed meant: the probe replaced a_i.
+    LEGACY: ClassVar[dict[str, Any]] = {"probe_after": "user"}
 
     @field_validator("categories")
     @classmethod

@@ -115,7 +115,7 @@ class SweepConfig(ProtocolConfig):
                                                         "(without explicit pair_ids): 'table2' or 'reference'")
     pair_ids: list[tuple[str, str]] = Field(default_factory=paper_pairs)
     rounds: int = Field(8, ge=1, le=1000)
-    probe_after: Literal["user", "agent"] = Field("user", description="where the self-chats probe (SelfChatConfig)")
+    probe_after: Literal["user", "agent"] = Field("agent", description="where the self-chats probe (SelfChatConfig)")
     starters: StarterSetName = "reference"
     sampling: Sampling = Sampling(max_new_tokens=PAPER_TOKENS)
     seed: int = Field(0, ge=0)
@@ -132,7 +132,8 @@ class SweepConfig(ProtocolConfig):
 
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size")
     # Sweeps recorded before these options: MMLU at a round, after a separate self-chat.
-    LEGACY: ClassVar[dict[str, Any]] = {"mmlu_turn_counting": "round", "mmlu_history": "selfchat"}
+    LEGACY: ClassVar[dict[str, Any]] = {"mmlu_turn_counting": "round", "mmlu_history": "selfchat",
+                                        "probe_after": "user"}
 
     @field_validator("mmlu_turn")
     @classmethod
