@@ -186,6 +186,7 @@ CASES = [
     Case("serve-key-file-missing", ("serve", "--api-key-file", "{ws}/no-key.txt"), ("--api-key-file", "cannot read it")),
     Case("serve-key-env-and-file", ("serve", "--api-key-env", "HOME", "--api-key-file", "{ws}/k.txt"),
          ("--api-key-env and --api-key-file both given",)),
+    Case("mmlu-effect-nan", ("mmlu", "--effect", "nan", "--out", "{ws}/m"), ("Invalid --effect nan", "(0, 1]")),
     Case("serve-max-queue-zero", ("serve", "--max-queue", "0"), ("Invalid --max-queue 0",)),
     Case("serve-max-batch-zero", ("serve", "--max-batch", "0"), ("Invalid --max-batch 0",)),
     Case("serve-request-timeout-zero", ("serve", "--request-timeout", "0"), ("Invalid --request-timeout",)),

@@ -34,7 +34,7 @@ def _model_name(v: str) -> str:
         try:
             parse_hub_id(v)
         except DriftlabError as err:
-            raise ValueError(err.message) from None
+            raise ValueError(err.message.rstrip(".")) from None  # the CLI's error line adds its own
     return v
 
 

@@ -33,8 +33,8 @@ def mmlu(
     data: MMLUDataOpt = None,
     batch_size: Annotated[int, typer.Option(help="Questions scored per forward pass.")] = 8,
     effect: Annotated[float, typer.Option(
-        help="Say how many questions a drop of this size would need (exact McNemar, alpha 0.05, power 0.8).",
-        min=0.001, max=1.0)] = 0.05,
+        help="Say how many questions a drop of this size would need (exact McNemar, alpha 0.05, power 0.8), "
+             "in (0, 1].")] = 0.05,
 ) -> None:
     """MMLU accuracy with and without --steer, the question asked at a turn of the agent's dialog.
 
@@ -46,9 +46,13 @@ def mmlu(
     from rich.console import Console
     from rich.table import Table
 
+    from driftlab.errors import DriftlabError
     from driftlab.protocol.mmlu import MMLU, MMLUConfig, correctness, questions_needed, summarize
     from driftlab.protocol.runner import run_protocol
 
+    if not 0 < effect <= 1:  # also nan
+        raise DriftlabError(f"Invalid --effect {effect}: give an accuracy drop in (0, 1], e.g. 0.05.",
+                            hint="The command's --help lists every option with its valid values.")
     config = build(MMLUConfig, backend=backend, steer=steer or [], n=n, turn=turn, turn_counting=turn_counting,
                    history_tokens=history_tokens, seed=seed, data=str(data) if data else None, batch_size=batch_size)
     rundir = run_protocol(MMLU(config), out)
