@@ -265,18 +265,18 @@ def create_app(model: ChatBackend, settings: ServeSettings = ServeSettings()):
             value = getattr(req, name)
             if value is not None and value > limit:
                 raise APIError(422, f"{name}: {value} is above this server's limit of {limit}.", param=name)
-        for i, message in enumerate(req.messages):
-            try:
-                message.as_message()["content"].encode("utf-8")
-            except UnicodeEncodeError as err:
-                raise APIError(400, f"messages.{i}.content holds a lone UTF-16 surrogate at character {err.start}; "
-                               "send valid Unicode text.", param=f"messages.{i}.content") from None
         return req
 
     async def _job(req: ChatCompletionRequest) -> Job:
         """The request as a batch job, with every check that concerns it alone done here, before
         it can share a batch: a bad request fails by itself."""
         conversation = [m.as_message() for m in req.messages]
+        for i, message in enumerate(conversation):
+            try:
+                message["content"].encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise APIError(400, f"messages.{i}.content holds a lone UTF-16 surrogate at character {err.start}; "
+                               "send valid Unicode text.", param=f"messages.{i}.content") from None
         try:
             validate_conversation(conversation)
         except DriftlabError as err:
