@@ -8,12 +8,22 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Table:
+    """A further table of a result, printed after the main one."""
+
+    title: str
+    columns: list[str]
+    rows: list[list] = field(default_factory=list)
+
+
+@dataclass
 class Result:
     title: str
     columns: list[str]
     rows: list[list] = field(default_factory=list)
     results: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)  # optional extra tables, after the main one
 
 
 def best_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:

@@ -42,12 +42,13 @@ def main() -> int:
         f"torch {torch.__version__}, cuda={torch.cuda.is_available()}[/]"
     )
     result = module.run(quick=args.quick)
-    table = Table(title=result.title)
-    for col in result.columns:
-        table.add_column(col)
-    for row in result.rows:
-        table.add_row(*[str(x) for x in row])
-    console.print(table)
+    for part in [result, *getattr(result, "tables", [])]:
+        table = Table(title=part.title)
+        for col in part.columns:
+            table.add_column(col)
+        for row in part.rows:
+            table.add_row(*[str(x) for x in row])
+        console.print(table)
     for note in result.notes:
         console.print(f"[dim]{note}[/]")
     for key, value in result.results.items():
