@@ -261,7 +261,7 @@ def _flash_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bo
             and key.dtype == query.dtype and query.shape[-1] == value.shape[-1])
 
 
-def _split_softmax(out, o_sys, pi, rest, k: float, heads) -> torch.Tensor:
+def _split_softmax(out, o_sys, pi, rest, k: float | torch.Tensor, heads) -> torch.Tensor:
     """Reweight attention so the system keys get pi^k of the mass, exactly, in O(T) memory.
 
     O = pi O_sys + (1 - pi) O_rest, so pi^k O_sys + (1 - pi^k) O_rest
@@ -270,10 +270,10 @@ def _split_softmax(out, o_sys, pi, rest, k: float, heads) -> torch.Tensor:
     pk = pi.pow(k)
     # w = (1 - (1 - r)^k) / r with r = 1 - pi measured directly; where no rest key is
     # visible (queries inside the system span) r = 0 and the rest term vanishes anyway.
-    if k == 0.0:
-        w = torch.zeros_like(rest)  # (1 - 1) / r; the formula below would give 0 * log(0) = NaN at r = 1
-    else:
-        w = torch.where(rest > 0, -torch.expm1(k * torch.log1p(-rest)) / rest.clamp_min(1e-30), torch.zeros_like(rest))
+    # k = 0 gives (1 - 1) / r = 0, where the formula would give 0 * log(0) = NaN at r = 1: masked,
+    # not branched on, since k is a 0-d tensor in a static decode step (state.static_layout).
+    w = torch.where((rest > 0) & (k != 0), -torch.expm1(k * torch.log1p(-rest)) / rest.clamp_min(1e-30),
+                    torch.zeros_like(rest))
     o32, s32 = out.float(), o_sys.float()
     new = pk * s32 + w * (o32 - pi * s32)
     new = torch.where(pi > 0, new, o32)  # no system key visible: unchanged (o_sys is garbage there)

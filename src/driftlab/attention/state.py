@@ -82,6 +82,13 @@ class AttentionState:
         self.bias_keys: torch.Tensor | None = None  # [J, B, slots] additive logits per term
         self.kv_len = 0
         self.records: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+        # Static layout (a static KV cache, see `static_layout`): every call covers all key slots,
+        # and pi goes to `trace_buf` [L, B, H, calls] at the index held in `step`.
+        self.static = False
+        self.trace_buf: torch.Tensor | None = None
+        self.step: torch.Tensor | None = None
+        self.prefilling = True  # the current forward pass is the call's first (the prefill)
+        self._calls = 0
         self.mask_memo: dict = {}  # the engine's per-mask facts, for the layers sharing a mask
         # Copies of the state on other devices: a model spread by a device map runs each layer
         # where its weights are, and the state must meet it there (one copy per device and call).
@@ -136,8 +143,50 @@ class AttentionState:
         self.records = [[] for _ in range(self.n_layers)]
         self._copies = {}
 
+    def static_layout(self, n_calls: int, arena: dict[str, torch.Tensor] | None = None) -> None:
+        """Switch to a static KV cache's layout (after `on_layout`, whose `max_len` is the cache length).
+
+        Why: a compiled or CUDA-graph-captured decode step is specialised on every Python value
+        it reads (dynamo guards on them: a changing int or list means a recompile per step), and
+        a captured graph reads tensors at fixed addresses. So here nothing the engine reads
+        changes between steps: each call covers all key slots (`kv_len` is the cache length,
+        lo = 0, hi = K; unfilled slots are hidden by the causal mask), the split-softmax strength
+        is a tensor, and pi is written in place into a preallocated buffer at the step index
+        held in a tensor (a list append would change per step, and a graph's outputs are
+        overwritten by its next replay). `arena` holds the tensors of earlier calls of the same
+        shapes: the values are copied into them, so a captured graph sees this call's state.
+        `n_calls` bounds the forward passes of the call (prefill + decode steps).
+        """
+        self.static = True
+        arena = {} if arena is None else arena
+
+        def put(name: str, value: torch.Tensor) -> torch.Tensor:
+            held = arena.get(name)
+            if held is None or held.shape != value.shape or held.dtype != value.dtype or held.device != value.device:
+                held = arena[name] = value.clone()
+                torch._dynamo.mark_static_address(held)
+            else:
+                held.copy_(value)
+            return held
+
+        for name in ("system_keys", "bias_keys", "split_mask", "bias_mask"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, put(name, value))
+        if self.split_mask is not None:
+            self.split_k = put("split_k", torch.tensor(float(self.split_k), device=self.device))
+        self.step = put("step", torch.zeros(1, dtype=torch.long, device=self.device))
+        if self.trace:
+            B = self.system_keys.shape[0]
+            self.trace_buf = put("trace", torch.zeros(self.n_layers, B, self.n_heads, n_calls, device=self.device))
+
     def forward_kwargs(self, kv_len: int) -> dict:
+        """Called by the decode loop before each forward pass: `kv_len` is the number of key slots."""
         self.kv_len = kv_len
+        self.prefilling = self._calls == 0
+        if self.step is not None:
+            self.step.fill_(self._calls)  # outside any compiled region: the graph reads it
+        self._calls += 1
         return {"driftlab": self}
 
     # -- queried by the attention function ---------------------------------------------------
@@ -154,6 +203,8 @@ class AttentionState:
         may hold system keys (any row's), or None when none of them is among these keys."""
         if self.system_slots is None:
             return None
+        if self.static:  # the same slice every step (the mask hides non-system keys)
+            return (0, hi - lo)
         a, b = max(self.system_slots[0], lo), min(self.system_slots[1], hi)
         return (a - lo, b - lo) if a < b else None
 
@@ -171,6 +222,11 @@ class AttentionState:
 
     def record(self, layer: int, pi: torch.Tensor) -> None:
         """Keep pi [B, H, q]: all queries on the prefill if asked, else only the last."""
+        if self.trace_buf is not None:  # static layout: in place, at the step index (see static_layout)
+            self.trace_buf[layer].index_copy_(-1, self.step, pi[..., -1:].float())
+            if self.prefilling and self.config.trace_prefill:
+                self.records[layer].append(pi.float())
+            return
         keep = pi if (self.config.trace_prefill and not self.records[layer]) else pi[..., -1:]
         self.records[layer].append(keep.float())
 
@@ -178,12 +234,15 @@ class AttentionState:
     def row_traces(self, n_steps: Sequence[int], pads: Sequence[int]) -> list[dict[str, torch.Tensor]]:
         """Per row: `decode` [n_tokens, L, H] (pi when predicting each generated token) and,
         with trace_prefill, `prefill` [prompt_tokens, L, H] (pi at each prompt query)."""
-        if not self.trace or not self.records[0]:
+        if not self.trace or (not self.records[0] and (self.trace_buf is None or not self._calls)):
             return [{} for _ in n_steps]
-        # Layers of a device-mapped model record where they ran: gather them on the state's device.
-        per_layer_last = [torch.cat([r[..., -1:] for r in recs], dim=-1).to(self.device)
-                          for recs in self.records]  # [B,H,F]
-        stacked = torch.stack(per_layer_last, dim=0)  # [L, B, H, F]
+        if self.trace_buf is not None:
+            stacked = self.trace_buf[..., : self._calls]  # [L, B, H, F]
+        else:
+            # Layers of a device-mapped model record where they ran: gather them on the state's device.
+            per_layer_last = [torch.cat([r[..., -1:] for r in recs], dim=-1).to(self.device)
+                              for recs in self.records]  # [B,H,F]
+            stacked = torch.stack(per_layer_last, dim=0)  # [L, B, H, F]
         out = []
         for b, n in enumerate(n_steps):
             row = {"decode": stacked[:, b, :, :n].permute(2, 0, 1).cpu()}

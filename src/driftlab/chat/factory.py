@@ -29,6 +29,9 @@ def make_backend(
             flag = "--device-map" if spec.device_map else "--quantize"
             raise DriftlabError(f"{flag} places a local model's weights; a remote openai: model is the server's.",
                                 hint=f"Drop {flag}, or give the server's own options.")
+        if spec.decode != "auto":
+            raise DriftlabError("--decode picks a local model's decode loop; a remote openai: model decodes on its server.",
+                                hint="Drop --decode.")
         if spec.runtime.ray:
             raise DriftlabError("--ray shards local models; a remote openai: model needs no Ray.",
                                 hint="Drop --ray, and raise --concurrency instead.")

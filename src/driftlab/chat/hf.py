@@ -32,6 +32,7 @@ from driftlab.chat.base import (
 from driftlab.chat.loading import input_device, load_model
 from driftlab.chat.prefix_cache import PrefixCache
 from driftlab.chat.spec import BackendSpec
+from driftlab.chat.static_decode import DECODE_MODES, DecodeMode, StaticDecoder, cache_length, static_refusal
 from driftlab.chat.templates import Renderer
 from driftlab.errors import DriftlabError
 from driftlab.steering.emphasis import strip_emphasis
@@ -55,7 +56,14 @@ class HFChatBackend:
         attn_implementation: str | None = None,
         device_map: str | None = None,
         quantize: str | None = None,
+        decode: DecodeMode = "auto",
     ) -> None:
+        """`decode` picks the decode loop (see driftlab.chat.static_decode): `dynamic` (a
+        dynamic KV cache), `static` (a static cache, eager steps), `compiled` (a static cache
+        and torch.compile'd steps: CUDA graphs on a GPU) or `auto` (`dynamic` for now, on every
+        device). Where a static cache cannot serve the model, decoding stays dynamic, said once."""
+        if decode not in DECODE_MODES:
+            raise DriftlabError(f"Unknown decode mode {decode!r}.", hint=f"Use one of {', '.join(DECODE_MODES)}.")
         if attn_implementation is None:
             from driftlab.attention import ATTENTION_NAME, register
 
@@ -80,12 +88,22 @@ class HFChatBackend:
         self.shape = _shape(self.model.config)
         self.pad_id = self._pad_id()
         self.prefix_cache = PrefixCache(prefix_cache_bytes if self._cacheable() else 0)
+        self.decode_mode = decode
+        self._static: StaticDecoder | None = None
+        if decode in ("static", "compiled"):
+            why = static_refusal(self.model, device_map=device_map, quantize=quantize)
+            if why is None:
+                self._static = StaticDecoder(self.model, compiled=decode == "compiled")
+            else:
+                self._fallback(f"--decode {decode} is not available for {model}: {why}; "
+                               "it decodes with the dynamic cache instead.")
 
     @classmethod
     def from_spec(cls, spec: BackendSpec, *, prefix_cache_bytes: int = 2 << 30) -> HFChatBackend:
         """The local model a `BackendSpec` names (its runtime is the caller's business)."""
         return cls(spec.model, dtype=spec.dtype, device=spec.device, span_mode=spec.span,
-                   prefix_cache_bytes=prefix_cache_bytes, device_map=spec.device_map, quantize=spec.quantize)
+                   prefix_cache_bytes=prefix_cache_bytes, device_map=spec.device_map, quantize=spec.quantize,
+                   decode=spec.decode)
 
     # -- public API -------------------------------------------------------------------------
     def generate(self, request: ChatRequest) -> list[Reply]:
@@ -307,7 +325,15 @@ class HFChatBackend:
         self._check_context(T, sampling.max_new_tokens)
         pads = [T - len(p) for p in prompts]
         attention = [iv.attention() for iv in interventions]
-        state = self._state(attention, spans, pads, T, T + sampling.max_new_tokens)
+        # A static cache has `length` slots from the start: the state's key layout spans all of them.
+        static = self._static
+        length = cache_length(T + sampling.max_new_tokens, self.shape.max_context) if static is not None \
+            else T + sampling.max_new_tokens
+        cache = static.new_cache(B, length) if static is not None else None  # before its arena is used
+        state = self._state(attention, spans, pads, T, length)
+        if static is not None and state is not None:
+            # The trace buffer's length is bucketed too: a shape that changed per call would recompile.
+            state.static_layout(cache_length(sampling.max_new_tokens), static.arena)
         tags = [f"{iv.fingerprint()}|{sorted(sp.items())}" if iv.fingerprint() else ""
                 for iv, sp in zip(interventions, spans, strict=True)]
         # Under a prompt-scoped bias a generated token's KV differs from the same token's KV
@@ -320,7 +346,7 @@ class HFChatBackend:
         else:
             hits = [self.prefix_cache.lookup(p, tag) for p, tag in zip(prompts, tags, strict=True)]
         S = min(pads[b] + min(hits[b][0], len(prompts[b]) - 1) for b in range(B))
-        cache = self._cache_from_hits(hits, pads, S)
+        cache = self._cache_from_hits(hits, pads, S, cache)
 
         ids = torch.full((B, T), self.pad_id, dtype=torch.long)
         mask = torch.zeros((B, T), dtype=torch.long)
@@ -329,6 +355,10 @@ class HFChatBackend:
             mask[b, pads[b] :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        if static is not None:
+            # One mask for every step: the slots after the prompt are visible once filled (and
+            # hidden by causality until then), as the dynamic loop's growing mask of ones says.
+            mask = torch.cat([mask, torch.ones((B, length - T), dtype=mask.dtype, device=self.device)], dim=1)
 
         gens = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
         warpers = _warpers(sampling)
@@ -394,9 +424,12 @@ class HFChatBackend:
                         early(b, reply(b))
             if bool(finished.all()) or step == sampling.max_new_tokens - 1:
                 break
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=self.device)], dim=1)
             positions = positions[:, -1:] + 1
-            logits = self._forward(nxt[:, None], mask, positions, cache, state)
+            if static is not None:
+                logits = self._static_step(nxt[:, None], mask, positions, cache, state)
+            else:
+                mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=self.device)], dim=1)
+                logits = self._forward(nxt[:, None], mask, positions, cache, state)
             n_fed += 1
 
         self._store_prefixes(prompts, sampled, 0 if prompt_only else n_fed, pads, cache, tags, cache_store)
@@ -423,9 +456,10 @@ class HFChatBackend:
         state.on_layout(pads, prompt_len, max_len, ends)
         return state
 
-    def _forward(self, ids, mask, positions, cache, state: AttentionState | None, keep: int = 1) -> torch.Tensor:
+    def _forward(self, ids, mask, positions, cache, state: AttentionState | None, keep: int = 1,
+                 forward: Callable | None = None) -> torch.Tensor:
         extra = state.forward_kwargs(mask.shape[1]) if state is not None else {}
-        out = self.model(
+        out = (forward or self.model)(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
@@ -435,6 +469,38 @@ class HFChatBackend:
             **extra,
         )
         return out.logits[:, -1, :].float() if keep == 1 else out.logits.float()
+
+    def _static_step(self, ids, mask, positions, cache, state: AttentionState | None) -> torch.Tensor:
+        """One decode step on the static cache, compiled in `compiled` mode.
+
+        A step that cannot be compiled (dynamo or inductor refuses it, before anything runs)
+        runs eagerly, with the same numbers, and so do the later ones, said once. The logits
+        are copied: a CUDA graph's next replay overwrites its outputs."""
+        static = self._static
+        if not static.compiled:
+            return self._forward(ids, mask, positions, cache, state, forward=static.step())
+        from torch._dynamo.exc import TorchDynamoException
+
+        calls = state._calls if state is not None else 0
+        try:
+            return self._forward(ids, mask, positions, cache, state, forward=static.step()).clone()
+        except TorchDynamoException as err:
+            if state is not None:
+                state._calls = calls  # the failed pass did not run
+            static.compiled = False
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            self._fallback(f"--decode compiled: a decode step of {self.name} cannot be compiled "
+                           f"({type(err).__name__}: {first}); it and the later ones run eagerly on the static cache.")
+            return self._forward(ids, mask, positions, cache, state, forward=static.step())
+
+    def _fallback(self, message: str) -> None:
+        """Say once per backend that a faster decode path was not taken, and why."""
+        if getattr(self, "_said_fallback", False):
+            return
+        self._said_fallback = True
+        from driftlab.console import err_console
+
+        err_console().print(f"note: {message}", highlight=False, markup=False)
 
     def _hit_stop(self, tokens: list[int]) -> bool:
         tail = self.tokenizer.decode(tokens[-8:], skip_special_tokens=True)
@@ -464,8 +530,10 @@ class HFChatBackend:
 
         return DynamicCache(config=self.model.config)
 
-    def _cache_from_hits(self, hits, pads: list[int], S: int):
-        cache = self._new_cache()
+    def _cache_from_hits(self, hits, pads: list[int], S: int, cache=None):
+        """A cache holding slots [0, S) from the prefix-cache hits: a new dynamic one, or the
+        empty `cache` given (a `StaticCache`, whose `update` writes slots [0, S) in place)."""
+        cache = self._new_cache() if cache is None else cache
         if S <= 0:
             return cache
         ref = next(e for _, e in hits if e is not None)

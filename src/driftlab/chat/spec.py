@@ -42,6 +42,8 @@ def _model_name(v: str) -> str:
 # behind an OpenAI-compatible server (resolution order: driftlab.assets.resolve).
 ModelName = Annotated[str, Field(min_length=1), AfterValidator(_model_name)]
 Quantize = Literal["8bit", "4bit"]
+# How a local model decodes (driftlab.chat.static_decode): auto = dynamic until the GPU benchmark decides.
+DecodeMode = Literal["auto", "dynamic", "static", "compiled"]
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
@@ -103,6 +105,8 @@ class BackendSpec(BaseModel):
     device_map: Annotated[str | None, AfterValidator(_device_map)] = Field(
         None, description="spread the model over devices (accelerate): auto, balanced, sequential or JSON")
     quantize: Quantize | None = Field(None, description="load the weights in 8 or 4 bits (bitsandbytes, CUDA)")
+    decode: DecodeMode = Field(
+        "auto", description="decode loop: dynamic cache, static cache, or static cache + torch.compile (CUDA graphs)")
     runtime: Runtime = Runtime()
 
     @property

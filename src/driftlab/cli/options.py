@@ -38,6 +38,10 @@ DeviceMapOpt = Annotated[str | None, typer.Option(
          'JSON object {module: device}, e.g. \'{"model.layers.0": 0, "": "cpu"}\'. Overrides --device.')]
 QuantizeOpt = Annotated[str | None, typer.Option(
     help="Load the weights in 8bit or 4bit (bitsandbytes; needs a CUDA GPU and `pip install bitsandbytes`).")]
+DecodeOpt = Annotated[str, typer.Option(
+    help="Decode loop of a local model: 'dynamic' (a dynamic KV cache), 'static' (a static cache), 'compiled' "
+         "(a static cache and torch.compile: CUDA graphs on a GPU; compiles a few times first) or 'auto' (dynamic, "
+         "for now on every device). Where a static cache cannot serve the model, it stays dynamic (said once).")]
 SpanOpt = Annotated[str, typer.Option(
     help="Which tokens count as the system prompt: 'content' (its text, as the paper's pi) or 'prefix' "
          "(its whole rendered turn from position 0, with the template header and the attention sink).")]
@@ -81,7 +85,7 @@ ActorsOpt = Annotated[int | None, typer.Option(help="Ray actors (default: one pe
 
 # name -> (annotation, default) of each option that chooses a backend, by group
 _LOCAL = {"model": (ModelOpt, DEFAULT_MODEL), "dtype": (DtypeOpt, "auto"), "device": (DeviceOpt, "auto"),
-          "device_map": (DeviceMapOpt, None), "quantize": (QuantizeOpt, None)}
+          "device_map": (DeviceMapOpt, None), "quantize": (QuantizeOpt, None), "decode": (DecodeOpt, "auto")}
 _SPAN = {"span": (SpanOpt, "content")}
 _REMOTE = {"base_url": (BaseUrlOpt, None), "api_key_env": (ApiKeyEnvOpt, "OPENAI_API_KEY"),
            "concurrency": (ConcurrencyOpt, 8), "timeout": (TimeoutOpt, 300.0), "max_retries": (MaxRetriesOpt, 5)}
@@ -91,7 +95,7 @@ _RAY = {"ray": (RayOpt, None), "actors": (ActorsOpt, None)}
 def backend_options(*, span: bool = True, remote: bool = False, ray: bool = False) -> Callable[[F], F]:
     """Give a command the options that choose its backend, as one validated `backend: BackendSpec`.
 
-    --model, --dtype, --device, --device-map and --quantize always; --span (which tokens are the
+    --model, --dtype, --device, --device-map, --quantize and --decode always; --span (which tokens are the
     system prompt) unless `span=False`; --base-url, --api-key-env, --concurrency, --timeout and
     --max-retries for commands that may run on an OpenAI-compatible server (`remote`); --ray
     and --actors for those that can shard a local model over Ray (`ray`). The command declares
@@ -123,14 +127,14 @@ def backend_options(*, span: bool = True, remote: bool = False, ray: bool = Fals
 def backend_spec(model: str, dtype: str, device: str, span: str = "content", base_url: str | None = None,
                  api_key_env: str = "OPENAI_API_KEY", concurrency: int = 8, timeout: float = 300.0,
                  max_retries: int = 5, ray: str | None = None, actors: int | None = None,
-                 device_map: str | None = None, quantize: str | None = None) -> Any:
+                 device_map: str | None = None, quantize: str | None = None, decode: str = "auto") -> Any:
     """The validated `BackendSpec` of the backend options, with a one-line error naming a bad flag."""
     from driftlab.chat.spec import BackendSpec, Runtime
 
     runtime = build(Runtime, base_url=base_url, api_key_env=api_key_env, concurrency=concurrency, timeout=timeout,
                     max_retries=max_retries, ray=ray, actors=actors)
     return build(BackendSpec, model=model, dtype=dtype, device=device, span=span, runtime=runtime,
-                 device_map=device_map, quantize=quantize)
+                 device_map=device_map, quantize=quantize, decode=decode)
 
 
 def build(schema: type[M], flags: dict[str, str] | None = None, /, **values: Any) -> M:

@@ -49,7 +49,8 @@ class ProtocolConfig(BaseModel):
     backend: BackendSpec = BackendSpec()
 
     # Settings that may change between a run and its resume: they do not change results.
-    RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("backend.device", "backend.device_map", "backend.runtime")
+    RESUME_IGNORES: ClassVar[tuple[str, ...]] = ("backend.device", "backend.device_map", "backend.decode",
+                                                 "backend.runtime")
     # Settings added after runs were recorded without them -> what such a run meant (dotted names);
     # a resume compares them as recorded, so a changed default cannot change an old run's meaning.
     LEGACY: ClassVar[dict[str, Any]] = {}

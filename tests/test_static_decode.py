@@ -1,0 +1,243 @@
+"""Static-cache decoding (`HFChatBackend(decode="static" | "compiled")`) against the dynamic loop.
+
+Why: the static path exists to be captured in CUDA graphs on a GPU, which CI cannot run; what
+a CPU can check is everything the capture depends on. The same greedy tokens as the dynamic
+loop (and the same pi traces, within 1e-5) for every intervention the engine composes, with
+batching and left padding, per-row limits and cancellation, and a prefix-cache hit; the
+compiled step traced by dynamo as one graph (fullgraph) that is not recompiled from step to
+step; and a model a static cache cannot serve falling back to the dynamic loop, said once.
+
+Compile cost: dynamo with the `aot_eager` backend (functionalised graph, no code generation,
+~5 s per intervention layout on a tiny model) checks capture, guards and in-place state for
+every case; one test (`slow`) runs inductor, the backend of the real compiled path, which
+costs 1-3 min on a cold 2-core CPU (seconds once inductor's cache under /tmp is warm).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from driftlab.chat import ChatRequest
+from driftlab.chat.base import Sampling
+from driftlab.chat.hf import HFChatBackend
+from driftlab.steering.interventions import Interventions
+from tiny_models import make_tiny_model
+
+CONVS = [
+    [{"role": "system", "content": "You are a pirate. Always talk like a pirate, and never admit it."},
+     {"role": "user", "content": "Hello, how are you today? Tell me about your ship."}],
+    [{"role": "system", "content": "Answer in French."},
+     {"role": "user", "content": "Capital of Spain?"}],  # shorter: left padding in a batch
+]
+GREEDY = Sampling(greedy=True, max_new_tokens=10)
+# The intervention layouts the engine composes; each compiles its own graph.
+CASES = {
+    "plain": [],
+    "instaboost": ["instaboost:m=5"],
+    "bias": ["bias:value=2.0"],
+    "split": ["split-softmax:k=0.5"],
+    "trace": ["trace:prefill=true"],
+    "split+trace+bias": ["split-softmax:k=0.5", "trace", "bias:value=2.0"],
+}
+
+
+def _iv(specs: list[str]) -> Interventions:
+    return Interventions.parse(specs) if specs else Interventions()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("qwen2", tmp_path_factory.mktemp("static") / "qwen2")
+
+
+@pytest.fixture(scope="module")
+def backends(tiny_dir: Path) -> dict[str, HFChatBackend]:
+    """The dynamic loop, eager static steps, and compiled static steps (aot_eager) of one tiny model."""
+    def make(decode: str) -> HFChatBackend:
+        return HFChatBackend(str(tiny_dir), dtype="float32", device="cpu", prefix_cache_bytes=0, decode=decode)
+
+    return {"dynamic": make("dynamic"), "static": make("static"), "compiled": make("compiled")}
+
+
+@pytest.fixture(autouse=True)
+def _cheap_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    import driftlab.chat.static_decode as sd
+
+    monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {"backend": "aot_eager", "fullgraph": True, "dynamic": False})
+
+
+def _run(backend: HFChatBackend, specs: list[str], convs=CONVS, sampling: Sampling = GREEDY, **kw):
+    iv = _iv(specs)
+    return backend.generate_tokens([backend.render(c, interventions=iv) for c in convs], sampling,
+                                   interventions=iv, **kw)
+
+
+def _assert_same(ref, got) -> None:
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    for a, b in zip(ref, got, strict=True):
+        assert (a.trace is None) == (b.trace is None)
+        for part in (a.trace or {}):
+            assert a.trace[part].shape == b.trace[part].shape
+            torch.testing.assert_close(b.trace[part], a.trace[part], atol=1e-5, rtol=0)
+
+
+# -- helpers and refusals (no model) ----------------------------------------------------------------
+def test_cache_length_buckets_lengths_and_respects_the_context_window() -> None:
+    from driftlab.chat.static_decode import cache_length
+
+    assert cache_length(1) == 64 and cache_length(64) == 64 and cache_length(65) == 128
+    assert cache_length(1000) == 1024 and cache_length(1025) == 1152  # 1/8 of the octave
+    # at most 12.5% more slots, or the next multiple of 64 for short calls
+    assert all(n <= cache_length(n) <= max(-(-n // 64) * 64, n * 1.125) for n in range(1, 5000, 37))
+    assert cache_length(1000, limit=1010) == 1010 and cache_length(1000, limit=900) == 1024
+
+
+def test_unknown_decode_mode_is_refused() -> None:
+    from pydantic import ValidationError
+
+    from driftlab.chat.spec import BackendSpec
+    from driftlab.errors import DriftlabError
+
+    with pytest.raises(ValidationError):
+        BackendSpec(decode="fast")
+    with pytest.raises(DriftlabError, match="decode mode"):
+        HFChatBackend("no-such-model", decode="fast")
+
+
+# -- the same tokens as the dynamic loop ------------------------------------------------------------
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("mode", ["static", "compiled"])
+def test_static_decode_gives_the_dynamic_loops_tokens(backends, case: str, mode: str) -> None:
+    specs = CASES[case]
+    ref = _run(backends["dynamic"], specs)
+    if specs and case != "trace":  # the intervention changes this model's greedy tokens: the test can fail
+        assert [r.token_ids for r in ref] != [r.token_ids for r in _run(backends["dynamic"], [])]
+    _assert_same(ref, _run(backends[mode], specs))
+
+
+def test_compiled_step_is_one_graph_not_recompiled_per_step_or_call(backends) -> None:
+    """After the first call of a layout, later calls of that layout and shape compile nothing,
+    whatever their prompts, strengths or step count: the state the step reads is static."""
+    from torch._dynamo.utils import counters
+
+    compiled = backends["compiled"]
+    _run(compiled, ["split-softmax:k=0.5", "trace"], sampling=Sampling(greedy=True, max_new_tokens=6))
+    before = dict(counters["stats"])
+    other = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three rivers."}],
+             [{"role": "system", "content": "You speak only in questions."}, {"role": "user", "content": "Hi."}]]
+    got = _run(compiled, ["split-softmax:k=0.7", "trace"], convs=other, sampling=Sampling(greedy=True, max_new_tokens=9))
+    assert counters["stats"]["unique_graphs"] == before.get("unique_graphs", 0)  # no recompile
+    _assert_same(_run(backends["dynamic"], ["split-softmax:k=0.7", "trace"], convs=other,
+                      sampling=Sampling(greedy=True, max_new_tokens=9)), got)
+
+
+@pytest.mark.parametrize("mode", ["static", "compiled"])
+def test_row_limits_cancellation_and_early_handover(backends, mode: str) -> None:
+    convs = [[{"role": "user", "content": f"Count from {i} to one hundred."}] for i in (1, 5, 9)]
+    sampling = Sampling(max_new_tokens=10, temperature=0, ignore_eos=True)
+
+    def run(backend: HFChatBackend):
+        streamed, finished = [0, 0, 0], []
+
+        def on_token(row: int, token: int) -> None:
+            streamed[row] += 1
+
+        replies = backend.generate(ChatRequest(
+            convs, sampling, row_max_tokens=[3, 10, 10], on_token=on_token,
+            cancelled=lambda row: row == 2 and streamed[2] >= 5,
+            on_finish=lambda row, reply: finished.append((row, streamed[1]))))
+        return replies, finished
+
+    ref, ref_finished = run(backends["dynamic"])
+    got, finished = run(backends[mode])
+    assert [r.n_tokens for r in got] == [3, 10, 5]
+    assert [r.finish_reason for r in got] == ["length", "length", "cancelled"]
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref] and finished == ref_finished
+
+
+@pytest.mark.parametrize("mode", ["static", "compiled"])
+def test_prefix_cache_hit_fills_the_static_cache(tiny_dir: Path, backends, mode: str) -> None:
+    """The second call reuses the first's KV (prompt and fed-back reply) from the prefix cache:
+    `_cache_from_hits` writes it into the static cache's first slots, `_store_prefixes` reads
+    the static cache's slots back; tokens equal the dynamic loop's without any cache."""
+    cached = HFChatBackend(str(tiny_dir), dtype="float32", device="cpu", decode=mode)
+    specs = ["instaboost:m=5"]
+    first = _run(cached, specs)
+    follow = [c + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "Tell me more."}]
+              for c, r in zip(CONVS, first, strict=True)]
+    before = cached.prefix_cache.hits_tokens
+    warm = _run(cached, specs, convs=follow)
+    assert cached.prefix_cache.hits_tokens - before >= sum(len(cached.render(c).ids) for c in CONVS)
+    _assert_same(_run(backends["dynamic"], specs, convs=follow), warm)
+    _assert_same(_run(backends["dynamic"], specs), first)
+
+
+def test_guidance_rows_decode_statically(backends) -> None:
+    """CFG decodes each conversation beside its unconditional twin, as extra batch rows."""
+    request = ChatRequest(CONVS, GREEDY, interventions=_iv(["cfg:alpha=1.5"]))
+    ref = backends["dynamic"].generate(request)
+    assert [r.token_ids for r in backends["static"].generate(request)] == [r.token_ids for r in ref]
+
+
+# -- where a static cache cannot serve the model --------------------------------------------------
+def test_sliding_window_model_falls_back_to_the_dynamic_loop_said_once(tmp_path: Path, capsys) -> None:
+    gemma = make_tiny_model("gemma3", tmp_path / "gemma3", sliding_window=8)
+    capsys.readouterr()
+    backend = HFChatBackend(str(gemma), dtype="float32", device="cpu", prefix_cache_bytes=0, decode="compiled")
+    dynamic = HFChatBackend(str(gemma), dtype="float32", device="cpu", prefix_cache_bytes=0, decode="dynamic")
+    for specs in ([], ["split-softmax:k=0.5"]):
+        assert [r.token_ids for r in _run(backend, specs)] == [r.token_ids for r in _run(dynamic, specs)]
+    err = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
+    assert err.count("--decode compiled is not available") == 1, err
+    assert "sliding_attention" in err and "dynamic cache" in err
+
+
+def test_a_step_that_cannot_compile_runs_eagerly_said_once(tiny_dir: Path, backends, monkeypatch, capsys) -> None:
+    """A dynamo refusal happens before the step runs: that step and the later ones run eagerly
+    on the same static cache, with the same tokens."""
+    import driftlab.chat.static_decode as sd
+    from torch._dynamo.exc import Unsupported
+
+    def refuse(fn, **_):
+        def step(*args, **kwargs):
+            raise Unsupported("no capture here")
+        return step
+
+    monkeypatch.setattr(sd.torch, "compile", refuse)
+    backend = HFChatBackend(str(tiny_dir), dtype="float32", device="cpu", prefix_cache_bytes=0, decode="compiled")
+    capsys.readouterr()
+    for specs in (["trace"], ["trace"]):
+        _assert_same(_run(backends["dynamic"], specs), _run(backend, specs))
+    err = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
+    assert err.count("cannot be compiled") == 1 and "no capture here" in err, err
+
+
+# -- inductor, the compiled path's real backend ----------------------------------------------------
+@pytest.mark.slow
+def test_inductor_compiled_step_gives_the_dynamic_loops_tokens(tiny_dir: Path, backends, monkeypatch) -> None:
+    """Generated code (inductor; on CUDA it would be captured in CUDA graphs), every engine mode
+    at once: split-softmax with a tensor strength, pi written in place into the trace buffer, a
+    key bias; batched with left padding. Compile cost: see the module docstring."""
+    import driftlab.chat.static_decode as sd
+
+    monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {"fullgraph": True, "dynamic": False})
+    backend = HFChatBackend(str(tiny_dir), dtype="float32", device="cpu", prefix_cache_bytes=0, decode="compiled")
+    specs = CASES["split+trace+bias"]
+    _assert_same(_run(backends["dynamic"], specs), _run(backend, specs))
+    assert backend._static.compiled  # nothing fell back to eager steps
+
+
+# -- the real model, eager static steps ----------------------------------------------------------
+@pytest.mark.parametrize("case", ["plain", "split"])
+def test_smollm2_static_decode_gives_the_dynamic_loops_tokens(smol_dir, smol32, case: str) -> None:
+    static = _SMOL.get("static") or _SMOL.setdefault(
+        "static", HFChatBackend(str(smol_dir), dtype="float32", prefix_cache_bytes=0, decode="static"))
+    specs = {"plain": [], "split": ["split-softmax:k=0.6", "trace"]}[case]
+    sampling = Sampling(greedy=True, max_new_tokens=16)
+    _assert_same(_run(smol32, specs, sampling=sampling), _run(static, specs, sampling=sampling))
+
+
+_SMOL: dict[str, HFChatBackend] = {}
