@@ -13,19 +13,30 @@ kernel): pi = exp(LSE_sys - LSE_all), with LSE_sys from the same second, system-
 that split-softmax needs anyway. Elsewhere pi comes from extra V channels that are 1 on
 system keys (one SDPA call gives O and pi). Either way nothing materialises the T x T
 attention weights; a bias mask is built per query chunk.
+
+Kernels (`DRIFTLAB_ATTENTION_KERNEL`, read per call): on CUDA the intervention path runs on
+FlexAttention (flex.py): the bias as a score_mod, causal / padding / sliding window as block
+masks, pi and split-softmax from two calls' LSEs, so no per-query mask and nothing T x T.
+On CPU it stays on SDPA (above), unless `flex` is asked for (eager flex: for tests).
+Calls without interventions always go to SDPA.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
+from driftlab.attention import flex
 from driftlab.attention.state import AttentionState
 from driftlab.errors import DriftlabError
 
 ATTENTION_NAME = "driftlab"
+logger = logging.getLogger(__name__)
 _CHUNK_ELEMS = 1 << 24  # max elements of a per-head float mask built at once (64 MB in fp32)
 
 # PyTorch's fused CPU attention also returns each query's log-sum-exp. The public SDPA hides
@@ -158,6 +169,11 @@ def driftlab_attention(
     need_pi = state.trace or split_heads is not None
     sys_range = state.system_range(lo, hi) if need_pi else None  # [a, b) of this call's keys
     sys_keys = state.on("system_keys", query.device)[:, lo:hi] if need_pi else None
+    if kernel_for(query.device) == "flex":
+        out = _flex_path(state, layer, query, key, value, attention_mask, scale, bias, split_heads, sys_range,
+                         lo, kwargs.get("sliding_window"))
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
     use_lse = need_pi and _flash_ok(query, key, value)
 
     base = attention_mask
@@ -259,6 +275,132 @@ def _flash_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bo
     """Can PyTorch's fused CPU kernel (which reports log-sum-exps) run this call?"""
     return (_CPU_FLASH is not None and query.device.type == "cpu" and query.dtype in _CPU_FLASH_DTYPES
             and key.dtype == query.dtype and query.shape[-1] == value.shape[-1])
+
+
+KERNEL_ENV = "DRIFTLAB_ATTENTION_KERNEL"
+KERNELS = ("auto", "flex", "sdpa")
+
+
+@functools.lru_cache(maxsize=16)
+def _kernel_setting(value: str) -> str:
+    """The validated setting for one value of the env var (the engine reads it every call)."""
+    setting = value.strip().lower() or "auto"
+    if setting not in KERNELS:
+        raise DriftlabError(
+            f"{KERNEL_ENV}={value!r} is not an attention kernel driftlab knows.",
+            hint=f"Use one of {', '.join(KERNELS)} (auto: flex on CUDA, sdpa elsewhere), or unset it.",
+        )
+    return setting
+
+
+def kernel_for(device: torch.device) -> str:
+    """'flex' or 'sdpa': the kernel family the intervention path uses on `device`.
+
+    `DRIFTLAB_ATTENTION_KERNEL` is read at call time so a process (or a test) can switch:
+    auto (default) = flex on CUDA, where it is fused and block-sparse, and sdpa elsewhere,
+    where PyTorch's CPU flash kernel already returns LSEs and eager flex would materialise
+    the scores; flex or sdpa force one everywhere.
+    """
+    setting = _kernel_setting(os.environ.get(KERNEL_ENV, "auto"))
+    if setting == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    return setting
+
+
+def _flex_declined(reason: str) -> None:
+    """The flex path handed a call back to the SDPA path (tests make this fatal)."""
+    logger.debug("flex attention path declined: %s", reason)
+
+
+def _flex_masks(state: AttentionState, attention_mask: torch.Tensor | None, B: int, q: int, K: int, lo: int,
+                window: int | None, sys_range: tuple[int, int] | None, device: torch.device):
+    """(all-keys BlockMask, system-only BlockMask or None) for this call, or None if the mask
+    transformers passed is not causal + left padding (+ `window`) over the state's layout.
+
+    Built once per distinct (mask, shapes, window) and kept in `state.mask_memo`, so the
+    layers sharing a mask in one forward pass share the block masks too.
+    """
+    ptr = None if attention_mask is None else attention_mask.data_ptr()
+    tag = ("flex", ptr, B, q, K, state.kv_len, window, sys_range, str(device))
+    if tag in state.mask_memo:
+        return state.mask_memo[tag]
+    pads = getattr(state, "pads", None)
+    if attention_mask is None:
+        first = torch.zeros(B, dtype=torch.long)  # transformers' word for "causal, no padding"
+    elif pads is None or len(pads) != B:
+        first = None
+    else:
+        first = torch.tensor(pads, dtype=torch.long) - lo
+    masks = None
+    if first is None:
+        _flex_declined("no padding layout")
+    elif attention_mask is not None and not _mask_matches(attention_mask, first, q, K, window):
+        _flex_declined("the attention mask is not causal + left padding (+ window)")
+    else:
+        first = first.to(device)
+        full = flex.block_mask(flex.visible_mod(first, q, K, window), B, q, K, device)
+        sys_mask = None
+        if sys_range is not None:
+            a, b = sys_range
+            sys_keys = state.on("system_keys", device)[:, lo + a : lo + b].contiguous()
+            sys_mask = flex.block_mask(flex.visible_mod(first, q, K, window, a, sys_keys), B, q, b - a, device)
+        masks = (full, sys_mask)
+    state.mask_memo[tag] = masks
+    return masks
+
+
+def _mask_matches(mask: torch.Tensor, first: torch.Tensor, q: int, K: int, window: int | None) -> bool:
+    """Does `mask` [B or 1, 1, q, K] agree with causal + padding (+ window) on two query rows?
+
+    O(B K), not O(B q K): the last query (real in every row) and the first query that is
+    past every row's padding. That catches a wrong layout, offset or window convention.
+    """
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != q or mask.shape[3] != K:
+        return False
+    rows = sorted({q - 1, min(max(int(first.max()) - (K - q), 0), q - 1)})
+    got = mask[:, 0, rows, :]
+    if got.dtype != torch.bool:
+        got = got > torch.finfo(got.dtype).min / 2
+    pos_q = torch.tensor(rows, device=mask.device)[:, None] + (K - q)
+    pos_k = torch.arange(K, device=mask.device)[None, :]
+    want = (pos_k[None] >= first.to(mask.device)[:, None, None]) & (pos_k <= pos_q)[None]
+    if window is not None:
+        want = want & (pos_q - pos_k < window)[None]
+    return bool(torch.equal(got.expand_as(want), want))
+
+
+def _flex_path(state: AttentionState, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, scale: float, bias: torch.Tensor | None,
+               split_heads: torch.Tensor | None, sys_range: tuple[int, int] | None, lo: int,
+               window: int | None) -> torch.Tensor | None:
+    """The intervention path on FlexAttention ([B, H, q, dv]), or None to use the SDPA path.
+
+    Key bias as a score_mod, the mask as block masks; pi and split-softmax from a second
+    call over the system keys only, merged through the two calls' LSEs (see flex.py).
+    """
+    B, H, q, _ = query.shape
+    K = key.shape[2]
+    masks = _flex_masks(state, attention_mask, B, q, K, lo, window, sys_range, query.device)
+    if masks is None:
+        return None
+    full, sys_mask = masks
+    key_bias = None if bias is None else bias[:, :, 0]  # [B, H, K]
+    need_pi = state.trace or split_heads is not None
+    out, lse_all = flex.attend(query, key, value, full, key_bias, scale, lse=need_pi)
+    if not need_pi:
+        return out
+    if sys_range is None:  # no system key among this layer's keys
+        pi = torch.zeros((B, H, q, 1), device=query.device)
+    else:
+        a, b = sys_range
+        sys_bias = None if key_bias is None else key_bias[..., a:b]
+        o_sys, lse_sys = flex.attend(query, key[:, :, a:b], value[:, :, a:b], sys_mask, sys_bias, scale, lse=True)
+        pi, rest = flex.system_share(lse_all, lse_sys)
+        if split_heads is not None:
+            out = _split_softmax(out, o_sys, pi, rest, state.split_k, split_heads)
+    if state.trace:
+        state.record(layer, pi[..., 0])
+    return out
 
 
 def _split_softmax(out, o_sys, pi, rest, k: float | torch.Tensor, heads) -> torch.Tensor:

@@ -1,0 +1,203 @@
+"""The engine's FlexAttention path (flex.py) against the same independent eager reference.
+
+Why: on CUDA the intervention path runs on FlexAttention (bias as a score_mod, masks as
+block masks, pi and split-softmax from two calls' log-sum-exps), a different computation
+from the CPU's SDPA path. FlexAttention also runs on the CPU (eager, unfused), so with
+DRIFTLAB_ATTENTION_KERNEL=flex every mode is checked here against `attention_reference.py`
+with the tolerances the SDPA path gets, on the models of test_attention_engine (SmolLM2:
+9 query / 3 KV heads; tiny Qwen2 and Gemma3: 4 / 2, Gemma3 with sliding-window layers).
+The path may hand a call back to SDPA (a mask it does not recognise); here that is an error,
+so every comparison really exercises flex.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import test_attention_engine as base
+from driftlab.attention import engine as engine_module
+from driftlab.attention import flex
+from driftlab.errors import DriftlabError
+from driftlab.steering import Interventions
+from test_attention_engine import (  # noqa: F401  (fixtures, used by name)
+    CASES,
+    DECODE_CASES,
+    LOGIT_TOL,
+    PI_TOL,
+    REFERENCE,
+    _implementations,
+    backend,
+    gemma,
+    max_diff,
+    prefill,
+    real_positions,
+    tiny_dirs,
+)
+
+
+@pytest.fixture(autouse=True)
+def _flex_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(engine_module.KERNEL_ENV, "flex")
+
+    def declined(reason: str) -> None:
+        raise AssertionError(f"the flex path fell back to SDPA: {reason}")
+
+    monkeypatch.setattr(engine_module, "_flex_declined", declined)
+
+
+# -- flex.py alone, on random tensors ------------------------------------------------------------
+def _hand_attention(q, k, v, allowed, bias, scale):
+    """Textbook softmax attention in float64: (out, natural-log LSE); GQA by repeating K/V."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1).double(), v.repeat_interleave(rep, 1).double()
+    logits = q.double() @ k.transpose(-1, -2) * scale + bias.double()[:, :, None, :]
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(logits, -1)
+    weights = torch.softmax(logits, -1).nan_to_num(0.0)
+    return weights @ v, lse
+
+
+@pytest.mark.parametrize("q,window", [(12, None), (12, 5), (1, None), (1, 5)])
+def test_flex_unit_bias_padding_and_system_lse(q: int, window: int | None) -> None:
+    torch.manual_seed(0)
+    B, H, Hkv, K, d = 3, 4, 2, 12, 16
+    query, key, value = torch.randn(B, H, q, d), torch.randn(B, Hkv, K, d), torch.randn(B, Hkv, K, d)
+    bias = torch.randn(B, H, K) * 2
+    first = torch.tensor([0, 3, 11])  # row 2: only the last key is real
+    a, b = 2, 7  # system slots: [2, 7) of every row that has them there
+    sys_keys = torch.zeros(B, b - a, dtype=torch.bool)
+    sys_keys[0], sys_keys[1, 1:] = True, True
+    scale = 0.3
+
+    pos_q = torch.arange(K - q, K)[:, None]
+    pos_k = torch.arange(K)[None, :]
+    allowed = (pos_k[None] >= first[:, None, None]) & (pos_k <= pos_q)[None]
+    if window is not None:
+        allowed = allowed & (pos_q - pos_k < window)[None]
+    allowed = allowed[:, None]  # [B, 1, q, K]
+    sys_allowed = torch.zeros_like(allowed)
+    sys_allowed[..., a:b] = allowed[..., a:b] & sys_keys[:, None, None, :]
+
+    full = flex.block_mask(flex.visible_mod(first, q, K, window), B, q, K, query.device)
+    sys_mask = flex.block_mask(flex.visible_mod(first, q, K, window, a, sys_keys), B, q, b - a, query.device)
+    out, lse_all = flex.attend(query, key, value, full, bias, scale, lse=True)
+    o_sys, lse_sys = flex.attend(query, key[:, :, a:b], value[:, :, a:b], sys_mask, bias[..., a:b], scale, lse=True)
+    want, want_lse = _hand_attention(query, key, value, allowed, bias, scale)
+    want_sys, want_lse_sys = _hand_attention(query, key, value, sys_allowed, bias, scale)
+
+    assert (out.double() - want).abs().max() < 1e-5 and (o_sys.double() - want_sys).abs().max() < 1e-5
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse_all))
+    # flex's LSE is the natural log (its kernels keep base-2 statistics and rescale them):
+    # a base-2 LSE would be off by a factor ln 2 ~ 0.69, far beyond this tolerance.
+    assert (lse_all.double()[finite] - want_lse[finite]).abs().max() < 1e-5
+    assert (lse_all.double()[finite] * math.log(2) - want_lse[finite]).abs().max() > 0.1
+    pi, rest = flex.system_share(lse_all, lse_sys)
+    weights = torch.softmax(
+        (query.double() @ key.repeat_interleave(2, 1).double().transpose(-1, -2) * scale + bias.double()[:, :, None])
+        .masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+    want_pi = (weights * sys_allowed).sum(-1, keepdim=True)
+    assert (pi.double() - want_pi).abs().max() < 1e-6
+    assert (pi + rest - 1).abs().max() < 1e-6
+    # Fully masked queries (left padding) and rows without system keys: zeros, never NaN.
+    assert not (out.isnan().any() or o_sys.isnan().any() or pi.isnan().any() or rest.isnan().any())
+    if q == K:
+        assert bool((pi[1, :, :3] == 0).all()) and bool((out[1, :, :3] == 0).all())
+    assert bool((pi[2] == 0).all()) and bool((rest[2, :, -1] == 1).all())  # row 2 has no system key
+
+
+# -- the kernel setting ---------------------------------------------------------------------------
+def test_kernel_setting_and_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert engine_module.kernel_for(torch.device("cpu")) == "flex"
+    for value, cpu, cuda in (("auto", "sdpa", "flex"), ("", "sdpa", "flex"), ("SDPA", "sdpa", "sdpa"),
+                             ("flex", "flex", "flex")):
+        monkeypatch.setenv(engine_module.KERNEL_ENV, value)
+        assert engine_module.kernel_for(torch.device("cpu")) == cpu
+        assert engine_module.kernel_for(torch.device("cuda")) == cuda
+    monkeypatch.setenv(engine_module.KERNEL_ENV, "flash")
+    with pytest.raises(DriftlabError, match="DRIFTLAB_ATTENTION_KERNEL='flash'") as err:
+        engine_module.kernel_for(torch.device("cpu"))
+    assert "auto, flex, sdpa" in err.value.hint
+    q = k = v = torch.randn(1, 4, 6, 8)
+    with pytest.raises(DriftlabError, match="not an attention kernel"):
+        engine_module.driftlab_attention(base._Layer(1), q, k, v, None, driftlab=base._state())
+
+
+def test_auto_keeps_the_cpu_on_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default on CPU never enters flex: the CPU path keeps its guarantees and speed."""
+    monkeypatch.setenv(engine_module.KERNEL_ENV, "auto")
+
+    def no_flex(*args, **kwargs):
+        raise AssertionError("flex ran on CPU under auto")
+
+    monkeypatch.setattr(flex, "attend", no_flex)
+    q = k = v = torch.randn(1, 4, 6, 8)
+    out, _ = engine_module.driftlab_attention(base._Layer(1), q, k, v, None, driftlab=base._state())
+    assert out.shape == (1, 6, 4, 8)
+
+
+# -- whole models against the reference -----------------------------------------------------------
+@pytest.mark.parametrize("case", list(CASES))
+def test_flex_prefill_matches_reference(backend, case: str) -> None:
+    cfg = CASES[case]
+    plain, _, pads = prefill(backend, None)
+    assert min(pads) == 0 and max(pads) > 0  # left-padded batch
+    got, pi, _ = prefill(backend, cfg)
+    want, pi_ref, _ = prefill(backend, cfg, impl=REFERENCE)
+    assert max_diff(got, want, pads, dim=1) <= LOGIT_TOL
+    if cfg.fingerprint():
+        assert max_diff(got, plain, pads, dim=1) > 100 * LOGIT_TOL
+    else:
+        # Tracing runs the main call on flex while the plain model runs SDPA: equal within
+        # float tolerance (the SDPA path, where both are the same kernel, is bit-equal).
+        assert max_diff(got, plain, pads, dim=1) <= LOGIT_TOL
+    assert not got.isnan().any()  # padding queries see no key: no NaN to leak anywhere
+    if "trace" in cfg.kinds:
+        assert max_diff(pi, pi_ref, pads, dim=3) <= PI_TOL
+        real = torch.cat([p.flatten() for p in real_positions(pi, pads, 3)])
+        assert real.min() >= 0 and real.max() <= 1 and 0.05 < real.mean() < 0.999
+
+
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_flex_greedy_decode_matches_reference(backend, case: str) -> None:
+    base.test_greedy_decode_matches_reference(backend, case)
+
+
+def test_flex_batch_rows_match_solo_runs(backend) -> None:
+    base.test_batch_rows_match_solo_runs(backend)
+
+
+def test_flex_uses_gqa_without_copies(backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every model here has fewer KV heads than query heads; flex gets the KV heads as they are."""
+    seen: list[tuple[int, int]] = []
+    real = flex.attend
+
+    def spy(query, key, *args, **kwargs):
+        seen.append((query.shape[1], key.shape[1]))
+        return real(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(flex, "attend", spy)
+    prefill(backend, CASES["composed"])
+    L, H = base._dims(backend)
+    n_kv = backend.model.config.get_text_config().num_key_value_heads
+    assert n_kv < H and seen and set(seen) == {(H, n_kv)}
+
+
+@pytest.mark.parametrize("case", ["trace", "composed"])
+def test_flex_sliding_window_decode_equals_full_recompute(gemma, case: str) -> None:
+    base.test_sliding_window_decode_equals_full_recompute(gemma, case)
+
+
+@pytest.mark.model
+def test_flex_pi_equals_sdpa_pi_on_smollm2(smol32, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pi from the two flex calls' LSEs = pi from the CPU flash kernel's LSEs (the SDPA path)."""
+    cfg = Interventions.parse(["trace", "split-softmax:k=0.7,heads=0-10", "instaboost:m=4"])
+    pis, logits = {}, {}
+    for kernel in ("sdpa", "flex"):
+        monkeypatch.setenv(engine_module.KERNEL_ENV, kernel)
+        logits[kernel], pis[kernel], pads = prefill(smol32, cfg)
+    assert max_diff(pis["flex"], pis["sdpa"], pads, dim=3) <= 1e-5
+    assert max_diff(logits["flex"], logits["sdpa"], pads, dim=1) <= LOGIT_TOL
