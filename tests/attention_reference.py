@@ -8,6 +8,9 @@ the engine's layout code (on_layout, head_mask, system_range, layer_bias) is use
 bug there shows up as a disagreement. Then it computes the textbook way: logits = QK^T *
 scale + mask (+ every bias term), softmax, the split-softmax reweighting of seed 000 Eq. 7 applied to
 the weights themselves, then weights @ V.
+
+Every tensor it builds lives on the query's device, so it runs wherever the model does
+(`pytest --device cuda`).
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ def _selected(heads, layer: int, n_heads: int) -> list[bool]:
             for h in range(n_heads)]
 
 
-def _key_slots(state, span_name: str, n_slots: int) -> torch.Tensor:
+def _key_slots(state, span_name: str, n_slots: int, device: torch.device) -> torch.Tensor:
     """[B, n_slots] bool: absolute key slot p of row b holds a token of span `span_name`."""
-    out = torch.zeros(len(state.pads), n_slots, dtype=torch.bool)
+    out = torch.zeros(len(state.pads), n_slots, dtype=torch.bool, device=device)
     for b, (pad, spans) in enumerate(zip(state.pads, state.spans)):
         for start, end in spans.get(span_name, []):
             for token in range(start, end):
@@ -48,17 +51,17 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
     scale = scaling if scaling is not None else d**-0.5
     logits = torch.matmul(query.float(), key.transpose(-1, -2)) * scale  # [B, H, q, K]
     if attention_mask is None:
-        allowed = torch.ones(q, K, dtype=torch.bool).tril(diagonal=K - q)[None, None]
+        allowed = torch.ones(q, K, dtype=torch.bool, device=query.device).tril(diagonal=K - q)[None, None]
     else:
         allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask > -1e30
     layer = module.layer_idx
     if state is not None:
         cfg = state.config
         total = state.kv_len  # this call's keys are the last K of `total` absolute slots
-        sys = _key_slots(state, "system", total)[:, total - K :]  # [B, K]
+        sys = _key_slots(state, "system", total, query.device)[:, total - K :]  # [B, K]
         for b, (pad, row) in enumerate(zip(state.pads, state.rows)):
             for term in row.biases:  # several terms (bias, instaboost, pasta) add up
-                target = _key_slots(state, term.span, total)[b]
+                target = _key_slots(state, term.span, total, query.device)[b]
                 if not state.spans[b].get(term.span):
                     continue  # a row without the span is left alone
                 # prompt scope: only keys before the row's prompt end (pastalib); else every key
@@ -66,7 +69,7 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
                 if term.invert:
                     target[pad:end] = ~target[pad:end]
                 target[end:] = False
-                heads = torch.tensor(_selected(term.heads, layer, H))  # [H]
+                heads = torch.tensor(_selected(term.heads, layer, H), device=query.device)  # [H]
                 bias = target[total - K :][None, None, :].float() * term.value * heads[:, None, None].float()
                 logits[b] = logits[b] + bias
     logits = logits.masked_fill(~allowed, float("-inf"))
@@ -76,7 +79,7 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
         pi = (weights * sys4).sum(-1, keepdim=True)  # [B, H, q, 1]
         if cfg.split_k != 1.0:
             k = cfg.split_k
-            heads = torch.tensor(_selected(cfg.split_heads, layer, H))
+            heads = torch.tensor(_selected(cfg.split_heads, layer, H), device=query.device)
             up = torch.where(pi > 0, pi.pow(k) / pi, torch.zeros_like(pi))
             down = torch.where(pi < 1, (1 - pi.pow(k)) / (1 - pi), torch.zeros_like(pi))
             new = torch.where(sys4, weights * up, weights * down)
@@ -99,6 +102,8 @@ def register_reference() -> None:
 @contextmanager
 def both_engines_on_one_thread() -> Iterator[None]:
     """Register the engine and this reference, and run on one torch thread meanwhile.
+
+    (The thread count only concerns CPU work; on a GPU it is harmless and left the same.)
 
     Why one thread: the test models are tiny, so two threads barely help, while on a shared
     2-core machine an OpenMP barrier waiting for a descheduled thread made a test file 8x

@@ -1,8 +1,12 @@
-"""Shared fixtures: the real default model, loaded once per session.
+"""Shared fixtures: the real default model, loaded once per session, and the test device.
 
 The model comes from the explicit, checksummed provisioning step (`driftlab models pull`,
 run by CI's install step); if it is missing, the first fixture use pulls it, which is that
 same step.
+
+`--device` (default cpu; e.g. cuda, cuda:1) puts the model-backed test families (attention
+engine, PASTA, mitigations, self-chat, serve, backend, steering, decay) on that device;
+tests/devices.py holds the device and the per-device tolerances (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -15,6 +19,41 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device", default="cpu", metavar="DEVICE",
+        help="torch device for the model-backed tests: cpu (default), cuda, cuda:N. "
+             "Tolerances follow the device (tests/devices.py, docs/testing.md).")
+
+
+def pytest_configure(config):
+    spec = config.getoption("--device")
+    if spec != "cpu":  # the default needs nothing (and no torch import before collection)
+        import devices
+
+        devices.configure(spec)
+
+
+def pytest_report_header(config):
+    return f"driftlab test device: {config.getoption('--device')}"
+
+
+@pytest.fixture(scope="session")
+def device():
+    """The torch.device the tests run on (`--device`)."""
+    import devices
+
+    return devices.current()
+
+
+@pytest.fixture(scope="session")
+def tol(device):
+    """Tolerances for `device`: `tol(cpu_value, dtype)` and `tol.exact` (tests/devices.py)."""
+    import devices
+
+    return devices.Tolerance(device)
+
+
 @pytest.fixture(scope="session")
 def smol_dir():
     from driftlab.assets import resolve_model
@@ -23,18 +62,18 @@ def smol_dir():
 
 
 @pytest.fixture(scope="session")
-def smol32(smol_dir):
+def smol32(smol_dir, device):
     """SmolLM2-135M in float32: exact comparisons are meaningful there."""
     from driftlab.chat.hf import HFChatBackend
 
-    return HFChatBackend(str(smol_dir), dtype="float32", prefix_cache_bytes=0)
+    return HFChatBackend(str(smol_dir), dtype="float32", device=str(device), prefix_cache_bytes=0)
 
 
 @pytest.fixture(scope="session")
-def smol_bf16(smol_dir):
+def smol_bf16(smol_dir, device):
     from driftlab.chat.hf import HFChatBackend
 
-    return HFChatBackend(str(smol_dir), dtype="bfloat16")
+    return HFChatBackend(str(smol_dir), dtype="bfloat16", device=str(device))
 
 
 def unwritable_dir(base: Path, request) -> Path:

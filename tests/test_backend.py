@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import linked_copy
+from devices import backend_device, tol
 from driftlab.chat import Sampling, chat
 from driftlab.errors import DriftlabError
 
@@ -54,7 +55,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(smol32):
 def test_prefix_cache_gives_the_same_text_and_is_used(smol_dir):
     from driftlab.chat.hf import HFChatBackend
 
-    cached = HFChatBackend(str(smol_dir), dtype="float32")
+    cached = HFChatBackend(str(smol_dir), dtype="float32", device=backend_device())
     first = chat(cached, CONVS, GREEDY)
     follow = [c + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "Tell me more."}]
               for c, r in zip(CONVS, first)]
@@ -77,7 +78,7 @@ def test_plain_template_for_models_without_chat_template(smol_dir, tmp_path):
     from driftlab.chat.hf import HFChatBackend
 
     copy = linked_copy(smol_dir, tmp_path / "base", leave_out="chat_template.jinja")
-    base = HFChatBackend(str(copy), dtype="float32")
+    base = HFChatBackend(str(copy), dtype="float32", device=backend_device())
     assert base.renderer.plain
     rendered = base.render(CONVS[0])
     assert rendered.text == "Always reply in French.\n\nUser: What do you do in London as a tourist?\nAssistant:"
@@ -89,8 +90,8 @@ def test_plain_template_for_models_without_chat_template(smol_dir, tmp_path):
 def test_system_span_modes(smol_dir):
     from driftlab.chat.hf import HFChatBackend
 
-    prefix = HFChatBackend(str(smol_dir), dtype="float32", span_mode="prefix")
-    content = HFChatBackend(str(smol_dir), dtype="float32", span_mode="content")
+    prefix = HFChatBackend(str(smol_dir), dtype="float32", device=backend_device(), span_mode="prefix")
+    content = HFChatBackend(str(smol_dir), dtype="float32", device=backend_device(), span_mode="content")
     tok = prefix.tokenizer
     rp, rc = prefix.render(CONVS[0]), content.render(CONVS[0])
     assert rp.ids == rc.ids
@@ -139,7 +140,7 @@ def _reference_logprob(backend, conv, continuation: str) -> float:
     backend.model.set_attn_implementation("eager")
     try:
         with torch.inference_mode():
-            logits = backend.model(input_ids=torch.tensor([ctx + cont])).logits[0].float()
+            logits = backend.model(input_ids=torch.tensor([ctx + cont], device=backend.device)).logits[0].float()
     finally:
         from driftlab.attention import ATTENTION_NAME
 
@@ -152,12 +153,12 @@ def test_loglikelihood_matches_an_unbatched_eager_reference(smol32):
     pairs = [(CONVS[0], " Je"), (CONVS[1], "4"), (CONVS[2], "My secret number is 20568."), (CONVS[3], " B")]
     got = smol32.loglikelihood([c for c, _ in pairs], [x for _, x in pairs])
     for (conv, cont), ll in zip(pairs, got):
-        assert ll.logprob == pytest.approx(_reference_logprob(smol32, conv, cont), abs=2e-3)
+        assert ll.logprob == pytest.approx(_reference_logprob(smol32, conv, cont), abs=tol(2e-3))
         assert ll.n_tokens == len(smol32.tokenizer(cont, add_special_tokens=False)["input_ids"])
     assert got[2].logprob > got[0].logprob - 100 and got[2].n_tokens > 3
     # Order of rows and batch size do not matter.
     solo = smol32.loglikelihood([pairs[3][0]], [pairs[3][1]])[0]
-    assert solo.logprob == pytest.approx(got[3].logprob, abs=1e-4)
+    assert solo.logprob == pytest.approx(got[3].logprob, abs=tol(1e-4))
 
 
 def test_loglikelihood_under_an_intervention_agrees_with_its_greedy_decode(smol32):

@@ -1,6 +1,7 @@
 """Mitigations on the real model: no-op settings are exactly plain decoding, CFG is Eq. 5.
 
-All in float32 with greedy decoding, where "identical" can be asked for token by token.
+All in float32 with greedy decoding, where "identical" can be asked for token by token
+(on every `--device`: these compare tokens; the one float comparison uses tol()).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devices import tol
 from driftlab.chat import ChatRequest, Sampling
 from driftlab.steering import Interventions
 
@@ -41,7 +43,7 @@ def test_no_op_strengths_give_exactly_plain_decoding(smol32):
 
 def _logprobs(model, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+        return torch.log_softmax(model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].float(), -1)
 
 
 def _unconditional(conv):
@@ -85,6 +87,6 @@ def test_loglikelihood_under_cfg_is_eq5_renormalised(smol32):
     for i, t in enumerate(cont_ids):
         lc, lu = _logprobs(smol32.model, cond + cont_ids[:i]), _logprobs(smol32.model, uncond + cont_ids[:i])
         want += torch.log_softmax(lu + alpha * (lc - lu), -1)[t].item()
-    assert got.logprob == pytest.approx(want, abs=2e-3)
+    assert got.logprob == pytest.approx(want, abs=tol(2e-3))
     plain = smol32.loglikelihood([conv], [cont])[0]
     assert got.logprob > plain.logprob  # guidance towards the system prompt raises the secret's probability

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from tests.test_mmlu import RAW
 
+from devices import backend_device
 from driftlab.chat import BackendSpec, ChatRequest, Sampling, make_backend
 from driftlab.chat.openai import REQUEST_LOG, OpenAIChatBackend
 from driftlab.chat.spec import Runtime
@@ -32,7 +33,7 @@ FAST = (0.01, 0.05)  # backoff for tests: first delay and cap, seconds
 def served(smol_dir):
     from driftlab.chat.hf import HFChatBackend
 
-    backend = HFChatBackend(str(smol_dir), dtype="float32", prefix_cache_bytes=0)
+    backend = HFChatBackend(str(smol_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
     backend.name = MODEL
     with serving(create_app(backend, ServeSettings(max_wait_ms=20))) as url:
         yield f"{url}/v1"

@@ -19,6 +19,7 @@ pasta_module = pytest.importorskip(
     "pastalib.pasta", reason="pastalib is not installed: pip install -e '.[test]' installs pastalib==0.1.3"
 )
 
+from devices import backend_device, tol  # noqa: E402
 from driftlab.attention import ATTENTION_NAME, register  # noqa: E402
 from driftlab.chat import ChatRequest, Sampling  # noqa: E402
 from driftlab.chat.hf import HFChatBackend  # noqa: E402
@@ -33,13 +34,13 @@ CONVS = [
     [{"role": "user", "content": f"Mary is a nurse in Ohio; she likes hiking. *{EMPHASIS[0]}*"}],
     [{"role": "user", "content": f"She was a teacher. *{EMPHASIS[1]}* She wrote poems, and she sang."}],
 ]
-LOGIT_TOL = 2e-3  # eager matmul+softmax vs fused SDPA over 30 layers, fp32 logits up to ~40
+LOGIT_TOL = 2e-3  # eager matmul+softmax vs fused SDPA over 30 layers, fp32 logits up to ~40 (CPU; tol() elsewhere)
 
 
 @pytest.fixture(scope="module")
 def eager() -> HFChatBackend:
     register()  # driftlab's attention, swapped in for our side of each comparison
-    return HFChatBackend("smollm2-135m", dtype="float32", device="cpu", prefix_cache_bytes=0,
+    return HFChatBackend("smollm2-135m", dtype="float32", device=backend_device(), prefix_cache_bytes=0,
                          attn_implementation="eager")
 
 
@@ -50,7 +51,7 @@ def _steer() -> Interventions:
 def _pastalib(backend: HFChatBackend, texts: list[str], n_new: int):
     steerer = pasta_module.PASTA(backend.model, backend.tokenizer, head_config=HEADS, alpha=ALPHA,
                                  scale_position="exclude")
-    inputs, offsets = steerer.inputs_from_batch(texts)
+    inputs, offsets = steerer.inputs_from_batch(texts, device=backend.device)
     with steerer.apply_steering(backend.model, strings=texts, substrings=EMPHASIS[: len(texts)],
                                 model_input=inputs, offsets_mapping=offsets), torch.inference_mode():
         logits = backend.model(**inputs).logits.float()
@@ -85,7 +86,7 @@ def test_logits_and_greedy_text_match_pastalib(eager: HFChatBackend) -> None:
     for b in range(len(CONVS)):
         diff = (got[b, pads[b]:] - want[b, pads[b]:]).abs().max().item()
         moved = (plain[b, pads[b]:] - want[b, pads[b]:]).abs().max().item()
-        assert diff <= LOGIT_TOL, (b, diff)
+        assert diff <= tol(LOGIT_TOL), (b, diff)
         assert moved > 1.0  # PASTA really changed this row's logits
     assert [r.token_ids for r in replies] == [t[: len(r.token_ids)] for r, t in zip(replies, want_tokens)]
     assert all(len(r.token_ids) == 12 for r in replies)

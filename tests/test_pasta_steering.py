@@ -18,6 +18,7 @@ import torch
 
 from attention_reference import NAME as REFERENCE
 from attention_reference import both_engines_on_one_thread
+from devices import backend_device, exact, tol
 from driftlab.attention import ATTENTION_NAME
 from driftlab.chat import ChatRequest, Sampling
 from driftlab.chat.hf import HFChatBackend
@@ -29,7 +30,7 @@ from driftlab.steering.heads import Profile, load_heads, save_heads, select
 from tiny_models import make_tiny_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
-LOGPROB_TOL = 5e-4
+LOGPROB_TOL = 5e-4  # the CPU's; tol(LOGPROB_TOL) on other devices (tests/devices.py)
 
 MARKED = [
     [
@@ -261,7 +262,7 @@ def backend(request, tmp_path_factory) -> HFChatBackend:
         path = "smollm2-135m"
         if name != "smollm2":
             path = str(make_tiny_model(name, tmp_path_factory.mktemp(name), sliding_window=8))
-        _BACKENDS[name] = HFChatBackend(path, dtype="float32", device="cpu", prefix_cache_bytes=0)
+        _BACKENDS[name] = HFChatBackend(path, dtype="float32", device=backend_device(), prefix_cache_bytes=0)
     return _BACKENDS[name]
 
 
@@ -292,7 +293,7 @@ def test_steering_matches_the_eager_reference(backend, steer) -> None:
     got = chat(backend, MARKED, iv)
     want = chat(backend, MARKED, iv, impl=REFERENCE)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
-    assert _logprob_diff(got, want) <= LOGPROB_TOL
+    assert _logprob_diff(got, want) <= tol(LOGPROB_TOL)
     plain = chat(backend, [strip_emphasis(c)[0] for c in MARKED])
     assert _logprob_diff(got, plain) > 100 * LOGPROB_TOL  # steering changed the distribution
 
@@ -304,7 +305,7 @@ def test_unpadded_prefill_fast_path_matches_the_reference(backend) -> None:
     got = chat(backend, MARKED[:1], iv)
     want = chat(backend, MARKED[:1], iv, impl=REFERENCE)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
-    assert _logprob_diff(got, want) <= LOGPROB_TOL
+    assert _logprob_diff(got, want) <= tol(LOGPROB_TOL)
 
 
 @pytest.mark.model
@@ -312,11 +313,19 @@ def test_alpha_one_and_rows_without_emphasis_are_bit_identical_to_plain(backend)
     plain = chat(backend, [strip_emphasis(c)[0] for c in MARKED])  # what PASTA shows the model
     one = chat(backend, MARKED, Interventions.parse(["pasta:heads=all,alpha=1"]))
     assert [r.token_ids for r in one] == [r.token_ids for r in plain]
-    assert [[t.logprob for t in r.logprobs] for r in one] == [[t.logprob for t in r.logprobs] for r in plain]
+    _assert_same_logprobs(one, plain)
     # Markers stripped but no span anywhere: the rows are left alone (only the text lost its markers).
     unmarked = [[{"role": "user", "content": "Tell me about the sea."}]]
     steered = chat(backend, unmarked, Interventions.parse(["pasta:heads=all,alpha=0.01"]))
-    assert [t.logprob for t in steered[0].logprobs] == [t.logprob for t in chat(backend, unmarked)[0].logprobs]
+    _assert_same_logprobs(steered, chat(backend, unmarked))
+
+
+def _assert_same_logprobs(a, b) -> None:
+    """Bit-identical log-probs on the CPU; within tol(LOGPROB_TOL) on devices without that guarantee."""
+    if exact():
+        assert [[t.logprob for t in r.logprobs] for r in a] == [[t.logprob for t in r.logprobs] for r in b]
+    else:
+        assert _logprob_diff(a, b) <= tol(LOGPROB_TOL)
 
 
 @pytest.mark.model
@@ -326,7 +335,7 @@ def test_batched_rows_with_different_spans_equal_one_at_a_time(backend) -> None:
     for conv, row in zip(MARKED, batched):
         (solo,) = chat(backend, [conv], iv)
         assert solo.token_ids == row.token_ids
-        assert max(abs(a.logprob - b.logprob) for a, b in zip(solo.logprobs, row.logprobs)) <= LOGPROB_TOL
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(solo.logprobs, row.logprobs)) <= tol(LOGPROB_TOL)
 
 
 @pytest.mark.model
@@ -341,7 +350,7 @@ def test_per_row_interventions_equal_each_row_alone(backend) -> None:
     for one, row in zip(per_row, rows):
         (solo,) = chat(backend, [MARKED[0]], one, n=8)
         assert solo.token_ids == row.token_ids
-        assert max(abs(a.logprob - b.logprob) for a, b in zip(solo.logprobs, row.logprobs)) <= LOGPROB_TOL
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(solo.logprobs, row.logprobs)) <= tol(LOGPROB_TOL)
     # The rows really were steered differently (one head rarely changes the greedy text).
     assert max(abs(a.logprob - b.logprob) for a, b in zip(rows[0].logprobs, rows[1].logprobs)) > 1e-3
 
@@ -350,8 +359,8 @@ def test_per_row_interventions_equal_each_row_alone(backend) -> None:
 def test_prefix_cache_reuse_under_prompt_scope_is_exact(smol_dir) -> None:
     """Turn 2 re-reads turn 1's reply as prompt: a cached KV of the reply computed while it was
     generated (unscaled keys) would be wrong, so only prompt KV is reused."""
-    cached = HFChatBackend("smollm2-135m", dtype="float32", device="cpu")
-    fresh = _BACKENDS.get("smollm2") or HFChatBackend("smollm2-135m", dtype="float32", device="cpu",
+    cached = HFChatBackend("smollm2-135m", dtype="float32", device=backend_device())
+    fresh = _BACKENDS.get("smollm2") or HFChatBackend("smollm2-135m", dtype="float32", device=backend_device(),
                                                       prefix_cache_bytes=0)
     iv = Interventions.parse(["pasta:heads=0-3,alpha=0.01,span=system"])
     conv = [{"role": "system", "content": "Always answer in French."}, {"role": "user", "content": "Hi!"}]
@@ -361,4 +370,4 @@ def test_prefix_cache_reuse_under_prompt_scope_is_exact(smol_dir) -> None:
     assert cached.prefix_cache.hits_tokens > 0
     direct = chat(fresh, [conv2], iv, n=6)[0]
     assert reused.token_ids == direct.token_ids
-    assert max(abs(a.logprob - b.logprob) for a, b in zip(reused.logprobs, direct.logprobs)) <= LOGPROB_TOL
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(reused.logprobs, direct.logprobs)) <= tol(LOGPROB_TOL)

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from devices import backend_device
 from driftlab.chat import BackendSpec
 from driftlab.errors import DriftlabError
 from driftlab.pasta.evaluate import PastaEvalConfig
@@ -144,7 +145,7 @@ def test_eval_runs_every_baseline_and_resumes(tmp_path, smol32) -> None:
     from driftlab.pasta.evaluate import PastaEval, summarize
     from driftlab.report.pasta import write_pasta_figures
 
-    cfg = PastaEvalConfig(task="json", n=2, max_new_tokens=12, backend=BackendSpec(dtype="float32", device="cpu"),
+    cfg = PastaEvalConfig(task="json", n=2, max_new_tokens=12, backend=BackendSpec(dtype="float32", device=backend_device()),
                           baselines=list(BASELINES), steer=["pasta:heads=all,alpha=0.01"])
     run_protocol(PastaEval(cfg, smol32), tmp_path / "eval", progress=False)
     rd = RunDir(tmp_path / "eval")
@@ -164,7 +165,7 @@ def test_eval_runs_every_baseline_and_resumes(tmp_path, smol32) -> None:
 def test_counterfact_eval_scores_es_and_ps(tmp_path, smol32) -> None:
     from driftlab.pasta.evaluate import PastaEval
 
-    cfg = PastaEvalConfig(task="counterfact", n=3, backend=BackendSpec(dtype="float32", device="cpu"), baselines=["zero-shot", "pasta"],
+    cfg = PastaEvalConfig(task="counterfact", n=3, backend=BackendSpec(dtype="float32", device=backend_device()), baselines=["zero-shot", "pasta"],
                           steer=["pasta:heads=0-29,alpha=0.01"])
     run_protocol(PastaEval(cfg, smol32), tmp_path / "cf", progress=False)
     recs = RunDir(tmp_path / "cf").records()
@@ -178,7 +179,7 @@ def test_scoring_tasks_also_score_generated_text(tmp_path, smol32) -> None:
     from driftlab.pasta.evaluate import PastaEval
 
     for task, extra in (("biasbios", {"acc", "fluency", "consistency"}), ("counterfact", {"es", "ps", "fluency"})):
-        cfg = PastaEvalConfig(task=task, n=2, generate_tokens=24, backend=BackendSpec(dtype="float32", device="cpu"),
+        cfg = PastaEvalConfig(task=task, n=2, generate_tokens=24, backend=BackendSpec(dtype="float32", device=backend_device()),
                               baselines=["zero-shot"])
         run_protocol(PastaEval(cfg, smol32), tmp_path / task, progress=False)
         recs = RunDir(tmp_path / task).records()
@@ -190,7 +191,7 @@ def test_scoring_tasks_also_score_generated_text(tmp_path, smol32) -> None:
 def test_profile_is_resumable_after_kill_and_writes_ranking_and_heatmap(tmp_path) -> None:
     out = tmp_path / "profile"
     cmd = ["pasta", "profile", "--task", "json", "--n", "2", "--layers", "0", "--max-new-tokens", "6",
-           "--batch-size", "4", "--dtype", "float32", "--out", str(out)]
+           "--batch-size", "4", "--dtype", "float32", "--device", backend_device(), "--out", str(out)]
     proc = subprocess.Popen([sys.executable, "-m", "driftlab", *cmd], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     records = out / "records.jsonl"
@@ -225,7 +226,7 @@ def test_profile_scoring_modes(tmp_path, smol32, task, score) -> None:
     """Log-likelihood profiling (a scoring task's metric, or the answer's likelihood): 9 heads of one layer."""
     from driftlab.pasta.profile import HeadProfiler, build_profile
 
-    cfg = ProfileConfig(task=task, n=2, layers="5", score=score, backend=BackendSpec(dtype="float32", device="cpu"))
+    cfg = ProfileConfig(task=task, n=2, layers="5", score=score, backend=BackendSpec(dtype="float32", device=backend_device()))
     run_protocol(HeadProfiler(cfg, smol32), tmp_path / "p", progress=False)
     profile = build_profile(tmp_path / "p")
     assert [(layer, h) for layer, h, _ in profile.scores] != [] and {layer for layer, _, _ in profile.scores} == {5}

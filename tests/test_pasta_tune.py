@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from devices import backend_device
 from driftlab.chat import BackendSpec
 from driftlab.errors import DriftlabError
 from driftlab.pasta.tune import TuneConfig, head_sets
@@ -63,7 +64,7 @@ def test_tune_scores_each_head_count_on_valid_and_resumes(tmp_path, smol32) -> N
 
     ranking = [(layer, head) for layer in range(30) for head in range(9)]
     prof = _profile(tmp_path / "p.json", ranking, model=str(smol32.name))
-    cfg = TuneConfig(backend=BackendSpec(model=str(smol32.name), dtype="float32", device="cpu"), task="counterfact",
+    cfg = TuneConfig(backend=BackendSpec(model=str(smol32.name), dtype="float32", device=backend_device()), task="counterfact",
                      profiles=[prof], select="task-specific", topk=[9, 270], n=3)
     run_protocol(HeadTuner(cfg, smol32), tmp_path / "tune", progress=False)
     result = summarize(tmp_path / "tune")
@@ -97,7 +98,8 @@ def test_tune_cli_prints_the_table_and_writes_heads(tmp_path) -> None:
     prof = _profile(tmp_path / "p.json", [(layer, head) for layer in range(30) for head in range(9)])
     out = tmp_path / "tune"
     cmd = [sys.executable, "-m", "driftlab", "pasta", "tune", prof, "--task", "json", "--select", "task-specific",
-           "--topk", "3", "--n", "1", "--max-new-tokens", "4", "--dtype", "float32", "--out", str(out)]
+           "--topk", "3", "--n", "1", "--max-new-tokens", "4", "--dtype", "float32", "--device", backend_device(),
+           "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "no steering" in done.stdout and "chosen" in done.stdout

@@ -9,6 +9,7 @@ import json
 import httpx
 import pytest
 
+from devices import backend_device
 from driftlab.chat import Sampling, chat
 from driftlab.serve import ServeSettings, TextStream, create_app
 from driftlab.serve.background import background as serving
@@ -23,7 +24,7 @@ get = functools.partial(httpx.get, timeout=300)
 def server_backend(smol_dir):
     from driftlab.chat.hf import HFChatBackend
 
-    backend = HFChatBackend(str(smol_dir), dtype="float32", prefix_cache_bytes=0)
+    backend = HFChatBackend(str(smol_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
     backend.name = MODEL
     return backend
 
