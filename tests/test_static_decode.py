@@ -24,6 +24,7 @@ from driftlab.chat import ChatRequest
 from driftlab.chat.base import Sampling
 from driftlab.chat.hf import HFChatBackend
 from driftlab.steering.interventions import Interventions
+from devices import backend_device
 from tiny_models import make_tiny_model
 
 CONVS = [
@@ -57,7 +58,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def backends(tiny_dir: Path) -> dict[str, HFChatBackend]:
     """The dynamic loop, eager static steps, and compiled static steps (aot_eager) of one tiny model."""
     def make(decode: str) -> HFChatBackend:
-        return HFChatBackend(str(tiny_dir), dtype="float32", device="cpu", prefix_cache_bytes=0, decode=decode)
+        return HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0, decode=decode)
 
     return {"dynamic": make("dynamic"), "static": make("static"), "compiled": make("compiled")}
 
@@ -163,7 +164,7 @@ def test_prefix_cache_hit_fills_the_static_cache(tiny_dir: Path, backends, mode:
     """The second call reuses the first's KV (prompt and fed-back reply) from the prefix cache:
     `_cache_from_hits` writes it into the static cache's first slots, `_store_prefixes` reads
     the static cache's slots back; tokens equal the dynamic loop's without any cache."""
-    cached = HFChatBackend(str(tiny_dir), dtype="float32", device="cpu", decode=mode)
+    cached = HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), decode=mode)
     specs = ["instaboost:m=5"]
     first = _run(cached, specs)
     follow = [c + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "Tell me more."}]
@@ -186,8 +187,8 @@ def test_guidance_rows_decode_statically(backends) -> None:
 def test_sliding_window_model_falls_back_to_the_dynamic_loop_said_once(tmp_path: Path, capsys) -> None:
     gemma = make_tiny_model("gemma3", tmp_path / "gemma3", sliding_window=8)
     capsys.readouterr()
-    backend = HFChatBackend(str(gemma), dtype="float32", device="cpu", prefix_cache_bytes=0, decode="compiled")
-    dynamic = HFChatBackend(str(gemma), dtype="float32", device="cpu", prefix_cache_bytes=0, decode="dynamic")
+    backend = HFChatBackend(str(gemma), dtype="float32", device=backend_device(), prefix_cache_bytes=0, decode="compiled")
+    dynamic = HFChatBackend(str(gemma), dtype="float32", device=backend_device(), prefix_cache_bytes=0, decode="dynamic")
     for specs in ([], ["split-softmax:k=0.5"]):
         assert [r.token_ids for r in _run(backend, specs)] == [r.token_ids for r in _run(dynamic, specs)]
     err = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
@@ -207,7 +208,7 @@ def test_a_step_that_cannot_compile_runs_eagerly_said_once(tiny_dir: Path, backe
         return step
 
     monkeypatch.setattr(sd.torch, "compile", refuse)
-    backend = HFChatBackend(str(tiny_dir), dtype="float32", device="cpu", prefix_cache_bytes=0, decode="compiled")
+    backend = HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0, decode="compiled")
     capsys.readouterr()
     for specs in (["trace"], ["trace"]):
         _assert_same(_run(backends["dynamic"], specs), _run(backend, specs))
@@ -224,7 +225,7 @@ def test_inductor_compiled_step_gives_the_dynamic_loops_tokens(tiny_dir: Path, b
     import driftlab.chat.static_decode as sd
 
     monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {"fullgraph": True, "dynamic": False})
-    backend = HFChatBackend(str(tiny_dir), dtype="float32", device="cpu", prefix_cache_bytes=0, decode="compiled")
+    backend = HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0, decode="compiled")
     specs = CASES["split+trace+bias"]
     _assert_same(_run(backends["dynamic"], specs), _run(backend, specs))
     assert backend._static.compiled  # nothing fell back to eager steps
