@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from devices import backend_device
 from driftlab.chat import ChatRequest
 from driftlab.chat.base import Sampling
 from driftlab.chat.hf import HFChatBackend
 from driftlab.steering.interventions import Interventions
-from devices import backend_device
 from tiny_models import make_tiny_model
 
 CONVS = [
@@ -199,8 +199,9 @@ def test_sliding_window_model_falls_back_to_the_dynamic_loop_said_once(tmp_path:
 def test_a_step_that_cannot_compile_runs_eagerly_said_once(tiny_dir: Path, backends, monkeypatch, capsys) -> None:
     """A dynamo refusal happens before the step runs: that step and the later ones run eagerly
     on the same static cache, with the same tokens."""
-    import driftlab.chat.static_decode as sd
     from torch._dynamo.exc import Unsupported
+
+    import driftlab.chat.static_decode as sd
 
     def refuse(fn, **_):
         def step(*args, **kwargs):
