@@ -23,7 +23,6 @@ Calls without interventions always go to SDPA.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -281,9 +280,10 @@ KERNEL_ENV = "DRIFTLAB_ATTENTION_KERNEL"
 KERNELS = ("auto", "flex", "sdpa")
 
 
-@functools.lru_cache(maxsize=16)
 def _kernel_setting(value: str) -> str:
-    """The validated setting for one value of the env var (the engine reads it every call)."""
+    """The validated setting for one value of the env var (the engine reads it every call: a
+    few string operations, and no lru_cache, which dynamo would trace through with a warning
+    inside a compiled decode step)."""
     setting = value.strip().lower() or "auto"
     if setting not in KERNELS:
         raise DriftlabError(
