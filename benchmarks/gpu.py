@@ -65,6 +65,9 @@ Settings (environment variables; `python benchmarks/run.py gpu [--quick]` takes 
   GPUBENCH_TOKENIZER  tokenizer directory (default: the provisioned smollm2-135m)
   GPUBENCH_DTYPE      bfloat16 | float32 | float16 (default bf16 on CUDA, float32 on a CPU)
   GPUBENCH_JSON       write every measurement to this JSON file
+  GPUBENCH_LOOP       driftlab's decode loop for every driftlab variant (HFChatBackend `decode`):
+                      dynamic (default), static or compiled (static cache + torch.compile: CUDA graphs
+                      on a GPU); run once with each to compare them (the stock sdpa variant uses the same)
 """
 
 from __future__ import annotations
@@ -171,9 +174,15 @@ def build(shape: str, device: torch.device, dtype: torch.dtype):
     path = tokenizer_dir()
     tokenizer = AutoTokenizer.from_pretrained(path)
     with _preloaded(model, tokenizer, path):
-        backend = HFChatBackend(str(path), dtype="auto", device=str(device), prefix_cache_bytes=0)
+        backend = HFChatBackend(str(path), dtype="auto", device=str(device), prefix_cache_bytes=0,
+                                decode=decode_loop())
     sync()
     return backend, time.perf_counter() - t
+
+
+def decode_loop() -> str:
+    """GPUBENCH_LOOP: the decode loop driftlab's backend runs (see the module docstring)."""
+    return os.environ.get("GPUBENCH_LOOP", "dynamic")
 
 
 # -- measuring ---------------------------------------------------------------------------------------
@@ -389,11 +398,11 @@ def run(quick: bool = False) -> Result:
     bw = bandwidth(device)
     method, measure_peak = peak_memory(device)
     records: list[dict] = []
-    results: dict[str, str] = {"device": str(device), "dtype": str(dtype).removeprefix("torch."),
+    results: dict[str, str] = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "loop": decode_loop(),
                                "bandwidth_gb_s": f"{bw / 1e9:.1f}"}
     res = Result(
         title=(f"driftlab attention modes at real shapes, random weights ({device}, "
-               f"{str(dtype).removeprefix('torch.')}), batch 1, greedy, {n_decode} decode steps, best of "
+               f"{str(dtype).removeprefix('torch.')}, {decode_loop()} decode loop), batch 1, greedy, {n_decode} decode steps, best of "
                f"{repeats} interleaved rounds; times in ms"),
         columns=["shape", "ctx", "variant", "prefill ms", "vs plain", "vs sdpa", "decode ms/step", "vs plain",
                  "vs sdpa", "total ms", f"peak MiB{' (RSS)' if device.type == 'cpu' else ''}"],
