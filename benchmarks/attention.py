@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from common import Result
+from common import Result, TimedForward, sync
 
 from driftlab.chat import Sampling, chat
 from driftlab.chat.hf import HFChatBackend
@@ -136,28 +136,6 @@ def conversation(backend: HFChatBackend, n_tokens: int) -> list[dict]:
     return conv
 
 
-class TimedBackend:
-    """Times each forward of the backend's decode loop (first = prefill, the rest = decode)."""
-
-    def __init__(self, backend: HFChatBackend) -> None:
-        self.backend, self.calls = backend, []
-        self._forward = backend._forward
-        backend._forward = self._timed
-
-    def _timed(self, *args, **kwargs):
-        sync()
-        t = time.perf_counter()
-        out = self._forward(*args, **kwargs)
-        sync()
-        self.calls.append(time.perf_counter() - t)
-        return out
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def eager_run(
     backend: HFChatBackend, conv: list[dict], n_new: int, calls: list[float]
 ) -> tuple[torch.Tensor, list[int]]:
@@ -222,7 +200,7 @@ def run(quick: bool = False) -> Result:
     threads = 1 if drift.device.type == "cpu" else default_threads
     torch.set_num_threads(threads)
     print(f"torch.set_num_threads({threads}) (process default {default_threads})", flush=True)
-    timers = {id(drift): TimedBackend(drift), id(stock): TimedBackend(stock)}
+    timers = {id(drift): TimedForward(drift), id(stock): TimedForward(stock)}
     memory = PeakMemory(drift.device)
     convs = {ctx: conversation(drift, ctx) for ctx in contexts}
     lens = {ctx: len(drift.render(convs[ctx]).ids) for ctx in contexts}

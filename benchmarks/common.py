@@ -36,3 +36,32 @@ def best_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> fl
         fn()
         times.append(time.perf_counter() - t)
     return min(times)
+
+
+def sync() -> None:
+    """Wait for the GPU (no-op on a CPU): a timed region must end when its kernels do."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class TimedForward:
+    """Times each forward of an HFChatBackend's decode loop while `on` (first = prefill, the
+    rest = decode steps), by wrapping its `_forward`, which every step goes through."""
+
+    def __init__(self, backend) -> None:
+        self.calls: list[float] = []
+        self.on = True
+        self._forward = backend._forward
+        backend._forward = self._timed
+
+    def _timed(self, *args, **kwargs):
+        if not self.on:
+            return self._forward(*args, **kwargs)
+        sync()
+        t = time.perf_counter()
+        out = self._forward(*args, **kwargs)
+        sync()
+        self.calls.append(time.perf_counter() - t)
+        return out

@@ -83,7 +83,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from common import Result, Table
+from common import Result, Table, TimedForward, sync
 
 CUDA = torch.cuda.is_available()
 SYSTEM = "You are a careful science journalist. Always answer in French, in at most three sentences."
@@ -186,31 +186,6 @@ def decode_loop() -> str:
 
 
 # -- measuring ---------------------------------------------------------------------------------------
-def sync() -> None:
-    if CUDA:
-        torch.cuda.synchronize()
-
-
-class TimedForward:
-    """Times each forward of the backend's decode loop while `on` (first = prefill, others = decode)."""
-
-    def __init__(self, backend) -> None:
-        self.calls: list[float] = []
-        self.on = True
-        self._forward = backend._forward
-        backend._forward = self._timed
-
-    def _timed(self, *args, **kwargs):
-        if not self.on:
-            return self._forward(*args, **kwargs)
-        sync()
-        t = time.perf_counter()
-        out = self._forward(*args, **kwargs)
-        sync()
-        self.calls.append(time.perf_counter() - t)
-        return out
-
-
 def peak_memory(device: torch.device):
     """(method name, measure(fn) -> (result, peak extra MiB))."""
     if device.type == "cuda":
