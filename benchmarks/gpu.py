@@ -182,7 +182,10 @@ def build(shape: str, device: torch.device, dtype: torch.dtype):
 
 def decode_loop() -> str:
     """GPUBENCH_LOOP: the decode loop driftlab's backend runs (see the module docstring)."""
-    return os.environ.get("GPUBENCH_LOOP", "dynamic")
+    loop = os.environ.get("GPUBENCH_LOOP", "dynamic")
+    if loop not in ("dynamic", "static", "compiled"):
+        raise SystemExit(f"GPUBENCH_LOOP={loop!r}: use dynamic, static or compiled.")
+    return loop
 
 
 # -- measuring ---------------------------------------------------------------------------------------
@@ -345,6 +348,17 @@ def _env_list(name: str, default: list[str]) -> list[str]:
     return [x.strip() for x in v.split(",") if x.strip()] if v else default
 
 
+def _positive(name: str, text: str | float, kind: type = int) -> float:
+    """A positive number from an env setting, or a one-line exit naming the setting."""
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise SystemExit(f"{name}={text!r}: expected a positive {kind.__name__}.")
+    return value
+
+
 def run(quick: bool = False) -> Result:
     from driftlab.attention import ATTENTION_NAME
     from driftlab.chat import Sampling, chat
@@ -354,12 +368,15 @@ def run(quick: bool = False) -> Result:
     dtype = pick_dtype(device)
     tiny_default = quick or not CUDA
     shapes = _env_list("GPUBENCH_SHAPES", ["tiny"] if tiny_default else ["llama2-7b", "qwen2.5-7b"])
-    contexts = [int(x) for x in _env_list(
+    if unknown := [s for s in shapes if s not in ("llama2-7b", "qwen2.5-7b", "tiny")]:
+        raise SystemExit(f"GPUBENCH_SHAPES: unknown shape {unknown[0]!r}; use llama2-7b, qwen2.5-7b or tiny.")
+    contexts = [_positive("GPUBENCH_CONTEXTS", x) for x in _env_list(
         "GPUBENCH_CONTEXTS", ["256", "1024"] if quick else (["2048", "8192", "32768"] if CUDA else ["1024", "4096"]))]
-    n_decode = int(os.environ.get("GPUBENCH_DECODE", 8 if quick else 32))
-    repeats = int(os.environ.get("GPUBENCH_REPEATS", 2 if quick else 3))
+    n_decode = _positive("GPUBENCH_DECODE", os.environ.get("GPUBENCH_DECODE", 8 if quick else 32))
+    repeats = _positive("GPUBENCH_REPEATS", os.environ.get("GPUBENCH_REPEATS", 2 if quick else 3))
     sc = os.environ.get("GPUBENCH_SELFCHAT", "2x2x8@tiny" if tiny_default else "8x3x48@qwen2.5-7b")
-    slow_s = float(os.environ.get("GPUBENCH_SLOW_S", 60))
+    slow_s = _positive("GPUBENCH_SLOW_S", os.environ.get("GPUBENCH_SLOW_S", 60), float)
+    decode_loop()  # a bad GPUBENCH_LOOP stops here, before any model is built
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)  # a shared CPU stalls multi-threaded regions (see benchmarks/attention.py)
