@@ -102,6 +102,7 @@ class PeakMemory:
         gc.collect()
         if self.cuda:
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # cached blocks of an earlier variant would hide this one's peak
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
             out = fn()

@@ -190,23 +190,12 @@ def decode_loop() -> str:
 
 # -- measuring ---------------------------------------------------------------------------------------
 def peak_memory(device: torch.device):
-    """(method name, measure(fn) -> (result, peak extra MiB))."""
-    if device.type == "cuda":
-        def measure(fn):
-            gc.collect()
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-            out = fn()
-            torch.cuda.synchronize()
-            return out, (torch.cuda.max_memory_allocated() - before) / 2**20
-
-        return "torch.cuda.max_memory_allocated above the allocation before the call", measure
-    from attention import PeakMemory  # benchmarks/attention.py: VmHWM reset through clear_refs
+    """(method name, measure(fn) -> (result, peak extra MiB)): benchmarks/attention.py's PeakMemory."""
+    from attention import PeakMemory
 
     mem = PeakMemory(device)
-    return f"CPU approximation: {mem.method}, above the resident set before the call", mem.measure
+    where = "CPU approximation: " if device.type == "cpu" else ""
+    return f"{where}{mem.method}, above the allocation before the call", mem.measure
 
 
 def bandwidth(device: torch.device) -> float:
