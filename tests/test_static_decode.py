@@ -108,6 +108,19 @@ def test_unknown_decode_mode_is_refused() -> None:
         HFChatBackend("no-such-model", decode="fast")
 
 
+@pytest.fixture
+def flex_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The intervention path on FlexAttention (as on CUDA), and a call it hands back to SDPA an error."""
+    from driftlab.attention import engine
+
+    monkeypatch.setenv(engine.KERNEL_ENV, "flex")
+
+    def declined(reason: str) -> None:
+        raise AssertionError(f"the flex path fell back to SDPA: {reason}")
+
+    monkeypatch.setattr(engine, "_flex_declined", declined)
+
+
 # -- the same tokens as the dynamic loop ------------------------------------------------------------
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("mode", ["static", "compiled"])
@@ -119,11 +132,32 @@ def test_static_decode_gives_the_dynamic_loops_tokens(backends, case: str, mode:
     _assert_same(ref, _run(backends[mode], specs))
 
 
-def test_compiled_step_is_one_graph_not_recompiled_per_step_or_call(backends) -> None:
+@pytest.mark.parametrize("case", [c for c in CASES if c != "plain"])
+@pytest.mark.parametrize("mode", ["static", "compiled"])
+def test_flex_static_decode_gives_the_dynamic_loops_tokens(backends, flex_kernel, case: str, mode: str) -> None:
+    """The FlexAttention path in the static layout (the CUDA kernel of `--decode compiled`): the
+    prefill through block masks shifted to the prompt's slots, each decode step masked in the
+    score from the state's slot tensors. The reference is the dynamic loop on the SDPA path."""
+    import os
+
+    from driftlab.attention import engine
+
+    specs = CASES[case]
+    os.environ[engine.KERNEL_ENV] = "sdpa"
+    ref = _run(backends["dynamic"], specs)
+    os.environ[engine.KERNEL_ENV] = "flex"
+    _assert_same(ref, _run(backends[mode], specs))
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flex"])
+def test_compiled_step_is_one_graph_not_recompiled_per_step_or_call(backends, kernel: str, request) -> None:
     """After the first call of a layout, later calls of that layout and shape compile nothing,
-    whatever their prompts, strengths or step count: the state the step reads is static."""
+    whatever their prompts, strengths or step count: the state the step reads is static
+    (with flex: the query's slot and the rows' padding are tensors, not Python values)."""
     from torch._dynamo.utils import counters
 
+    if kernel == "flex":
+        request.getfixturevalue("flex_kernel")
     compiled = backends["compiled"]
     _run(compiled, ["split-softmax:k=0.5", "trace"], sampling=Sampling(greedy=True, max_new_tokens=6))
     before = dict(counters["stats"])
@@ -233,13 +267,18 @@ def test_inductor_compiled_step_gives_the_dynamic_loops_tokens(tiny_dir: Path, b
 
 
 # -- the real model, eager static steps ----------------------------------------------------------
-@pytest.mark.parametrize("case", ["plain", "split"])
-def test_smollm2_static_decode_gives_the_dynamic_loops_tokens(smol_dir, smol32, case: str) -> None:
+@pytest.mark.parametrize("case", ["plain", "split", "split-flex"])
+def test_smollm2_static_decode_gives_the_dynamic_loops_tokens(smol_dir, smol32, case: str, request) -> None:
+    """Eager static steps on the real model; `split-flex`: on the FlexAttention path (as on CUDA),
+    against the dynamic loop on the SDPA path."""
     static = _SMOL.get("static") or _SMOL.setdefault(
         "static", HFChatBackend(str(smol_dir), dtype="float32", prefix_cache_bytes=0, decode="static"))
-    specs = {"plain": [], "split": ["split-softmax:k=0.6", "trace"]}[case]
+    specs = {"plain": [], "split": ["split-softmax:k=0.6", "trace"], "split-flex": ["split-softmax:k=0.6", "trace"]}[case]
     sampling = Sampling(greedy=True, max_new_tokens=16)
-    _assert_same(_run(smol32, specs, sampling=sampling), _run(static, specs, sampling=sampling))
+    ref = _run(smol32, specs, sampling=sampling)
+    if case == "split-flex":
+        request.getfixturevalue("flex_kernel")
+    _assert_same(ref, _run(static, specs, sampling=sampling))
 
 
 _SMOL: dict[str, HFChatBackend] = {}

@@ -320,8 +320,11 @@ def _flex_masks(state: AttentionState, attention_mask: torch.Tensor | None, B: i
     Built once per distinct (mask, shapes, window) and kept in `state.mask_memo`, so the
     layers sharing a mask in one forward pass share the block masks too.
     """
+    # Query i sits at slot shift + i of this call's keys: the last q of them, except on a static
+    # cache, whose keys are every slot and whose prefill ends at the prompt's last slot.
+    shift = (state.prompt_len - lo if state.static else K) - q
     ptr = None if attention_mask is None else attention_mask.data_ptr()
-    tag = ("flex", ptr, B, q, K, state.kv_len, window, sys_range, str(device))
+    tag = ("flex", ptr, B, q, K, state.kv_len, shift, window, sys_range, str(device))
     if tag in state.mask_memo:
         return state.mask_memo[tag]
     pads = getattr(state, "pads", None)
@@ -334,34 +337,36 @@ def _flex_masks(state: AttentionState, attention_mask: torch.Tensor | None, B: i
     masks = None
     if first is None:
         _flex_declined("no padding layout")
-    elif attention_mask is not None and not _mask_matches(attention_mask, first, q, K, window):
+    elif attention_mask is not None and not _mask_matches(attention_mask, first, q, K, window, shift):
         _flex_declined("the attention mask is not causal + left padding (+ window)")
     else:
         first = first.to(device)
-        full = flex.block_mask(flex.visible_mod(first, q, K, window), B, q, K, device)
+        full = flex.block_mask(flex.visible_mod(first, q, K, window, shift=shift), B, q, K, device)
         sys_mask = None
         if sys_range is not None:
             a, b = sys_range
             sys_keys = state.on("system_keys", device)[:, lo + a : lo + b].contiguous()
-            sys_mask = flex.block_mask(flex.visible_mod(first, q, K, window, a, sys_keys), B, q, b - a, device)
+            sys_mask = flex.block_mask(flex.visible_mod(first, q, K, window, a, sys_keys, shift=shift), B, q, b - a,
+                                       device)
         masks = (full, sys_mask)
     state.mask_memo[tag] = masks
     return masks
 
 
-def _mask_matches(mask: torch.Tensor, first: torch.Tensor, q: int, K: int, window: int | None) -> bool:
-    """Does `mask` [B or 1, 1, q, K] agree with causal + padding (+ window) on two query rows?
+def _mask_matches(mask: torch.Tensor, first: torch.Tensor, q: int, K: int, window: int | None, shift: int) -> bool:
+    """Does `mask` [B or 1, 1, q, K] agree with causal + padding (+ window) on two query rows,
+    query i sitting at key slot `shift` + i?
 
     O(B K), not O(B q K): the last query (real in every row) and the first query that is
     past every row's padding. That catches a wrong layout, offset or window convention.
     """
     if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != q or mask.shape[3] != K:
         return False
-    rows = sorted({q - 1, min(max(int(first.max()) - (K - q), 0), q - 1)})
+    rows = sorted({q - 1, min(max(int(first.max()) - shift, 0), q - 1)})
     got = mask[:, 0, rows, :]
     if got.dtype != torch.bool:
         got = got > torch.finfo(got.dtype).min / 2
-    pos_q = torch.tensor(rows, device=mask.device)[:, None] + (K - q)
+    pos_q = torch.tensor(rows, device=mask.device)[:, None] + shift
     pos_k = torch.arange(K, device=mask.device)[None, :]
     want = (pos_k[None] >= first.to(mask.device)[:, None, None]) & (pos_k <= pos_q)[None]
     if window is not None:
@@ -380,13 +385,26 @@ def _flex_path(state: AttentionState, layer: int, query: torch.Tensor, key: torc
     """
     B, H, q, _ = query.shape
     K = key.shape[2]
-    masks = _flex_masks(state, attention_mask, B, q, K, lo, window, sys_range, query.device)
-    if masks is None:
-        return None
-    full, sys_mask = masks
+    see = see_sys = None
+    if state.static and q == 1:
+        # A decode step on a static cache (compiled, maybe captured in a CUDA graph): no block
+        # mask, which would be rebuilt from Python values every step; the keys this query may
+        # see come from the state's tensors of the rows' first slots and the query's slot.
+        full = sys_mask = None
+        first, slot = state.on("first", query.device) - lo, state.on("last_slot", query.device) - lo
+        see = flex.visible_mod(first, q, K, window, shift=slot)
+        if sys_range is not None:
+            a, b = sys_range
+            sys_keys = state.on("system_keys", query.device)[:, lo + a : lo + b]
+            see_sys = flex.visible_mod(first, q, K, window, a, sys_keys, shift=slot)
+    else:
+        masks = _flex_masks(state, attention_mask, B, q, K, lo, window, sys_range, query.device)
+        if masks is None:
+            return None
+        full, sys_mask = masks
     key_bias = None if bias is None else bias[:, :, 0]  # [B, H, K]
     need_pi = state.trace or split_heads is not None
-    out, lse_all = flex.attend(query, key, value, full, key_bias, scale, lse=need_pi)
+    out, lse_all = flex.attend(query, key, value, full, key_bias, scale, lse=need_pi, visible=see)
     if not need_pi:
         return out
     if sys_range is None:  # no system key among this layer's keys
@@ -394,7 +412,8 @@ def _flex_path(state: AttentionState, layer: int, query: torch.Tensor, key: torc
     else:
         a, b = sys_range
         sys_bias = None if key_bias is None else key_bias[..., a:b]
-        o_sys, lse_sys = flex.attend(query, key[:, :, a:b], value[:, :, a:b], sys_mask, sys_bias, scale, lse=True)
+        o_sys, lse_sys = flex.attend(query, key[:, :, a:b], value[:, :, a:b], sys_mask, sys_bias, scale, lse=True,
+                                     visible=see_sys)
         pi, rest = flex.system_share(lse_all, lse_sys)
         if split_heads is not None:
             out = _split_softmax(out, o_sys, pi, rest, state.split_k, split_heads)

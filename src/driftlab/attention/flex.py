@@ -38,9 +38,12 @@ _compiled: Callable | None = None
 
 
 def _flex_fn(device: torch.device) -> Callable:
-    """flex_attention, compiled once per process on GPUs; eager on CPU (see module doc)."""
+    """flex_attention, compiled once per process on GPUs; eager on CPU (see module doc).
+
+    Inside a compiled region (a static decode step) it is the plain op: the enclosing
+    compilation fuses it, and nothing global may change while dynamo traces."""
     global _compiled
-    if device.type == "cpu":
+    if device.type == "cpu" or torch.compiler.is_compiling():
         return flex_attention
     if _compiled is None:
         import torch._dynamo
@@ -80,15 +83,18 @@ def _without_dynamo(active: bool) -> Iterator[None]:
 
 
 def visible_mod(first: torch.Tensor, q: int, K: int, window: int | None, key_offset: int = 0,
-                keys: torch.Tensor | None = None) -> Callable:
-    """mask_mod of the keys a query may see, for queries that are the last q of K keys.
+                keys: torch.Tensor | None = None, shift: int | torch.Tensor | None = None) -> Callable:
+    """mask_mod of the keys a query may see: query i sits at key slot `shift` + i (default
+    K - q: the queries are the last q of K keys; a static cache's decode step passes its
+    query's slot as a 0-d tensor, which a compiled step reads without recompiling).
 
     `first` [B] int: each row's first non-padding key (left padding). `window`: a sliding
     layer's window (a query sees keys less than `window` positions back). `key_offset` and
     `keys` [B, n] bool restrict the call to keys [key_offset, key_offset + n) of the layer
     that are True in `keys` (the system-only call).
     """
-    shift = K - q  # query i sits at key position shift + i
+    if shift is None:
+        shift = K - q
 
     def mod(b, h, q_idx, kv_idx):
         pos_q, pos_k = q_idx + shift, kv_idx + key_offset
@@ -108,13 +114,22 @@ def block_mask(mod: Callable, B: int, q: int, n_keys: int, device: torch.device)
     return create_block_mask(mod, B, None, q, n_keys, device=device, _compile=device.type != "cpu")
 
 
-def bias_mod(bias: torch.Tensor | None) -> Callable | None:
-    """score_mod adding the per-(row, head, key) logit bias `bias` [B, H, n_keys]."""
-    if bias is None:
+def score_mod(bias: torch.Tensor | None, visible: Callable | None = None) -> Callable | None:
+    """score_mod adding the per-(row, head, key) logit bias `bias` [B, H, n_keys], and with
+    `visible` (a mask_mod) sending the keys it hides to -inf.
+
+    Why `visible` here: a block mask is built outside the kernel from Python values, which a
+    captured decode step cannot rebuild per step; a one-query step reads every cache slot
+    anyway, so masking in the score costs nothing a block mask would have skipped."""
+    if bias is None and visible is None:
         return None
 
     def mod(score, b, h, q_idx, kv_idx):
-        return score + bias[b, h, kv_idx]
+        if bias is not None:
+            score = score + bias[b, h, kv_idx]
+        if visible is not None:
+            score = torch.where(visible(b, h, q_idx, kv_idx), score, float("-inf"))
+        return score
 
     return mod
 
@@ -123,21 +138,25 @@ def attend(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    mask: BlockMask,
+    mask: BlockMask | None,
     bias: torch.Tensor | None,
     scale: float,
     *,
     lse: bool = False,
+    visible: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One flex call: ([B, H, q, dv] output, and with `lse` the natural-log LSE [B, H, q]).
 
-    Grouped-query heads go through `enable_gqa` (no K/V copies). A query that sees no key
-    gets output 0 and LSE -inf (flex's own convention), never NaN.
+    The keys a query sees are given by the block mask `mask`, or with `mask` None by the
+    mask_mod `visible` applied in the score (see `score_mod`). Grouped-query heads go through
+    `enable_gqa` (no K/V copies). A query that sees no key through a block mask gets output 0
+    and LSE -inf (flex's own convention); through `visible`, LSE -inf and an output that
+    callers must not use (`system_share` gives pi = 0 there, which the engine checks).
     """
     fn = _flex_fn(query.device)
-    kwargs = dict(score_mod=bias_mod(bias), block_mask=mask, scale=scale,
+    kwargs = dict(score_mod=score_mod(bias, visible), block_mask=mask, scale=scale,
                   enable_gqa=query.shape[1] != key.shape[1], return_aux=AuxRequest(lse=True) if lse else None)
-    if query.device.type == "cpu":
+    if query.device.type == "cpu" and not torch.compiler.is_compiling():
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         with warnings.catch_warnings(), _without_dynamo(not grad):
             # Eager is deliberate on CPU (compiled CPU flex cannot return the LSE).

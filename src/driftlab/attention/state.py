@@ -87,6 +87,10 @@ class AttentionState:
         self.static = False
         self.trace_buf: torch.Tensor | None = None
         self.step: torch.Tensor | None = None
+        self.first: torch.Tensor | None = None  # [B] each row's first real slot (its padding)
+        self.last_slot: torch.Tensor | None = None  # [] the slot of the current call's last query
+        self.system_end: int | None = None  # system-only calls cover slots [0, system_end)
+        self.prompt_len = 0
         self.prefilling = True  # the current forward pass is the call's first (the prefill)
         self._calls = 0
         self.mask_memo: dict = {}  # the engine's per-mask facts, for the layers sharing a mask
@@ -139,11 +143,12 @@ class AttentionState:
                     target[end:] = False
                     keys[j, b] = target.float() * term.value
             self.bias_keys = keys.to(self.device)
-        self.kv_len = prompt_len
+        self.kv_len = self.prompt_len = prompt_len
         self.records = [[] for _ in range(self.n_layers)]
         self._copies = {}
 
-    def static_layout(self, n_calls: int, arena: dict[str, torch.Tensor] | None = None) -> None:
+    def static_layout(self, n_calls: int, arena: dict[str, torch.Tensor] | None = None,
+                      system_end: int | None = None) -> None:
         """Switch to a static KV cache's layout (after `on_layout`, whose `max_len` is the cache length).
 
         Why: a compiled or CUDA-graph-captured decode step is specialised on every Python value
@@ -155,7 +160,11 @@ class AttentionState:
         held in a tensor (a list append would change per step, and a graph's outputs are
         overwritten by its next replay). `arena` holds the tensors of earlier calls of the same
         shapes: the values are copied into them, so a captured graph sees this call's state.
-        `n_calls` bounds the forward passes of the call (prefill + decode steps).
+        `n_calls` bounds the forward passes of the call (prefill + decode steps). `system_end`:
+        the system-only call of pi and split-softmax covers slots [0, system_end) (default: all);
+        the caller rounds it up to a few buckets, since each value compiles its own graph.
+        The query's slot is a tensor too (`last_slot`, with the rows' first slots in `first`):
+        the FlexAttention path masks a decode step with them instead of a block mask per step.
         """
         self.static = True
         arena = {} if arena is None else arena
@@ -176,6 +185,11 @@ class AttentionState:
         if self.split_mask is not None:
             self.split_k = put("split_k", torch.tensor(float(self.split_k), device=self.device))
         self.step = put("step", torch.zeros(1, dtype=torch.long, device=self.device))
+        self.first = put("first", torch.tensor(self.pads, dtype=torch.long, device=self.device))
+        self.last_slot = put("last_slot", torch.zeros((), dtype=torch.long, device=self.device))
+        if self.system_slots is not None:
+            slots = self.system_keys.shape[1]
+            self.system_end = slots if system_end is None else min(max(system_end, self.system_slots[1]), slots)
         if self.trace:
             B = self.system_keys.shape[0]
             self.trace_buf = put("trace", torch.zeros(self.n_layers, B, self.n_heads, n_calls, device=self.device))
@@ -184,8 +198,9 @@ class AttentionState:
         """Called by the decode loop before each forward pass: `kv_len` is the number of key slots."""
         self.kv_len = kv_len
         self.prefilling = self._calls == 0
-        if self.step is not None:
-            self.step.fill_(self._calls)  # outside any compiled region: the graph reads it
+        if self.step is not None:  # outside any compiled region: the graph reads them
+            self.step.fill_(self._calls)
+            self.last_slot.fill_(self.prompt_len - 1 + self._calls)  # the prefill ends at the prompt's last slot
         self._calls += 1
         return {"driftlab": self}
 
@@ -204,7 +219,7 @@ class AttentionState:
         if self.system_slots is None:
             return None
         if self.static:  # the same slice every step (the mask hides non-system keys)
-            return (0, hi - lo)
+            return (0, min(self.system_end, hi) - lo)
         a, b = max(self.system_slots[0], lo), min(self.system_slots[1], hi)
         return (a - lo, b - lo) if a < b else None
 

@@ -332,8 +332,10 @@ class HFChatBackend:
         cache = static.new_cache(B, length) if static is not None else None  # before its arena is used
         state = self._state(attention, spans, pads, T, length)
         if static is not None and state is not None:
-            # The trace buffer's length is bucketed too: a shape that changed per call would recompile.
-            state.static_layout(cache_length(sampling.max_new_tokens), static.arena)
+            # The trace buffer's length and the system-only call's key range are bucketed too: a
+            # shape that changed per call would recompile.
+            system_end = cache_length(state.system_slots[1], length) if state.system_slots else None
+            state.static_layout(cache_length(sampling.max_new_tokens), static.arena, system_end=system_end)
         tags = [f"{iv.fingerprint()}|{sorted(sp.items())}" if iv.fingerprint() else ""
                 for iv, sp in zip(interventions, spans, strict=True)]
         # Under a prompt-scoped bias a generated token's KV differs from the same token's KV
