@@ -46,9 +46,8 @@ def _flex_fn(device: torch.device) -> Callable:
     if device.type == "cpu" or torch.compiler.is_compiling():
         return flex_attention
     if _compiled is None:
-        import torch._dynamo
+        from torch._dynamo import config
 
-        config = torch._dynamo.config
         config.cache_size_limit = max(config.cache_size_limit, _RECOMPILE_LIMIT)
         if hasattr(config, "accumulated_cache_size_limit"):
             config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 4 * _RECOMPILE_LIMIT)
