@@ -109,6 +109,58 @@ def test_flex_unit_bias_padding_and_system_lse(q: int, window: int | None) -> No
     assert bool((pi[2] == 0).all()) and bool((rest[2, :, -1] == 1).all())  # row 2 has no system key
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_flex_unit_static_decode_step_masked_in_the_score(window: int | None) -> None:
+    """A decode step on a static cache: one query at slot 7 of 12 (slots 8-11 not yet filled),
+    its position a 0-d tensor, the keys it sees given by `visible` in the score_mod, no block
+    mask. Same hand reference as above; unfilled slots, padding and the window must stay hidden."""
+    torch.manual_seed(1)
+    B, H, Hkv, K, d = 3, 4, 2, 12, 16
+    query, key, value = torch.randn(B, H, 1, d), torch.randn(B, Hkv, K, d), torch.randn(B, Hkv, K, d)
+    bias = torch.randn(B, H, K) * 2
+    first, slot = torch.tensor([0, 3, 6]), torch.tensor(7)
+    a, b = 0, 8  # the system-only call covers slots [0, 8); row 2 has no system key
+    sys_keys = torch.zeros(B, b - a, dtype=torch.bool)
+    sys_keys[0, 1:4], sys_keys[1, 3:6] = True, True
+    pos_k = torch.arange(K)
+    allowed = (pos_k[None] >= first[:, None]) & (pos_k <= 7)
+    if window is not None:
+        allowed = allowed & (7 - pos_k < window)
+    sys_allowed = allowed.clone()
+    sys_allowed[:, b:] = False
+    sys_allowed[:, a:b] &= sys_keys
+    scale = 0.3
+
+    see = flex.visible_mod(first, 1, K, window, shift=slot)
+    see_sys = flex.visible_mod(first, 1, K, window, a, sys_keys, shift=slot)
+    out, lse_all = flex.attend(query, key, value, None, bias, scale, lse=True, visible=see)
+    o_sys, lse_sys = flex.attend(query, key[:, :, a:b], value[:, :, a:b], None, bias[..., a:b], scale, lse=True,
+                                 visible=see_sys)
+    want, want_lse = _hand_attention(query, key, value, allowed[:, None, None], bias, scale)
+    want_sys, _ = _hand_attention(query, key, value, sys_allowed[:, None, None], bias, scale)
+    assert (out.double() - want).abs().max() < 1e-5 and (lse_all.double() - want_lse).abs().max() < 1e-5
+    assert (o_sys[:2].double() - want_sys[:2]).abs().max() < 1e-5  # row 2's is unused (pi = 0)
+    pi, rest = flex.system_share(lse_all, lse_sys)
+    logits = (query.double() @ key.repeat_interleave(2, 1).double().transpose(-1, -2) * scale
+              + bias.double()[:, :, None]).masked_fill(~allowed[:, None, None], float("-inf"))
+    want_pi = (torch.softmax(logits, -1) * sys_allowed[:, None, None]).sum(-1, keepdim=True)
+    assert (pi.double() - want_pi).abs().max() < 1e-6 and bool((pi[2] == 0).all()) and bool((rest[2] == 1).all())
+    assert not (pi.isnan().any() or rest.isnan().any())
+
+
+def test_flex_fn_on_a_gpu_is_compiled_once_with_a_raised_recompile_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA branch of `_flex_fn` (no GPU needed: torch.compile is lazy): one compiled
+    function, and dynamo's cache limit raised so flex never falls back to its T x T math path."""
+    from torch._dynamo import config
+
+    monkeypatch.setattr(flex, "_compiled", None)
+    monkeypatch.setattr(config, "cache_size_limit", 8)
+    fn = flex._flex_fn(torch.device("cuda"))
+    assert fn is flex._flex_fn(torch.device("cuda")) and fn is not flex.flex_attention
+    assert config.cache_size_limit >= 256
+    assert flex._flex_fn(torch.device("cpu")) is flex.flex_attention
+
+
 # -- the kernel setting ---------------------------------------------------------------------------
 def test_kernel_setting_and_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
     assert engine_module.kernel_for(torch.device("cpu")) == "flex"
