@@ -520,3 +520,47 @@ def test_conditions_are_compared_pair_by_pair(run_dir, summary, report_html) -> 
     table = comparison_table(summary)
     assert table.rows[0][-1] == row.warning and "Conditions compared on the same conversations" in report_html
     assert "too few pairs to support a difference" in report_html
+
+
+def test_drift_is_tested_last_round_against_first_per_conversation(run_dir, summary, report_html) -> None:
+    """The fixture's agent scores fall 0.15 per round and its adoption scores rise 0.1 per
+    round, in every conversation: each row is the paired last-minus-first difference, with the
+    exact signed-rank p (scipy) and Holm over the run's drift rows."""
+    from rich.console import Console
+
+    from driftlab.report.tables import drift_table
+
+    drift = summary.drift
+    assert [(r.target, r.condition) for r in drift.itertuples()] == [
+        ("agent", "persona"), ("agent", "empty-user"), ("user", "persona")]
+    ps = []
+    for r in drift.itertuples():
+        assert (r.first, r.last, r.n) == (1, 3, 3)
+        if r.target == "agent":
+            per = [np.mean([agent_score(i, r.condition, 3, k) - agent_score(i, r.condition, 1, k) for k in (0, 1)])
+                   for i in range(3)]
+            assert (r.better, r.worse) == (0, 3)
+        else:
+            per = [np.mean([user_score(i, 3, k) - user_score(i, 1, k) for k in (0, 1)]) for i in range(3)]
+            assert (r.better, r.worse) == (3, 0)
+        assert r.diff == pytest.approx(np.mean(per))
+        ref = stats.wilcoxon(per, method=stats.PermutationMethod(n_resamples=np.inf)).pvalue
+        assert r.p == pytest.approx(ref) and r.method == "Wilcoxon signed-rank (exact)"
+        ps.append(ref)
+    # Holm over three equal p-values: each becomes min(1, 3 p).
+    assert list(drift.p_holm) == pytest.approx([min(1.0, 3 * p) for p in ps])
+    assert all("too few pairs" in w for w in drift.warning)  # 3 conversations cannot reach p < 0.05
+    table = drift_table(summary)
+    assert table.rows[0][:2] == ["agent stability", "round 3 - round 1"]
+    assert "Drift: the last probe round against the first" in report_html
+    console = Console(record=True, width=200)
+    print_summary(run_dir, console)
+    assert "drift, persona (agent): round 3 - round 1 = " in console.export_text()
+
+
+def test_drift_needs_two_rounds(tmp_path) -> None:
+    from driftlab.report.metrics import summarize_run
+    from driftlab.report.tables import drift_table
+
+    one = summarize_run(make_run(tmp_path / "one", rounds=1, ablation=False))
+    assert one.drift.empty and drift_table(one) is None

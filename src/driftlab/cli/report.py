@@ -60,6 +60,13 @@ def print_summary(run_dir: str | Path, console: Console | None = None) -> RunSum
     summary = summarize_run(run_dir)
     console = console or Console()
     console.print(summary_table(summary))
+    for r in summary.drift.itertuples():
+        console.print(f"drift, {r.condition} ({r.target}): round {r.last} - round {r.first} = {r.diff:+.3f} "
+                      f"[{r.diff_ci_low:+.3f}, {r.diff_ci_high:+.3f}] over n={r.n} conversations, {r.better} higher / "
+                      f"{r.worse} lower / {r.tied} tied, {r.method} p={r.p:.3g} (Holm {r.p_holm:.3g})",
+                      highlight=False, markup=False)
+        if r.warning:
+            console.print(f"Warning: {r.warning}.", highlight=False, markup=False, style="yellow")
     cmp = summary.comparisons
     for r in cmp.itertuples() if cmp is not None else ():
         console.print(f"{r.condition} - {r.versus} ({r.target}): {r.diff:+.3f} [{r.diff_ci_low:+.3f}, "

@@ -35,6 +35,7 @@ from driftlab.report.tables import (
     TextTable,
     category_table,
     comparison_table,
+    drift_table,
     fmt,
     round_table,
 )
@@ -297,7 +298,7 @@ def render_html(
             {"title": "Figure 3: drift over rounds", "src": _png_data_uri(figures["drift"]), "caption": note},
             {"title": "By persona category", "src": _png_data_uri(figures["categories"]), "caption": note},
         ],
-        tables=[t for t in (round_table(summary), comparison_table(summary)) if t is not None]
+        tables=[t for t in (round_table(summary), drift_table(summary), comparison_table(summary)) if t is not None]
         + [category_table(summary), _frame_table(
             summary.truncation,
             "Replies cut at --max-new-tokens, per round",

@@ -231,6 +231,37 @@ def compare_conditions(scores: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=COMPARISON_COLUMNS)
 
 
+DRIFT_COLUMNS = ["target", "condition", "first", "last", "n", "better", "worse", "tied", "diff", "diff_ci_low",
+                 "diff_ci_high", "ci_method", "p", "p_holm", "method", "warning"]
+
+
+def drift_tests(scores: pd.DataFrame) -> pd.DataFrame:
+    """Does a score change over the dialog? Per condition and target (agent stability,
+    user-persona adoption): each conversation's score at the last probe round every
+    conversation reached minus its score at the first (repeated probes averaged), paired by
+    conversation: exact McNemar when all scores are 0/1, else the Wilcoxon signed-rank test;
+    Holm over the run's drift tests; a plain `warning` where n does not support a change.
+
+    Why a test of its own: "the agent drifts" is the protocol's headline claim, and a falling
+    curve of means over a few conversations does not show it. `user-excess` is left out: it
+    is already a difference from round 1.
+    """
+    rows, tests = [], []
+    for target in [t for t in ("agent", "user") if t in set(scores["target"])]:
+        for cond in dict.fromkeys(scores["condition"]):
+            sub = scores[(scores["target"] == target) & (scores["condition"] == cond)]
+            rounds = common_rounds(sub)
+            if len(rounds) < 2:
+                continue
+            first, last = rounds[0], rounds[-1]
+            per = {r: sub[sub["round"] == r].groupby("pair")["score"].mean().to_dict() for r in (first, last)}
+            tests.append(paired_test(per[last], per[first]))
+            rows.append({"target": target, "condition": cond, "first": first, "last": last})
+    for row, t in zip(rows, with_holm(tests), strict=True):
+        row.update(t.as_dict(), warning=t.warning() or "")
+    return pd.DataFrame(rows, columns=DRIFT_COLUMNS)
+
+
 # -- a whole run ------------------------------------------------------------------------------
 def truncation(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
     """Per condition x round: how many dialog turns and probe replies hit --max-new-tokens.
@@ -268,6 +299,7 @@ class RunSummary(NamedTuple):
     overall: pd.DataFrame
     truncation: pd.DataFrame
     comparisons: pd.DataFrame  # `compare_conditions`: each condition against the first, paired
+    drift: pd.DataFrame  # `drift_tests`: the last probe round against the first, paired
 
 
 def summarize_run(run_dir: str | Path, n_resamples: int = N_RESAMPLES, seed: int = 0) -> RunSummary:
@@ -300,4 +332,5 @@ def summarize_run(run_dir: str | Path, n_resamples: int = N_RESAMPLES, seed: int
         overall=summarize_overall(scores, n_resamples=n_resamples, seed=seed),
         truncation=truncation(records),
         comparisons=compare_conditions(scores),
+        drift=drift_tests(scores),
     )

@@ -148,3 +148,23 @@ def comparison_table(summary: RunSummary) -> TextTable | None:
              "the CI is a t-interval below 30 pairs (BCa bootstrap from 30); p: two-sided, Holm-corrected over "
              "the comparisons of this run (p_holm).",
     )
+
+
+def drift_table(summary: RunSummary) -> TextTable | None:
+    """The last probe round against the first, per condition and target (`drift_tests`); None without two rounds."""
+    drift = summary.drift
+    if drift is None or drift.empty:
+        return None
+    rows = [[column_label(r.condition, r.target), f"round {r.last} - round {r.first}", str(r.n),
+             fmt_cell(r.diff, r.diff_ci_low, r.diff_ci_high), f"{r.better}/{r.worse}/{r.tied}", r.method,
+             fmt(r.p, 3), fmt(r.p_holm, 3), r.warning or "supported (p_holm < 0.05)"]
+            for r in drift.itertuples()]
+    return TextTable(
+        title="Drift: the last probe round against the first, on the same conversations",
+        columns=["score", "difference", "n", "mean [95% CI]", "higher/lower/tied", "test", "p", "p_holm", "verdict"],
+        rows=rows,
+        note="Each conversation's score at the last probe round every conversation reached minus its score at the "
+             "first (repeated probes averaged); a negative agent difference is drift away from the system prompt, a "
+             "positive adoption difference is the user's persona taken on. Exact McNemar for 0/1 scores, else "
+             "Wilcoxon signed-rank; the CI is a t-interval below 30 pairs; p two-sided, Holm over these rows.",
+    )
