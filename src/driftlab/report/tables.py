@@ -129,20 +129,26 @@ def ci_methods(summary: RunSummary) -> str:
         if names else "none (n < 2)"
 
 
+PAIRED_COLUMNS = ["n", "mean [95% CI]", "better/worse/tied", "test", "p", "p_holm", "verdict"]
+
+
+def paired_cells(r) -> list[str]:
+    """The cells of one paired test's row (a `PairedTest.as_dict` row with its `warning`), as `PAIRED_COLUMNS`."""
+    return [str(r.n), fmt_cell(r.diff, r.diff_ci_low, r.diff_ci_high), f"{r.better}/{r.worse}/{r.tied}", r.method,
+            fmt(r.p, 3), fmt(r.p_holm, 3), r.warning or "supported (p_holm < 0.05)"]
+
+
 def comparison_table(summary: RunSummary) -> TextTable | None:
     """Each condition against the first, paired by conversation (`compare_conditions`); None with one condition."""
     cmp = summary.comparisons
     if cmp is None or cmp.empty:
         return None
-    rows = []
-    for r in cmp.itertuples():
-        rows.append([TARGET_LABELS.get(r.target, r.target), f"{SHORT_CONDITION.get(r.condition, r.condition)} - "
-                     f"{SHORT_CONDITION.get(r.versus, r.versus)}", str(r.n), fmt_cell(r.diff, r.diff_ci_low, r.diff_ci_high),
-                     f"{r.better}/{r.worse}/{r.tied}", r.method, fmt(r.p, 3), fmt(r.p_holm, 3),
-                     r.warning or "supported (p_holm < 0.05)"])
+    rows = [[TARGET_LABELS.get(r.target, r.target),
+             f"{SHORT_CONDITION.get(r.condition, r.condition)} - {SHORT_CONDITION.get(r.versus, r.versus)}", *paired_cells(r)]
+            for r in cmp.itertuples()]
     return TextTable(
         title="Conditions compared on the same conversations",
-        columns=["target", "difference", "n", "mean [95% CI]", "better/worse/tied", "test", "p", "p_holm", "verdict"],
+        columns=["target", "difference", *PAIRED_COLUMNS],
         rows=rows,
         note="Each conversation's mean over the probe rounds both conditions reached, differenced pair by pair; "
              "the CI is a t-interval below 30 pairs (BCa bootstrap from 30); p: two-sided, Holm-corrected over "
@@ -155,16 +161,14 @@ def drift_table(summary: RunSummary) -> TextTable | None:
     drift = summary.drift
     if drift is None or drift.empty:
         return None
-    rows = [[column_label(r.condition, r.target), f"round {r.last} - round {r.first}", str(r.n),
-             fmt_cell(r.diff, r.diff_ci_low, r.diff_ci_high), f"{r.better}/{r.worse}/{r.tied}", r.method,
-             fmt(r.p, 3), fmt(r.p_holm, 3), r.warning or "supported (p_holm < 0.05)"]
+    rows = [[column_label(r.condition, r.target), f"round {r.last} - round {r.first}", *paired_cells(r)]
             for r in drift.itertuples()]
     return TextTable(
         title="Drift: the last probe round against the first, on the same conversations",
-        columns=["score", "difference", "n", "mean [95% CI]", "higher/lower/tied", "test", "p", "p_holm", "verdict"],
+        columns=["score", "difference", *PAIRED_COLUMNS],
         rows=rows,
         note="Each conversation's score at the last probe round every conversation reached minus its score at the "
              "first (repeated probes averaged); a negative agent difference is drift away from the system prompt, a "
-             "positive adoption difference is the user's persona taken on. Exact McNemar for 0/1 scores, else "
+             "positive adoption difference is the user's persona taken on (better = higher). Exact McNemar for 0/1 scores, else "
              "Wilcoxon signed-rank; the CI is a t-interval below 30 pairs; p two-sided, Holm over these rows.",
     )
