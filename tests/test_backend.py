@@ -267,3 +267,42 @@ def test_rows_stop_at_their_own_limit_when_cancelled_and_hand_over_early(smol32)
     assert finished_at[:2] == [(0, 4), (2, 6)]  # handed over while row 1 was still decoding
     with pytest.raises(DriftlabError, match="outside"):
         ChatRequest(convs, sampling, row_max_tokens=[4, 13, 1])
+
+
+@pytest.mark.parametrize("steer", [[], ["instaboost:m=5"], ["cfg:alpha=1.5"]])
+def test_done_rows_leave_the_batch_with_the_same_tokens_and_their_prefixes_kept(smol_dir, smol32, monkeypatch,
+                                                                                 steer):
+    """Rows that finish early leave the batch (their KV dropped from the cache, their attention
+    state and guidance twins with them) while the others decode on: every reply equals the
+    same conversation decoded alone, the batch really shrank, and a dropped row's prompt and
+    reply were stored in the prefix cache before it left (a follow-up turn reuses them)."""
+    from transformers.cache_utils import DynamicCache
+
+    from driftlab.chat import ChatRequest
+    from driftlab.chat.hf import HFChatBackend
+    from driftlab.steering import Interventions
+
+    sizes: list[int] = []
+    select = DynamicCache.batch_select_indices
+
+    def counted(self, indices):
+        sizes.append(len(indices))
+        return select(self, indices)
+
+    monkeypatch.setattr(DynamicCache, "batch_select_indices", counted)
+    iv = Interventions.parse(steer) if steer else Interventions()
+    sampling = Sampling(max_new_tokens=14, temperature=0, ignore_eos=True)
+    limits = [2, 14, 5, 9]  # rows end at steps 2, 5 and 9: three times a quarter of the batch is done
+    cached = HFChatBackend(str(smol_dir), dtype="float32", device=backend_device())
+    batch = cached.generate(ChatRequest(CONVS, sampling, interventions=iv, row_max_tokens=limits))
+    alone = [smol32.generate(ChatRequest([c], sampling, interventions=iv))[0] for c in CONVS]
+    assert [r.n_tokens for r in batch] == limits
+    assert [r.token_ids for r in batch] == [a.token_ids[:n] for a, n in zip(alone, limits, strict=True)]
+    twins = 2 if steer == ["cfg:alpha=1.5"] else 1
+    assert sizes == [3 * twins, 2 * twins, 1 * twins]
+    # The rows that left early were stored with their replies: the next turn of row 0 (dropped
+    # at step 2) reuses its prompt and its fed reply token.
+    follow = [CONVS[0] + [{"role": "assistant", "content": batch[0].text}, {"role": "user", "content": "More."}]]
+    before = cached.prefix_cache.hits_tokens
+    cached.generate(ChatRequest(follow, Sampling(max_new_tokens=1, temperature=0), interventions=iv))
+    assert cached.prefix_cache.hits_tokens - before >= len(cached.render(CONVS[0]).ids)

@@ -147,6 +147,23 @@ class AttentionState:
         self.records = [[] for _ in range(self.n_layers)]
         self._copies = {}
 
+    def select_rows(self, keep: Sequence[int]) -> None:
+        """Keep only the batch positions `keep`, in that order (the decode loop drops rows that
+        are done). The dynamic layout only: a static one keeps its shapes, and pi traces are
+        kept per batch position, so the loop does not drop rows while tracing."""
+        if self.static or self.trace:
+            raise DriftlabError("Rows cannot leave a batch that is traced or laid out statically.")
+        index = torch.tensor(list(keep), dtype=torch.long)
+        self.rows = [self.rows[i] for i in keep]
+        self.spans = [self.spans[i] for i in keep]
+        self.pads = [self.pads[i] for i in keep]
+        self.ends = [self.ends[i] for i in keep]
+        self.system_keys = self.system_keys[index.to(self.system_keys.device)]
+        if self.bias_keys is not None:
+            self.bias_keys = self.bias_keys[:, index.to(self.bias_keys.device)]
+            self.bias_mask = self.bias_mask[:, index.to(self.bias_mask.device)]
+        self.mask_memo, self._copies = {}, {}
+
     def static_layout(self, n_calls: int, arena: dict[str, torch.Tensor] | None = None,
                       system_end: int | None = None) -> None:
         """Switch to a static KV cache's layout (after `on_layout`, whose `max_len` is the cache length).

@@ -386,55 +386,79 @@ class HFChatBackend:
 
         # A row's reply is known when it finishes, unless pi traces (built at the end) are asked for.
         early = on_finish if state is None or not state.trace else None
+        # Rows that are done leave the batch (dynamic cache only; a static cache keeps its shapes
+        # for compiled steps, and pi traces are assembled per batch position at the end): in a
+        # self-chat a few long replies would otherwise make every finished row cost a forward
+        # pass per step until the longest ends. `live[i]` is the row at batch position i; with
+        # guidance the first `n_cond` positions are conditional rows, the rest their twins.
+        compacting = static is None and (state is None or not state.trace)
+        live, n_cond = list(range(B)), real
         logits = self._forward(ids[:, S:], mask, positions[:, S:], cache, state)
         n_fed = 0  # decode steps run: sampled[b][:n_fed] have their KV in the cache
         for step in range(sampling.max_new_tokens):
             if cancelled is not None:
-                for b in torch.nonzero(~finished[:real]).flatten().tolist():
+                for i in torch.nonzero(~finished[:n_cond]).flatten().tolist():
+                    b = live[i]
                     if cancelled(b):
-                        finished[b] = finished[b + real if guidance is not None else b] = True
+                        finished[i] = finished[i + n_cond if guidance is not None else i] = True
                         reasons[b] = "cancelled"
                         if early is not None:
                             early(b, reply(b))
                 if bool(finished.all()):
                     break
             mixed = logits if guidance is None else _guide(logits, guidance)
-            drawn = _sample(mixed, warpers, gens[:real])
+            drawn = _sample(mixed, warpers, [gens[b] for b in live[:n_cond]])
             nxt = drawn if guidance is None else torch.cat([drawn, drawn])
             nxt = torch.where(finished, torch.full_like(nxt, self.pad_id), nxt)
             tokens = nxt.tolist()  # one device-to-host copy per step, not one per row
-            top = _top_logprobs(mixed, nxt[:real], logprobs) if logprobs is not None else None
+            top = _top_logprobs(mixed, nxt[:n_cond], logprobs) if logprobs is not None else None
             running = torch.nonzero(~finished).flatten().tolist()
-            for b in running:
-                tok = tokens[b]
+            for i in running:
+                b, tok = live[i], tokens[i]
                 sampled[b].append(tok)
-                if b < real:
+                if i < n_cond:
                     if top is not None:
-                        scored[b].append(top[b])
+                        scored[b].append(top[i])
                     if on_token is not None:
                         on_token(b, tok)
                 if row_max_tokens is not None and len(sampled[b]) >= row_max_tokens[b]:
-                    finished[b] = True
+                    finished[i] = True
                 if sampling.ignore_eos:
                     continue
                 if tok in self.eos_ids or (self.renderer.stop_strings and self._hit_stop(sampled[b])):
-                    finished[b] = True
+                    finished[i] = True
                     reasons[b] = "stop"
             if early is not None:
-                for b in running:
-                    if b < real and finished[b]:
-                        early(b, reply(b))
+                for i in running:
+                    if i < n_cond and finished[i]:
+                        early(live[i], reply(live[i]))
             if bool(finished.all()) or step == sampling.max_new_tokens - 1:
                 break
             positions = positions[:, -1:] + 1
+            if compacting:
+                done = int(finished[:n_cond].sum())
+                if done and 4 * done >= n_cond:  # a quarter of the batch: worth one copy of the cache
+                    keep = torch.nonzero(~finished[:n_cond]).flatten()
+                    if guidance is not None:
+                        keep = torch.cat([keep, keep + n_cond])
+                    gone = sorted(set(range(len(live))) - set(keep.tolist()))
+                    self._store_prefixes(prompts, sampled, 0 if prompt_only else n_fed, pads, cache, tags,
+                                         cache_store, at={i: live[i] for i in gone})
+                    cache.batch_select_indices(keep)
+                    if state is not None:
+                        state.select_rows(keep.tolist())
+                    live = [live[i] for i in keep.tolist()]
+                    n_cond = len(live) // 2 if guidance is not None else len(live)
+                    mask, positions, nxt, finished = mask[keep], positions[keep], nxt[keep], finished[keep]
             if static is not None:
                 logits = self._static_step(nxt[:, None], mask, positions, cache, state)
             else:
-                mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=self.device)], dim=1)
+                mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype, device=self.device)], dim=1)
                 logits = self._forward(nxt[:, None], mask, positions, cache, state)
             n_fed += 1
 
-        self._store_prefixes(prompts, sampled, 0 if prompt_only else n_fed, pads, cache, tags, cache_store)
+        self._store_prefixes(prompts, sampled, 0 if prompt_only else n_fed, pads, cache, tags, cache_store,
+                             at=dict(enumerate(live)))
         traces = state.row_traces([len(x) for x in sampled], pads) if state is not None else [None] * B
         return [reply(b, traces[b]) for b in range(B)]
 
@@ -551,19 +575,23 @@ class HFChatBackend:
             cache.update(keys, values, layer)
         return cache
 
-    def _store_prefixes(self, prompts, sampled, n_fed: int, pads, cache, tags: list[str], store) -> None:
-        """Keep each row's KV: its prompt plus the sampled tokens that were fed back."""
+    def _store_prefixes(self, prompts, sampled, n_fed: int, pads, cache, tags: list[str], store,
+                        at: dict[int, int]) -> None:
+        """Keep each row's KV: its prompt plus the sampled tokens that were fed back.
+
+        `at` maps batch positions of `cache` to the rows they hold (rows leave the batch when
+        they are done, and are stored then)."""
         if self.prefix_cache.max_bytes <= 0:
             return
         T = max(len(p) for p in prompts)
-        for b, p in enumerate(prompts):
+        for i, b in at.items():
             if store is not None and not store[b]:
                 continue
             fed = sampled[b][:n_fed]
-            tokens = np.concatenate([p, np.asarray(fed, dtype=np.int64)])
+            tokens = np.concatenate([prompts[b], np.asarray(fed, dtype=np.int64)])
             end = T + len(fed)
             kv = [
-                (layer.keys[b, :, pads[b] : end].clone(), layer.values[b, :, pads[b] : end].clone())
+                (layer.keys[i, :, pads[b] : end].clone(), layer.values[i, :, pads[b] : end].clone())
                 for layer in cache.layers
             ]
             self.prefix_cache.store(tokens, kv, tags[b])
