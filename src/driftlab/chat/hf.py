@@ -90,6 +90,9 @@ class HFChatBackend:
         self.prefix_cache = PrefixCache(prefix_cache_bytes if self._cacheable() else 0)
         self.decode_mode = decode
         self._static: StaticDecoder | None = None
+        # Rows that are done leave a batch that decodes on (see `_decode`); off only to measure
+        # what that saves (benchmarks/generation.py).
+        self.compact_rows = True
         if decode in ("static", "compiled"):
             why = static_refusal(self.model, device_map=device_map, quantize=quantize)
             if why is None:
@@ -391,7 +394,7 @@ class HFChatBackend:
         # self-chat a few long replies would otherwise make every finished row cost a forward
         # pass per step until the longest ends. `live[i]` is the row at batch position i; with
         # guidance the first `n_cond` positions are conditional rows, the rest their twins.
-        compacting = static is None and (state is None or not state.trace)
+        compacting = self.compact_rows and static is None and (state is None or not state.trace)
         live, n_cond = list(range(B)), real
         logits = self._forward(ids[:, S:], mask, positions[:, S:], cache, state)
         n_fed = 0  # decode steps run: sampled[b][:n_fed] have their KV in the cache
