@@ -377,12 +377,42 @@ def test_chunked_bias_path_matches_unchunked(backend: HFChatBackend, monkeypatch
     _, H = _dims(backend)
     T = whole.shape[1]
     monkeypatch.setattr(engine_module, "_CHUNK_ELEMS", 2 * H * T * 5)  # 5 queries per chunk (B = 2)
+    # A causal-plus-padding mask takes the key-mask path (no chunks); hide that to chunk.
+    monkeypatch.setattr(engine_module, "_padding_keys", lambda *args: None)
     monkeypatch.setattr(engine_module, "_attend", counting_attend)
     chunked, pi_chunked, _ = prefill(backend, cfg)
     # The biased layers really ran in chunks of 5 queries (layer 0 has no bias: one call).
     assert calls.count(5) >= T // 5 and max(c for c in calls if c != T) == 5
     assert max_diff(chunked, whole, pads, dim=1) <= tol(LOGIT_TOL)
     assert max_diff(pi_chunked, pi_whole, pads, dim=3) <= tol(PI_TOL)
+
+
+@cpu_only("the key-mask path is the CPU flash kernel's")
+@pytest.mark.parametrize("case", ["composed", "biases_summed"])
+def test_biased_prefill_builds_no_per_query_mask(backend: HFChatBackend, case: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key bias on a causal, left-padded prefill, with pi and split-softmax too ("composed"),
+    calls the kernel with [B, H, 1, K] key masks only: all queries at once, nothing q x K.
+    (Gemma3's sliding-window layers need a per-query mask; its global layers do not.)"""
+    masks: list[tuple[int, int]] = []
+    real_attend = engine_module._attend
+
+    def recording_attend(query, key, value, mask, *args, **kwargs):
+        masks.append((query.shape[2], 1 if mask is None else mask.shape[2]))
+        return real_attend(query, key, value, mask, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "_attend", recording_attend)
+    logits, _, pads = prefill(backend, traced(CASES[case]) if case == "composed" else CASES[case])
+    T = logits.shape[1]
+    whole = [m for q, m in masks if q > 1]
+    assert whole, "no prefill call reached the kernel"
+    if "gemma" not in type(backend.model).__name__.lower():
+        assert all(m == 1 for m in whole), masks  # every mask a key mask
+        assert not [q for q, _ in masks if 1 < q < T // 2], masks  # no query chunks
+        if case == "composed":  # the system-only call: the queries from the span's first slot on
+            assert any(T // 2 <= q < T for q, _ in masks), masks
+    else:
+        assert any(m == 1 for m in whole) and any(m > 1 for m in whole), masks
 
 
 @cpu_only("forces the extra-V-channel path on the CPU by hiding the CPU flash kernel")

@@ -12,7 +12,9 @@ pi comes from log-sum-exps where the fused kernel reports them (PyTorch's CPU fl
 kernel): pi = exp(LSE_sys - LSE_all), with LSE_sys from the same second, system-only call
 that split-softmax needs anyway. Elsewhere pi comes from extra V channels that are 1 on
 system keys (one SDPA call gives O and pi). Either way nothing materialises the T x T
-attention weights; a bias mask is built per query chunk.
+attention weights. A prefill whose mask is causal plus left padding (the usual batch) passes
+the kernel a [B, H, 1, K] key mask with its causal flag, bias and pi included; other masks
+(sliding windows, cached prefixes) get a float mask per query chunk.
 
 Kernels (`DRIFTLAB_ATTENTION_KERNEL`, read per call): on CUDA the intervention path runs on
 FlexAttention (flex.py): the bias as a score_mod, causal / padding / sliding window as block
@@ -89,7 +91,7 @@ def _attend(
     Returns ([B, H, q, dv], and with `lse` the float32 log-sum-exp of the logits [B, H, q]).
     """
     B, H, q, d = query.shape
-    packed = n_rep > 1 and q == 1
+    packed = n_rep > 1 and q == 1 and not causal  # packed heads are queries: a causal flag would mask them
     if packed:
         # The n_rep query heads sharing a KV head become n_rep queries of that head.
         query = query.reshape(B, H // n_rep, n_rep, d)
@@ -178,17 +180,22 @@ def driftlab_attention(
     base = attention_mask
     if base is not None and base.dtype != torch.bool:  # some models hand over an additive float mask
         base = base > neg / 2
-    if bias is not None and q == K and q > 1 and not need_pi and _flash_ok(query, key, value):
-        # A key bias (PASTA, InstABoost) on a prefill whose mask is causal plus key padding: the
-        # CPU flash kernel takes the causal flag with a [B, H, 1, K] key mask (bias, and the
-        # dtype's minimum on padding keys), so no per-query mask is built.
+    if (bias is not None or need_pi) and q == K and q > 1 and _flash_ok(query, key, value):
+        # A key bias (PASTA, InstABoost), pi or split-softmax on a prefill whose mask is causal
+        # plus key padding: the CPU flash kernel takes the causal flag with a [B, H, 1, K] key
+        # mask (bias, and the dtype's minimum on padding keys), so no per-query mask is built.
         # The memo keeps the mask alive; only the caller's own tensor is worth it (a converted
         # float mask is a fresh [B, 1, q, K] tensor per layer).
         memo = state.mask_memo if base is attention_mask else {}
         keys = None if base is None else _padding_keys(memo, base, q, K, state.kv_len)
         if base is None or keys is not None:
-            key_mask = bias.to(dtype) if keys is None else torch.where(keys[:, None, None, :], bias.to(dtype), neg)
-            out, _ = _attend(query, key, value, key_mask, scale, n_rep, causal=True, lse=True)
+            key_bias = None if bias is None else bias.to(dtype)
+            if keys is not None:
+                key_bias = torch.where(keys[:, None, None, :], 0.0 if key_bias is None else key_bias, neg).to(dtype)
+            out, lse_all = _attend(query, key, value, key_bias, scale, n_rep, causal=True, lse=True)
+            if need_pi:
+                out = _pi_of_causal_prefill(state, layer, out, lse_all, query, key, value, key_bias, sys_keys,
+                                            sys_range, split_heads, scale, n_rep)
             return out.transpose(1, 2).contiguous(), None
     # None = every key visible to every query: q == 1, or (q == K) with the causal flag.
     causal = base is None and q == K and q > 1 and bias is None
@@ -252,6 +259,42 @@ def driftlab_attention(
     if state.trace:
         state.record(layer, torch.cat(pis, dim=2) if len(pis) > 1 else pis[0])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _pi_of_causal_prefill(state: AttentionState, layer: int, out: torch.Tensor, lse_all: torch.Tensor,
+                          query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          key_mask: torch.Tensor | None,
+                          sys_keys: torch.Tensor, sys_range: tuple[int, int] | None,
+                          split_heads: torch.Tensor | None, scale: float, n_rep: int) -> torch.Tensor:
+    """pi (traced) and split-softmax for a causal prefill whose mask is a [B, H|1, 1, K] key
+    mask (or none).
+
+    The system-only call needs no per-query mask either: query i sees system key j iff j <= i,
+    so the queries from the span's first slot `a` on, against keys [a, b), are causal in the
+    kernel's top-left sense (query a + i sees key a + j iff j <= i). Queries before `a` see no
+    system key: pi = 0 there, as the masked call would give. Returns the (reweighted) output.
+    """
+    B, H, q, dv = *query.shape[:3], value.shape[-1]
+    pi = torch.zeros((B, H, q, 1), device=query.device)
+    if sys_range is not None:
+        a, b = sys_range
+        neg = torch.finfo(query.dtype).min
+        visible = 0.0 if key_mask is None else key_mask[..., a:b]
+        m_sys = torch.where(sys_keys[:, None, None, a:b], visible, neg).to(query.dtype)
+        o_tail, lse_tail = _attend(query[:, :, a:], key[:, :, a:b], value[:, :, a:b], m_sys, scale, n_rep,
+                                   causal=True, lse=True)
+        # Both LSEs come from fp32 accumulators; rest = 1 - pi keeps full precision near pi = 1.
+        delta = (lse_tail - lse_all[:, :, a:]).clamp(max=0.0)[..., None]
+        pi[:, :, a:] = delta.exp()
+        if split_heads is not None:
+            rest = torch.ones_like(pi)
+            rest[:, :, a:] = -torch.expm1(delta)
+            o_sys = out.new_zeros((B, H, q, dv))
+            o_sys[:, :, a:] = o_tail
+            out = _split_softmax(out, o_sys, pi, rest, state.split_k, split_heads)
+    if state.trace:
+        state.record(layer, pi[..., 0])
+    return out
 
 
 def _padding_keys(memo: dict, base: torch.Tensor, q: int, K: int, kv_len: int) -> torch.Tensor | None:
