@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
 from devices import backend_device, tol
 from driftlab.chat import Sampling, chat
-from driftlab.protocol.decay import DecayTrace, agent_conversation, trace_dialogs, turn_spans
+from driftlab.errors import DriftlabError
+from driftlab.protocol.decay import DecayTrace, agent_conversation, trace_dialogs, traces, turn_spans
 
 pytestmark = pytest.mark.model
 
@@ -48,3 +51,17 @@ def test_decay_cli_writes_traces_and_figures(tmp_path, smol_dir):
     assert ((trace.pi >= 0) & (trace.pi <= 1)).all()
     for name in ("decay_fig4.png", "decay_rounds.png", "decay_heatmap.png"):
         assert (tmp_path / name).stat().st_size > 20_000
+
+    # A committed run keeps decay.npz but not the per-dialog arrays it resumes from: the report
+    # reads the saved trace; with neither there is a clear error, not a traceback.
+    shutil.rmtree(tmp_path / "traces")
+    (tmp_path / "decay_fig4.png").unlink()
+    result = CliRunner().invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "decay_fig4.png").stat().st_size > 20_000
+    (saved,) = traces(tmp_path).values()
+    np.testing.assert_array_equal(saved.pi, trace.pi)
+    (tmp_path / "decay.npz").unlink()
+    result = CliRunner().invoke(app, ["report", str(tmp_path)])
+    # a DriftlabError: the entry point prints it as one "Error:" line with its hint
+    assert isinstance(result.exception, DriftlabError) and "trace file(s)" in str(result.exception)

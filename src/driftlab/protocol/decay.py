@@ -334,11 +334,20 @@ class Decay(Protocol[DecayConfig]):
 
     def finish(self, state: RunState) -> None:
         for model, trace in traces(self.run_dir).items():
-            trace.save(self.run_dir, name="decay" if model == self.config.backend.model else f"decay_{Path(model).name}")
+            trace.save(self.run_dir, name=saved_name(model, self.config.backend.model))
+
+
+def saved_name(model: str, main: str) -> str:
+    """The stem of a model's saved trace in the run directory (`finish` writes it)."""
+    return "decay" if model == main else f"decay_{Path(model).name}"
 
 
 def traces(run_dir: str | Path) -> dict[str, DecayTrace]:
-    """model -> its float32 DecayTrace, from a decay run's records (main model first)."""
+    """model -> its float32 DecayTrace, from a decay run's records (main model first).
+
+    The per-dialog arrays under `traces/` are what a run resumes from; a copied or committed
+    run directory may keep only the assembled `decay*.npz` (float16), which is read instead.
+    """
     rd = RunDir(run_dir)
     manifest = rd.read_manifest()
     dialogs = manifest.get("dialogs") or dialogs_from_run(rd.path / "selfchat")
@@ -346,10 +355,21 @@ def traces(run_dir: str | Path) -> dict[str, DecayTrace]:
     for r in rd.records(RECORDS):
         by_model.setdefault(r.model, {})[r.dialog] = r
     out = {}
-    for model in [config_of(manifest)["backend"]["model"], *config_of(manifest).get("compare", [])]:
+    main = config_of(manifest)["backend"]["model"]
+    for model in [main, *config_of(manifest).get("compare", [])]:
         recs = [by_model.get(model, {}).get(i) for i in range(len(dialogs))]
         if any(r is None for r in recs):
             continue  # not traced yet
+        missing = [r.file for r in recs if not (rd.path / r.file).exists()]
+        if missing:
+            saved = rd.path / f"{saved_name(model, main)}.npz"
+            if not saved.exists():
+                raise DriftlabError(
+                    f"{rd.path}: {len(missing)} trace file(s) of {model} are missing (e.g. {missing[0]}) and "
+                    f"there is no {saved.name} to read instead.",
+                    hint="Restore the run's traces/ folder, or trace again into a new --out directory.")
+            out[model] = DecayTrace.load(saved)
+            continue
         parts = []
         for r in recs:
             with np.load(rd.path / r.file) as data:
