@@ -228,10 +228,7 @@ def driftlab_attention(
             o, lse_all = _attend(qs, key, value, mf, scale, n_rep, causal=causal, lse=True)
             if sys_range is not None:
                 o_sys, lse_sys = _attend(qs, key[:, :, a:b], value[:, :, a:b], m_sys, scale, n_rep, lse=True)
-                # Both LSEs come from fp32 accumulators; rest = 1 - pi keeps full precision near pi = 1.
-                delta = (lse_sys - lse_all).clamp(max=0.0)[..., None]
-                pi = delta.exp()
-                rest = -torch.expm1(delta) if split_heads is not None else None
+                pi, rest = _mass_from_lse(lse_sys, lse_all)
             else:
                 pi = torch.zeros((B, H, qc, 1), device=query.device)
         elif need_pi:
@@ -261,6 +258,15 @@ def driftlab_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _mass_from_lse(lse_sys: torch.Tensor, lse_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pi and 1 - pi [B, H, q, 1] from the system-only and the all-keys log-sum-exps.
+
+    Both LSEs come from fp32 accumulators; rest = 1 - pi is computed directly (expm1), so it
+    keeps full precision where pi is close to 1."""
+    delta = (lse_sys - lse_all).clamp(max=0.0)[..., None]
+    return delta.exp(), -torch.expm1(delta)
+
+
 def _pi_of_causal_prefill(state: AttentionState, layer: int, out: torch.Tensor, lse_all: torch.Tensor,
                           query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           key_mask: torch.Tensor | None,
@@ -283,12 +289,11 @@ def _pi_of_causal_prefill(state: AttentionState, layer: int, out: torch.Tensor, 
         m_sys = torch.where(sys_keys[:, None, None, a:b], visible, neg).to(query.dtype)
         o_tail, lse_tail = _attend(query[:, :, a:], key[:, :, a:b], value[:, :, a:b], m_sys, scale, n_rep,
                                    causal=True, lse=True)
-        # Both LSEs come from fp32 accumulators; rest = 1 - pi keeps full precision near pi = 1.
-        delta = (lse_tail - lse_all[:, :, a:]).clamp(max=0.0)[..., None]
-        pi[:, :, a:] = delta.exp()
+        pi_tail, rest_tail = _mass_from_lse(lse_tail, lse_all[:, :, a:])
+        pi[:, :, a:] = pi_tail
         if split_heads is not None:
             rest = torch.ones_like(pi)
-            rest[:, :, a:] = -torch.expm1(delta)
+            rest[:, :, a:] = rest_tail
             o_sys = out.new_zeros((B, H, q, dv))
             o_sys[:, :, a:] = o_tail
             out = _split_softmax(out, o_sys, pi, rest, state.split_k, split_heads)

@@ -153,15 +153,15 @@ class AttentionState:
         kept per batch position, so the loop does not drop rows while tracing."""
         if self.static or self.trace:
             raise DriftlabError("Rows cannot leave a batch that is traced or laid out statically.")
-        index = torch.tensor(list(keep), dtype=torch.long)
+        index = torch.tensor(list(keep), dtype=torch.long, device=self.system_keys.device)
         self.rows = [self.rows[i] for i in keep]
         self.spans = [self.spans[i] for i in keep]
         self.pads = [self.pads[i] for i in keep]
         self.ends = [self.ends[i] for i in keep]
-        self.system_keys = self.system_keys[index.to(self.system_keys.device)]
+        self.system_keys = self.system_keys[index]
         if self.bias_keys is not None:
-            self.bias_keys = self.bias_keys[:, index.to(self.bias_keys.device)]
-            self.bias_mask = self.bias_mask[:, index.to(self.bias_mask.device)]
+            self.bias_keys = self.bias_keys[:, index]
+            self.bias_mask = self.bias_mask[:, index]
         self.mask_memo, self._copies = {}, {}
 
     def static_layout(self, n_calls: int, arena: dict[str, torch.Tensor] | None = None,
