@@ -28,7 +28,7 @@ UNEVEN = [128, 64, 48, 32, 24, 24, 16, 16, 12, 12, 8, 8, 8, 4, 4, 4]  # per-row 
 
 def run(quick: bool = False) -> Result:
     new_tokens = 16 if quick else 64
-    backend = HFChatBackend(os.environ.get("GENBENCH_MODEL", "smollm2-135m"), dtype="auto", prefix_cache_bytes=0)
+    backend = HFChatBackend(os.environ.get("GENBENCH_MODEL") or "smollm2-135m", dtype="auto", prefix_cache_bytes=0)
     sampling = Sampling(greedy=True, max_new_tokens=new_tokens, ignore_eos=True)
     res = Result(
         title=f"generation: {backend.name} ({backend.model.dtype}), greedy, {new_tokens} new tokens",

@@ -41,7 +41,13 @@ def main() -> int:
         f"[dim]{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
         f"torch {torch.__version__}, cuda={torch.cuda.is_available()}[/]"
     )
-    result = module.run(quick=args.quick)
+    from driftlab.errors import DriftlabError
+
+    try:
+        result = module.run(quick=args.quick)
+    except DriftlabError as err:  # bad settings (a model name, an env var): one line, not a traceback
+        console.print(f"Error: {err}", markup=False)  # and its "Hint:" line
+        return 2
     for part in [result, *getattr(result, "tables", [])]:
         table = Table(title=part.title)
         for col in part.columns:

@@ -87,3 +87,16 @@ def test_selfchat_and_targets(bench):
     assert not re.search(r"│ (met|missed)\s+│", out)  # no target judged on a CPU
     assert {rec["variant"] for rec in data["records"] if "variant" in rec} >= set(MODES)
     assert data["results"] == r
+
+
+@pytest.mark.parametrize("model", ["nope", "/no/such/model/dir"])
+def test_a_bad_benchmark_setting_is_one_error_line(model: str) -> None:
+    """`run.py` prints a DriftlabError from any benchmark (here generation's GENBENCH_MODEL) as
+    its Error/Hint lines and exits 2, where it was a traceback."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "GENBENCH_MODEL": model, "COLUMNS": "200"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "generation", "--quick"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Error: " in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+    assert "RESULT" not in proc.stdout
