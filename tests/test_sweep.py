@@ -288,6 +288,35 @@ def test_a_stale_point_is_refused_by_the_table_then_moved_aside_and_redone(swept
         assert _manifest(out / "stale" / f"{point.name}.2" / child) == manifest and stale.is_dir()
 
 
+@pytest.mark.model
+def test_more_points_join_a_finished_sweep_and_none_can_be_dropped(swept, tiny, tmp_path, capsys):
+    """A resume with a larger grid runs only the new point (the finished ones are kept byte for byte)
+    and the table tests all of them as one Holm family; a grid without a recorded point is refused."""
+    import shutil
+
+    from driftlab.errors import DriftlabError
+
+    out = tmp_path / "sweep"
+    shutil.copytree(swept, out)
+    old = {p: p.read_bytes() for p in sorted(out.rglob("records.jsonl"))}
+    grid = {"split-softmax": ["split-softmax:k=0.5"], "spr": ["spr:p=1"]}
+    run_protocol(Sweep(_tiny_config(tiny).model_copy(update={"grid": SweepConfig(grid=grid).grid}), tiny), out)
+    assert "sweep: adding 1 point(s)" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in old} == old
+    manifest = _manifest(out)
+    assert manifest["points"] == ["", "split-softmax:k=0.5,heads=all", "spr:p=1.0,seed=0"] and manifest["completed"]
+    assert manifest["config"]["grid"]["spr"] == ["spr:p=1.0,seed=0"]
+    table = sweep_table(out)
+    assert list(table.spec) == ["plain", "split-softmax:k=0.5,heads=all", "spr:p=1.0,seed=0"]
+    from statsmodels.stats.multitest import multipletests
+
+    steered = table.iloc[1:]
+    assert list(steered.mmlu_p_holm) == pytest.approx(list(multipletests(steered.mmlu_p, method="holm")[1]))
+    with pytest.raises(DriftlabError, match="holds the point\\(s\\) spr:p=1.0,seed=0, which this sweep's grid lacks"):
+        run_protocol(Sweep(_tiny_config(tiny), tiny), out, progress=False)
+    assert _manifest(out)["points"] == manifest["points"]  # the refused resume changed nothing
+
+
 def test_sweep_config_records_the_turn_counting_and_refuses_a_dialog_too_short():
     cfg = SweepConfig()
     assert (cfg.mmlu_turn, cfg.mmlu_turn_counting, cfg.mmlu_history) == (4, "paper", "dialog")

@@ -25,7 +25,7 @@ def sweep(
     methods: Annotated[str, typer.Option(help="Comma-separated methods with their default grids.")] = (
         "split-softmax,spr,cfg,instaboost"),
     point: Annotated[list[str] | None, typer.Option(
-        "--point", help="A grid point as a --steer spec (repeatable); replaces the default grids.")] = None,
+        "--point", help="A grid point as a --steer spec (repeatable); replaces the default grids; more points than a sweep recorded are added to it.")] = None,
     pairs: Annotated[int, typer.Option(help="Use the first N of the 20 ordered pairs of the 5 sweep personas.")] = 20,
     personas: Annotated[str, typer.Option(
         help="The 5 sweep personas: 'table2' (the first of each category in driftlab's data) or 'reference' "

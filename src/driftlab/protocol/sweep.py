@@ -17,7 +17,8 @@ For every point (method, strength) of a grid, on one loaded backend:
 The plain model is the point (none, 0). Every point is a pair of resumable run directories
 under `RUN/points/<spec>/`, all continuing one plan recorded in the sweep's manifest (the
 self-chat's personas and starters, the MMLU questions), so a killed sweep resumes, a
-finished point is never recomputed, and every point sees the same data.
+finished point is never recomputed, and every point sees the same data. The same command
+with more `--point`s adds them to a sweep (finished or not); a point cannot be dropped.
 
 No confounds by construction: points are only comparable if they differ in nothing but the
 intervention. Before a point runs, its recorded manifests are compared with what this sweep
@@ -130,7 +131,9 @@ class SweepConfig(ProtocolConfig):
     data: str | None = None
     batch_size: int = Field(32, ge=1, le=4096)
 
-    RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size")
+    # The grid is compared point by point when the sweep starts its units (`Sweep._add_points`):
+    # a resume may add points, never drop one.
+    RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size", "grid")
     # Sweeps recorded before these options: MMLU at a round, after a separate self-chat.
     LEGACY: ClassVar[dict[str, Any]] = {"mmlu_turn_counting": "round", "mmlu_history": "selfchat",
                                         "probe_after": "user"}
@@ -216,9 +219,37 @@ class Sweep(Protocol[SweepConfig]):
         return {}
 
     def units(self, state: RunState) -> Iterator[tuple[int, BaseIntervention | None]]:
+        self._add_points(state)
         self._plan = state.manifest
         for i, (_, point) in enumerate(self.config.points()):
             yield i, point
+
+    def _add_points(self, state: RunState) -> None:
+        """Let a sweep resumed with more points (every recorded one, and others) run the new ones.
+
+        Everything else was compared by the resume (`RESUME_IGNORES` leaves out only the grid),
+        so the new points continue the same plan and are as comparable as the old ones; the
+        finished points are kept, and the Holm family of the report grows with the grid. A grid
+        that lacks a recorded point is refused: dropping a point from a family after seeing its
+        result is what the correction is there to prevent.
+        """
+        recorded: list[str] = state.manifest.get("points", [])
+        now = [p.spec() if p else "" for _, p in self.config.points()]
+        gone = [s for s in recorded if s not in now]
+        if gone:
+            raise DriftlabError(
+                f"{state.rundir.path} holds the point(s) {', '.join(gone)}, which this sweep's grid lacks.",
+                hint="Add them back with --point (a sweep's points can be added, never dropped: the report tests "
+                     "them as one family), or choose a new --out directory.")
+        if now == recorded:
+            return
+        added = [s for s in now if s not in recorded]
+        config = {**state.manifest["config"], "grid": self.config.model_dump(mode="json")["grid"]}
+        state.rundir.update_manifest(config=config, points=now, completed=False)
+        state.manifest = state.rundir.read_manifest()
+        if self.progress and added:
+            err_console().print(f"sweep: adding {len(added)} point(s) to {state.rundir.path}: {', '.join(added)}; "
+                                "the finished points are kept.", highlight=False, markup=False)
 
     def run_unit(self, unit: tuple[int, BaseIntervention | None]) -> list:
         i, point = unit
