@@ -163,22 +163,34 @@ def matched_points(table: pd.DataFrame, match_drop: float | None = None) -> tupl
 
 
 def tradeoff_figure(table: pd.DataFrame, path: Path) -> Path:
-    fig = Figure(figsize=(6.4, 4.2), dpi=130)
+    """Fig. 5 with both uncertainties drawn: stability's CI over conversations (vertical) and the
+    paired CI of the MMLU drop over questions (horizontal), so a reader sees at a glance which
+    costs the sweep's n can tell apart. A filled marker is a point whose gain over plain holds
+    after Holm; a hollow one is not shown to differ."""
+    fig = Figure(figsize=(7.2, 4.6), dpi=130)
     ax = fig.subplots()
     plain = table[table.method == "plain"].iloc[0]
     for method, rows in table[table.method != "plain"].groupby("method", sort=False):
         rows = pd.concat([plain.to_frame().T, rows.sort_values("strength_rank")])
         x, y = rows.mmlu_drop.astype(float), rows.stability.astype(float)
         yerr = [y - rows.stability_ci_low.astype(float), rows.stability_ci_high.astype(float) - y]
-        ax.errorbar(x, y, yerr=yerr, marker="o", ms=4, capsize=2, lw=1.5, color=COLORS.get(method), label=method)
+        xerr = [x - rows.mmlu_drop_ci_low.astype(float), rows.mmlu_drop_ci_high.astype(float) - x]
+        color = COLORS.get(method)
+        ax.errorbar(x, y, yerr=yerr, xerr=xerr, marker="none", capsize=2, lw=1.5, elinewidth=0.7, color=color,
+                    label=method)
+        shown = (rows.gain_p_holm.astype(float) < 0.05).to_numpy()
+        ax.scatter(x[shown], y[shown], s=22, color=color, zorder=4)
+        ax.scatter(x[~shown], y[~shown], s=22, facecolor="white", edgecolor=color, zorder=4)
         for _, r in rows.iloc[1:].iterrows():
             ax.annotate(str(r.spec).split(":", 1)[1].split(",")[0], (r.mmlu_drop, r.stability),
-                        textcoords="offset points", xytext=(3, 3), fontsize=6, color=COLORS.get(method))
+                        textcoords="offset points", xytext=(4, 4), fontsize=6, color=color)
     ax.scatter([plain.mmlu_drop], [plain.stability], color="black", zorder=5, label="plain")
-    ax.set_xlabel("MMLU drop at the question turn (plain - steered)")
+    ax.axvline(0, color="0.7", lw=0.6, zorder=0)
+    ax.set_xlabel("MMLU drop at the question turn (plain - steered; bars: paired 95% CI over questions)")
     ax.set_ylabel("persona stability (mean probe score)")
-    ax.set_title("Stability vs cost (seed 000 Fig. 5); bars: 95% CI over conversations", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_title("Stability vs cost (seed 000 Fig. 5); vertical bars: 95% CI over conversations;\n"
+                 "filled: stability gain over plain shown (Holm p < 0.05), hollow: not shown", fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     return save_png(fig, path)
 
