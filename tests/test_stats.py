@@ -206,12 +206,57 @@ def test_exact_mcnemar_hand_checked_and_against_statsmodels(better: int, worse: 
     assert t.diff.estimate == pytest.approx((better - worse) / len(a))
 
 
-def test_paired_proportion_differences_stay_within_minus_one_and_one() -> None:
-    t = paired_test([1.0] * 18 + [0.0] * 2, [0.0] * 20)  # a t-interval of these differences reaches past 1
-    raw = stats.t.interval(0.95, 19, loc=0.9, scale=stats.sem([1.0] * 18 + [0.0] * 2))
-    assert raw[1] > 1.0 and t.diff.high == 1.0 and t.diff.low == pytest.approx(raw[0])
-    graded = paired_test([2.0, 3.5, 4.0], [0.1, 0.2, 0.0])  # graded scores: no bound is known, none applied
-    assert graded.diff.high > 3.0
+def _paired_table(r: int, s: int, t: int, u: int) -> tuple[np.ndarray, np.ndarray]:
+    """0/1 outcomes of a paired 2x2 table: r both right, s only a, t only b, u neither."""
+    a = np.array([1.0] * (r + s) + [0.0] * (t + u))
+    b = np.array([1.0] * r + [0.0] * s + [1.0] * t + [0.0] * u)
+    return a, b
+
+
+def test_paired_proportions_get_newcombes_interval_as_published() -> None:
+    """Fagerland, Lydersen & Laake's contingencytables (R; tests/testthat/test-ch8.R): the table
+    [[59, 6], [16, 80]] gives -0.0621 (95% CI -0.1186 to -0.0046) by Newcombe's square-and-add."""
+    a, b = _paired_table(59, 6, 16, 80)
+    t = paired_test(a, b)
+    assert t.diff.method == "newcombe" and t.method == "exact McNemar"
+    assert (round(t.diff.estimate, 4), round(t.diff.low, 4), round(t.diff.high, 4)) == (-0.0621, -0.1186, -0.0046)
+    far = paired_test([1.0] * 18 + [0.0] * 2, [0.0] * 20)  # a t-interval of these differences reaches past 1
+    assert stats.t.interval(0.95, 19, loc=0.9, scale=stats.sem([1.0] * 18 + [0.0] * 2))[1] > 1.0
+    assert -1.0 <= far.diff.low < 0.9 < far.diff.high <= 1.0
+    graded = paired_test([2.0, 3.5, 4.0], [0.1, 0.2, 0.0])  # graded scores: the rule for means, no bound
+    assert graded.diff.method == "t" and graded.diff.high > 3.0
+
+
+def _coverage(n: int, probs: tuple[float, float, float, float], interval) -> float:
+    """Exact coverage by enumerating every paired 2x2 table of n pairs (the slow reference)."""
+    true, covered = probs[1] - probs[2], 0.0
+    for r in range(n + 1):
+        for s in range(n + 1 - r):
+            for t in range(n + 1 - r - s):
+                weight = stats.multinomial.pmf([r, s, t, n - r - s - t], n, probs)
+                if weight > 1e-12:
+                    low, high = interval(*_paired_table(r, s, t, n - r - s - t))
+                    covered += weight * (low - 1e-12 <= true <= high + 1e-12)
+    return covered
+
+
+def test_newcombes_paired_interval_keeps_its_coverage_where_a_t_interval_does_not() -> None:
+    """Few discordant pairs, mostly one way (a PASTA table's 3 better / 0 worse of 20): the
+    t-interval of the -1/0/+1 differences covers the true difference 88% of the time, Newcombe's
+    at least the nominal 95% (exact over all tables)."""
+    from driftlab.stats import paired_proportion_interval, t_interval
+
+    def newcombe(a, b):
+        iv = paired_proportion_interval(a, b)
+        return iv.low, iv.high
+
+    def t_int(a, b):
+        iv = t_interval(a - b)
+        return (iv.low, iv.high) if np.isfinite(iv.low) else (iv.estimate, iv.estimate)
+
+    probs = (0.4, 0.1, 0.02, 0.48)
+    assert _coverage(20, probs, newcombe) >= 0.95 > 0.9 > _coverage(20, probs, t_int)
+    assert _coverage(20, (0.6, 0.15, 0.05, 0.2), newcombe) >= 0.95
 
 
 def test_sign_test_of_the_sweeps_cfg_claim() -> None:
@@ -282,7 +327,7 @@ def test_warnings_say_when_n_cannot_support_a_difference() -> None:
     assert corrected.p_holm == pytest.approx(3 * enough.p) and not corrected.significant
     assert "Holm-corrected p" in corrected.warning()
     row = corrected.as_dict("gain_")
-    assert row["gain_n"] == 20 and row["gain_method"] == "exact McNemar" and row["gain_ci_method"] == "t"
+    assert row["gain_n"] == 20 and row["gain_method"] == "exact McNemar" and row["gain_ci_method"] == "newcombe"
 
 
 # -- Holm -----------------------------------------------------------------------------------------

@@ -21,8 +21,9 @@ a paired 0/1 difference of 3 better / 0 worse out of 20 is not evidence of anyth
   binomial test on the discordant pairs), graded scores the Wilcoxon signed-rank test
   (exact by enumerating sign flips, ties and all, up to `WILCOXON_EXACT_MAX` untied pairs;
   normal approximation beyond) or, on request, the sign test. The effect size is the mean
-  difference a - b with its interval (by the rule above, on the differences) and the counts
-  better / worse / tied.
+  difference a - b with its interval (paired 0/1 outcomes: Newcombe's square-and-add interval,
+  built from the two Wilson intervals, at any n; graded differences: by the rule above) and the
+  counts better / worse / tied.
 * **A family** of comparisons (a sweep's points against the baseline, a table's baselines
   against zero-shot) is corrected by Holm's step-down method (`holm`, `with_holm`).
 * **Power** (`pairs_needed_proportions`: the exact McNemar test's exact power;
@@ -50,11 +51,12 @@ POWER = 0.8
 BOOTSTRAP_MIN_N = 30  # below this many values a mean gets a t-interval, not a bootstrap
 WILCOXON_EXACT_MAX = 400  # untied pairs up to which the signed-rank null is enumerated exactly
 
-IntervalMethod = Literal["wilson", "exact", "t", "bca", "constant", "none"]
+IntervalMethod = Literal["wilson", "exact", "newcombe", "t", "bca", "constant", "none"]
 PairedMethod = Literal["auto", "mcnemar", "wilcoxon", "sign"]
 
 METHOD_LABELS = {
-    "wilson": "Wilson score interval", "exact": "Clopper-Pearson exact interval", "t": "t-interval",
+    "wilson": "Wilson score interval", "exact": "Clopper-Pearson exact interval",
+    "newcombe": "Newcombe square-and-add (Wilson) interval for paired proportions", "t": "t-interval",
     "bca": "BCa bootstrap", "constant": "constant values", "none": "n < 2: no interval",
 }
 
@@ -216,13 +218,46 @@ def mean_interval(values: Iterable[float | bool] | np.ndarray, *, confidence: fl
 
 def difference_interval(diffs: Iterable[float] | np.ndarray, *, confidence: float = CONFIDENCE,
                         rng: np.random.Generator | int | None = 0) -> Interval:
-    """The mean of paired differences with its interval: t below BOOTSTRAP_MIN_N, BCa from there.
+    """The mean of paired graded differences with its interval: t below BOOTSTRAP_MIN_N, BCa from there.
 
-    Differences of 0/1 outcomes are -1/0/+1, not a proportion, so Wilson does not apply; the
+    Paired 0/1 outcomes get `paired_proportion_interval` instead (`paired_test` picks it); the
     test that decides is the exact one (`paired_test`), this interval describes the size.
     """
     x = _finite(diffs)
     return t_interval(x, confidence) if x.size < BOOTSTRAP_MIN_N else _bca(x, confidence, rng)
+
+
+def paired_proportion_interval(a: Iterable[float] | np.ndarray, b: Iterable[float] | np.ndarray, *,
+                               confidence: float = CONFIDENCE) -> Interval:
+    """p_a - p_b of paired 0/1 outcomes with Newcombe's (1998) square-and-add interval, at any n.
+
+    Why not the mean difference's t or bootstrap interval: the differences are -1/0/+1 and only
+    the discordant pairs carry information, so with few of them (3 better / 0 worse of 20) a
+    t-interval is symmetric, can pass +-1 and undercovers, and a bootstrap over 200 questions
+    with 30 discordant ones is too narrow. Newcombe's interval combines the two marginal Wilson
+    intervals with a correction for the pairing (phi, the continuity-corrected correlation of
+    the 2x2 table): it stays within [-1, 1], is asymmetric where the data are, and keeps
+    coverage near nominal at small n. The exact McNemar test remains what decides a difference.
+    """
+    xa, xb = _finite(a), _finite(b)
+    n = xa.size
+    if n == 0:
+        return Interval(float("nan"), float("nan"), float("nan"), 0, "none", confidence)
+    r = int(((xa == 1) & (xb == 1)).sum())  # both right
+    s = int(((xa == 1) & (xb == 0)).sum())  # a only
+    t = int(((xa == 0) & (xb == 1)).sum())  # b only
+    u = n - r - s - t
+    p1, p2 = (r + s) / n, (r + t) / n
+    w1, w2 = proportion_interval(r + s, n, confidence=confidence), proportion_interval(r + t, n, confidence=confidence)
+    product = (r + s) * (t + u) * (r + t) * (s + u)
+    cross = r * u - s * t
+    corrected = cross - n / 2 if cross > n / 2 else (cross if cross < 0 else 0.0)
+    phi = corrected / math.sqrt(product) if product > 0 else 0.0
+    lo_a, hi_b = p1 - w1.low, w2.high - p2
+    lo_b, hi_a = p2 - w2.low, w1.high - p1
+    low = p1 - p2 - math.sqrt(max(0.0, lo_a ** 2 - 2 * phi * lo_a * hi_b + hi_b ** 2))
+    high = p1 - p2 + math.sqrt(max(0.0, lo_b ** 2 - 2 * phi * lo_b * hi_a + hi_a ** 2))
+    return Interval(p1 - p2, low, high, n, "newcombe", confidence)
 
 
 def _bca(x: np.ndarray, confidence: float, rng: np.random.Generator | int | None) -> Interval:
@@ -367,9 +402,8 @@ def paired_test(a: Mapping[Any, float] | Sequence[float], b: Mapping[Any, float]
         p, name = wilcoxon_signed_rank(d)
     else:
         raise ValueError(f"unknown paired method {method!r}; use auto, mcnemar, wilcoxon or sign")
-    diff = difference_interval(d, confidence=confidence, rng=rng)
-    if binary and np.isfinite(diff.low):  # a difference of proportions lies in [-1, 1]: clipping keeps coverage
-        diff = replace(diff, low=max(-1.0, diff.low), high=min(1.0, diff.high))
+    diff = (paired_proportion_interval(xa, xb, confidence=confidence) if binary
+            else difference_interval(d, confidence=confidence, rng=rng))
     return PairedTest(n=int(d.size), better=better, worse=worse, tied=int(d.size) - better - worse,
                       diff=diff, p=p, method=name, alpha=alpha)
 

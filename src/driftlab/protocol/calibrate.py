@@ -16,8 +16,8 @@ point is its own resumable MMLU run directory, planned once (the questions and t
 persona pair recorded in the calibration's manifest), so an interrupted calibration resumes
 with the same questions for every point.
 
-The decision uses the measured drop; its paired 95% interval (t below 30 questions, BCa
-bootstrap from there) and exact McNemar p (`driftlab.stats`) are reported next to it, with
+The decision uses the measured drop; its paired 95% interval (Newcombe's square-and-add
+interval for paired proportions) and exact McNemar p (`driftlab.stats`) are reported next to it, with
 a note when the interval reaches past the budget (more questions, `--n`, narrow it).
 """
 

@@ -16,8 +16,8 @@ Here, per condition (plain, and steered when --steer is given):
    the same interventions (no generation);
 3. accuracy per condition with a 95% Wilson interval over questions, and the drop
    (plain - steered) on the same questions: the exact McNemar test on the questions one
-   condition answers right and the other wrong, with the mean drop's interval (t below 30
-   questions, BCa bootstrap from there; `driftlab.stats`), and the questions a given drop
+   condition answers right and the other wrong, with the drop's interval (Newcombe's
+   square-and-add interval for paired proportions; `driftlab.stats`), and the questions a given drop
    would need (`questions_needed`).
 
 Which round `turn` names depends on `turn_counting` (`question_round`):

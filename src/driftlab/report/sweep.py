@@ -249,7 +249,8 @@ def write_sweep_report(out: str | Path, match_drop: float | None = None) -> Path
             f"compared with plain pair by pair: <i>gain_*</i> is the stability gain (steered - plain per "
             f"conversation, Wilcoxon signed-rank test), <i>mmlu_*</i> the MMLU drop (plain - steered per question, "
             f"exact McNemar test; lost/gained questions in sweep.csv); <i>p_holm</i> corrects each column's p over "
-            f"the sweep's points (Holm). Intervals: t below 30 values, BCa bootstrap from 30 "
+            f"the sweep's points (Holm). Intervals: t below 30 values, BCa bootstrap from 30; "
+            f"the MMLU drop: Newcombe's square-and-add interval for paired proportions "
             f"(the <i>*_ci_method</i> columns of sweep.csv).</p>"
             + (f"<h2>Where n does not support a difference</h2><ul>{warnings}</ul>" if warnings else "")
             + (f"<h2>What this n can detect</h2><ul>{notes}</ul>" if notes else "")

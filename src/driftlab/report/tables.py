@@ -151,7 +151,8 @@ def comparison_table(summary: RunSummary) -> TextTable | None:
         columns=["target", "difference", *PAIRED_COLUMNS],
         rows=rows,
         note="Each conversation's mean over the probe rounds both conditions reached, differenced pair by pair; "
-             "the CI is a t-interval below 30 pairs (BCa bootstrap from 30); p: two-sided, Holm-corrected over "
+             "the CI is a t-interval below 30 pairs (BCa bootstrap from 30; Newcombe's paired interval when every "
+             "value is 0 or 1); p: two-sided, Holm-corrected over "
              "the comparisons of this run (p_holm).",
     )
 
