@@ -180,14 +180,14 @@ def test_killed_run_resumes_from_its_recorded_plan(name, tmp_path, smol_dir) -> 
     data.mkdir()
     case.prepare(data)
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    # tests/ for fakes; the caller's PYTHONPATH kept, so every process imports the same driftlab.
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     # The reference runs in a fresh process too, as the killed and resumed runs do: state this
     # test process carries from earlier tests (torch threads, compiled kernels) cannot reach it.
     ref = subprocess.run([sys.executable, "-m", "driftlab", *case.args(data), *F32, "--out", str(reference)],
-                         capture_output=True, text=True)
+                         env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
     assert ref.returncode == 0, ref.stderr[-2000:]
 
-    # tests/ for fakes; the caller's PYTHONPATH kept, so both processes import the same driftlab.
-    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "KILL_AFTER_APPENDS": str(case.kill_after), "PYTHONPATH": path}
     killed = subprocess.run([sys.executable, "-c", KILLER, *case.args(data), *F32, "--out", str(resumed)],
                             env=env, capture_output=True, text=True)

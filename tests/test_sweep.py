@@ -68,6 +68,8 @@ def test_grid_is_validated_and_normalised():
         SweepConfig(grid={"ss": ["split-softmax:k=0.5"]})
     with pytest.raises(ValueError, match="must list spr specs"):
         SweepConfig(grid={"spr": ["cfg:alpha=2"]})
+    with pytest.raises(ValueError, match="lists spr:p=1.0,seed=0 more than once"):  # one point, two tests
+        SweepConfig(grid={"spr": ["spr:p=1", "spr:p=1.0"]})
 
 
 def test_matched_points_pick_the_closest_drop_per_method():

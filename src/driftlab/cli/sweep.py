@@ -81,7 +81,7 @@ def sweep(
     sampling = build(Sampling, max_new_tokens=max_new_tokens)
     if personas not in ("table2", "reference"):
         raise DriftlabError(f"Invalid --personas {personas!r}.", hint="Use 'table2' or 'reference'.")
-    config = build(SweepConfig, backend=backend, grid=grid, personas=personas,
+    config = build(SweepConfig, {"grid": "--point"}, backend=backend, grid=grid, personas=personas,
                    pair_ids=paper_pairs(personas)[:pairs], probe_after=probe_after, rounds=rounds,
                    starters=starters, sampling=sampling, seed=seed, mmlu_n=mmlu_n, mmlu_turn=mmlu_turn,
                    mmlu_turn_counting=mmlu_turn_counting, mmlu_history=mmlu_history,

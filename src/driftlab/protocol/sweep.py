@@ -167,6 +167,10 @@ class SweepConfig(ProtocolConfig):
                 raise ValueError(f"unknown method '{method}'; use one of {', '.join(sorted(KINDS))}")
             if not points or any(p.kind != method for p in points):
                 raise ValueError(f"the grid of {method} must list {method} specs, got {[p.spec() for p in points]}")
+            specs = [p.spec() for p in points]
+            twice = sorted({s for s in specs if specs.count(s) > 1})
+            if twice:  # one point run once but tested twice would inflate the Holm family
+                raise ValueError(f"the grid lists {', '.join(twice)} more than once; give each point once")
         if not grid:
             raise ValueError("the grid is empty")
         return grid
