@@ -5,7 +5,7 @@ SDPA. With an `AttentionState` it composes, per batch row:
 
 * tracing: pi = attention mass on system-prompt keys, per layer and head;
 * an additive key bias on chosen keys and (layer, head) pairs (PASTA, InstABoost);
-* exact split-softmax (seed 000 Eq. 6-7): with O_sys from a second SDPA over only the
+* exact split-softmax (persona-drift paper Eq. 6-7): with O_sys from a second SDPA over only the
   system keys, the reweighted output is pi^k O_sys + (1-pi^k)/(1-pi) (O - pi O_sys).
 
 pi comes from log-sum-exps where the fused kernel reports them (PyTorch's CPU flash
@@ -20,7 +20,9 @@ Kernels (`DRIFTLAB_ATTENTION_KERNEL`, read per call): on CUDA the intervention p
 FlexAttention (flex.py): the bias as a score_mod, causal / padding / sliding window as block
 masks, pi and split-softmax from two calls' LSEs, so no per-query mask and nothing T x T.
 On CPU it stays on SDPA (above), unless `flex` is asked for (eager flex: for tests).
-Calls without interventions always go to SDPA.
+Calls without interventions always go to SDPA. flex.py is imported on first use: on a torch
+without FlexAttention or its `AuxRequest` (before 2.9) every backend still loads, `auto` runs
+SDPA (said once) and an explicit `flex` is a DriftlabError.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from __future__ import annotations
 import logging
 import math
 import os
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from driftlab.attention import flex
 from driftlab.attention.state import AttentionState
 from driftlab.errors import DriftlabError
 
@@ -341,18 +343,76 @@ def _kernel_setting(value: str) -> str:
     return setting
 
 
+# Device types on which `auto` picks flex (a test widens it to reach the fallback on CPU).
+_AUTO_FLEX_DEVICES = ("cuda",)
+# flex.py, imported on first use (`_flex_module`); or why this torch cannot run it, and
+# whether the SDPA fallback has been said.
+_flex: ModuleType | None = None
+_flex_missing: str | None = None
+_flex_fallback_said = False
+
+
+def _flex_module() -> ModuleType | None:
+    """driftlab.attention.flex, imported on first use; None where this torch cannot run it
+    (`_flex_missing` then says why). flex.py needs torch.nn.attention.flex_attention with
+    `AuxRequest` (flex_attention's `return_aux`, torch >= 2.9): importing it with the engine
+    would make every HF backend fail to import on an older torch."""
+    global _flex, _flex_missing
+    if _flex is None and _flex_missing is None:
+        try:
+            from driftlab.attention import flex as module
+        except ImportError as err:
+            _flex_missing = _why_no_flex(err)
+        else:
+            _flex = module
+    return _flex
+
+
+def _why_no_flex(err: ImportError) -> str:
+    if isinstance(err, ModuleNotFoundError) and (err.name or "").startswith("torch.nn.attention"):
+        what = "no FlexAttention (torch.nn.attention.flex_attention)"
+    elif "AuxRequest" in str(err):
+        what = "FlexAttention without AuxRequest (flex_attention's return_aux, which driftlab reads LSEs from)"
+    else:
+        what = f"no FlexAttention driftlab can use ({type(err).__name__}: {err})"
+    return f"torch {torch.__version__} has {what}"
+
+
+def _say_flex_fallback(device: torch.device) -> None:
+    """Say once per process that `auto` runs SDPA where it would run flex, and why."""
+    global _flex_fallback_said
+    if _flex_fallback_said:
+        return
+    _flex_fallback_said = True
+    from driftlab.console import err_console
+
+    message = (f"attention interventions on {device.type} run on the SDPA path, not FlexAttention: {_flex_missing}; "
+               "torch >= 2.9 runs them on flex (set DRIFTLAB_ATTENTION_KERNEL=sdpa to choose SDPA explicitly).")
+    err_console().print(f"note: {message}", highlight=False, markup=False)
+
+
 def kernel_for(device: torch.device) -> str:
     """'flex' or 'sdpa': the kernel family the intervention path uses on `device`.
 
     `DRIFTLAB_ATTENTION_KERNEL` is read at call time so a process (or a test) can switch:
     auto (default) = flex on CUDA, where it is fused and block-sparse, and sdpa elsewhere,
     where PyTorch's CPU flash kernel already returns LSEs and eager flex would materialise
-    the scores; flex or sdpa force one everywhere.
+    the scores; flex or sdpa force one everywhere. On a torch that cannot run flex.py, auto
+    runs sdpa (said once) and an explicit flex is a DriftlabError.
     """
     setting = _kernel_setting(os.environ.get(KERNEL_ENV, "auto"))
-    if setting == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
-    return setting
+    if setting == "sdpa" or (setting == "auto" and device.type not in _AUTO_FLEX_DEVICES):
+        return "sdpa"
+    if _flex_module() is not None:
+        return "flex"
+    if setting == "flex":
+        raise DriftlabError(
+            f"{KERNEL_ENV}=flex asks for FlexAttention, but {_flex_missing}.",
+            hint=f"Install torch 2.9 or later for the flex path, or unset {KERNEL_ENV} (auto: SDPA on this torch) "
+                 "or set it to sdpa.",
+        )
+    _say_flex_fallback(device)
+    return "sdpa"
 
 
 def _flex_declined(reason: str) -> None:
@@ -368,6 +428,7 @@ def _flex_masks(state: AttentionState, attention_mask: torch.Tensor | None, B: i
     Built once per distinct (mask, shapes, window) and kept in `state.mask_memo`, so the
     layers sharing a mask in one forward pass share the block masks too.
     """
+    flex = _flex_module()
     # Query i sits at slot shift + i of this call's keys: the last q of them, except on a static
     # cache, whose keys are every slot and whose prefill ends at the prompt's last slot.
     shift = (state.prompt_len - lo if state.static else K) - q
@@ -431,6 +492,7 @@ def _flex_path(state: AttentionState, layer: int, query: torch.Tensor, key: torc
     Key bias as a score_mod, the mask as block masks; pi and split-softmax from a second
     call over the system keys only, merged through the two calls' LSEs (see flex.py).
     """
+    flex = _flex_module()  # not None: kernel_for chose flex
     B, H, q, _ = query.shape
     K = key.shape[2]
     see = see_sys = None

@@ -17,6 +17,10 @@ On CUDA flex runs compiled (one module-level `torch.compile(flex_attention)`, cr
 first use). On CPU, torch 2.13's compiled flex cannot return the LSE, so the CPU runs eager
 flex_attention: unfused (it materialises the scores), good for checking correctness at small
 shapes; the engine's default on CPU stays the SDPA path (`DRIFTLAB_ATTENTION_KERNEL`).
+
+This module needs torch >= 2.9 (`AuxRequest`; 2.5-2.8 have FlexAttention with only
+`return_lse`). Only the engine imports it, on first use and guarded (`engine._flex_module`),
+so an older torch fails here and nowhere else.
 """
 
 from __future__ import annotations
