@@ -6,7 +6,7 @@ spans and the left-padding of each row — and builds everything else itself wit
 which key slots are system/biased keys, which (layer, head) pairs are selected. None of
 the engine's layout code (on_layout, head_mask, system_range, layer_bias) is used, so a
 bug there shows up as a disagreement. Then it computes the textbook way: logits = QK^T *
-scale + mask (+ every bias term), softmax, the split-softmax reweighting of seed 000 Eq. 7 applied to
+scale + mask (+ every bias term), softmax, the split-softmax reweighting of the persona-drift paper's Eq. 7 applied to
 the weights themselves, then weights @ V.
 
 Every tensor it builds lives on the query's device, so it runs wherever the model does

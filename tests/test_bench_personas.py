@@ -1,9 +1,10 @@
-"""The 100 built-in personas: data faithful to seed 000's Table 2, and every measure separating
-replies that follow the persona from replies that drift.
+"""The 100 built-in personas: data faithful to the persona-drift paper's Table 2, and every measure
+separating replies that follow the persona from replies that drift.
 
-fixtures/seed000_table2.txt is Appendix E, Table 2 of seed 000 copied verbatim from the seed's
-text (shared/seeds/000_d70031a65968cb35.txt, from the "Table 2:" caption to the end of the file;
-only a final newline added): the tab-separated rows, with the text's blank page-break lines.
+fixtures/seed000_table2.txt is Appendix E, Table 2 of the persona-drift paper (Li et al. 2024; README,
+"Papers") copied verbatim from the paper's text (shared/seeds/000_d70031a65968cb35.txt, from the
+"Table 2:" caption to the end of the file; only a final newline added): the tab-separated rows,
+with the text's blank page-break lines.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def test_personas_that_share_a_prompt_differ_in_probe() -> None:
 
 # PDF-extraction artefacts of the table's text that the data repairs, each listed in
 # docs/personas.md ("Changes from the paper's Table 2"): id -> [(field, table text, data text)].
-# The repaired text is that of the seed's code release (hundred_system_prompts.py), except
+# The repaired text is that of the paper's code release (hundred_system_prompts.py), except
 # that the JSON prompt keeps the table's quoted placeholders where the code has <Your thought>.
 TABLE_2_REPAIRS = {
     "x-equals-13": [("probe", "2 times x ? A)", "2 times x? A)")],

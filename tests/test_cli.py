@@ -70,6 +70,53 @@ def test_errors_are_two_lines_without_traceback(args, message):
     assert "Error:" in proc.stderr and message in " ".join(proc.stderr.split())
 
 
+@pytest.mark.parametrize("given, version", [(None, "own"), ("own", "own"), ("crafted-or-generic", "crafted-or-generic"),
+                                            ("000", "own"), ("001", "crafted-or-generic")])
+def test_run_accepts_the_old_user_probe_versions(monkeypatch, tmp_path, given, version):
+    """`--user-probe-version 000|001` (the names of earlier versions) still work, as today's names."""
+    from typer.testing import CliRunner
+
+    import driftlab.protocol.runner as runner
+    from driftlab.cli import app
+
+    seen = {}
+
+    def capture(protocol, out, **kwargs):
+        seen["config"] = protocol.config
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_protocol", capture)
+    flag = ["--user-probe-version", given] if given else []
+    CliRunner().invoke(app, ["run", "--user-probe", *flag, "--out", str(tmp_path / "out"), "--device", "cpu"])
+    assert seen["config"].user_probe_version == version
+    assert seen["config"].model_dump(mode="json")["user_probe_version"] == version
+
+
+def test_help_names_papers_not_internal_numbers():
+    """No command's help says "seed 000" (what the project called its source papers internally)."""
+    import re
+
+    import click
+    from typer.main import get_command
+
+    from driftlab.cli import app
+
+    def walk(cmd: click.Command, path: str):
+        yield path, cmd.help or ""
+        yield path, cmd.short_help or ""
+        for param in cmd.params:
+            yield f"{path} {getattr(param, 'opts', [param.name])[0]}", getattr(param, "help", None) or ""
+        for name, sub in getattr(cmd, "commands", {}).items():
+            yield from walk(sub, f"{path} {name}")
+
+    texts = list(walk(get_command(app), "driftlab"))
+    assert len(texts) > 100
+    bad = [(where, text) for where, text in texts if re.search(r"\bseeds? ?0\d\d|\b00[0-2]'s", text, re.I)]
+    assert bad == []
+    run_help = " ".join(text for where, text in texts if where == "driftlab run --user-probe-version")
+    assert "'own'" in run_help and "'crafted-or-generic'" in run_help and "COLM 2024" in run_help
+
+
 def test_models_list_json():
     import json
 

@@ -203,7 +203,7 @@ CASES = [
     Case("run-ray-empty", ("run", "--out", "{ws}/run", "--ray", ""), ("Invalid --ray",)),
     Case("run-bad-starters", ("run", "--out", "{ws}/run", "--starters", "bogus"), ("Invalid --starters bogus",)),
     Case("run-bad-user-probe-version", ("run", "--out", "{ws}/run", "--user-probe-version", "002"),
-         ("Invalid --user-probe-version 002",)),
+         ("Invalid --user-probe-version 002", "use one of own, crafted-or-generic")),
     # -- PASTA
     Case("pasta-eval-unknown-task", ("pasta", "eval", "--task", "poems", "--out", "{ws}/e"), ("Invalid --task poems",)),
     Case("pasta-eval-no-heads", ("pasta", "eval", "--task", "json", "--baseline", "pasta", "--out", "{ws}/e"),

@@ -150,7 +150,7 @@ def test_cli_chat_and_selfchat_run_by_hub_id_and_resume_refuses_changed_weights(
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "run"
     run = ("run", "--model", REPO, "--out", str(out), "--device", "cpu", "--dtype", "float32", "--pairs", "1",
-           "--rounds", "1", "--max-new-tokens", "3", "--no-report")
+           "--rounds", "1", "--max-new-tokens", "3", "--probe-tokens", "3", "--no-report")
     proc = cli(env, *run)
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
@@ -248,7 +248,7 @@ def test_a_run_downloads_its_agent_and_user_models(tmp_path: Path, hub_server: s
     out = tmp_path / "run"
     proc = cli(online(tmp_path, hub_server), "run", "--model", SERVED, "--user-model", SERVED_B, "--out", str(out),
                "--device", "cpu", "--dtype", "float32", "--pairs", "1", "--rounds", "1", "--max-new-tokens", "2",
-               "--no-report")
+               "--probe-tokens", "2", "--no-report")
     assert proc.returncode == 0, proc.stderr
     models = json.loads((out / "manifest.json").read_text())["models"]
     assert (models["agent"]["hub"]["sha"], models["user"]["hub"]["sha"]) == (SHA_SERVED, SHA_SERVED_B)
@@ -341,7 +341,7 @@ def test_a_selfchat_runs_under_llama2s_template_with_split_softmax(tmp_path: Pat
     backend = HFChatBackend(str(model), dtype="float32", device="cpu")
     assert backend.tokenizer.chat_template == LLAMA2_TEMPLATE
     cfg = SelfChatConfig(backend=BackendSpec(model=str(model), device="cpu", dtype="float32"), pairs=1, rounds=2,
-                         user_probe=True, sampling=Sampling(max_new_tokens=4), steer=["split-softmax:k=0.5"])
+                         user_probe=True, sampling=Sampling(max_new_tokens=4), probe_tokens=4, steer=["split-softmax:k=0.5"])
     rundir = run_protocol(SelfChat(cfg, backend), tmp_path / "run", progress=False)
     manifest = RunDir(rundir.path).read_manifest()
     assert manifest["completed"] is True

@@ -189,7 +189,81 @@ def test_turn_history_steered_condition_and_resume(tiny, tmp_path):
     before = (out / "records.jsonl").read_bytes()
     run_protocol(MMLU(config, tiny), out, progress=False)
     assert (out / "records.jsonl").read_bytes() == before
-    assert set(summarize(out)) >= {"plain", "steered", "drop"}
+    s = summarize(out)
+    assert set(s) >= {"plain", "steered", "drop"}
+    for condition in ("plain", "steered"):  # the history's own cut turns: b_1, a_2, b_2 at 6 tokens
+        turns = [r for r in RunDir(out / f"history-{condition}").records(DIALOG) if r.kind == "turn"]
+        assert len(turns) == 3
+        assert s[condition]["history_turns_cut"] == sum(r.finish_reason == "length" for r in turns) / 3
+
+
+@pytest.mark.model
+def test_questions_are_spread_over_several_dialogs_each_scored_after_its_own(tiny, tmp_path):
+    from driftlab.protocol.dialog import RECORDS as DIALOG
+    from driftlab.protocol.dialog import Dialog, pairs_from_manifest
+    from driftlab.protocol.mmlu import MMLU, RECORDS, summarize
+    from driftlab.records.rundir import RunDir
+
+    config = MMLUConfig(backend=BackendSpec(model=tiny.name), n=7, turn=4, data=str(RAW), history_tokens=4,
+                        histories=3, steer=["instaboost:m=5"])
+    out = tmp_path / "run"
+    run_protocol(MMLU(config, tiny), out, progress=False)
+    manifest = RunDir(out).read_manifest()
+    planned = [q["index"] for q in manifest["questions"]]
+    records = RunDir(out).records(RECORDS)
+    # question i of the plan after dialog i mod 3, in both conditions
+    assert {(r.condition, r.index): r.dialog for r in records} == {
+        (c, q): i % 3 for c in ("plain", "steered") for i, q in enumerate(planned)}
+    questions = {q.index: q for q in load_questions(str(RAW))}
+    pairs = pairs_from_manifest(manifest["history"])
+    assert len(pairs) == 3 and len({(p.agent.id, p.user.id, p.starter) for p in pairs}) > 1
+    dialogs = Dialog.from_records(pairs, ["persona"], RunDir(out / "history-plain").records(DIALOG))
+    for r in (r for r in records if r.condition == "plain"):  # each scored after its own dialog (slow reference)
+        context = dialogs[r.dialog].agent_view(3, "")[:-1]
+        want = _reference_letters(tiny, context + [{"role": "user", "content": questions[r.index].prompt()}])
+        assert r.logprobs == pytest.approx(want, abs=1e-4)
+    s = summarize(out)
+    assert s["histories"] == 3 and s["plain"]["dialogs"] == 3 and s["drop"]["dialogs"] == 3
+    assert "cluster sign-flip" in s["drop"]["method"] and s["drop"]["ci_method"] in ("cluster-t", "constant")
+
+
+def test_tied_letters_are_broken_at_random_the_same_way_in_every_condition():
+    from driftlab.protocol.mmlu import choose_letter
+
+    tie = {"A": -1.0, "B": -0.5, "C": -0.5, "D": -0.5}
+    assert choose_letter(tie, "first", 0, 7) == "B"
+    assert choose_letter({"A": -2.0, "B": -1.0, "C": -3.0, "D": -4.0}, "random", 0, 7) == "B"
+    picks = [choose_letter(tie, "random", 0, i) for i in range(300)]
+    assert picks == [choose_letter(dict(tie), "random", 0, i) for i in range(300)]  # seeded by (seed, question)
+    counts = {letter: picks.count(letter) for letter in "BCD"}
+    assert set(picks) == {"B", "C", "D"} and min(counts.values()) > 60  # ~100 each, never towards the first
+    assert [choose_letter(tie, "random", 1, i) for i in range(300)] != picks  # another run seed, other draws
+
+
+def test_summary_flags_a_collapsed_condition_and_counts_ties(tmp_path):
+    from driftlab.protocol.mmlu import COLLAPSE_MIN_N, AnswerRecord, answer_health, summarize
+    from driftlab.records.rundir import RunDir
+
+    rd = RunDir(tmp_path / "m")
+    answers = "ABCD" * 5
+    lp = {"A": -1.0, "B": -2.0, "C": -3.0, "D": -4.0}
+    tie = {"A": -1.0, "B": -1.0, "C": -3.0, "D": -4.0}
+    rows = [AnswerRecord(condition="plain", index=i, subject="s", answer=answers[i], predicted=answers[(i + 1) % 20],
+                         correct=answers[i] == answers[(i + 1) % 20], logprobs=lp, dialog=0) for i in range(20)]
+    rows += [AnswerRecord(condition="steered", index=i, subject="s", answer=answers[i], predicted="A",
+                          correct=answers[i] == "A", logprobs=tie if i < 3 else lp, dialog=0) for i in range(20)]
+    with rd.writing():
+        rd.start(MMLUConfig(n=20, steer=["spr:p=1"], data=str(RAW)).model_dump(mode="json"),
+                 {"questions": [{"index": i} for i in range(20)], "conditions": ["plain", "steered"]}, protocol="mmlu")
+        rd.append(rows)
+    s = summarize(rd.path)
+    assert (s["plain"]["collapsed"], s["plain"]["tied"]) == (False, 0)
+    assert (s["steered"]["collapsed"], s["steered"]["top_letter"], s["steered"]["top_share"]) == (True, "A", 1.0)
+    assert s["steered"]["tied"] == 3 and s["steered"]["accuracy"] == pytest.approx(0.25)  # the share of A answers
+    assert s["drop"]["dialogs"] == 1 and s["drop"]["method"] == "exact McNemar"
+    # Too few answers to judge: a handful alike is not a collapse.
+    few = {i: r for i, r in enumerate(rows[20 : 20 + COLLAPSE_MIN_N - 1])}
+    assert answer_health(few)["top_share"] == 1.0 and not answer_health(few)["collapsed"]
 
 
 def test_drop_is_an_exact_mcnemar_on_the_questions_both_conditions_answered():
@@ -377,11 +451,13 @@ def test_a_given_dialog_history_is_cut_before_the_question_and_says_where_it_cam
     assert dialog_history(chat, 0) is None
     with pytest.raises(DriftlabError, match="holds 3 complete rounds of pair 0; the MMLU question at round 5 needs 4"):
         dialog_history(chat, 5)
-    with pytest.raises(DriftlabError, match="has no persona pair 7"):
-        dialog_history(chat, 2, pair=7)
+    with pytest.raises(DriftlabError, match="holds 2 persona pair.s.; MMLU over 7 dialogs needs 7"):
+        dialog_history(chat, 2, pairs=7)
+    both = dialog_history(chat, 3, pairs=2, source="../chat")  # several dialogs: one entry each, in pair order
+    assert [e["pair"] for e in both] == [0, 1] and both[0] == h and len(both[1]["conversation"]) == 5
     # Standalone, a run that expects a given dialog and was handed none says so in one line.
     config = MMLUConfig(n=2, turn=2, history="dialog", data=str(RAW))
-    with pytest.raises(DriftlabError, match="takes its MMLU history from a dialog its parent hands over"):
+    with pytest.raises(DriftlabError, match=r"takes its MMLU histories from 1 dialog\(s\) its parent hands over"):
         run_protocol(MMLU(config, _Scoring()), tmp_path / "m", progress=False)
 
 
@@ -414,3 +490,51 @@ def test_cli_turn_counting_reaches_the_config_and_an_odd_paper_turn_is_one_line(
     result = CliRunner().invoke(app, ["sweep", "--out", str(tmp_path / "s"), "--rounds", "1", "--device", "cpu"])
     assert str(result.exception).startswith(
         "Invalid options: the MMLU question at turn 4 (paper counting) follows 2 rounds")
+
+
+class _Collapsing:
+    """Scores the right letter highest without steering and "A" highest under any steering: a
+    steered model whose answers collapse onto one letter."""
+
+    name = "collapsing"
+
+    def __init__(self) -> None:
+        from driftlab.chat.base import Capabilities
+        from driftlab.steering import KINDS
+
+        self.capabilities = Capabilities(interventions=frozenset(KINDS), loglikelihood=True)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "dtype": "float32"}
+
+    def loglikelihood(self, conversations, continuations, interventions=None, batch_size=8):
+        from driftlab.chat.base import LogLikelihood
+
+        steered = bool(interventions)
+        right = [_answer_of(c[-1]["content"]) for c in conversations]
+        return [LogLikelihood(0.0 if letter == ("A" if steered else answer) else -1.0, 1, True)
+                for answer, letter in zip(right, continuations, strict=True)]
+
+
+def _answer_of(prompt: str) -> str:
+    """The right letter of a question of the test's own data set ("Question i?": "ABCD"[i % 4])."""
+    return "ABCD"[int(prompt.split("Question ", 1)[1].split("?", 1)[0]) % 4]
+
+
+def test_a_strength_whose_answers_collapse_is_never_within_budget(tmp_path):
+    """Even with the widest budget (a drop of 1.0 fits anything), a point answering "A" to every
+    question is not a setting to recommend: calibrate says it collapsed and finds none."""
+    from driftlab.protocol.calibrate import Calibration, CalibrationConfig, summary
+
+    data = tmp_path / "mmlu.jsonl"  # 24 questions, answers spread over the four letters
+    data.write_text("".join(json.dumps({"question": f"Question {i}?", "answer_a": "w", "answer_b": "x", "answer_c": "y",
+                                        "answer_d": "z", "correct_answer": "ABCD"[i % 4], "topic": f"topic {i % 3}"})
+                            + "\n" for i in range(24)))
+    mmlu = MMLUConfig(n=24, turn=0, data=str(data))
+    config = CalibrationConfig(method="split-softmax", max_drop=1.0, steps=1, mmlu=mmlu)
+    run_protocol(Calibration(config, _Collapsing()), tmp_path / "cal", progress=False)
+    found = summary(tmp_path / "cal")
+    assert found["plain_accuracy"] == 1.0 and found["best"] is None
+    assert found["points"] and all(p["collapsed"] and p["top_letter"] == "A" and p["top_share"] == 1.0
+                                   and not p["within"] for p in found["points"])
+    assert "No tested strength" in found["note"]

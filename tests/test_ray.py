@@ -21,7 +21,7 @@ TINY = Sampling(greedy=True, max_new_tokens=8)
 def _config(smol_dir) -> SelfChatConfig:
     spec = BackendSpec(model=str(smol_dir), dtype="float32", runtime=Runtime(ray="local", actors=2))
     # probe_after "user": the kill schedules below count this placement's generate calls.
-    return SelfChatConfig(backend=spec, pairs=2, rounds=2, sampling=TINY, seed=5, probe_after="user")
+    return SelfChatConfig(backend=spec, pairs=2, rounds=2, sampling=TINY, probe_tokens=8, seed=5, probe_after="user")
 
 
 @pytest.fixture(scope="module")

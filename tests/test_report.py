@@ -564,3 +564,37 @@ def test_drift_needs_two_rounds(tmp_path) -> None:
 
     one = summarize_run(make_run(tmp_path / "one", rounds=1, ablation=False))
     assert one.drift.empty and drift_table(one) is None
+
+
+def test_cut_replies_are_shared_per_condition_flagged_and_left_out_in_the_sensitivity(tmp_path):
+    """Every empty-user agent probe of repeat 0 is cut: that condition is flagged (50% of its probes
+    vs 0% for persona) and its stability without cut probes is the mean of repeat 1 alone."""
+    from rich.console import Console
+
+    from driftlab.cli.report import print_summary
+    from driftlab.report.html import write_report
+    from driftlab.report.metrics import summarize_run
+
+    run = make_run(tmp_path / "run", rounds=3)
+    lines = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    for r in lines:
+        if r["kind"] == "probe" and r["condition"] == "empty-user" and r["repeat"] == 0:
+            r["finish_reason"] = "length"
+    (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    s = summarize_run(run)
+    cut = s.cut.set_index("condition")
+    assert cut.loc["persona", "probes_cut"] == 0.0 and cut.loc["empty-user", "probes_cut"] == 0.5
+    assert cut.loc["persona", "turns_cut"] == pytest.approx(9 / 15)  # 9 agent turns cut, 6 user turns not (a_1: none)
+    assert (bool(cut.loc["persona", "flag"]), bool(cut.loc["empty-user", "flag"])) == (False, True)
+    overall = s.overall_uncut.set_index(["condition", "target", "category"])
+    want = np.mean([np.mean([agent_score(i, "empty-user", r, 1) for r in (1, 2, 3)]) for i in range(3)])
+    assert overall.loc[("empty-user", "agent", "all"), "mean"] == pytest.approx(want)
+    full = s.overall.set_index(["condition", "target", "category"])
+    assert overall.loc[("persona", "agent", "all"), "mean"] == pytest.approx(full.loc[("persona", "agent", "all"), "mean"])
+    page = write_report(run).read_text()
+    assert "Overall scores without cut probes (sensitivity)" in page and "probes_cut" in page
+    console = Console(record=True, width=250)
+    print_summary(run, console)
+    text = console.export_text()
+    assert "9 of 18 agent probes (50%)" in text and "0 of 18 agent probes (0%)" in text
+    assert "Warning: empty-user is cut more or less often than persona" in text

@@ -137,7 +137,7 @@ def _source_run_change(d: Path) -> None:
 
 CASES = {
     "selfchat": Case(lambda d: ["run", "--pair", "say-hi:very-happy", "--pairs", "1", "--rounds", "2",
-                                "--max-new-tokens", "8", "--batch-size", "1", "--user-probe", "--persona-file",
+                                "--max-new-tokens", "8", "--probe-tokens", "8", "--batch-size", "1", "--user-probe", "--persona-file",
                                 str(d / "personas.jsonl")],
                      _personas, lambda d: _personas(d, "Always start your reply with Ho."), 3, _reported),
     "mmlu": Case(lambda d: ["mmlu", "--n", "4", "--turn", "2", "--history-tokens", "6", "--batch-size", "1",
@@ -148,7 +148,7 @@ CASES = {
                                  str(d / "mmlu.jsonl")],
                       _mmlu_data, _mmlu_change, 4),
     "sweep": Case(lambda d: ["sweep", "--point", "split-softmax:k=0.5", "--pairs", "1", "--rounds", "1",
-                             "--max-new-tokens", "6", "--mmlu-n", "3", "--mmlu-turn", "2", "--batch-size", "1",
+                             "--max-new-tokens", "6", "--probe-tokens", "6", "--mmlu-n", "3", "--mmlu-turn", "2", "--batch-size", "1",
                              "--data", str(d / "mmlu.jsonl")],
                   _mmlu_data, _mmlu_change, 4, _swept),
     "pasta-eval": Case(lambda d: ["pasta", "eval", "--task", "json", "--n", "2", "--max-new-tokens", "6",

@@ -301,18 +301,94 @@ def test_a_probe_cut_at_the_token_limit_is_unscored_only_where_its_measure_needs
         assert probes["json-thought-response"].finish_reason == reason
 
 
-def test_user_probe_version_001_asks_seed_001s_crafted_probe(tmp_path):
+def test_user_probe_version_crafted_or_generic_asks_the_instruction_stability_papers_crafted_probe(tmp_path):
     from driftlab.bench import user_probe
 
-    crafted = user_probe(get_persona("very-happy"), "001").probe
+    crafted = user_probe(get_persona("very-happy"), "crafted-or-generic").probe
     assert crafted != get_persona("very-happy").probe
-    for version, expected in (("000", get_persona("very-happy").probe), ("001", crafted)):
+    for version, expected in (("own", get_persona("very-happy").probe), ("crafted-or-generic", crafted)):
         backend = ScriptedBackend()
         cfg = SelfChatConfig(pair_ids=[("reply-in-french", "very-happy")], pairs=0, rounds=1, user_probe=True,
                              user_probe_version=version)
         run_protocol(SelfChat(cfg, backend), tmp_path / version, progress=False)
         asked = [c[-1]["content"] for r in backend.requests for c in r.conversations]
-        assert expected in asked and (crafted in asked) == (version == "001")
+        assert expected in asked and (crafted in asked) == (version == "crafted-or-generic")
+
+
+def test_user_probe_version_old_names_validate_to_todays():
+    """'000' and '001' (what earlier versions recorded) are read as 'own' and 'crafted-or-generic'."""
+    assert SelfChatConfig().user_probe_version == "own"
+    for old, new in (("000", "own"), ("001", "crafted-or-generic")):
+        cfg = SelfChatConfig(user_probe_version=old)
+        assert cfg.user_probe_version == new and cfg.model_dump(mode="json")["user_probe_version"] == new
+        assert SelfChatConfig.model_validate_json(json.dumps({"user_probe_version": old})).user_probe_version == new
+    with pytest.raises(ValueError, match="'own' or 'crafted-or-generic'"):
+        SelfChatConfig(user_probe_version="002")
+
+
+RECORDED = Path(__file__).resolve().parents[1] / "docs" / "results"
+
+
+def test_a_run_recorded_with_user_probe_version_000_resumes_as_own(tmp_path):
+    """A committed run recorded "000": its config reads as today's ("own"), a resume under today's
+    name continues it (nothing to redo, the manifest untouched), and another version is refused."""
+    import shutil
+
+    from driftlab.protocol.runner import config_of
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("manifest.json", "records.jsonl"):
+        shutil.copy(RECORDED / "qwen-paper-20" / name, run / name)
+    recorded = json.loads((run / "manifest.json").read_text())
+    assert recorded["config"]["user_probe_version"] == "000"
+    config = {**SelfChatConfig.LEGACY, **config_of(recorded)}  # options added since: as the run meant them
+    assert config["user_probe_version"] == "own"
+    cfg = SelfChatConfig.model_validate(config)
+    assert cfg.user_probe_version == "own"
+    assert SelfChatConfig.model_validate({**SelfChatConfig.LEGACY, **recorded["config"]}) == cfg  # raw: the same
+    dtype = recorded["models"]["agent"]["dtype"]
+    backend = ScriptedBackend()
+    backend.describe = lambda: {**ScriptedBackend.describe(backend), "dtype": dtype}  # the recorded one
+    run_protocol(SelfChat(cfg, backend), run, progress=False)
+    assert backend.requests == []  # a complete run: nothing regenerated
+    assert json.loads((run / "manifest.json").read_text())["config"] == recorded["config"]  # still "000"
+    other = cfg.model_copy(update={"user_probe_version": "crafted-or-generic"})
+    with pytest.raises(DriftlabError, match="user_probe_version: '000' -> 'crafted-or-generic'"):
+        run_protocol(SelfChat(other, backend), run, progress=False)
+
+
+def test_a_run_recorded_with_000_resumes_mid_run(tmp_path):
+    """Cut a fresh run short, rewrite its manifest as an older driftlab wrote it ("000"): resumed
+    under today's name it finishes with exactly the records of an uninterrupted run."""
+    kw = dict(pair_ids=[("reply-in-french", "very-happy")], pairs=0, rounds=2, user_probe=True)
+    full = tmp_path / "full"
+    run_protocol(SelfChat(SelfChatConfig(**kw), ScriptedBackend()), full, progress=False)
+    cut = tmp_path / "cut"
+    run_protocol(SelfChat(SelfChatConfig(**kw), ScriptedBackend()), cut, progress=False)
+    lines = (cut / "records.jsonl").read_text().splitlines(keepends=True)
+    (cut / "records.jsonl").write_text("".join(lines[: len(lines) // 2]))
+    manifest = json.loads((cut / "manifest.json").read_text())
+    manifest["config"]["user_probe_version"] = "000"
+    manifest["completed"] = False
+    (cut / "manifest.json").write_text(json.dumps(manifest))
+    run_protocol(SelfChat(SelfChatConfig(**kw, user_probe_version="own"), ScriptedBackend()), cut, progress=False)
+    assert sorted((cut / "records.jsonl").read_text().splitlines()) == \
+        sorted((full / "records.jsonl").read_text().splitlines())
+
+
+def test_a_sweep_point_recorded_with_000_is_not_stale():
+    """A sweep compares each recorded point with what it would write now ("own"): the old name is no
+    difference, so resuming a recorded sweep keeps its points instead of running them again."""
+    from driftlab.protocol.sweep import point_differences
+
+    recorded = json.loads((RECORDED / "sweep-ref-20" / "points" / "plain" / "selfchat" / "manifest.json").read_text())
+    assert recorded["config"]["user_probe_version"] == "000"
+    now = {**recorded, "config": {**recorded["config"], "user_probe_version": "own"}}
+    assert point_differences(recorded, now, "selfchat") == []
+    other = {**recorded, "config": {**recorded["config"], "user_probe_version": "crafted-or-generic"}}
+    assert point_differences(recorded, other, "selfchat") == [
+        "config.user_probe_version: 'own' -> 'crafted-or-generic'"]
 
 
 def test_starter_sets(tmp_path):
@@ -330,10 +406,58 @@ def test_the_report_shows_the_user_probe_that_was_asked(tmp_path):
     from driftlab.report.html import transcripts
     from driftlab.report.metrics import summarize_run
 
-    crafted = user_probe(get_persona("very-happy"), "001").probe
+    crafted = user_probe(get_persona("very-happy"), "crafted-or-generic").probe
     cfg = SelfChatConfig(pair_ids=[("reply-in-french", "very-happy")], pairs=0, rounds=1, user_probe=True,
-                         user_probe_version="001")
+                         user_probe_version="crafted-or-generic")
     run_protocol(SelfChat(cfg, ScriptedBackend()), tmp_path / "run", progress=False)
     [conv] = transcripts(summarize_run(tmp_path / "run"))
     asked = {b["target"]: b["question"] for b in conv["rounds"][0]["probes"]}
     assert asked["user"] == crafted and asked["agent"] == get_persona("reply-in-french").probe
+
+
+def test_probes_get_their_own_token_budget_and_turn_keeps_one_call(tmp_path):
+    """--probe-tokens: probe replies decode with their budget, dialog turns with --max-new-tokens;
+    'turn' (runs recorded before the option) sends turns and probes in one call with the turn's."""
+    backend = ScriptedBackend()
+    cfg = SelfChatConfig(pairs=2, rounds=2, seed=3, sampling=Sampling(max_new_tokens=20), probe_tokens=7)
+    run_protocol(SelfChat(cfg, backend), tmp_path / "own", progress=False)
+    rows = {budget: sum(len(r.conversations) for r in backend.requests if r.sampling.max_new_tokens == budget)
+            for budget in (7, 20)}
+    assert rows == {7: 2 * 2, 20: 2 * 3}  # 2 pairs x 2 probes with the probe budget; 3 turns each with the turn's
+    old = ScriptedBackend()
+    run_protocol(SelfChat(cfg.model_copy(update={"probe_tokens": "turn"}), old), tmp_path / "turn", progress=False)
+    assert {r.sampling.max_new_tokens for r in old.requests} == {20}
+    assert len(old.requests) < len(backend.requests)  # probes share their turn's call
+    with pytest.raises(ValueError, match="1 to 32768, or 'turn'"):
+        SelfChatConfig(probe_tokens=0)
+    assert SelfChatConfig(sampling=Sampling(max_new_tokens=48)).probe_tokens == 400  # the reference code's
+    # A probe budget equal to the turn's is "turn", as recorded before the option: such runs resume unchanged.
+    assert SelfChatConfig().probe_tokens == "turn" and SelfChatConfig.LEGACY["probe_tokens"] == "turn"
+    assert SelfChatConfig(sampling=Sampling(max_new_tokens=48), probe_tokens=48).probe_tokens == "turn"
+
+
+class _Described(ScriptedBackend):
+    """A scripted backend that says it computes in `dtype` (as a local model's describe() does)."""
+
+    def __init__(self, dtype: str) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def describe(self):
+        return {**super().describe(), "dtype": self.dtype}
+
+
+def test_a_resume_computes_in_the_dtype_the_run_was_computed_in(tmp_path):
+    """--dtype auto resolves by machine (bf16 with native bf16, float32 elsewhere): a run begun in
+    bf16 is not continued in float32, and `--dtype bfloat16` resumes a run begun as auto -> bf16."""
+    cfg = SelfChatConfig(pairs=1, rounds=2, sampling=Sampling(max_new_tokens=8))
+    out = tmp_path / "run"
+    run_protocol(SelfChat(cfg.model_copy(update={"rounds": 1}), _Described("bfloat16")), out, progress=False)
+    with pytest.raises(DriftlabError, match="computed in bfloat16, and this resume would compute in float32"):
+        run_protocol(SelfChat(cfg.model_copy(update={"rounds": 1}), _Described("float32")), out, progress=False)
+    explicit = cfg.model_copy(update={"rounds": 1, "backend": BackendSpec(dtype="bfloat16")})
+    run_protocol(SelfChat(explicit, _Described("bfloat16")), out, progress=False)  # the same dtype: resumes
+    assert json.loads((out / "manifest.json").read_text())["config"]["backend"]["dtype"] == "auto"  # as recorded
+    with pytest.raises(DriftlabError, match="dtype: 'auto' -> 'float16'"):
+        run_protocol(SelfChat(cfg.model_copy(update={"rounds": 1, "backend": BackendSpec(dtype="float16")}),
+                              _Described("float16")), out, progress=False)

@@ -396,3 +396,85 @@ def test_power_inputs_are_checked() -> None:
         pairs_needed_proportions(0.0, 0.1)
     with pytest.raises(ValueError, match="sd"):
         pairs_needed_means(0.1, 0.0)
+
+
+# -- clustered paired comparisons (MMLU questions asked after several dialogs) ------------------
+def _slow_sign_flip_p(sums: list[float]) -> float:
+    """The obvious reference: every one of the 2^k sign patterns, one at a time."""
+    import itertools
+
+    observed = abs(sum(sums))
+    totals = [abs(sum(s * v for s, v in zip(signs, sums))) for signs in itertools.product((-1, 1), repeat=len(sums))]
+    return sum(t >= observed - 1e-12 for t in totals) / len(totals)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sign_flip_test_equals_full_enumeration(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    integer = [int(v) for v in rng.integers(-6, 7, size=13)]  # paired 0/1 items: integer sums (convolution path)
+    graded = [float(v) for v in rng.normal(0.3, 1.0, size=11)]  # graded items: enumerated sign flips
+    assert ds.sign_flip_test(integer)[0] == pytest.approx(_slow_sign_flip_p(integer), abs=1e-12)
+    assert ds.sign_flip_test(graded)[0] == pytest.approx(_slow_sign_flip_p(graded), abs=1e-12)
+    assert ds.sign_flip_test([0, 0, 0]) == (1.0, "cluster sign-flip (exact)")
+
+
+def test_sign_flip_test_beyond_the_exact_limit_draws_random_flips(monkeypatch) -> None:
+    sums = [float(v) for v in np.random.default_rng(3).normal(0.4, 1.0, size=12)]
+    monkeypatch.setattr(ds, "CLUSTER_EXACT_MAX", 8)
+    p, method = ds.sign_flip_test(sums)
+    assert "random flips" in method
+    assert p == pytest.approx(_slow_sign_flip_p(sums), abs=0.005)  # 200k flips: MC error ~0.001
+
+
+def _clustered_items(rng: np.random.Generator, k: int, m: int, shift: float = 0.0):
+    """k dialogs of m questions; each dialog's text sets its own accuracy under each condition
+    (drawn independently: the two conditions' dialogs differ), steered lower by `shift`."""
+    a, b, clusters = {}, {}, {}
+    pa, pb = rng.beta(2, 2, size=k), np.clip(rng.beta(2, 2, size=k) - shift, 0, 1)
+    for j in range(k):
+        for i in range(m):
+            q = j * m + i
+            a[q], b[q], clusters[q] = float(rng.random() < pa[j]), float(rng.random() < pb[j]), j
+    return a, b, clusters
+
+
+def test_clustered_test_keeps_its_level_where_question_level_mcnemar_does_not() -> None:
+    """Simulated under "no difference" with a dialog effect (the slow reference): the sign-flip
+    test over 20 dialogs rejects about alpha of the time, McNemar over the 200 questions far more;
+    the cluster interval covers the true difference (0) near its nominal rate."""
+    rng = np.random.default_rng(0)
+    runs, cluster_rejects, mcnemar_rejects, covered = 300, 0, 0, 0
+    for _ in range(runs):
+        a, b, clusters = _clustered_items(rng, 20, 10)
+        t = ds.clustered_paired_test(a, b, clusters)
+        cluster_rejects += t.p < 0.05
+        mcnemar_rejects += paired_test(a, b).p < 0.05
+        covered += t.diff.low <= 0 <= t.diff.high
+        assert t.clusters == 20 and t.n == 200 and t.diff.method == "cluster-t"
+    assert cluster_rejects / runs <= 0.08  # nominal 0.05; MC error ~0.013
+    assert mcnemar_rejects / runs >= 0.15  # the questions are not independent evidence
+    assert covered / runs >= 0.90
+
+
+def test_clustered_interval_is_the_t_interval_of_cluster_means_at_equal_sizes() -> None:
+    a, b, clusters = _clustered_items(np.random.default_rng(5), 8, 10, shift=0.2)
+    t = ds.clustered_paired_test(a, b, clusters)
+    means = [np.mean([a[q] - b[q] for q in a if clusters[q] == j]) for j in range(8)]
+    ref = t_interval(means)
+    assert (t.diff.estimate, t.diff.low, t.diff.high) == pytest.approx((ref.estimate, ref.low, ref.high))
+    sums = [sum(a[q] - b[q] for q in a if clusters[q] == j) for j in range(8)]
+    assert t.p == pytest.approx(_slow_sign_flip_p(sums))
+    assert t.better == sum(a[q] > b[q] for q in a) and t.worse == sum(a[q] < b[q] for q in a)
+
+
+def test_one_cluster_is_the_item_level_test_marked_as_one_cluster() -> None:
+    a = {i: float(i % 3 == 0) for i in range(40)}
+    b = {i: float(i % 2 == 0) for i in range(40)}
+    t = ds.clustered_paired_test(a, b, dict.fromkeys(a, 0))
+    ref = paired_test(a, b)
+    assert (t.p, t.diff, t.method) == (ref.p, ref.diff, ref.method)
+    assert t.clusters == 1
+    # Four dialogs all one way cannot reach p < 0.05 (2 / 16): the warning says clusters, not pairs.
+    few = ds.clustered_paired_test({i: 1.0 for i in range(8)}, {i: 0.0 for i in range(8)},
+                                   {i: i // 2 for i in range(8)})
+    assert few.p == pytest.approx(2 / 16) and "too few clusters" in few.warning()

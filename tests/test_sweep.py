@@ -96,7 +96,7 @@ def tiny(tmp_path_factory):
 def test_tiny_sweep_end_to_end_and_resume(tiny, tmp_path):
     cfg = SweepConfig(backend=BackendSpec(model=tiny.name),
                       grid={"split-softmax": ["split-softmax:k=0.5"], "spr": ["spr:p=1"]},
-                      pair_ids=paper_pairs()[:2], rounds=2, sampling=Sampling(max_new_tokens=4), mmlu_n=4,
+                      pair_ids=paper_pairs()[:2], rounds=2, sampling=Sampling(max_new_tokens=4), probe_tokens=4, mmlu_n=4,
                       mmlu_turn=2, history_tokens=4, data=str(RAW))
     run_protocol(Sweep(cfg, tiny), tmp_path / "sweep", progress=False)
     table = sweep_table(tmp_path / "sweep")
@@ -168,7 +168,7 @@ def test_cli_records_probe_after_and_the_persona_set_in_the_config(monkeypatch, 
 # -- no confounds by construction ----------------------------------------------------------------
 def _tiny_config(tiny, **kw) -> SweepConfig:
     return SweepConfig(backend=BackendSpec(model=tiny.name), grid={"split-softmax": ["split-softmax:k=0.5"]},
-                       pair_ids=paper_pairs()[:2], rounds=2, sampling=Sampling(max_new_tokens=4), mmlu_n=4,
+                       pair_ids=paper_pairs()[:2], rounds=2, sampling=Sampling(max_new_tokens=4), probe_tokens=4, mmlu_n=4,
                        mmlu_turn=2, data=str(RAW), **kw)
 
 
@@ -329,4 +329,36 @@ def test_sweep_config_records_the_turn_counting_and_refuses_a_dialog_too_short()
     with pytest.raises(ValueError, match="follows 2 rounds of the point's dialog, which has 1"):
         SweepConfig(rounds=1)
     assert SweepConfig(rounds=1, mmlu_turn=2).mmlu(None).round == 2
-    assert SweepConfig.LEGACY == {"mmlu_turn_counting": "round", "mmlu_history": "selfchat", "probe_after": "user"}
+    assert SweepConfig.LEGACY == {"mmlu_turn_counting": "round", "mmlu_history": "selfchat", "mmlu_ties": "first",
+                                  "mmlu_histories": 1, "probe_after": "user", "probe_tokens": "turn"}
+    with pytest.raises(ValueError, match="MMLU over 3 dialogs needs as many persona pairs; the sweep has 2"):
+        SweepConfig(pair_ids=paper_pairs()[:2], mmlu_histories=3)
+    assert SweepConfig(mmlu_histories=5, mmlu_ties="first").mmlu(None).model_dump(include={"histories", "ties"}) == {
+        "histories": 5, "ties": "first"}
+
+
+@pytest.mark.model
+def test_a_finished_sweep_is_repriced_over_several_dialogs_without_new_dialogs(swept, tiny, tmp_path):
+    """The re-pricing recipe of docs/steering.md: a new sweep directory holding the finished points'
+    self-chats, run with --histories 2, scores MMLU only, after each point's own two dialogs."""
+    import shutil
+
+    from driftlab.protocol.mmlu import dialogs_of
+    from driftlab.report.sweep import sweep_table
+
+    out = tmp_path / "h2"
+    for spec in _manifest(swept)["points"]:
+        shutil.copytree(point_dir(swept, spec) / "selfchat", point_dir(out, spec) / "selfchat")
+    chats = {spec: (point_dir(out, spec) / "selfchat" / "records.jsonl").read_bytes()
+             for spec in _manifest(swept)["points"]}
+    run_protocol(Sweep(_tiny_config(tiny, mmlu_histories=2), tiny), out, progress=False)
+    for spec, before in chats.items():
+        assert (point_dir(out, spec) / "selfchat" / "records.jsonl").read_bytes() == before  # no new generation
+        mmlu = point_dir(out, spec) / "mmlu"
+        planned = [q["index"] for q in _manifest(mmlu)["questions"]]
+        assert dialogs_of(mmlu) == {q: i % 2 for i, q in enumerate(planned)}
+        assert [e["pair"] for e in _manifest(mmlu)["history"]] == [0, 1]
+    assert not (out / "stale").exists()
+    table = sweep_table(out)
+    row = table[table.method != "plain"].iloc[0]
+    assert row.mmlu_dialogs == 2 and row.mmlu_method.startswith("cluster sign-flip")

@@ -51,12 +51,13 @@ POWER = 0.8
 BOOTSTRAP_MIN_N = 30  # below this many values a mean gets a t-interval, not a bootstrap
 WILCOXON_EXACT_MAX = 400  # untied pairs up to which the signed-rank null is enumerated exactly
 
-IntervalMethod = Literal["wilson", "exact", "newcombe", "t", "bca", "constant", "none"]
+IntervalMethod = Literal["wilson", "exact", "newcombe", "t", "cluster-t", "bca", "constant", "none"]
 PairedMethod = Literal["auto", "mcnemar", "wilcoxon", "sign"]
 
 METHOD_LABELS = {
     "wilson": "Wilson score interval", "exact": "Clopper-Pearson exact interval",
     "newcombe": "Newcombe square-and-add (Wilson) interval for paired proportions", "t": "t-interval",
+    "cluster-t": "cluster-robust t-interval (one value per cluster)",
     "bca": "BCa bootstrap", "constant": "constant values", "none": "n < 2: no interval",
 }
 
@@ -94,6 +95,10 @@ class PairedTest:
     `diff` is the mean of a - b over the `n` pairs with its interval; `better`, `worse` and
     `tied` count pairs with a > b, a < b, a == b. `p_holm` is set once the test is corrected
     within a family (`with_holm`); `p_adjusted` is that, or `p` for a lone comparison.
+    `clusters` is the number of independent clusters the pairs fall in (e.g. the dialogs MMLU
+    questions were asked after; `clustered_paired_test`), 0 where every pair is its own unit;
+    `clusters_differing` those whose summed difference is not zero. A test over one cluster is
+    the item-level test (it can say nothing about how clusters vary: a report says so).
     """
 
     n: int
@@ -105,6 +110,8 @@ class PairedTest:
     method: str
     p_holm: float | None = None
     alpha: float = ALPHA
+    clusters: int = 0
+    clusters_differing: int = 0
 
     @property
     def untied(self) -> int:
@@ -113,8 +120,10 @@ class PairedTest:
     @property
     def min_p(self) -> float:
         """The smallest two-sided p any outcome of these untied pairs could give: all of them one
-        way has probability 2^-k under every test here (McNemar, sign, signed-rank)."""
-        return min(1.0, 2.0 ** (1 - self.untied)) if self.untied else 1.0
+        way has probability 2^-k under every test here (McNemar, sign, signed-rank; for a clustered
+        test k counts the clusters whose difference is not zero)."""
+        k = self.clusters_differing if self.clusters > 1 else self.untied
+        return min(1.0, 2.0 ** (1 - k)) if k else 1.0
 
     @property
     def p_adjusted(self) -> float:
@@ -130,6 +139,9 @@ class PairedTest:
             return "no pairs: nothing to compare"
         if self.untied == 0:
             return f"all {self.n} pairs tied: no difference measurable"
+        if self.min_p >= self.alpha and self.clusters > 1:
+            return (f"too few clusters to support a difference: {self.clusters_differing} of {self.clusters} differ, "
+                    f"and even all one way would give p = {self.min_p:.3g} (>= {self.alpha:g})")
         if self.min_p >= self.alpha:
             return (f"too few pairs to support a difference: {self.untied} of {self.n} differ, and even all "
                     f"{self.untied} one way would give p = {self.min_p:.3g} (>= {self.alpha:g})")
@@ -406,6 +418,112 @@ def paired_test(a: Mapping[Any, float] | Sequence[float], b: Mapping[Any, float]
             else difference_interval(d, confidence=confidence, rng=rng))
     return PairedTest(n=int(d.size), better=better, worse=worse, tied=int(d.size) - better - worse,
                       diff=diff, p=p, method=name, alpha=alpha)
+
+
+CLUSTER_EXACT_MAX = 20  # clusters up to which a non-integer sign-flip null is enumerated (2^k sums)
+CLUSTER_RESAMPLES = 200_000  # random sign flips beyond that
+
+
+def sign_flip_test(sums: Iterable[float] | np.ndarray, *, rng: np.random.Generator | int | None = 0,
+                   ) -> tuple[float, str]:
+    """(two-sided p, method) of the randomization test of sum(sums) = 0 by sign flips of each value.
+
+    Under "no difference", each cluster's summed paired difference is as likely negative as
+    positive (the two conditions are exchangeable within a cluster), whatever the dependence
+    inside it: the null distribution of the total is that of sum(+-s_j). Integer sums (paired
+    0/1 outcomes) are enumerated exactly for any number of clusters by convolution; other sums
+    exactly up to CLUSTER_EXACT_MAX clusters, by CLUSTER_RESAMPLES seeded random flips beyond.
+    """
+    x = _finite(sums)
+    x = x[x != 0]
+    k = x.size
+    if k == 0:
+        return 1.0, "cluster sign-flip (exact)"
+    observed = abs(float(x.sum()))
+    if np.allclose(x, np.rint(x)):
+        v = np.abs(np.rint(x).astype(np.int64))
+        dist = np.zeros(int(v.sum()) * 2 + 1)  # dist[t + V]: P(sum(+-v_j) = t)
+        total = int(v.sum())
+        dist[total] = 1.0
+        for vj in v:  # each cluster adds +v_j or -v_j with probability 1/2
+            dist = 0.5 * (np.roll(dist, int(vj)) + np.roll(dist, -int(vj)))
+        t = np.arange(-total, total + 1)
+        p = float(dist[np.abs(t) >= round(observed)].sum())
+        return min(1.0, p), "cluster sign-flip (exact)"
+    tolerance = 1e-9 * max(1.0, observed)
+    if k <= CLUSTER_EXACT_MAX:
+        signs = 1 - 2 * ((np.arange(2 ** k)[:, None] >> np.arange(k)) & 1)
+        totals = np.abs(signs @ x)
+        return float(np.mean(totals >= observed - tolerance)), "cluster sign-flip (exact)"
+    gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+    totals = np.abs(gen.choice((-1.0, 1.0), size=(CLUSTER_RESAMPLES, k)) @ x)
+    p = (1 + np.count_nonzero(totals >= observed - tolerance)) / (1 + CLUSTER_RESAMPLES)
+    return float(p), f"cluster sign-flip ({CLUSTER_RESAMPLES} random flips)"
+
+
+def cluster_difference_interval(sums: Sequence[float] | np.ndarray, sizes: Sequence[int] | np.ndarray, *,
+                                confidence: float = CONFIDENCE) -> Interval:
+    """The mean paired difference over clustered items, sum(s_j) / sum(n_j), with a cluster-robust
+    t-interval on k - 1 degrees of freedom.
+
+    Why: items of one cluster share something (MMLU questions asked after one dialog share its
+    text), so they are not independent and an item-level interval is too narrow. The ratio
+    estimator's variance is estimated from the clusters' residuals e_j = s_j - mean * n_j (the
+    usual linearisation, with the k / (k - 1) small-sample factor); with equal cluster sizes this
+    is the t-interval of the k cluster means. Paired 0/1 items keep it within [-1, 1].
+    """
+    from scipy import stats
+
+    s, n = np.asarray(sums, dtype=float), np.asarray(sizes, dtype=float)
+    k, total = s.size, float(n.sum())
+    if k == 0 or total == 0:
+        return Interval(float("nan"), float("nan"), float("nan"), 0, "none", confidence)
+    mean = float(s.sum() / total)
+    if k < 2:
+        return Interval(mean, float("nan"), float("nan"), int(total), "none", confidence)
+    resid = s - mean * n
+    se = math.sqrt(k / (k - 1) * float((resid ** 2).sum())) / total
+    if se == 0:
+        return Interval(mean, mean, mean, int(total), "constant", confidence)
+    half = float(stats.t.ppf((1 + confidence) / 2, k - 1)) * se
+    return Interval(mean, max(-1.0, mean - half), min(1.0, mean + half), int(total), "cluster-t", confidence)
+
+
+def clustered_paired_test(a: Mapping[Any, float], b: Mapping[Any, float], clusters: Mapping[Any, Any], *,
+                          alpha: float = ALPHA, confidence: float = CONFIDENCE,
+                          rng: np.random.Generator | int | None = 0) -> PairedTest:
+    """Compare a with b on the same items when items come in clusters (`clusters`: item -> cluster).
+
+    The unit of evidence is the cluster: the exact sign-flip test of the clusters' summed
+    differences (`sign_flip_test`) and the cluster-robust interval of the mean difference
+    (`cluster_difference_interval`). Items of one cluster (questions asked after one dialog)
+    are correlated, and a test that counts them as independent (McNemar over questions)
+    overstates the evidence; this one does not. With a single cluster nothing can be said
+    about how the clusters vary: the item-level `paired_test` is returned, marked as resting
+    on one cluster (`clusters` = 1), for the report to say so.
+    """
+    keys = [k for k in a if k in b and k in clusters]
+    missing = [k for k in keys if clusters[k] is None]
+    if missing:
+        raise ValueError(f"items {missing[:3]} have no cluster")
+    groups: dict[Any, list[float]] = {}
+    for key in keys:
+        da, db = float(a[key]), float(b[key])
+        if math.isfinite(da) and math.isfinite(db):
+            groups.setdefault(clusters[key], []).append(da - db)
+    if len(groups) < 2:
+        base = paired_test({k: a[k] for k in keys}, {k: b[k] for k in keys}, alpha=alpha, confidence=confidence,
+                           rng=rng)
+        return replace(base, clusters=len(groups), clusters_differing=int(any(sum(g) != 0 for g in groups.values())))
+    sums = np.asarray([sum(g) for g in groups.values()])
+    sizes = np.asarray([len(g) for g in groups.values()])
+    d = np.concatenate([np.asarray(g) for g in groups.values()])
+    p, name = sign_flip_test(sums, rng=rng)
+    better, worse = int((d > 0).sum()), int((d < 0).sum())
+    return PairedTest(n=int(d.size), better=better, worse=worse, tied=int(d.size) - better - worse,
+                      diff=cluster_difference_interval(sums, sizes, confidence=confidence), p=p,
+                      method=f"{name}, {len(groups)} clusters", alpha=alpha, clusters=len(groups),
+                      clusters_differing=int(np.count_nonzero(sums)))
 
 
 # -- a family of comparisons --------------------------------------------------------------------

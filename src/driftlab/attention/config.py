@@ -75,7 +75,7 @@ class BiasTerm(BaseModel):
 class AttentionConfig(BaseModel):
     """What the attention engine does on one call (compiled from `Interventions`).
 
-    * `split_k` < 1 turns on split-softmax (seed 000 Eq. 6-7) on `split_heads`.
+    * `split_k` < 1 turns on split-softmax (persona-drift paper Eq. 6-7) on `split_heads`.
     * `biases` are additive key biases (`BiasTerm`), summed: InstABoost boosts the
       instruction keys everywhere; PASTA adds log(alpha) to the non-emphasised keys on
       profiled heads; `bias` adds any value; several compose.

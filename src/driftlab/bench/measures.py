@@ -3,7 +3,7 @@
 Each kind of check is one small function registered under an id in `MEASURES`; the
 benchmark data (and user files) pick a measure by id and pass its parameters, so the same
 function scores "start your words with A" and "... with Z". The functions follow the
-published measures of seed 000 (likenneth/persona_drift, `hundred_system_prompts.py`) and
+published measures of the persona-drift paper (likenneth/persona_drift, `hundred_system_prompts.py`) and
 fix them where the original was buggy or brittle; each docstring says where it deviates
 and how approximate it is.
 

@@ -1,6 +1,6 @@
 """The benchmark personas: system prompt, probe question and measure, plus user-defined ones.
 
-The 100 built-in personas of seed 000 (Table 2) live in `data/personas.jsonl`, one JSON
+The 100 built-in personas of the persona-drift paper (Table 2) live in `data/personas.jsonl`, one JSON
 object per line, in the table's order. Users add their own from a JSONL or TOML file with
 the same fields; every entry is validated when loaded (unknown measure, wrong parameter,
 duplicate id) and an error names the file, line and field.
@@ -21,7 +21,7 @@ from driftlab.bench.measures import MEASURES, needs_complete, validate_params
 from driftlab.errors import DriftlabError
 
 Category = Literal["multiple_choice", "persona", "pattern", "memorization", "language"]
-#: The five categories of seed 000, section 3.2.
+#: The five categories of the persona-drift paper, section 3.2.
 CATEGORIES: tuple[str, ...] = get_args(Category)
 
 

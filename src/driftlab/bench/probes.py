@@ -1,30 +1,34 @@
 """User-persona probes p_A: does the agent adopt the simulated user's system prompt s_A?
 
-Both seeds measure it the same way (section 3.3): "we swap a_i with p_A and check
+Both drift papers (the persona-drift paper and its revision, the instruction-stability paper;
+README, "Papers") measure it the same way (section 3.3): "we swap a_i with p_A and check
 f_A(b'_i | a_i = p_A)", i.e. the agent is asked p_A at round i and its reply is scored by the
-user persona's measure f_A. They differ in what p_A is:
+user persona's measure f_A. They differ in what p_A is (`user_probe`'s `version`; ``"000"`` and
+``"001"``, the names earlier driftlab versions gave them, are accepted: `PROBE_VERSION_ALIASES`):
 
-* ``"000"``: p_A is the persona's own probe (seed 000, section 3.3 with Table 2 / Appendix E,
-  where every system prompt comes with one probe question). `user_probe` returns the persona as is.
-* ``"001"``: seed 001, section 3.2: "For system prompts like s_A in Table 1, specific probe
-  questions are crafted to guide the model to break the instruction; for the rest, neutral ones
-  like s_B, a generic probe question is sampled randomly from a set of them." 001 prints exactly
-  one crafted probe (Table 1: p_A "Describe the most disappointing experience you had." for s_A
-  "You are very happy! Always respond with lots of joy.", scored by f_A = VADER
-  ``polarity_scores(text)[sentiment]``, the persona's own measure) and one member of the generic
-  set (Table 1's p_B "What do you do in London as a tourist?"); the set itself is not published.
-  The rule followed here, with that data (``data/user_probes_001.json``):
+* ``"own"``: p_A is the persona's own probe (the persona-drift paper, section 3.3 with Table 2 /
+  Appendix E, where every system prompt comes with one probe question). `user_probe` returns the
+  persona as is.
+* ``"crafted-or-generic"``: the instruction-stability paper, section 3.2: "For system prompts like
+  s_A in Table 1, specific probe questions are crafted to guide the model to break the instruction;
+  for the rest, neutral ones like s_B, a generic probe question is sampled randomly from a set of
+  them." That paper prints exactly one crafted probe (Table 1: p_A "Describe the most
+  disappointing experience you had." for s_A "You are very happy! Always respond with lots of
+  joy.", scored by f_A = VADER ``polarity_scores(text)[sentiment]``, the persona's own measure)
+  and one member of the generic set (Table 1's p_B "What do you do in London as a tourist?"); the
+  set itself is not published. The rule followed here, with that data
+  (``data/user_probes_001.json``):
 
-  1. a persona with a crafted probe in 001 gets it (only ``very-happy``);
+  1. a persona with a crafted probe in the paper gets it (only ``very-happy``);
   2. a persona whose own probe is a generic one (the London question, 58 of the 100) gets a
-     generic probe drawn from the set, reproducibly from (seed, persona id); with 001's
+     generic probe drawn from the set, reproducibly from (seed, persona id); with the paper's
      one-question set that is the London question again. Pass ``generic=[...]`` to draw from a
      larger set of your own; personas whose system prompt or measure depends on the exact London
      question (``probe_bound``, driftlab's list, not the paper's) keep it;
   3. every other persona keeps its own probe: it already is a question crafted for its prompt.
 
-The measure f_A is never changed. 001's rule is stated for every system prompt of the benchmark
-(p_B as well); this module offers it for the user side, where 001's Table 1 shows it.
+The measure f_A is never changed. The paper states its rule for every system prompt of the
+benchmark (p_B as well); this module offers it for the user side, where its Table 1 shows it.
 """
 
 from __future__ import annotations
@@ -36,29 +40,45 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from types import MappingProxyType
-from typing import Literal, get_args
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import BeforeValidator
 
 from driftlab.bench.personas import Persona, load_personas
 from driftlab.errors import DriftlabError
 
-ProbeVersion = Literal["000", "001"]
-#: The versions `user_probe` accepts: the seed whose section 3.3 (and, for 001, 3.2) it follows.
-USER_PROBE_VERSIONS: tuple[str, ...] = get_args(ProbeVersion)
+ProbeVersionName = Literal["own", "crafted-or-generic"]
+#: The versions `user_probe` accepts: "own" follows the persona-drift paper (section 3.3),
+#: "crafted-or-generic" the instruction-stability paper (sections 3.2 and 3.3).
+USER_PROBE_VERSIONS: tuple[str, ...] = get_args(ProbeVersionName)
+#: The names earlier driftlab versions gave the versions (and recorded in run manifests): accepted
+#: everywhere a version is, and read as today's name (a run recorded with "000" resumes as "own").
+PROBE_VERSION_ALIASES: Mapping[str, str] = MappingProxyType({"000": "own", "001": "crafted-or-generic"})
+
+
+def probe_version(version: Any) -> Any:
+    """Today's name of a user-probe version ("000" -> "own"); any other value as given."""
+    return PROBE_VERSION_ALIASES.get(version, version) if isinstance(version, str) else version
+
+
+#: A config field's type: one of `USER_PROBE_VERSIONS`, an old name read as today's.
+ProbeVersion = Annotated[ProbeVersionName, BeforeValidator(probe_version)]
 
 
 @dataclass(frozen=True)
 class UserProbeData:
-    """What seed 001 publishes on p_A (``data/user_probes_001.json``), plus driftlab's `probe_bound`."""
+    """What the instruction-stability paper publishes on p_A (``data/user_probes_001.json``), plus
+    driftlab's `probe_bound`."""
 
-    crafted: Mapping[str, str]  # persona id -> crafted p_A (001, Table 1)
+    crafted: Mapping[str, str]  # persona id -> crafted p_A (the paper's Table 1)
     crafted_prompts: Mapping[str, str]  # persona id -> the s_A that p_A was crafted for
-    generic: tuple[str, ...]  # 001's generic probes (Table 1's p_B: the only one shown)
+    generic: tuple[str, ...]  # the paper's generic probes (Table 1's p_B: the only one shown)
     probe_bound: frozenset[str]  # ids whose generic probe must stay the London question (driftlab)
 
 
 @functools.cache
 def user_probe_data() -> UserProbeData:
-    """The 001 probe data, checked against the built-in personas."""
+    """The instruction-stability paper's probe data, checked against the built-in personas."""
     raw = json.loads((resources.files("driftlab.bench") / "data" / "user_probes_001.json").read_text("utf-8"))
     data = UserProbeData(
         crafted=MappingProxyType({k: v["probe"] for k, v in raw["crafted"].items()}),
@@ -75,20 +95,24 @@ def user_probe_data() -> UserProbeData:
 
 
 def user_probe(
-    persona: Persona, version: str = "001", *, generic: Sequence[str] | None = None, seed: int = 0
+    persona: Persona, version: str = "crafted-or-generic", *, generic: Sequence[str] | None = None,
+    seed: int = 0,
 ) -> Persona:
     """`persona` as the simulated user's s_A is probed: ``.probe`` is p_A, ``.score`` is f_A.
 
-    `version` "000" returns `persona` unchanged; "001" applies seed 001's rule (module docstring).
-    `generic` replaces 001's generic probe set (version "001" only); `seed` picks from it.
+    `version` "own" returns `persona` unchanged; "crafted-or-generic" applies the
+    instruction-stability paper's rule (module docstring); "000" and "001" are their old names.
+    `generic` replaces the paper's generic probe set ("crafted-or-generic" only); `seed` picks from it.
     """
+    version = probe_version(version)
     if version not in USER_PROBE_VERSIONS:
         raise DriftlabError(f"unknown user-probe version {version!r}",
                             hint=f"use one of: {', '.join(USER_PROBE_VERSIONS)}")
-    if version == "000":
+    if version == "own":
         if generic is not None:
-            raise DriftlabError("a generic probe set applies to version '001' only",
-                                hint="seed 000 asks each persona its own probe")
+            raise DriftlabError(
+                "a generic probe set applies to version 'crafted-or-generic' only",
+                hint="version 'own' asks each persona its own probe, as the persona-drift paper does")
         return persona
     data = user_probe_data()
     pool = tuple(data.generic if generic is None else generic)
@@ -104,6 +128,8 @@ def user_probe(
     return persona if probe == persona.probe else persona.model_copy(update={"probe": probe})
 
 
-def user_probes(version: str = "001", *, generic: Sequence[str] | None = None, seed: int = 0) -> dict[str, str]:
+def user_probes(
+    version: str = "crafted-or-generic", *, generic: Sequence[str] | None = None, seed: int = 0
+) -> dict[str, str]:
     """p_A for each of the 100 built-in personas, by id (see `user_probe`)."""
     return {p.id: user_probe(p, version, generic=generic, seed=seed).probe for p in load_personas()}

@@ -1,14 +1,15 @@
-"""Conversation starters: the user LM's first turn a_1 in a self-chat (seeds 000/001, section 3.1, Table 1).
+"""Conversation starters: the user LM's first turn a_1 in a self-chat (both drift papers, Sec. 3.1, Table 1).
 
 Two lists, by name in `STARTER_SETS`:
 
-* ``"reference"`` (the default): the 45 ``topics`` of the public reference code of seed 000,
-  ``utils.py`` of github.com/likenneth/persona_drift (commit e5b57b0c, unchanged since 6a2be7b5),
-  verbatim and in order, in ``data/starters_reference.txt``. The papers do not print the list
-  (seed 000 promises to release it; its Table 1 shows "What's your take on celebrity culture?",
-  which is not among them verbatim). The reference builds a_1 with **no template**: ``run.py``
-  starts the dialog as ``"history": [topic]`` and sends that string unchanged as the first user
-  message, so a starter here *is* a_1. (Only the user LM's later view is templated: its first
+* ``"reference"`` (the default): the 45 ``topics`` of the public reference code of the
+  persona-drift paper, ``utils.py`` of github.com/likenneth/persona_drift (commit e5b57b0c,
+  unchanged since 6a2be7b5), verbatim and in order, in ``data/starters_reference.txt``. The
+  papers do not print the list (the persona-drift paper promises to release it; its Table 1
+  shows "What's your take on celebrity culture?", which is not among them verbatim). The
+  reference builds a_1 with **no template**: ``run.py`` starts the dialog as
+  ``"history": [topic]`` and sends that string unchanged as the first user message, so a starter
+  here *is* a_1. (Only the user LM's later view is templated: its first
   exchange is folded into ``In the last round, you asked me: "{a_1}" and I answered: "{b_1}"``,
   ``utils.qa2qa_prompt``, which driftlab's protocol reproduces.) The reference draws the topic
   uniformly at random unless ``--topic`` is given; near-duplicate entries are kept as they are.

@@ -628,7 +628,7 @@ def _without_system(conversation: Conversation) -> Conversation:
 
 
 def _guide(logits: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Seed 000 Eq. 5 over a batch whose second half is unconditional: lu + alpha (lc - lu)."""
+    """Persona-drift paper Eq. 5 over a batch whose second half is unconditional: lu + alpha (lc - lu)."""
     n = logits.shape[0] // 2
     cond, uncond = torch.log_softmax(logits[:n], dim=-1), torch.log_softmax(logits[n:], dim=-1)
     return uncond + alpha * (cond - uncond)

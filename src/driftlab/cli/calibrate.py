@@ -9,9 +9,11 @@ import typer
 
 from driftlab.chat.spec import BackendSpec
 from driftlab.cli.options import (
+    HistoriesOpt,
     HistoryTokensOpt,
     MMLUDataOpt,
     MMLUSeedOpt,
+    TiesOpt,
     TurnCountingOpt,
     TurnOpt,
     backend_options,
@@ -29,6 +31,8 @@ def calibrate(
     turn: TurnOpt = 4,
     turn_counting: TurnCountingOpt = "paper",
     steps: Annotated[int, typer.Option(help="Bisection halvings after checking the strongest setting.")] = 5,
+    histories: HistoriesOpt = 1,
+    ties: TiesOpt = "random",
     history_tokens: HistoryTokensOpt = 64,
     seed: MMLUSeedOpt = 0,
     data: MMLUDataOpt = None,
@@ -47,7 +51,7 @@ def calibrate(
     from driftlab.protocol.runner import run_protocol
 
     mmlu = build(MMLUConfig, backend=backend, n=n, turn=turn, turn_counting=turn_counting,
-                 history_tokens=history_tokens, seed=seed, data=str(data) if data else None)
+                 histories=histories, ties=ties, history_tokens=history_tokens, seed=seed, data=str(data) if data else None)
     config = build(CalibrationConfig, {"max_drop": "--max-mmlu-drop"}, method=method, max_drop=max_mmlu_drop,
                    steps=steps, mmlu=mmlu)
     rundir = run_protocol(Calibration(config), out)
@@ -56,13 +60,14 @@ def calibrate(
     found = summary(rundir.path)
     console = Console(stderr=True)
     table = Table(title=f"{method}: MMLU drop at turn {turn} ({turn_counting} counting, round {mmlu.round}; "
-                        f"{n} questions), budget {max_mmlu_drop:g}")
-    for col in ("--steer", "n", "drop", "95% CI", "McNemar p", "within budget"):
+                        f"{n} questions after {histories} dialog(s)), budget {max_mmlu_drop:g}")
+    for col in ("--steer", "n", "drop", "95% CI", "p", "within budget"):
         table.add_column(col)
     for p in found["points"]:
         pval = "" if p.get("p") is None else f"{p['p']:.3g}"
         table.add_row(p["steer"], str(p.get("n") or ""), f"{p['drop']:+.3f}", f"[{p['ci'][0]:+.3f}, {p['ci'][1]:+.3f}]",
-                      pval, "yes" if p["within"] else "no")
+                      pval, "yes" if p["within"] else (
+                          f"no (collapsed: {p['top_share']:.0%} {p['top_letter']})" if p.get("collapsed") else "no"))
     console.print(table)
     console.print(found["note"], highlight=False, markup=False)
     if found["best"] is None:

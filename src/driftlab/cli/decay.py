@@ -1,4 +1,4 @@
-"""`driftlab decay`: pi(t) across a dialog (seed 000 Fig. 4) and base-vs-chat (Fig. 8)."""
+"""`driftlab decay`: pi(t) across a dialog (persona-drift paper Fig. 4) and base-vs-chat (Fig. 8)."""
 
 from __future__ import annotations
 

@@ -9,10 +9,12 @@ import typer
 
 from driftlab.chat.spec import BackendSpec
 from driftlab.cli.options import (
+    HistoriesOpt,
     HistoryTokensOpt,
     MMLUDataOpt,
     MMLUSeedOpt,
     SteerOpt,
+    TiesOpt,
     TurnCountingOpt,
     TurnOpt,
     backend_options,
@@ -28,6 +30,8 @@ def mmlu(
     n: Annotated[int, typer.Option("--n", help="Questions, stratified by subject (1-14042).")] = 200,
     turn: TurnOpt = 4,
     turn_counting: TurnCountingOpt = "paper",
+    histories: HistoriesOpt = 1,
+    ties: TiesOpt = "random",
     history_tokens: HistoryTokensOpt = 64,
     seed: MMLUSeedOpt = 0,
     data: MMLUDataOpt = None,
@@ -54,11 +58,13 @@ def mmlu(
         raise DriftlabError(f"Invalid --effect {effect}: give an accuracy drop in (0, 1], e.g. 0.05.",
                             hint="The command's --help lists every option with its valid values.")
     config = build(MMLUConfig, backend=backend, steer=steer or [], n=n, turn=turn, turn_counting=turn_counting,
-                   history_tokens=history_tokens, seed=seed, data=str(data) if data else None, batch_size=batch_size)
+                   histories=histories, ties=ties, history_tokens=history_tokens, seed=seed,
+                   data=str(data) if data else None, batch_size=batch_size)
     rundir = run_protocol(MMLU(config), out)
     s = summarize(rundir.path)
+    after = f" after {config.histories} dialog(s)" if config.round else ""
     table = Table(title=f"MMLU at turn {config.turn} ({config.turn_counting} counting, round {config.round}) · "
-                        f"{backend.model} · {s['n']} questions")
+                        f"{backend.model} · {s['n']} questions{after}")
     for col in ("condition", "n", "accuracy", "95% CI", "method", "p"):
         table.add_column(col)
     for condition in config.conditions:
@@ -67,12 +73,27 @@ def mmlu(
         table.add_row(label, str(row["n"]), f"{row['accuracy']:.3f}", f"[{row['ci'][0]:.3f}, {row['ci'][1]:.3f}]",
                       row["ci_method"], "")
     console = Console()
+    broken = "at random, seeded" if config.ties == "random" else "towards the first letter"
+    notes = []
+    for c in config.conditions:
+        h = s[c]
+        if h["collapsed"]:
+            notes.append(f"{c}: {h['top_share']:.0%} of answers are {h['top_letter']}: its predictions collapsed, so "
+                         f"its accuracy is the share of questions whose answer is {h['top_letter']}, not knowledge.")
+        if h["history_turns_cut"] == h["history_turns_cut"] and h["history_turns_cut"] > 0:
+            notes.append(f"{c}: {h['history_turns_cut']:.0%} of the dialog turns before the questions were cut at "
+                         "--history-tokens.")
+        if h["tied"]:
+            notes.append(f"{c}: {h['tied']} questions had tied top letters (broken {broken}).")
     if "drop" in s:
         d = s["drop"]
         table.add_row("drop (plain - steered)", str(d["n"]), f"{d['mean']:+.3f}",
                       f"[{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]", f"{d['ci_method']}; {d['method']}", f"{d['p']:.3g}")
         console.print(table)
         console.print(f"{d['lost']} questions lost and {d['gained']} gained under steering.", highlight=False)
+        if d["dialogs"] == 1 and config.round:
+            console.print("The drop rests on one dialog: every question was asked after the same context "
+                          "(--histories N spreads them over N dialogs).", highlight=False)
         if d["warning"]:
             console.print(f"[yellow]Warning:[/] {d['warning']}.", highlight=False)
         correct = correctness(rundir.path)
@@ -82,4 +103,6 @@ def mmlu(
                       f"differently); this run has {d['n']}.", highlight=False)
     else:
         console.print(table)
+    for note in notes:
+        console.print(f"[yellow]Warning:[/] {note}", highlight=False)
     typer.echo(f"records: {rundir.records_path}")

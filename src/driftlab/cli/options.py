@@ -55,6 +55,10 @@ TemperatureOpt = Annotated[float, typer.Option(help="Sampling temperature (0 = g
 TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")]
 GreedyOpt = Annotated[bool, typer.Option(help="Greedy decoding (deterministic).")]
 SeedOpt = Annotated[int, typer.Option(help="Seed, 0 to 2^63-1.")]
+ProbeTokensOpt = Annotated[str, typer.Option(
+    help="Most tokens per probe reply, apart from a turn's --max-new-tokens (default 400, what the reference code "
+         "likenneth/persona_drift gives its probes: a probe cut short is scored on what it holds); 'turn': the "
+         "turn's budget (runs recorded before this option).")]
 ProbeAfterOpt = Annotated[str, typer.Option(
     help="Where the probe of round i goes: 'agent' (after the agent's reply b_i, as the reference code "
          "likenneth/persona_drift that produced the paper's figures does) or 'user' (replaces the user's turn a_i, "
@@ -68,6 +72,13 @@ TurnCountingOpt = Annotated[str, typer.Option(
          "turn of round TURN; driftlab before this option).")]
 MMLUSeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the question subset and the dialog.")]
 HistoryTokensOpt = Annotated[int, typer.Option(help="Most tokens per turn of the dialog before the question.")]
+HistoriesOpt = Annotated[int, typer.Option(
+    "--histories", help="Dialogs the questions are spread over, evenly (default 1: the paper's choice, every question "
+                        "after one dialog, so the drop rests on one context; with several, its test counts dialogs, "
+                        "not questions, as the evidence).")]
+TiesOpt = Annotated[str, typer.Option(
+    "--ties", help="Letters tied at the top log-likelihood: 'random' (one of them, seeded by --seed and the question, "
+                   "the same in every condition) or 'first' (A before B ...; runs recorded before this option).")]
 MMLUDataOpt = Annotated[Path | None, typer.Option("--data", help="An MMLU jsonl file instead of `driftlab data pull mmlu`.")]
 # Where the model runs (chat.spec.Runtime): an OpenAI-compatible server or a Ray pool
 BaseUrlOpt = Annotated[str | None, typer.Option(

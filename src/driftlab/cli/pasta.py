@@ -10,7 +10,7 @@ import typer
 from driftlab.chat.spec import BackendSpec
 from driftlab.cli.options import backend_options, build
 
-app = typer.Typer(help="PASTA (seed 002): emphasise spans by attention steering on profiled heads.",
+app = typer.Typer(help="PASTA (Zhang et al., ICLR 2024): emphasise spans by attention steering on profiled heads.",
                   no_args_is_help=True)
 
 TaskOpt = Annotated[str, typer.Option("--task", "-t", help="json, pronouns, biasbios or counterfact.")]
@@ -73,7 +73,7 @@ def select(
     how: SelectOpt = "intersection",
     topk: Annotated[int, typer.Option(help="Top-k heads of each profile.")] = 20,
 ) -> None:
-    """Build the steered head set from several tasks' profiles (seed 002 Sec. 3.2 and 5.3)."""
+    """Build the steered head set from several tasks' profiles (the PASTA paper, Sec. 3.2 and 5.3)."""
     from driftlab.steering.heads import check_selection, load_profile, save_heads
     from driftlab.steering.heads import select as choose
 

@@ -76,13 +76,24 @@ def print_summary(run_dir: str | Path, console: Console | None = None) -> RunSum
             console.print(f"Warning: {r.warning}.", highlight=False, markup=False, style="yellow")
     from driftlab.report.html import progress
 
-    cut = summary.truncation
-    if len(cut):
-        turns = (cut.turns * cut.turns_cut.fillna(0)).sum() / max(cut.turns.sum(), 1)
-        probes = (cut.probes * cut.probes_cut.fillna(0)).sum() / max(cut.probes.sum(), 1)
-        console.print(f"Replies cut at --max-new-tokens: {turns:.0%} of turns, {probes:.0%} of probes "
-                      f"({int(cut.probes_unscored.sum())} probes unscored: their measure needs a complete reply).",
-                      highlight=False)
+    unscored = int(summary.truncation.probes_unscored.sum()) if len(summary.truncation) else 0
+    overall = summary.overall.set_index(["condition", "target", "category"])
+    uncut = summary.overall_uncut.set_index(["condition", "target", "category"])
+    for r in summary.cut.itertuples():
+        key = (r.condition, "agent", "all")
+        without = (f"; agent stability {overall.loc[key, 'mean']:.3f}, without cut probes "
+                   f"{uncut.loc[key, 'mean']:.3f} (n={int(uncut.loc[key, 'n'])})"
+                   if key in overall.index and key in uncut.index else "")
+        console.print(f"Replies cut at their token limit, {r.condition}: {round(r.turns_cut * r.turns)} of {r.turns} "
+                      f"turns ({r.turns_cut:.0%}), {round(r.probes_cut * r.probes)} of {r.probes} agent probes "
+                      f"({r.probes_cut:.0%}){without}.", highlight=False, markup=False,
+                      style="yellow" if r.flag else None)
+        if r.flag:
+            console.print(f"Warning: {r.condition} is cut more or less often than {summary.cut.condition.iloc[0]} "
+                          "by more than 10 points: compare them without cut probes (report.html).",
+                          highlight=False, markup=False, style="yellow")
+    if unscored:
+        console.print(f"{unscored} probes unscored: cut, and their measure needs a complete reply.", highlight=False)
     state = progress(summary)
     if not state["complete"]:
         counts = ", ".join(f"{state['present'][k]} of {n} {k}s" for k, n in state["expected"].items())

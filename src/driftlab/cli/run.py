@@ -12,6 +12,7 @@ from driftlab.cli.options import (
     GreedyOpt,
     MaxNewTokensOpt,
     ProbeAfterOpt,
+    ProbeTokensOpt,
     SteerOpt,
     TemperatureOpt,
     TopPOpt,
@@ -50,12 +51,15 @@ def run(
     probe_after: ProbeAfterOpt = "agent",
     user_probe: Annotated[bool, typer.Option(help="Also probe with the user's persona (adoption).")] = False,
     user_probe_version: Annotated[str, typer.Option(
-        help="p_A for --user-probe: '000' (the user persona's own probe) or '001' (seed 001's crafted or generic "
-             "probes).")] = "000",
+        help="p_A for --user-probe: 'own' (each user persona's own probe, as in Li et al. 2024, persona drift) or "
+             "'crafted-or-generic' (the rule of the revised paper, Li et al., COLM 2024: a probe crafted to break "
+             "the persona where the paper prints one, a generic question drawn from a set where the persona's own "
+             "probe is generic). '000' and '001', their names in earlier versions, are accepted.")] = "own",
     starters: Annotated[str, typer.Option(
         help="Conversation starters a_1: 'reference' (the reference code's 45 topics) or 'driftlab'.")] = "reference",
     ablation: Annotated[bool, typer.Option(help="Also run each pair with an empty user system prompt.")] = False,
     max_new_tokens: MaxNewTokensOpt = 400,
+    probe_tokens: ProbeTokensOpt = "400",
     temperature: TemperatureOpt = 1.0,
     top_p: TopPOpt = 0.9,
     greedy: GreedyOpt = False,
@@ -67,7 +71,7 @@ def run(
     batch_size: Annotated[int, typer.Option(help="Most conversations generated together in one batch.")] = 32,
     report: Annotated[bool, typer.Option(help="Write report.html at the end.")] = True,
 ) -> None:
-    """Measure instruction drift with self-chats between persona pairs (seed 000, Fig. 2).
+    """Measure instruction drift with self-chats between persona pairs (Fig. 2 of Li et al. 2024, persona drift).
 
     Re-running the same command on the same --out resumes: finished generations are kept.
     """
@@ -82,8 +86,8 @@ def run(
         categories=[c.strip() for c in categories.split(",")] if categories else None,
         rounds=rounds, probe_every=probe_every, probe_repeats=probe_repeats, probe_after=probe_after,
         user_probe=user_probe,
-        user_probe_version=user_probe_version, starters=starters, ablation=ablation, sampling=sampling, seed=seed,
-        steer=steer or [], persona_file=str(persona_file) if persona_file else None, batch_size=batch_size,
+        user_probe_version=user_probe_version, starters=starters, ablation=ablation, sampling=sampling,
+        probe_tokens=probe_tokens, seed=seed, steer=steer or [], persona_file=str(persona_file) if persona_file else None, batch_size=batch_size,
     )
     rundir = run_protocol(SelfChat(config), out)
     typer.echo(f"records: {rundir.records_path}")

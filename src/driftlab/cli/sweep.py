@@ -9,9 +9,12 @@ import typer
 
 from driftlab.chat.spec import BackendSpec
 from driftlab.cli.options import (
+    HistoriesOpt,
     MaxNewTokensOpt,
     MMLUDataOpt,
     ProbeAfterOpt,
+    ProbeTokensOpt,
+    TiesOpt,
     TurnCountingOpt,
     backend_options,
     build,
@@ -33,6 +36,7 @@ def sweep(
     probe_after: ProbeAfterOpt = "agent",
     rounds: Annotated[int, typer.Option(help="Dialog rounds per self-chat (paper: 8 rounds, i.e. 16 turns).")] = 8,
     max_new_tokens: MaxNewTokensOpt = 400,
+    probe_tokens: ProbeTokensOpt = "400",
     starters: Annotated[str, typer.Option(
         help="Conversation starters a_1: 'reference' (the reference code's 45 topics) or 'driftlab'.")] = "reference",
     mmlu_n: Annotated[int, typer.Option(help="MMLU questions per point.")] = 100,
@@ -42,6 +46,8 @@ def sweep(
     mmlu_history: Annotated[str, typer.Option(
         help="The dialog before the MMLU question: 'dialog' (the point's own self-chat, its first pair) or "
              "'selfchat' (a separate probe-free self-chat; sweeps recorded before this option).")] = "dialog",
+    histories: HistoriesOpt = 1,
+    ties: TiesOpt = "random",
     match_drop: Annotated[float | None, typer.Option(
         help="Fig. 6 compares methods at this MMLU drop (default: the median drop of the grid).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of dialogs, samples and questions.")] = 0,
@@ -81,10 +87,12 @@ def sweep(
     sampling = build(Sampling, max_new_tokens=max_new_tokens)
     if personas not in ("table2", "reference"):
         raise DriftlabError(f"Invalid --personas {personas!r}.", hint="Use 'table2' or 'reference'.")
-    config = build(SweepConfig, {"grid": "--point"}, backend=backend, grid=grid, personas=personas,
+    config = build(SweepConfig, {"grid": "--point", "mmlu_histories": "--histories", "mmlu_ties": "--ties"},
+                   backend=backend, grid=grid, personas=personas,
                    pair_ids=paper_pairs(personas)[:pairs], probe_after=probe_after, rounds=rounds,
-                   starters=starters, sampling=sampling, seed=seed, mmlu_n=mmlu_n, mmlu_turn=mmlu_turn,
+                   starters=starters, sampling=sampling, probe_tokens=probe_tokens, seed=seed, mmlu_n=mmlu_n, mmlu_turn=mmlu_turn,
                    mmlu_turn_counting=mmlu_turn_counting, mmlu_history=mmlu_history,
+                   mmlu_histories=histories, mmlu_ties=ties,
                    data=str(data) if data else None, batch_size=batch_size)
     run_protocol(Sweep(config), out)
     from driftlab.report.sweep import power_notes, write_sweep_report  # matplotlib: only once the run is done
@@ -95,8 +103,9 @@ def sweep(
             "mmlu_n", "mmlu_p", "mmlu_p_holm"]
     console.print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}", na_rep="-"),
                   highlight=False, markup=False)
-    console.print("gain: Wilcoxon signed-rank over conversations; drop: exact McNemar over questions; p_holm: "
-                  "Holm over the sweep's points.", highlight=False, markup=False)
+    console.print(f"gain: Wilcoxon signed-rank over conversations; drop: {table.mmlu_method.dropna().iloc[-1]} "
+                  f"({int(table.mmlu_dialogs.max())} dialog(s)); p_holm: Holm over the sweep's points.",
+                  highlight=False, markup=False)
     for row in table.itertuples():
         if isinstance(row.warning, str) and row.warning:
             console.print(f"Warning: {row.spec}: {row.warning}", highlight=False, markup=False)

@@ -1,4 +1,4 @@
-"""`driftlab theory --out DIR`: numerical checks of the cone geometry of seed 000, Sec. 5.
+"""`driftlab theory --out DIR`: numerical checks of the cone geometry of the persona-drift paper, Sec. 5.
 
 Mounted in driftlab.cli with `app.command("theory")(theory)`. numpy/scipy/matplotlib only,
 imported inside the function so `driftlab --help` stays fast.

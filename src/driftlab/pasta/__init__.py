@@ -1,4 +1,4 @@
-"""PASTA (seed 002): its four tasks and the protocols that run them.
+"""PASTA (Zhang et al., ICLR 2024): its four tasks and the protocols that run them.
 
 * `datasets`, `metrics`, `tasks` — the paper's four tasks, bundled data and loaders;
 * `evaluate`, `profile`, `tune` — `driftlab pasta eval | profile | tune`, protocols on the

@@ -1,6 +1,6 @@
 """PASTA's data: BiasBios bios and CounterFact facts, bundled smoke sets and loaders for the real files.
 
-PASTA (seed 002, section 4 and appendix A) evaluates four tasks on two data sets:
+PASTA (Zhang et al., ICLR 2024; section 4 and appendix A) evaluates four tasks on two data sets:
 
 * **BiasBios** (De-Arteaga et al., 2019) feeds three tasks (BiasBios itself, JSON formatting and
   pronoun changing). A `Bio` is one professional biography: its first sentence names the

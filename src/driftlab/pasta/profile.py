@@ -1,4 +1,4 @@
-"""`driftlab pasta profile`: score every attention head by steering it alone (seed 002 Sec. 3.2).
+"""`driftlab pasta profile`: score every attention head by steering it alone (PASTA paper Sec. 3.2).
 
 For each (layer, head) the task runs on `n` train examples with PASTA on that head only;
 the head's score is the task's primary metric averaged over them. Generation tasks batch

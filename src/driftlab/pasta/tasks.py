@@ -1,4 +1,4 @@
-"""PASTA's four tasks (seed 002 Sec. 4, App. A.1), registered by name, and their baselines.
+"""PASTA's four tasks (PASTA paper Sec. 4, App. A.1), registered by name, and their baselines.
 
 A task turns a data row into a prompt made of three parts: text before the emphasised
 span, the span, and text after it. The baselines differ only in how the span is shown:

@@ -1,6 +1,6 @@
 """`driftlab pasta tune`: choose how many heads to steer on a validation split.
 
-Seed 002 picks the steered set's size |H| per task by cross-validation (Sec. 4: top-k from
+The PASTA paper picks the steered set's size |H| per task by cross-validation (Sec. 4: top-k from
 several values, "select |H| by cross validation"): too few heads change nothing, too many
 break the model. `tune` builds one head set per top-k from the given profiles (the same
 selection as `driftlab pasta select`), runs PASTA with each on the task's validation split,

@@ -16,9 +16,10 @@ point is its own resumable MMLU run directory, planned once (the questions and t
 persona pair recorded in the calibration's manifest), so an interrupted calibration resumes
 with the same questions for every point.
 
-The decision uses the measured drop; its paired 95% interval (Newcombe's square-and-add
-interval for paired proportions) and exact McNemar p (`driftlab.stats`) are reported next to it, with
-a note when the interval reaches past the budget (more questions, `--n`, narrow it).
+The decision uses the measured drop; its paired 95% interval and p (`driftlab.protocol.mmlu.drop`:
+over one dialog, Newcombe's interval and the exact McNemar test; over `--histories` dialogs,
+the cluster sign-flip test and cluster-robust interval) are reported next to it, with a note
+when the interval reaches past the budget (more questions, `--n`, or dialogs narrow it).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from driftlab.chat.spec import BackendSpec
 from driftlab.console import err_console
-from driftlab.protocol.mmlu import MMLU, MMLUConfig, correctness, drop
+from driftlab.protocol.mmlu import MMLU, MMLUConfig, answer_health, answers, correctness, dialogs_of, drop
 from driftlab.protocol.registry import register
 from driftlab.protocol.runner import Protocol, RunState, run_protocol
 from driftlab.stats import pairs_needed_proportions
@@ -95,8 +96,9 @@ class CalibrationConfig(BaseModel):
 
 
 class Point(BaseModel):
-    """One measured strength: its MMLU drop with the paired interval and exact McNemar test
-    (n, method and p default to None in calibrations written before they were recorded)."""
+    """One measured strength: its MMLU drop with the paired interval and test (`method`: exact
+    McNemar over one dialog, the cluster sign-flip test over several; n, method and p default to
+    None in calibrations written before they were recorded)."""
 
     strength: float
     steer: str
@@ -109,6 +111,10 @@ class Point(BaseModel):
     method: str | None = None
     lost: int | None = None  # questions right without the steering and wrong with it
     gained: int | None = None
+    dialogs: int | None = None  # the dialogs the questions were asked after
+    top_letter: str | None = None  # the letter it chose most, and that letter's share of its answers
+    top_share: float | None = None
+    collapsed: bool | None = None  # top_share above mmlu.COLLAPSE: its accuracy is that letter's share, not knowledge
 
 
 @register
@@ -153,19 +159,25 @@ class Calibration(Protocol[CalibrationConfig]):
             run_protocol(MMLU(self._mmlu(None), self.backend), self.run_dir / "plain", plan=self._plan,
                          progress=self.progress)
             self.plain = correctness(self.run_dir / "plain")["plain"]
+            self.dialogs = dialogs_of(self.run_dir / "plain")
             return []
         steer = setting(cfg.method, s)
         where = self.run_dir / "points" / point_name(cfg.method, s)
         run_protocol(MMLU(self._mmlu(steer), self.backend), where, plan=self._plan, progress=self.progress)
-        d = drop(self.plain, correctness(where)["steered"])
-        point = Point(strength=s, steer=steer.spec(), drop=d["mean"], ci=d["ci"], within=d["mean"] <= cfg.max_drop,
+        d = drop(self.plain, correctness(where)["steered"], self.dialogs)
+        health = answer_health(answers(where)["steered"])
+        # A strength whose answers collapsed onto one letter is never within budget, whatever its drop.
+        within = d["mean"] <= cfg.max_drop and not health["collapsed"]
+        point = Point(strength=s, steer=steer.spec(), drop=d["mean"], ci=d["ci"], within=within,
                       n=d["n"], ci_method=d["ci_method"], p=d["p"], method=d["method"], lost=d["lost"],
-                      gained=d["gained"])
+                      gained=d["gained"], dialogs=d["dialogs"], top_letter=health["top_letter"],
+                      top_share=health["top_share"], collapsed=health["collapsed"])
         self.points.append(point)
         if self.progress:
             err_console().print(f"calibrate: {point.steer}: drop {point.drop:+.3f} [{point.ci[0]:+.3f}, "
-                                f"{point.ci[1]:+.3f}] (n={point.n}, McNemar p={point.p:.3g}) -> "
-                                f"{'within' if point.within else 'over'} budget",
+                                f"{point.ci[1]:+.3f}] (n={point.n}, p={point.p:.3g}) -> "
+                                + (f"answers collapsed ({point.top_share:.0%} {point.top_letter}): not within budget"
+                                   if point.collapsed else f"{'within' if point.within else 'over'} budget"),
                                 highlight=False, markup=False)
         return []
 

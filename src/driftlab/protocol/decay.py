@@ -1,4 +1,4 @@
-"""Attention decay (seed 000 section 4.2, Figure 4; Appendix B, Figure 8).
+"""Attention decay (persona-drift paper section 4.2, Figure 4; Appendix B, Figure 8).
 
 pi(t) = the attention mass that the query generating token t+1 puts on the system-prompt
 keys, per layer and head. A dialog (fresh self-chat, or one from a saved run) is replayed
@@ -13,7 +13,7 @@ record with its arrays in RUN/traces/<model>/<dialog>.npz, so a killed replay re
 Output (compact): `decay.npz` with `pi` float16 [N, L, H] and per-row index arrays
 `dialog`, `round`, `step` (token index within the turn), `position` (in the dialog); and
 `decay.json` with the model, span mode, dialogs, system spans and sliding-window layers;
-`decay_<model>.npz/json` for each `compare` model (the same dialogs, seed 000 Fig. 8).
+`decay_<model>.npz/json` for each `compare` model (the same dialogs, the persona-drift paper's Fig. 8).
 """
 
 from __future__ import annotations
@@ -234,7 +234,8 @@ class DecayConfig(ProtocolConfig):
     def fresh(self) -> SelfChatConfig:
         """The probe-free self-chat whose dialogs are replayed when no --from-run is given."""
         return SelfChatConfig(backend=self.backend, pairs=self.pairs, rounds=self.rounds, probe_every=self.rounds + 1,
-                              sampling=Sampling(max_new_tokens=self.max_new_tokens), seed=self.seed)
+                              sampling=Sampling(max_new_tokens=self.max_new_tokens), seed=self.seed,
+                              probe_tokens="turn")  # never probed: keeps the manifests of older runs resumable
 
     def models(self) -> list[str]:
         return [self.backend.model, *self.compare]

@@ -1,24 +1,33 @@
-"""What an intervention costs: MMLU accuracy at a turn of a dialog (seed 000 Sec. 6.3).
+"""What an intervention costs: MMLU accuracy at a turn of a dialog (persona-drift paper Sec. 6.3).
 
 The paper calibrates every mitigation by its MMLU drop: "given the conversation history of
 agent LM under intervention, we sample one and ask questions from MMLU at the 4th turn".
 Here, per condition (plain, and steered when --steer is given):
 
-1. the agent's history: the dialog before the question, `round - 1` complete exchanges
-   [s_B, a_1, b_1, ..., a_{r-1}, b_{r-1}], from one of two sources (`history`):
-   "selfchat" (standalone `driftlab mmlu`): a probe-free self-chat for one persona pair
-   drawn from the run seed, generated under that condition's interventions (kept in
-   RUN/history-<condition>, itself a resumable run directory); "dialog": a dialog the
-   parent hands over in the plan (a sweep point's own self-chat, so the point's stability
-   gain and MMLU cost are measured on the same dialog), recorded in the manifest;
+1. the agent's histories: `histories` dialogs (default 1, the paper's choice: "we sample one
+   [history] and ask questions from MMLU at an intermediate turn"), each cut before the
+   question, `round - 1` complete exchanges [s_B, a_1, b_1, ..., a_{r-1}, b_{r-1}], from one
+   of two sources (`history`): "selfchat" (standalone `driftlab mmlu`): a probe-free
+   self-chat of `histories` persona pairs drawn from the run seed, generated under that
+   condition's interventions (kept in RUN/history-<condition>, itself a resumable run
+   directory); "dialog": dialogs the parent hands over in the plan (a sweep point's own
+   self-chat, so the point's stability gain and MMLU cost are measured on the same dialogs),
+   recorded in the manifest. The questions are spread evenly over the dialogs (question i of
+   the plan after dialog i mod `histories`), and each answer records its dialog;
 2. each question is asked as the user turn of that round, and the answer is the letter
    (A-D) with the highest next-token log-likelihood as the start of the agent's reply, under
-   the same interventions (no generation);
+   the same interventions (no generation). Letters tied at the top (bf16 log-probabilities
+   often are) are broken at random, seeded by the run seed and the question, the same way in
+   every condition (`ties` "random"; runs recorded before it took the first letter: "first");
 3. accuracy per condition with a 95% Wilson interval over questions, and the drop
-   (plain - steered) on the same questions: the exact McNemar test on the questions one
-   condition answers right and the other wrong, with the drop's interval (Newcombe's
-   square-and-add interval for paired proportions; `driftlab.stats`), and the questions a given drop
-   would need (`questions_needed`).
+   (plain - steered) on the same questions. With one dialog: the exact McNemar test on the
+   questions one condition answers right and the other wrong, with Newcombe's interval
+   (`driftlab.stats`), which treats 200 questions after one dialog as 200 independent
+   items: the figure rests on one context. With several: the dialog is the unit (questions
+   after one dialog share its text): the exact sign-flip test of the per-dialog differences
+   and a cluster-robust interval (`driftlab.stats.clustered_paired_test`). Also the questions
+   a given drop would need (`questions_needed`), and the warning signs of a degenerate
+   condition: one letter chosen for most questions (`COLLAPSE`), and tied top letters.
 
 Which round `turn` names depends on `turn_counting` (`question_round`):
 
@@ -63,16 +72,26 @@ from driftlab.protocol.dialog import RECORDS as DIALOG_RECORDS
 from driftlab.protocol.dialog import Dialog, pairs_from_manifest
 from driftlab.protocol.registry import register
 from driftlab.protocol.runner import Protocol, ProtocolConfig, RunState, run_protocol
-from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
+from driftlab.protocol.selfchat import SelfChat, SelfChatConfig, item_seed
 from driftlab.records.rundir import RunDir
-from driftlab.stats import ALPHA, POWER, PairedTest, mean_interval, paired_test, pairs_needed_proportions
+from driftlab.stats import (
+    ALPHA,
+    POWER,
+    PairedTest,
+    clustered_paired_test,
+    mean_interval,
+    pairs_needed_proportions,
+)
 from driftlab.steering.interventions import DialogSteer, Interventions
 
 LETTERS = ("A", "B", "C", "D")
 POWER_EFFECT = 0.05  # the MMLU drop whose needed questions `summarize` states
+COLLAPSE = 0.6  # a condition choosing one letter for more than this share of questions has collapsed
+COLLAPSE_MIN_N = 20  # ... judged from this many answers on (2 of 3 alike says nothing)
 Condition = Literal["plain", "steered"]
 TurnCounting = Literal["paper", "round"]
 HistorySource = Literal["selfchat", "dialog"]
+TieRule = Literal["random", "first"]
 
 
 def question_round(turn: int, counting: TurnCounting) -> int:
@@ -172,6 +191,10 @@ class MMLUConfig(ProtocolConfig):
                                 "own self-chat)")
     steer: DialogSteer = Field(default_factory=Interventions, description="the interventions whose cost is measured")
     seed: int = Field(0, ge=0, le=MAX_SEED)
+    histories: int = Field(1, ge=1, le=1000, description="dialogs the questions are spread over (1: the paper's "
+                                                         "choice, every question after the same dialog)")
+    ties: TieRule = Field("random", description="letters tied at the top: a seeded random one ('random') or the "
+                                                "first ('first', runs recorded before this option)")
     history_tokens: int = Field(64, ge=1, le=32768, description="max new tokens per turn of the history")
     batch_size: int = Field(8, ge=1, le=1024, description="questions scored per forward pass")
     data: str | None = Field(None, description="an MMLU jsonl file instead of the pulled data set")
@@ -179,7 +202,8 @@ class MMLUConfig(ProtocolConfig):
 
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size")
     # Runs recorded before these options counted rounds and made their own history.
-    LEGACY: ClassVar[dict[str, Any]] = {"turn_counting": "round", "history": "selfchat"}
+    LEGACY: ClassVar[dict[str, Any]] = {"turn_counting": "round", "history": "selfchat", "ties": "first",
+                                        "histories": 1}
 
     @field_validator("turn")
     @classmethod
@@ -209,14 +233,16 @@ class MMLUConfig(ProtocolConfig):
 
     def history_run(self, condition: str) -> SelfChatConfig:
         """The probe-free self-chat whose agent side is the dialog before the question."""
-        return SelfChatConfig(
-            backend=self.backend, pairs=1, rounds=max(self.round - 1, 1), probe_every=self.round + 1, seed=self.seed,
+        return SelfChatConfig(  # never probed: probe_tokens "turn" keeps the manifests of older history runs
+            backend=self.backend, pairs=self.histories, rounds=max(self.round - 1, 1), probe_every=self.round + 1,
+            probe_tokens="turn", seed=self.seed,
             sampling=Sampling(max_new_tokens=self.history_tokens), steer=self.interventions(condition),
         )
 
 
 class AnswerRecord(BaseModel):
-    """One question under one condition: the letter chosen and the four log-likelihoods."""
+    """One question under one condition: the letter chosen, the four log-likelihoods and the dialog
+    it was asked after (its persona pair; None in runs recorded before several dialogs)."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
@@ -228,6 +254,12 @@ class AnswerRecord(BaseModel):
     predicted: Literal["A", "B", "C", "D"]
     correct: bool
     logprobs: dict[str, float]
+    dialog: int | None = None
+
+    @property
+    def tied(self) -> int:
+        """How many letters share the top log-likelihood (1: no tie)."""
+        return len(top_letters(self.logprobs))
 
     @property
     def key(self) -> tuple:
@@ -282,82 +314,140 @@ class MMLU(Protocol[MMLUConfig]):
     def expected(cls, manifest: dict[str, Any]) -> dict[str, int]:
         return {"answer": len(manifest.get("questions", [])) * len(manifest.get("conditions", []))}
 
-    def units(self, state: RunState) -> Iterator[tuple[str, list[Question]]]:
+    def units(self, state: RunState) -> Iterator[tuple[str, int, list[Question]]]:
+        """Per condition and dialog slot, batches of the questions asked after that dialog (they
+        share its prefix), in plan order."""
         self._plan = state.manifest
-        self._contexts: dict[str, Conversation] = {}
+        self._contexts: dict[str, list[tuple[int | None, Conversation]]] = {}
         questions = [Question.model_validate(q) for q in state.manifest["questions"]]
+        slots = self.config.histories if self.config.round else 1
         size = self.config.batch_size
         for condition in self.config.conditions:
-            todo = [q for q in questions if ("answer", condition, q.index) not in state.done]
-            for start in range(0, len(todo), size):
-                yield condition, todo[start : start + size]
+            for slot in range(slots):
+                todo = [q for i, q in enumerate(questions)
+                        if i % slots == slot and ("answer", condition, q.index) not in state.done]
+                for start in range(0, len(todo), size):
+                    yield condition, slot, todo[start : start + size]
 
-    def run_unit(self, unit: tuple[str, list[Question]]) -> list[AnswerRecord]:
-        condition, chunk = unit
+    def run_unit(self, unit: tuple[str, int, list[Question]]) -> list[AnswerRecord]:
+        condition, slot, chunk = unit
         if condition not in self._contexts:
-            self._contexts[condition] = self._context(condition)
-        context = self._contexts[condition]
+            self._contexts[condition] = self._dialogs(condition)
+        dialog, context = self._contexts[condition][slot]
         convs = [context + [{"role": "user", "content": q.prompt()}] for q in chunk]
         scores = self.backend.loglikelihood([c for c in convs for _ in LETTERS], list(LETTERS) * len(chunk),
                                             self.config.interventions(condition), batch_size=self.config.batch_size)
         records = []
         for j, q in enumerate(chunk):
             lp = {letter: scores[4 * j + k].logprob for k, letter in enumerate(LETTERS)}
-            best = max(LETTERS, key=lp.__getitem__)
+            best = choose_letter(lp, self.config.ties, self.config.seed, q.index)
             records.append(AnswerRecord(condition=condition, index=q.index, subject=q.subject, answer=q.answer,
-                                        predicted=best, correct=best == q.answer, logprobs=lp))
+                                        predicted=best, correct=best == q.answer, logprobs=lp, dialog=dialog))
         return records
 
-    def _context(self, condition: str) -> Conversation:
-        """The dialog before the question: the agent's history under this condition's interventions,
-        continued (RUN/history-<condition>) from the persona pair recorded in the plan."""
+    def _dialogs(self, condition: str) -> list[tuple[int | None, Conversation]]:
+        """(pair index, the dialog before the question) per slot: the agent's histories under this
+        condition's interventions, continued (RUN/history-<condition>) from the persona pairs
+        recorded in the plan, or the dialogs the parent handed over."""
         cfg, history = self.config, self._plan["history"]
         if cfg.round == 0:
-            return []
+            return [(None, [])]
         if cfg.history == "dialog":
-            if not isinstance(history, dict) or "conversation" not in history:
-                raise DriftlabError(f"{self.run_dir} takes its MMLU history from a dialog its parent hands over, and "
-                                    "its manifest records none.",
+            entries = history_entries(history)
+            if len(entries) != cfg.histories or any("conversation" not in e for e in entries):
+                raise DriftlabError(f"{self.run_dir} takes its MMLU histories from {cfg.histories} dialog(s) its "
+                                    f"parent hands over, and its manifest records {len(entries)}.",
                                     hint="Run it through `driftlab sweep`, or use the 'selfchat' history.")
-            return [dict(m) for m in history["conversation"]]
-        (pair,) = pairs_from_manifest(history)
+            return [(e.get("pair"), [dict(m) for m in e["conversation"]]) for e in entries]
+        pairs = pairs_from_manifest(history)
         if cfg.round == 1:  # no earlier round: the agent's system prompt only
-            return [{"role": "system", "content": pair.agent.system_prompt}]
+            return [(p.index, [{"role": "system", "content": p.agent.system_prompt}]) for p in pairs]
         where = self.run_dir / f"history-{condition}"
         rd = run_protocol(SelfChat(cfg.history_run(condition), self.backend), where, plan=history, progress=False)
-        (dialog,) = Dialog.from_records([pair], ["persona"], rd.records(DIALOG_RECORDS))
-        return dialog.agent_view(cfg.round, "")[:-1]  # [s_B, a_1, b_1, ..., a_{r-1}, b_{r-1}]
+        dialogs = Dialog.from_records(pairs, ["persona"], rd.records(DIALOG_RECORDS))
+        return [(d.pair.index, d.agent_view(cfg.round, "")[:-1]) for d in dialogs]  # [s_B, a_1, ..., b_{r-1}]
 
 
-def dialog_history(selfchat_run: str | Path, round_: int, pair: int = 0, source: str = "") -> dict[str, Any] | None:
-    """The "history" plan entry of an MMLU run asking at `round_` of a finished self-chat's dialog:
-    that run's pair `pair` (persona condition) up to the question, and where it came from.
+def top_letters(logprobs: dict[str, float]) -> list[str]:
+    """The letters that share the top log-likelihood, in A-D order."""
+    top = max(logprobs.values())
+    return [letter for letter in LETTERS if logprobs[letter] == top]
 
-    None for round 0 (plain MMLU). A dialog shorter than the question needs is an error.
+
+def choose_letter(logprobs: dict[str, float], rule: TieRule, seed: int, index: int) -> str:
+    """The letter chosen: the top one, or among tied top letters the first or a seeded random one.
+
+    Why not simply the first maximum: in bf16 several letters often get the very same
+    log-probability, and taking the first favours "A", which inflates the accuracy of questions
+    whose answer is A and makes a collapsing model look like one that prefers A. "random"
+    picks one of the tied letters with a seed of (run seed, question), the same in every
+    condition, so a tie broken one way under plain is broken the same way under steering.
+    """
+    tied = top_letters(logprobs)
+    if rule == "first" or len(tied) == 1:
+        return tied[0]
+    return random.Random(item_seed(seed, "mmlu-tie", index)).choice(tied)
+
+
+def history_entries(history: dict[str, Any] | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The handed-over dialog entries of a plan's "history": one dict (one dialog, as runs recorded
+    before several dialogs hold it) or a list of them."""
+    if history is None:
+        return []
+    return list(history) if isinstance(history, list) else [history]
+
+
+def dialog_history(selfchat_run: str | Path, round_: int, pairs: int = 1, source: str = "",
+                   ) -> dict[str, Any] | list[dict[str, Any]] | None:
+    """The "history" plan entry of an MMLU run asking at `round_` of a finished self-chat's dialogs:
+    that run's first `pairs` pairs (persona condition) up to the question, and where they came
+    from; one dict for one pair (the shape runs recorded before several dialogs hold), a list
+    for more.
+
+    None for round 0 (plain MMLU). Too few pairs, or a dialog shorter than the question needs,
+    is an error.
     """
     if round_ == 0:
         return None
     rd = RunDir(selfchat_run)
-    manifest = rd.read_manifest()
-    pairs = [p for p in pairs_from_manifest(manifest) if p.index == pair]
-    if not pairs:
-        raise DriftlabError(f"{rd.path} has no persona pair {pair} to take the MMLU history from.")
-    (dialog,) = Dialog.from_records(pairs, ["persona"], rd.records(DIALOG_RECORDS))
-    if dialog.rounds_complete() < round_ - 1:
-        raise DriftlabError(f"{rd.path} holds {dialog.rounds_complete()} complete rounds of pair {pair}; the MMLU "
-                            f"question at round {round_} needs {round_ - 1}.",
-                            hint="Run more dialog rounds, or ask MMLU at an earlier turn.")
-    return {"from": source or str(rd.path), "pair": pair, "condition": "persona", "rounds": round_ - 1,
-            "agent": dialog.pair.agent.id, "user": dialog.pair.user.id, "starter": dialog.pair.starter,
-            "conversation": dialog.agent_view(round_, "")[:-1]}
+    chosen = pairs_from_manifest(rd.read_manifest())[:pairs]
+    if len(chosen) < pairs:
+        raise DriftlabError(f"{rd.path} holds {len(chosen)} persona pair(s); MMLU over {pairs} dialogs needs {pairs}.",
+                            hint="Use --histories at most the number of pairs of the dialogs' run.")
+    entries = []
+    for dialog in Dialog.from_records(chosen, ["persona"], rd.records(DIALOG_RECORDS)):
+        if dialog.rounds_complete() < round_ - 1:
+            raise DriftlabError(f"{rd.path} holds {dialog.rounds_complete()} complete rounds of pair "
+                                f"{dialog.pair.index}; the MMLU question at round {round_} needs {round_ - 1}.",
+                                hint="Run more dialog rounds, or ask MMLU at an earlier turn.")
+        entries.append({"from": source or str(rd.path), "pair": dialog.pair.index, "condition": "persona",
+                        "rounds": round_ - 1, "agent": dialog.pair.agent.id, "user": dialog.pair.user.id,
+                        "starter": dialog.pair.starter, "conversation": dialog.agent_view(round_, "")[:-1]})
+    return entries[0] if pairs == 1 else entries
+
+
+def answers(run_dir: str | Path) -> dict[str, dict[int, AnswerRecord]]:
+    """condition -> question index -> its answer record, from a run's records."""
+    out: dict[str, dict[int, AnswerRecord]] = defaultdict(dict)
+    for r in RunDir(run_dir).records(RECORDS):
+        out[r.condition][r.index] = r
+    return out
 
 
 def correctness(run_dir: str | Path) -> dict[str, dict[int, float]]:
     """condition -> question index -> 1.0 if answered correctly, from a run's records."""
-    out: dict[str, dict[int, float]] = defaultdict(dict)
-    for r in RunDir(run_dir).records(RECORDS):
-        out[r.condition][r.index] = float(r.correct)
-    return out
+    return _correct(answers(run_dir))
+
+
+def _correct(rows: dict[str, dict[int, AnswerRecord]]) -> dict[str, dict[int, float]]:
+    """condition -> question index -> 1.0 if right (a condition without answers yet: empty)."""
+    return defaultdict(dict, {c: {i: float(r.correct) for i, r in by.items()} for c, by in rows.items()})
+
+
+def dialogs_of(run_dir: str | Path) -> dict[int, int]:
+    """question index -> the dialog (persona pair) it was asked after; every question 0 in runs
+    recorded before several dialogs (they asked all after one)."""
+    return {i: (r.dialog or 0) for rows in answers(run_dir).values() for i, r in rows.items()}
 
 
 def accuracy(correct: dict[int, float]) -> dict[str, Any]:
@@ -366,21 +456,49 @@ def accuracy(correct: dict[int, float]) -> dict[str, Any]:
     return {"n": len(correct), "accuracy": iv.estimate, "ci": (iv.low, iv.high), "ci_method": iv.method}
 
 
-def drop_test(plain: dict[int, float], steered: dict[int, float]) -> PairedTest:
-    """plain vs steered on the questions both answered: exact McNemar, and the mean drop with its interval.
+def answer_health(rows: dict[int, AnswerRecord]) -> dict[str, Any]:
+    """The warning signs of one condition's answers: the letter it chose most and that letter's
+    share (`collapsed` above COLLAPSE, from COLLAPSE_MIN_N answers on: its accuracy is then mostly
+    the share of questions whose answer is that letter, not knowledge), and the questions whose
+    top letters were tied."""
+    predicted = [r.predicted for r in rows.values()]
+    top = max(LETTERS, key=predicted.count) if predicted else "A"
+    share = predicted.count(top) / len(predicted) if predicted else float("nan")
+    return {"top_letter": top, "top_share": share, "collapsed": len(predicted) >= COLLAPSE_MIN_N and share > COLLAPSE,
+            "tied": sum(r.tied > 1 for r in rows.values()), "dialogs": len({r.dialog for r in rows.values()})}
 
+
+def history_cut(history_run: Path) -> float:
+    """The share of the dialog turns before the questions that were cut at --history-tokens (NaN
+    where the run made no history of its own: a sweep's points report their dialogs' cuts)."""
+    if not (history_run / "manifest.json").exists():
+        return float("nan")
+    turns = [r for r in RunDir(history_run).records(DIALOG_RECORDS) if r.kind == "turn"]
+    return sum(r.finish_reason == "length" for r in turns) / len(turns) if turns else float("nan")
+
+
+def drop_test(plain: dict[int, float], steered: dict[int, float], dialogs: dict[int, int] | None = None) -> PairedTest:
+    """plain vs steered on the questions both answered, with the dialog each was asked after.
+
+    One dialog (or `dialogs` None): the exact McNemar test over questions, with Newcombe's
+    interval, resting on that one context (`clusters` = 1). Several: the dialog is the unit,
+    the exact sign-flip test and cluster-robust interval of `clustered_paired_test`.
     `better` counts questions only the plain model answers right (lost under steering),
     `worse` those only the steered one does.
     """
-    return paired_test(dict(sorted(plain.items())), steered, method="mcnemar")
+    if dialogs is None:
+        dialogs = dict.fromkeys(plain, 0)
+    return clustered_paired_test(dict(sorted(plain.items())), steered, dialogs)
 
 
-def drop(plain: dict[int, float], steered: dict[int, float]) -> dict[str, Any]:
+def drop(plain: dict[int, float], steered: dict[int, float], dialogs: dict[int, int] | None = None) -> dict[str, Any]:
     """Accuracy drop (plain - steered) over the questions both answered: the mean with its paired
-    95% interval, the exact McNemar p, the counts lost / gained, and a warning where n is too small."""
-    t = drop_test(plain, steered)
+    95% interval, the test's p (`drop_test`), the counts lost / gained, the dialogs it rests on,
+    and a warning where n is too small."""
+    t = drop_test(plain, steered, dialogs)
     return {"n": t.n, "mean": t.diff.estimate, "ci": (t.diff.low, t.diff.high), "ci_method": t.diff.method,
-            "p": t.p, "method": t.method, "lost": t.better, "gained": t.worse, "warning": t.warning()}
+            "p": t.p, "method": t.method, "lost": t.better, "gained": t.worse, "dialogs": t.clusters,
+            "warning": t.warning()}
 
 
 def questions_needed(effect: float, plain: dict[int, float] | None = None, steered: dict[int, float] | None = None,
@@ -390,7 +508,8 @@ def questions_needed(effect: float, plain: dict[int, float] | None = None, steer
     The answer depends on how often the two conditions disagree (the discordant share):
     the share measured in `plain` vs `steered` when given, never below 2 |effect| (a drop
     of `effect` with no gains has a discordant share of |effect|; twice that allows as many
-    gains again, a usual pattern of noise around a real drop)."""
+    gains again, a usual pattern of noise around a real drop). It counts questions as independent:
+    with several dialogs, whose questions are not, it is a lower bound."""
     measured = float("nan")
     if plain is not None and steered is not None:
         t = drop_test(plain, steered)
@@ -402,17 +521,22 @@ def questions_needed(effect: float, plain: dict[int, float] | None = None, steer
 
 
 def summarize(run_dir: str | Path) -> dict[str, Any]:
-    """Accuracy per condition with a 95% CI; with both conditions, the drop (plain - steered) with
-    its paired test (`drop`) and the questions a drop of POWER_EFFECT would need (`power`)."""
+    """Accuracy per condition with a 95% CI and its answers' warning signs (`answer_health`); with
+    both conditions, the drop (plain - steered) with its paired test (`drop`) and the questions a
+    drop of POWER_EFFECT would need (`power`)."""
     manifest = RunDir(run_dir).read_manifest()
-    correct = correctness(run_dir)
+    rows = answers(run_dir)
+    correct = _correct(rows)
     config = manifest["config"]
     counting = config.get("turn_counting", MMLUConfig.LEGACY["turn_counting"])
     out: dict[str, Any] = {"n": len(manifest.get("questions", [])), "turn": config.get("turn"),
-                           "turn_counting": counting, "round": question_round(config.get("turn") or 0, counting)}
+                           "turn_counting": counting, "round": question_round(config.get("turn") or 0, counting),
+                           "histories": config.get("histories", 1),
+                           "ties": config.get("ties", MMLUConfig.LEGACY["ties"])}
     for condition in manifest.get("conditions", []):
-        out[condition] = accuracy(correct[condition])
+        out[condition] = {**accuracy(correct[condition]), **answer_health(rows[condition]),
+                          "history_turns_cut": history_cut(Path(run_dir) / f"history-{condition}")}
     if "plain" in correct and "steered" in correct:
-        out["drop"] = drop(correct["plain"], correct["steered"])
+        out["drop"] = drop(correct["plain"], correct["steered"], dialogs_of(run_dir))
         out["power"] = questions_needed(POWER_EFFECT, correct["plain"], correct["steered"])
     return out

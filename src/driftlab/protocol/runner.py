@@ -27,13 +27,14 @@ A protocol that runs others (an MMLU run's dialog history, a sweep's points) cal
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
+from driftlab.bench.probes import PROBE_VERSION_ALIASES
 from driftlab.chat.base import ChatBackend
 from driftlab.chat.spec import BackendSpec
 from driftlab.console import WorkProgress, err_console
@@ -55,6 +56,11 @@ class ProtocolConfig(BaseModel):
     # a resume compares them as recorded, so a changed default cannot change an old run's meaning.
     LEGACY: ClassVar[dict[str, Any]] = {}
 
+
+#: Choices renamed since runs recorded them: top-level setting -> {recorded name: today's name}.
+#: `config_of` reads a recorded config with today's names and a resume compares them so, so a run
+#: recorded under an old name resumes (and a sweep's old points compare equal to new ones).
+RENAMED: dict[str, Mapping[Any, Any]] = {"user_probe_version": PROBE_VERSION_ALIASES}
 
 C = TypeVar("C", bound=ProtocolConfig)
 
@@ -182,10 +188,12 @@ def _start(protocol: Protocol, rundir: RunDir, plan: dict[str, Any] | None) -> d
     config = protocol.config.model_dump(mode="json")
     ignore = protocol.config.RESUME_IGNORES
     if rundir.exists():
-        config = _pinned_as_recorded(config, rundir.read_manifest())
+        recorded = rundir.read_manifest()
+        config = _named_as_recorded(_pinned_as_recorded(_dtype_as_recorded(config, recorded), recorded), recorded)
         legacy = getattr(protocol.config, "LEGACY", {})
         manifest = rundir.start(config, {}, ignore, protocol=protocol.name, legacy=legacy)
         _same_weights(rundir.path, manifest, protocol)
+        _same_dtype(rundir.path, manifest, protocol)
         try:
             now = protocol.inputs()
         except (DriftlabError, OSError):  # the data is gone: the recorded plan is all the run needs
@@ -221,6 +229,33 @@ def _same_weights(path: Path, manifest: dict[str, Any], protocol: Protocol) -> N
             )
 
 
+def recorded_dtype(manifest: dict[str, Any]) -> str | None:
+    """The dtype the run's (agent) model computed in, as its manifest recorded it."""
+    return ((manifest.get("models") or {}).get("agent") or {}).get("dtype")
+
+
+def _dtype_as_recorded(config: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
+    """`--dtype X` on the resume of a run started as `--dtype auto` that resolved to X is the same
+    dtype: compare it as recorded. (`auto` depends on the machine: bf16 where the CPU has native
+    bf16, float32 elsewhere.)"""
+    old = (config_of(manifest).get("backend") or {}).get("dtype")
+    new = (config.get("backend") or {}).get("dtype")
+    if old == "auto" and new != "auto" and new == recorded_dtype(manifest):
+        return {**config, "backend": {**config["backend"], "dtype": "auto"}}
+    return config
+
+
+def _same_dtype(path: Path, manifest: dict[str, Any], protocol: Protocol) -> None:
+    """Refuse to resume a run in another dtype than it started in (`--dtype auto` resolves by
+    machine): its records would mix two precisions."""
+    before = recorded_dtype(manifest)
+    after = recorded_dtype({"models": protocol.describe().get("models") or {}})
+    if before and after and before != after:
+        raise DriftlabError(f"{path} was computed in {before}, and this resume would compute in {after} "
+                            "(--dtype auto picks by machine).",
+                            hint=f"Resume with --dtype {before}, or start a new --out directory.")
+
+
 def _pinned_as_recorded(config: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
     """`--model ID@SHA` on the resume of a run started as `--model ID` that recorded commit SHA
     is the same model: compare it as recorded (and so continue on exactly those weights)."""
@@ -232,10 +267,25 @@ def _pinned_as_recorded(config: dict[str, Any], manifest: dict[str, Any]) -> dic
     return config
 
 
+def _named_as_recorded(config: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
+    """A choice recorded under its old name (`RENAMED`: user_probe_version '000' is 'own') is the
+    choice given now: compare it as recorded. The manifest keeps what it recorded."""
+    recorded = manifest.get("config") or {}
+    return {k: recorded[k] if k in RENAMED and k in recorded and _renamed(k, recorded[k]) == v else v
+            for k, v in config.items()}
+
+
+def _renamed(key: str, value: Any) -> Any:
+    """Today's name of a recorded value of the setting `key` (`RENAMED`); other values as recorded."""
+    names = RENAMED.get(key) or {}
+    return names.get(value, value) if isinstance(value, str) else value
+
+
 def config_of(manifest: dict[str, Any]) -> dict[str, Any]:
-    """A manifest's config in today's layout: format-2 manifests kept the model settings flat."""
+    """A manifest's config in today's layout and names: format-2 manifests kept the model settings
+    flat; choices renamed since (`RENAMED`) read as today's names."""
     config = dict(manifest.get("config") or {})
     if "backend" not in config and "model" in config:
         backend = {k: config.pop(k) for k in ("model", "dtype", "device", "span", "runtime") if k in config}
         config = {"backend": backend, **config}
-    return config
+    return {k: _renamed(k, v) for k, v in config.items()}

@@ -1,4 +1,4 @@
-"""The self-chat drift protocol of seeds 000/001 (section 3.1, Figure 2).
+"""The self-chat drift protocol of the persona-drift paper and its revision (section 3.1, Figure 2).
 
 Two chatbots talk: the user LM with system prompt s_A and the agent LM with s_B. The user
 LM opens with a conversation starter a_1; then they alternate for N rounds. At round i
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from driftlab.bench import Persona, get_persona, load_personas, starters, user_probe
 from driftlab.bench.probes import ProbeVersion
@@ -49,7 +49,22 @@ from driftlab.protocol.registry import register
 from driftlab.protocol.runner import Protocol, ProtocolConfig, RunState
 from driftlab.steering.interventions import DialogSteer, Interventions
 
-PAPER_TOKENS = 400  # new tokens per turn in seed 000's experiments (reference code: max_new_tokens=400)
+PAPER_TOKENS = 400  # new tokens per turn and per probe in the reference code (run.py: max_new_tokens=400 in both calls)
+# A probe's budget: a number of tokens, or "turn" (the turn's, as runs recorded before --probe-tokens had).
+ProbeTokens = int | Literal["turn"]
+
+
+def probe_budget(value: Any) -> int | str:
+    """A probe budget as given (a number, its text, or 'turn'), checked: 1 to 32768 tokens or 'turn'."""
+    if value == "turn":
+        return value
+    try:
+        tokens = int(value) if not isinstance(value, float) or value.is_integer() else None
+    except (TypeError, ValueError):
+        tokens = None
+    if isinstance(value, bool) or tokens is None or not 1 <= tokens <= 32768:
+        raise ValueError("give the most tokens of a probe reply, 1 to 32768, or 'turn' for a turn's budget")
+    return tokens
 
 
 class SelfChatConfig(ProtocolConfig):
@@ -68,19 +83,34 @@ class SelfChatConfig(ProtocolConfig):
                              "a_i, as the paper's text describes")
     user_probe: bool = False
     user_probe_version: ProbeVersion = Field(
-        "000", description="p_A: the user persona's own probe (seed 000) or seed 001's crafted/generic probes")
+        "own", description="p_A: 'own' (the user persona's own probe, as in the persona-drift paper) or "
+                           "'crafted-or-generic' (the instruction-stability paper's crafted or generic probes); "
+                           "'000' and '001' are read as these")
     starters: StarterSetName = Field("reference", description="a_1 list: the reference code's topics or driftlab's")
     ablation: bool = Field(False, description="also run every pair with an empty user system prompt")
     fold_first_exchange: bool = True
     sampling: Sampling = Sampling(max_new_tokens=PAPER_TOKENS)
+    probe_tokens: ProbeTokens = Field(
+        PAPER_TOKENS, description="most new tokens per probe reply, apart from a turn's (sampling.max_new_tokens); "
+                                  "the reference code gives probes 400 (run.py); 'turn': the turn's budget")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="run seed: pairs, starters and every sample derive from it")
     steer: DialogSteer = Field(default_factory=Interventions, description="agent-side interventions")
     persona_file: str | None = None
     batch_size: int = Field(32, ge=1, le=4096, description="most conversations per generate call")
 
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size", "persona_file")
-    # What a run recorded before the option existed meant: the probe replaced a_i.
-    LEGACY: ClassVar[dict[str, Any]] = {"probe_after": "user"}
+    # What a run recorded before the option existed meant: the probe replaced a_i; probes had a turn's budget.
+    LEGACY: ClassVar[dict[str, Any]] = {"probe_after": "user", "probe_tokens": "turn"}
+
+    _probe_budget = field_validator("probe_tokens", mode="before")(probe_budget)
+
+    @model_validator(mode="after")
+    def _a_turns_budget_is_turn(self) -> SelfChatConfig:
+        """A probe budget equal to the turn's is "turn": one meaning, one recorded value (so a run
+        recorded before --probe-tokens, whose probes had the turn's budget, resumes as it was)."""
+        if self.probe_tokens == self.sampling.max_new_tokens:
+            object.__setattr__(self, "probe_tokens", "turn")
+        return self
 
     @field_validator("categories")
     @classmethod
@@ -96,6 +126,12 @@ class SelfChatConfig(ProtocolConfig):
     @property
     def conditions(self) -> list[str]:
         return ["persona", "empty-user"] if self.ablation else ["persona"]
+
+    def probe_sampling(self) -> Sampling:
+        """How probes decode: as turns, with their own token budget (`probe_tokens`)."""
+        if self.probe_tokens == "turn":
+            return self.sampling
+        return self.sampling.model_copy(update={"max_new_tokens": self.probe_tokens})
 
     def probe_rounds(self) -> list[int]:
         return [i for i in range(1, self.rounds + 1) if i % self.probe_every == 0]
@@ -215,11 +251,13 @@ class SelfChat(Protocol[SelfChatConfig]):
         cfg = self.config
         self.backend.capabilities.require(self.backend.name, cfg.steer)
         max_ctx = self.backend.describe().get("max_context")
-        if max_ctx and cfg.sampling.max_new_tokens >= max_ctx:
-            raise DriftlabError(
-                f"--max-new-tokens {cfg.sampling.max_new_tokens} does not fit the model's context window "
-                f"of {max_ctx} tokens.", hint="Use far fewer tokens per turn; the dialog itself needs room too.",
-            )
+        for option, tokens in (("--max-new-tokens", cfg.sampling.max_new_tokens),
+                               ("--probe-tokens", cfg.probe_sampling().max_new_tokens)):
+            if max_ctx and tokens >= max_ctx:
+                raise DriftlabError(
+                    f"{option} {tokens} does not fit the model's context window of {max_ctx} tokens.",
+                    hint="Use far fewer tokens per reply; the dialog itself needs room too.",
+                )
 
     def plan(self) -> dict[str, Any]:
         pairs = draw_pairs(self.config)
@@ -270,9 +308,19 @@ class SelfChat(Protocol[SelfChatConfig]):
             yield jobs[start : start + self.config.batch_size]
 
     def run_unit(self, chunk: list[Job]) -> list[TurnRecord | ProbeRecord]:
+        records: list[TurnRecord | ProbeRecord] = []
+        turns, probes = [j for j in chunk if j.score is None], [j for j in chunk if j.score is not None]
+        if self.config.probe_tokens == "turn":  # one budget: one call, as before the option
+            turns, probes = chunk, []
+        for jobs, sampling in ((turns, self.config.sampling), (probes, self.config.probe_sampling())):
+            if jobs:
+                records += self._generate(jobs, sampling)
+        return records
+
+    def _generate(self, chunk: list[Job], sampling: Sampling) -> list[TurnRecord | ProbeRecord]:
         agent_side = chunk[0].role == "agent"
         request = ChatRequest(
-            [j.conversation for j in chunk], self.config.sampling, seeds=[j.seed for j in chunk],
+            [j.conversation for j in chunk], sampling, seeds=[j.seed for j in chunk],
             interventions=self.config.steer if agent_side else Interventions(),
             cache_store=[j.keep_cache for j in chunk],
         )

@@ -1,4 +1,4 @@
-"""The trade-off sweep of seed 000 Fig. 5/6: stability vs MMLU cost, per method and strength.
+"""The trade-off sweep of the persona-drift paper, Fig. 5/6: stability vs MMLU cost, per method and strength.
 
 For every point (method, strength) of a grid, on one loaded backend:
 
@@ -7,10 +7,13 @@ For every point (method, strength) of a grid, on one loaded backend:
   data, or "reference", the reference code's index 0 of each), probing the agent every
   round: stability;
 * MMLU at turn T under the same intervention (`driftlab mmlu`'s protocol), against one
-  plain baseline shared by all points: the drop. The dialog before the question is the
-  point's own: the first pair of its self-chat, cut before round T (`mmlu_history`
-  "dialog"), so a point's stability gain and MMLU cost are measured on the same dialog
-  (sweeps recorded before this option asked after a separate self-chat: "selfchat"). T is
+  plain baseline shared by all points: the drop. The dialogs before the questions are the
+  point's own: the first `mmlu_histories` pairs of its self-chat (default 1, the paper's
+  choice), cut before round T (`mmlu_history` "dialog"), the questions spread evenly over
+  them, so a point's stability gain and MMLU cost are measured on the same dialogs and no
+  new dialog is generated (sweeps recorded before this option asked after a separate
+  self-chat: "selfchat"). The dialogs' text differs between points (each is generated under
+  its point's intervention); the persona pairs, starters and seeds do not. T is
   counted as the paper's reference code counts turns (`mmlu_turn_counting`, see
   `driftlab.protocol.mmlu.question_round`).
 
@@ -44,10 +47,25 @@ from driftlab.bench.starters import StarterSetName
 from driftlab.chat.base import Sampling
 from driftlab.console import err_console
 from driftlab.errors import DriftlabError
-from driftlab.protocol.mmlu import MMLU, MMLUConfig, TurnCounting, dialog_history, question_round
+from driftlab.protocol.mmlu import (
+    MMLU,
+    MMLUConfig,
+    TieRule,
+    TurnCounting,
+    dialog_history,
+    history_entries,
+    question_round,
+)
 from driftlab.protocol.registry import register
-from driftlab.protocol.runner import Protocol, ProtocolConfig, RunState, config_of, run_protocol
-from driftlab.protocol.selfchat import PAPER_TOKENS, SelfChat, SelfChatConfig
+from driftlab.protocol.runner import (
+    Protocol,
+    ProtocolConfig,
+    RunState,
+    config_of,
+    recorded_dtype,
+    run_protocol,
+)
+from driftlab.protocol.selfchat import PAPER_TOKENS, ProbeTokens, SelfChat, SelfChatConfig, probe_budget
 from driftlab.records.rundir import RunDir, versions
 from driftlab.steering.interventions import (
     KINDS,
@@ -119,6 +137,7 @@ class SweepConfig(ProtocolConfig):
     probe_after: Literal["user", "agent"] = Field("agent", description="where the self-chats probe (SelfChatConfig)")
     starters: StarterSetName = "reference"
     sampling: Sampling = Sampling(max_new_tokens=PAPER_TOKENS)
+    probe_tokens: ProbeTokens = Field(PAPER_TOKENS, description="most tokens per probe reply (SelfChatConfig)")
     seed: int = Field(0, ge=0)
     mmlu_n: int = Field(100, ge=1, le=14042)
     mmlu_turn_counting: TurnCounting = Field(
@@ -127,6 +146,9 @@ class SweepConfig(ProtocolConfig):
     mmlu_history: Literal["dialog", "selfchat"] = Field(
         "dialog", description="the dialog before the MMLU question: the point's own self-chat (first pair) or a "
                               "separate probe-free self-chat (sweeps recorded before this option)")
+    mmlu_histories: int = Field(1, ge=1, le=1000, description="the point's dialogs its MMLU questions are spread "
+                                                              "over (1: the paper's choice, one dialog)")
+    mmlu_ties: TieRule = Field("random", description="MMLU letters tied at the top: 'random' (seeded) or 'first'")
     history_tokens: int = Field(64, ge=1, le=32768)
     data: str | None = None
     batch_size: int = Field(32, ge=1, le=4096)
@@ -135,8 +157,18 @@ class SweepConfig(ProtocolConfig):
     # a resume may add points, never drop one.
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size", "grid")
     # Sweeps recorded before these options: MMLU at a round, after a separate self-chat.
-    LEGACY: ClassVar[dict[str, Any]] = {"mmlu_turn_counting": "round", "mmlu_history": "selfchat",
-                                        "probe_after": "user"}
+    LEGACY: ClassVar[dict[str, Any]] = {"mmlu_turn_counting": "round", "mmlu_history": "selfchat", "mmlu_ties": "first",
+                                        "mmlu_histories": 1, "probe_after": "user",
+                                        "probe_tokens": "turn"}
+
+    _probe_budget = field_validator("probe_tokens", mode="before")(probe_budget)
+
+    @model_validator(mode="after")
+    def _a_turns_budget_is_turn(self) -> SweepConfig:
+        """As SelfChatConfig: a probe budget equal to the turn's is recorded as "turn"."""
+        if self.probe_tokens == self.sampling.max_new_tokens:
+            object.__setattr__(self, "probe_tokens", "turn")
+        return self
 
     @field_validator("mmlu_turn")
     @classmethod
@@ -150,6 +182,9 @@ class SweepConfig(ProtocolConfig):
         if self.mmlu_history == "dialog" and needed > self.rounds:
             raise ValueError(f"the MMLU question at turn {self.mmlu_turn} ({self.mmlu_turn_counting} counting) "
                              f"follows {needed} rounds of the point's dialog, which has {self.rounds}")
+        if self.mmlu_history == "dialog" and self.pair_ids and self.mmlu_histories > len(self.pair_ids):
+            raise ValueError(f"MMLU over {self.mmlu_histories} dialogs needs as many persona pairs; the sweep has "
+                             f"{len(self.pair_ids)}")
         return self
 
     @model_validator(mode="before")
@@ -182,7 +217,7 @@ class SweepConfig(ProtocolConfig):
     def selfchat(self, point: BaseIntervention | None) -> SelfChatConfig:
         return SelfChatConfig(
             backend=self.backend, pairs=0, pair_ids=self.pair_ids, rounds=self.rounds, sampling=self.sampling,
-            seed=self.seed, batch_size=self.batch_size, steer=[point] if point else [], starters=self.starters,
+            probe_tokens=self.probe_tokens, seed=self.seed, batch_size=self.batch_size, steer=[point] if point else [], starters=self.starters,
             probe_after=self.probe_after,
         )
 
@@ -190,7 +225,7 @@ class SweepConfig(ProtocolConfig):
         return MMLUConfig(
             backend=self.backend, n=self.mmlu_n, turn=self.mmlu_turn, turn_counting=self.mmlu_turn_counting,
             history="dialog" if self.mmlu_history == "dialog" else "selfchat", steer=[point] if point else [],
-            seed=self.seed, history_tokens=self.history_tokens, data=self.data, plain=point is None,
+            histories=self.mmlu_histories, ties=self.mmlu_ties, seed=self.seed, history_tokens=self.history_tokens, data=self.data, plain=point is None,
         )
 
 
@@ -275,7 +310,8 @@ class Sweep(Protocol[SweepConfig]):
         plan = self._plan["mmlu"]
         if self.config.mmlu_history != "dialog":
             return plan
-        history = dialog_history(where / "selfchat", self.config.mmlu(point).round, pair=0, source=HISTORY_FROM)
+        history = dialog_history(where / "selfchat", self.config.mmlu(point).round, pairs=self.config.mmlu_histories,
+                                 source=HISTORY_FROM)
         return {**plan, "history": history}
 
     def _expected(self, point: BaseIntervention | None) -> dict[str, dict[str, Any]]:
@@ -284,10 +320,10 @@ class Sweep(Protocol[SweepConfig]):
         mmlu_plan = dict(self._plan["mmlu"])
         mmlu = cfg.mmlu(point)
         if cfg.mmlu_history == "dialog" and mmlu.round:
-            (first, *_) = self._plan["selfchat"]["pairs"]
-            mmlu_plan["history"] = {"from": HISTORY_FROM, "pair": first["pair"], "condition": "persona",
-                                    "rounds": mmlu.round - 1, "agent": first["agent"], "user": first["user"],
-                                    "starter": first["starter"]}
+            entries = [{"from": HISTORY_FROM, "pair": p["pair"], "condition": "persona", "rounds": mmlu.round - 1,
+                        "agent": p["agent"], "user": p["user"], "starter": p["starter"]}
+                       for p in self._plan["selfchat"]["pairs"][: cfg.mmlu_histories]]
+            mmlu_plan["history"] = entries[0] if cfg.mmlu_histories == 1 else entries
         common = {"versions": versions()}
         return {
             "selfchat": {"config": cfg.selfchat(point).model_dump(mode="json"), **self._plan["selfchat"], **common,
@@ -322,6 +358,7 @@ CONFIGS: dict[str, type[ProtocolConfig]] = {"selfchat": SelfChatConfig, "mmlu": 
 PLAN_KEYS = ("pairs", "personas", "questions", "inputs", "history")
 INTERVENTION_KEYS = ("steer", "plain")  # the one thing the points of a sweep may differ in
 RUN_PLACE_KEYS = ("device", "device_map", "path")  # where a model ran, not what it is
+PULL_KEYS = ("pulled_at", "seconds")  # when and how fast a preset was pulled, not what it is (its sha256 is)
 
 
 def _flatten(value: Any, prefix: str) -> dict[str, Any]:
@@ -338,19 +375,23 @@ def manifest_facts(manifest: dict[str, Any], child: str, *, intervention: bool =
     `intervention=False` the intervention itself is left out."""
     cls = CONFIGS[child]
     config = {**cls.LEGACY, **config_of(manifest)}  # legacy keys are top-level in these configs
+    if (config.get("backend") or {}).get("dtype") == "auto":  # what "auto" resolved to on the machine that ran it
+        config["backend"] = {**config["backend"], "dtype": recorded_dtype(manifest) or "auto"}
     facts = _flatten(config, "config")
     skip = [*cls.RESUME_IGNORES, *(() if intervention else INTERVENTION_KEYS)]
     facts = {k: v for k, v in facts.items() if not any(k == f"config.{s}" or k.startswith(f"config.{s}.")
                                                           for s in skip)}
     for key in PLAN_KEYS:
         value = manifest.get(key)
-        if key == "history" and isinstance(value, dict):
-            value = {k: v for k, v in value.items() if k != "conversation"}  # each point's own dialog
+        if key == "history" and isinstance(value, (dict, list)):  # each point's own dialogs: not their text
+            value = [{k: v for k, v in e.items() if k != "conversation"} for e in history_entries(value)]
+            value = value[0] if len(value) == 1 else {str(i): e for i, e in enumerate(value)}
         facts.update(_flatten(value, key))
     facts.update(_flatten({k: v for k, v in (manifest.get("versions") or {}).items() if k != "python"}, "versions"))
     for role, model in (manifest.get("models") or {}).items():
         model = {k: v for k, v in (model or {}).items() if k not in RUN_PLACE_KEYS}
-        facts.update(_flatten(model, f"models.{role}"))
+        facts.update({k: v for k, v in _flatten(model, f"models.{role}").items()
+                      if k.rsplit(".", 1)[-1] not in PULL_KEYS})
     return facts
 
 

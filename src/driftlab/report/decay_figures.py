@@ -1,4 +1,4 @@
-"""Attention-decay figures: seed 000 Figure 4 (pi along a dialog) and Figure 8 (two models).
+"""Attention-decay figures: the persona-drift paper's Figure 4 (pi along a dialog) and Figure 8 (two models).
 
 matplotlib without pyplot (Agg figures), PNG out. Rounds are coloured from light to dark,
 as in the paper's Figure 8, so a later round reads as a deeper colour.

@@ -1,8 +1,9 @@
-"""Figure 3 of seeds 000/001, drawn from a run's summary (PNG, matplotlib without pyplot).
+"""Figure 3 of both drift papers, drawn from a run's summary (PNG, matplotlib without pyplot).
 
 `drift_figure`: x = round, y = mean probe score in [0, 1]; blue = the agent keeps its own
 persona (f_B), orange = the agent adopts the user's persona (f_A). One panel per condition;
-with the ablation a second panel shows the empty-user condition, as in 001's Figure 3B.
+with the ablation a second panel shows the empty-user condition, as in Figure 3B of the
+instruction-stability paper.
 `category_figure`: the same lines split by category of the persona being probed.
 
 Uncertainty: by default a band with the 95% CI of the mean (t-interval below 30

@@ -24,6 +24,7 @@ from driftlab.protocol.registry import protocol_of
 from driftlab.protocol.runner import config_of
 from driftlab.report.figures import Errors, error_note, model_title, write_figures
 from driftlab.report.metrics import (
+    CUT_FLAG,
     N_RESAMPLES,
     SUMMARY_COLUMNS,
     TARGET_LABELS,
@@ -162,7 +163,7 @@ def transcripts(summary: RunSummary, max_pairs: int | None = None) -> list[dict[
             if key not in turns and key not in probes:
                 continue
             agent = personas.get(pair["agent"], {"id": pair["agent"]})
-            user = _as_asked(personas.get(pair["user"], {"id": pair["user"]}), manifest.get("config", {}))
+            user = _as_asked(personas.get(pair["user"], {"id": pair["user"]}), config_of(manifest))
             out.append(
                 {
                     "id": f"pair{pair['pair']}-{cond}",
@@ -181,9 +182,10 @@ def transcripts(summary: RunSummary, max_pairs: int | None = None) -> list[dict[
 
 
 def _as_asked(user: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """The user persona with the p_A the run asked (seed 001's probe where the run used it)."""
-    version = config.get("user_probe_version", "000")
-    if version == "000" or "probe" not in user:
+    """The user persona with the p_A the run asked (the instruction-stability paper's probe where the
+    run used user-probe version 'crafted-or-generic')."""
+    version = config.get("user_probe_version", "own")
+    if version == "own" or "probe" not in user:
         return user
     from driftlab.bench import Persona, user_probe
 
@@ -258,6 +260,25 @@ def _rounds(pair: dict, turns: dict, probes: dict, agent: dict, user: dict) -> l
     return out
 
 
+def cut_tables(summary: RunSummary) -> list[TextTable]:
+    """Cut replies per condition (flagged where a condition differs from the first by more than
+    CUT_FLAG), and the overall stability again without the cut probes: the sensitivity analysis."""
+    uncut = summary.overall_uncut
+    both = summary.overall.merge(uncut, on=["condition", "target", "category"], suffixes=("", "_uncut"))
+    both = both[both.category == "all"][["condition", "target", "n", "mean", "n_uncut", "mean_uncut",
+                                          "ci_low_uncut", "ci_high_uncut"]]
+    return [
+        _frame_table(summary.cut, "Replies cut at their token limit, per condition",
+                     f"turns_cut: share of dialog turns; probes_cut: share of agent probes; flag: a share differs "
+                     f"from the first condition's by more than {CUT_FLAG:.0%} points, so a comparison of the two "
+                     "may reflect cutting: read it without the cut probes (next table)."),
+        _frame_table(both, "Overall scores without cut probes (sensitivity)",
+                     "mean: every probe scored; mean_uncut: probes cut at their token limit left out (a conversation "
+                     "whose probes were all cut drops out, n_uncut). A conclusion that holds in both does not rest "
+                     "on cutting."),
+    ]
+
+
 # -- page -------------------------------------------------------------------------------------
 def _png_data_uri(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
@@ -305,7 +326,7 @@ def render_html(
             "turns_cut / probes_cut: share of replies that hit the token limit (finish_reason 'length'); "
             "probes_unscored: cut probes whose measure needs a complete reply (left out of the means, not "
             "counted as drift). Many cuts mean --max-new-tokens is too small for these personas.",
-        )],
+        ), *cut_tables(summary)],
         full_table=_frame_table(
             summary.per_round,
             "Every cell (summary.csv)",

@@ -1,4 +1,4 @@
-"""From the records of a self-chat run to the numbers of Figure 3 (seeds 000/001, Sec. 3.3).
+"""From the records of a self-chat run to the numbers of Figure 3 (the persona-drift and instruction-stability papers, Sec. 3.3).
 
 Two steps, both tidy pandas frames:
 
@@ -289,6 +289,46 @@ def truncation(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(out, columns=columns).sort_values(["condition", "round"], kind="stable").reset_index(drop=True)
 
 
+CUT_FLAG = 0.10  # a condition whose share of cut replies differs from the first's by more is flagged
+CUT_COLUMNS = ["condition", "turns", "turns_cut", "probes", "probes_cut", "flag"]
+
+
+def is_cut(record: dict[str, Any]) -> bool:
+    """A reply that hit its token limit (finish_reason 'length')."""
+    return record.get("finish_reason") == "length"
+
+
+def cut_shares(records: Iterable[dict[str, Any]], base: dict[str, float] | None = None) -> pd.DataFrame:
+    """Per condition: the share of dialog turns and of agent probes cut at their token limit, and
+    a `flag` where either share differs from the base's (the first condition's, or `base`: plain's
+    {"turns_cut", "probes_cut"} in a sweep) by more than CUT_FLAG.
+
+    Why: a cut probe is scored on what it holds, so a condition whose replies are cut more often
+    can score lower (or higher) for that alone: a confound of any stability comparison. The flag
+    says where to read the comparison without cut probes (`uncut_scores`).
+    """
+    rows: dict[str, dict[str, list[bool]]] = {}
+    for r in records:
+        if r.get("kind") == "turn" or (r.get("kind") == "probe" and r.get("target") == "agent"):
+            rows.setdefault(r["condition"], {"turn": [], "probe": []})[r["kind"]].append(is_cut(r))
+    out = []
+    for cond, kinds in rows.items():
+        share = {k: float(np.mean(v)) if v else float("nan") for k, v in kinds.items()}
+        out.append({"condition": cond, "turns": len(kinds["turn"]), "turns_cut": share["turn"],
+                    "probes": len(kinds["probe"]), "probes_cut": share["probe"]})
+    ref = base or ({"turns_cut": out[0]["turns_cut"], "probes_cut": out[0]["probes_cut"]} if out else {})
+    for row in out:
+        row["flag"] = any(abs(row[k] - ref[k]) > CUT_FLAG for k in ("turns_cut", "probes_cut")
+                          if np.isfinite(row[k]) and np.isfinite(ref[k]))
+    return pd.DataFrame(out, columns=CUT_COLUMNS)
+
+
+def uncut_scores(records: Iterable[dict[str, Any]], manifest: dict[str, Any]) -> pd.DataFrame:
+    """`probe_scores` without the probes cut at their token limit: the sensitivity analysis of any
+    stability figure (does it hold when only complete replies are scored?)."""
+    return probe_scores([r for r in records if not (r.get("kind") == "probe" and is_cut(r))], manifest)
+
+
 class RunSummary(NamedTuple):
     """Everything the report, the figures and the CLI table are made from."""
 
@@ -300,6 +340,9 @@ class RunSummary(NamedTuple):
     truncation: pd.DataFrame
     comparisons: pd.DataFrame  # `compare_conditions`: each condition against the first, paired
     drift: pd.DataFrame  # `drift_tests`: the last probe round against the first, paired
+    cut: pd.DataFrame  # `cut_shares`: replies cut at their token limit, per condition, flagged
+    overall_uncut: pd.DataFrame  # `summarize_overall` of `uncut_scores`: cut probes left out
+    comparisons_uncut: pd.DataFrame  # `compare_conditions` of `uncut_scores`
 
 
 def summarize_run(run_dir: str | Path, n_resamples: int = N_RESAMPLES, seed: int = 0) -> RunSummary:
@@ -318,6 +361,7 @@ def summarize_run(run_dir: str | Path, n_resamples: int = N_RESAMPLES, seed: int
                             hint=f"Re-run the same `driftlab {protocol.name}` command to print its summary.")
     records = [r.model_dump() for r in rd.records(protocol.records)]
     scores = probe_scores(records, manifest)
+    uncut = uncut_scores(records, manifest)
     if scores.empty:
         raise DriftlabError(
             f"{rd.path} has no probe records yet ({len(records)} records in all).",
@@ -333,4 +377,7 @@ def summarize_run(run_dir: str | Path, n_resamples: int = N_RESAMPLES, seed: int
         truncation=truncation(records),
         comparisons=compare_conditions(scores),
         drift=drift_tests(scores),
+        cut=cut_shares(records),
+        overall_uncut=summarize_overall(uncut, n_resamples=n_resamples, seed=seed),
+        comparisons_uncut=compare_conditions(uncut),
     )

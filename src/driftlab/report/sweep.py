@@ -1,11 +1,16 @@
-"""The table, figures and page of a sweep (seed 000 Fig. 5 and Fig. 6), from its point directories.
+"""The table, figures and page of a sweep (the persona-drift paper, Fig. 5 and Fig. 6), from its point directories.
 
 `sweep_table` reads every point's self-chat and MMLU runs and writes RUN/sweep.csv: each
 point's stability with its CI, its gain over the plain model paired by conversation (every
 point runs the same pairs, starters and seeds) with the Wilcoxon signed-rank test, and its
-MMLU accuracy and drop paired by question with the exact McNemar test; the p-values are
-Holm-corrected over the sweep's points, and every test carries its n and method
-(`driftlab.stats`). `power_notes` says how many pairs and questions a given effect needs.
+MMLU accuracy and drop paired by question (`driftlab.protocol.mmlu.drop_test`: the exact
+McNemar test over one dialog's questions, the cluster sign-flip test over several dialogs);
+the p-values are Holm-corrected over the sweep's points, and every test carries its n and
+method (`driftlab.stats`). Beside them, what could confound them: the share of turns and
+probes cut at their token limit (flagged where it differs from plain's by more than
+CUT_FLAG), the stability gain again without cut probes (sensitivity), and MMLU answers that
+collapsed onto one letter or tied. `power_notes` says how many pairs and questions a given
+effect needs.
 
 Fig. 5: stability (mean agent probe score over rounds and conversations) against the MMLU
 drop, one curve per method through its strengths, all starting at the plain model.
@@ -24,12 +29,12 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from driftlab.errors import DriftlabError
-from driftlab.protocol.mmlu import correctness, drop_test
+from driftlab.protocol.mmlu import answer_health, answers, dialogs_of, drop_test
 from driftlab.protocol.runner import config_of
 from driftlab.protocol.sweep import check_points, point_dir
 from driftlab.records.rundir import RunDir
 from driftlab.report.figures import save_png
-from driftlab.report.metrics import summarize_run
+from driftlab.report.metrics import CUT_FLAG, cut_shares, summarize_run, uncut_scores
 from driftlab.stats import PairedTest, paired_test, pairs_needed_means, pairs_needed_proportions, with_holm
 
 POWER_GAIN = 0.1  # the stability gain whose needed pairs the sweep states
@@ -56,39 +61,50 @@ def sweep_table(out: str | Path) -> pd.DataFrame:
     grid = config_of(manifest).get("grid", {})
     rows: list[dict] = []
     gains: list[PairedTest | None] = []
+    gains_uncut: list[PairedTest | None] = []
     drops: list[PairedTest | None] = []
     plain_correct: dict[int, float] = {}
-    plain_stability = pd.Series(dtype=float)
+    plain_stability = plain_uncut = pd.Series(dtype=float)
+    plain_cut: dict[str, float] = {}
+    dialogs = dialogs_of(point_dir(out, "") / "mmlu")
     for spec in manifest["points"]:
         method = spec.split(":", 1)[0] if spec else "plain"
         where = point_dir(out, spec)
-        correct = correctness(where / "mmlu")
-        if not spec:
-            plain_correct = correct["plain"]
-        steered = correct["steered"] if spec else plain_correct
+        answered = answers(where / "mmlu")["steered" if spec else "plain"]
+        steered = {i: float(r.correct) for i, r in answered.items()}
         summary = summarize_run(where / "selfchat")
         ov = summary.overall
         agent = ov[(ov.target == "agent") & (ov.category == "all")].iloc[0]
         per_conv = _per_conversation(summary.scores)
+        uncut = _per_conversation(uncut_scores(summary.records, summary.manifest))
+        cut = cut_shares(summary.records, plain_cut or None).iloc[0]
         if not spec:
-            plain_stability = per_conv
+            plain_correct, plain_stability, plain_uncut = steered, per_conv, uncut
+            plain_cut = {"turns_cut": cut.turns_cut, "probes_cut": cut.probes_cut}
         gains.append(paired_test(per_conv.to_dict(), plain_stability.to_dict(), method="wilcoxon") if spec else None)
+        gains_uncut.append(paired_test(uncut.to_dict(), plain_uncut.to_dict(), method="wilcoxon") if spec else None)
         diffs = (per_conv - plain_stability).dropna()
-        drops.append(drop_test(plain_correct, steered) if spec else None)
+        drops.append(drop_test(plain_correct, steered, dialogs) if spec else None)
+        health = answer_health(answered)
         rows.append({
             "method": method, "spec": spec or "plain", "strength_rank": grid[method].index(spec) + 1 if spec else 0,
             "stability": agent["mean"], "stability_ci_low": agent["ci_low"], "stability_ci_high": agent["ci_high"],
             "stability_ci_method": agent.get("ci_method", "bca"),
             "mmlu_accuracy": sum(steered.values()) / len(steered), "n_conversations": int(agent["n"]),
             "gain_sd": float(diffs.std(ddof=1)) if spec and len(diffs) > 1 else NAN,
+            "turns_cut": cut.turns_cut, "probes_cut": cut.probes_cut, "cut_flag": bool(cut.flag),
+            "stability_uncut": float(uncut.mean()) if len(uncut) else NAN, "uncut_n": len(uncut),
+            "mmlu_dialogs": health["dialogs"], "mmlu_top_letter": health["top_letter"],
+            "mmlu_top_share": health["top_share"], "mmlu_collapsed": health["collapsed"], "mmlu_tied": health["tied"],
         })
-    gains, drops = with_holm(gains), with_holm(drops)
-    for row, gain, d in zip(rows, gains, drops, strict=True):
+    gains, gains_uncut, drops = with_holm(gains), with_holm(gains_uncut), with_holm(drops)
+    for row, gain, gain_uncut, d in zip(rows, gains, gains_uncut, drops, strict=True):
         row.update(_gain_columns(gain, row["n_conversations"]))
         row.update(_drop_columns(d, len(plain_correct)))
-        warnings = [f"stability gain: {gain.warning()}" if gain and gain.warning() else "",
-                    f"MMLU drop: {d.warning()}" if d and d.warning() else ""]
-        row["warning"] = "; ".join(w for w in warnings if w)
+        row.update({"gain_uncut": gain_uncut.diff.estimate if gain_uncut else 0.0,
+                    "gain_uncut_p": gain_uncut.p if gain_uncut else NAN,
+                    "gain_uncut_p_holm": gain_uncut.p_adjusted if gain_uncut else NAN})
+        row["warning"] = "; ".join(_warnings(row, gain, gain_uncut, d))
     table = pd.DataFrame(rows)[COLUMNS]
     table.to_csv(out / "sweep.csv", index=False)
     return table
@@ -97,9 +113,32 @@ def sweep_table(out: str | Path) -> pd.DataFrame:
 COLUMNS = ["method", "spec", "strength_rank", "stability", "stability_ci_low", "stability_ci_high",
            "stability_ci_method", "stability_gain", "stability_gain_ci_low", "stability_gain_ci_high", "gain_ci_method",
            "gain_n", "gain_better", "gain_worse", "gain_tied", "gain_sd", "gain_method", "gain_p", "gain_p_holm",
+           "turns_cut", "probes_cut", "cut_flag", "stability_uncut", "uncut_n", "gain_uncut", "gain_uncut_p",
+           "gain_uncut_p_holm",
            "mmlu_accuracy", "mmlu_drop", "mmlu_drop_ci_low", "mmlu_drop_ci_high", "mmlu_ci_method", "mmlu_n",
-           "mmlu_lost", "mmlu_gained", "mmlu_method", "mmlu_p", "mmlu_p_holm", "n_conversations", "warning"]
+           "mmlu_dialogs", "mmlu_lost", "mmlu_gained", "mmlu_method", "mmlu_p", "mmlu_p_holm", "mmlu_top_letter",
+           "mmlu_top_share", "mmlu_collapsed", "mmlu_tied", "n_conversations", "warning"]
 NAN = float("nan")
+
+
+def _warnings(row: dict, gain: PairedTest | None, gain_uncut: PairedTest | None, d: PairedTest | None) -> list[str]:
+    """What a reader must know before reading a point's row: where n does not support a difference,
+    where the gain does not hold without cut probes, where cutting or collapsed answers confound."""
+    out = []
+    if gain and gain.warning():
+        out.append(f"stability gain: {gain.warning()}")
+    if gain and gain_uncut and gain.significant != gain_uncut.significant:
+        out.append(f"stability gain {'holds' if gain_uncut.significant else 'does not hold'} without cut probes "
+                   f"(Holm p {gain_uncut.p_adjusted:.3g} vs {gain.p_adjusted:.3g})")
+    if row["cut_flag"]:
+        out.append(f"cut at the token limit: {row['turns_cut']:.0%} of turns and {row['probes_cut']:.0%} of probes, "
+                   f"more than {CUT_FLAG:.0%} points from plain's")
+    if row["mmlu_collapsed"]:
+        out.append(f"MMLU answers collapsed: {row['mmlu_top_share']:.0%} are {row['mmlu_top_letter']}, so its accuracy "
+                   f"is the share of questions whose answer is {row['mmlu_top_letter']}, not knowledge")
+    if d and d.warning():
+        out.append(f"MMLU drop: {d.warning()}")
+    return out
 
 
 def _gain_columns(t: PairedTest | None, n: int) -> dict:
@@ -124,6 +163,15 @@ def _drop_columns(t: PairedTest | None, n: int) -> dict:
             "mmlu_method": t.method, "mmlu_p": t.p, "mmlu_p_holm": t.p_adjusted}
 
 
+def _drop_basis(table: pd.DataFrame) -> str:
+    """How many dialogs the MMLU drop rests on, and the test that follows from it."""
+    k = int(table.mmlu_dialogs.max()) if len(table) else 1
+    if k <= 1:
+        return ("exact McNemar test over the questions, all asked after one dialog: the drop rests on that one "
+                "context (--histories N spreads them over N dialogs)")
+    return f"the questions spread over {k} dialogs, which are the unit of the exact cluster sign-flip test"
+
+
 def power_notes(table: pd.DataFrame, gain: float = POWER_GAIN, mmlu_drop: float = POWER_DROP) -> list[str]:
     """What the sweep's n can detect, from its table (`sweep_table`): the pairs a stability gain of
     `gain` needs (paired t, from the sd of the paired differences) and the MMLU questions a drop of
@@ -142,9 +190,11 @@ def power_notes(table: pd.DataFrame, gain: float = POWER_GAIN, mmlu_drop: float 
     shares = ((steered.mmlu_lost + steered.mmlu_gained) / steered.mmlu_n).dropna()
     # As `driftlab.protocol.mmlu.questions_needed`: the measured disagreement, never below 2 |drop|.
     share = min(1.0, max(2 * mmlu_drop, float(shares.median()) if len(shares) else 0.0))
+    lower = (" if questions were independent (they are not: they share their dialogs, so this is a lower bound)"
+             if int(table.mmlu_dialogs.max()) > 1 else "")
     notes.append(f"An MMLU drop of {mmlu_drop:g} needs about {pairs_needed_proportions(mmlu_drop, share)} questions "
-                 f"(exact McNemar, alpha 0.05, power 0.8, {share:.0%} of questions answered differently, the median "
-                 f"over the points); this sweep has {int(table.mmlu_n.max())}.")
+                 f"(exact McNemar, alpha 0.05, power 0.8, {share:.1%} of questions answered differently, the median "
+                 f"over the points){lower}; this sweep has {int(table.mmlu_n.max())}.")
     return notes
 
 
@@ -186,9 +236,9 @@ def tradeoff_figure(table: pd.DataFrame, path: Path) -> Path:
                         textcoords="offset points", xytext=(4, 4), fontsize=6, color=color)
     ax.scatter([plain.mmlu_drop], [plain.stability], color="black", zorder=5, label="plain")
     ax.axvline(0, color="0.7", lw=0.6, zorder=0)
-    ax.set_xlabel("MMLU drop at the question turn (plain - steered; bars: paired 95% CI over questions)")
+    ax.set_xlabel("MMLU drop at the question turn (plain - steered; bars: paired 95% CI)")
     ax.set_ylabel("persona stability (mean probe score)")
-    ax.set_title("Stability vs cost (seed 000 Fig. 5); vertical bars: 95% CI over conversations;\n"
+    ax.set_title("Stability vs cost (persona-drift paper, Fig. 5); vertical bars: 95% CI over conversations;\n"
                  "filled: stability gain over plain shown (Holm p < 0.05), hollow: not shown", fontsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
@@ -208,7 +258,7 @@ def rounds_figure(out: Path, table: pd.DataFrame, match_drop: float | None, path
         ax.fill_between(cells["round"], cells["ci_low"], cells["ci_high"], color=COLORS.get(method), alpha=0.12)
     ax.set_xlabel("round")
     ax.set_ylabel("persona stability (mean probe score)")
-    ax.set_title(f"Stability per round at a matched MMLU drop of ~{target:.3f} (seed 000 Fig. 6)", fontsize=9)
+    ax.set_title(f"Stability per round at a matched MMLU drop of ~{target:.3f} (persona-drift paper, Fig. 6)", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     return save_png(fig, path)
@@ -227,8 +277,9 @@ def write_sweep_report(out: str | Path, match_drop: float | None = None) -> Path
                    f'style="max-width:48%">' for f in figs)
     cols = ["method", "spec", "stability", "stability_ci_low", "stability_ci_high", "stability_gain",
             "stability_gain_ci_low", "stability_gain_ci_high", "gain_n", "gain_better", "gain_worse", "gain_tied",
-            "gain_method", "gain_p", "gain_p_holm", "mmlu_accuracy", "mmlu_drop", "mmlu_drop_ci_low",
-            "mmlu_drop_ci_high", "mmlu_n", "mmlu_method", "mmlu_p", "mmlu_p_holm", "n_conversations"]
+            "gain_method", "gain_p", "gain_p_holm", "turns_cut", "probes_cut", "gain_uncut", "gain_uncut_p_holm",
+            "mmlu_accuracy", "mmlu_drop", "mmlu_drop_ci_low", "mmlu_drop_ci_high", "mmlu_n", "mmlu_dialogs",
+            "mmlu_method", "mmlu_p", "mmlu_p_holm", "mmlu_top_share", "mmlu_tied", "n_conversations"]
     body = table[cols].to_html(index=False, float_format=lambda v: f"{v:.3f}", border=0, na_rep="")
     gain = "" if best.method == "plain" else (
         f" Its stability gain over plain is {best.stability_gain:+.3f} [{best.stability_gain_ci_low:+.3f}, "
@@ -247,11 +298,17 @@ def write_sweep_report(out: str | Path, match_drop: float | None = None) -> Path
             f"{gain} A method wins only where its Holm-corrected p is below 0.05.</p>"
             f"<p>Every point runs the same pairs, starters and seeds and is asked the same MMLU questions, so each is "
             f"compared with plain pair by pair: <i>gain_*</i> is the stability gain (steered - plain per "
-            f"conversation, Wilcoxon signed-rank test), <i>mmlu_*</i> the MMLU drop (plain - steered per question, "
-            f"exact McNemar test; lost/gained questions in sweep.csv); <i>p_holm</i> corrects each column's p over "
+            f"conversation, Wilcoxon signed-rank test), <i>mmlu_*</i> the MMLU drop (plain - steered per question; "
+            f"{_drop_basis(table)}; lost/gained questions in sweep.csv); <i>p_holm</i> corrects each column's p over "
             f"the sweep's points (Holm). Intervals: t below 30 values, BCa bootstrap from 30; "
-            f"the MMLU drop: Newcombe's square-and-add interval for paired proportions "
-            f"(the <i>*_ci_method</i> columns of sweep.csv).</p>"
+            f"the MMLU drop: Newcombe's square-and-add interval for paired proportions over one dialog, a "
+            f"cluster-robust t-interval over several (the <i>*_ci_method</i> columns of sweep.csv).</p>"
+            f"<p>What could confound these: <i>turns_cut</i> / <i>probes_cut</i> are the shares of dialog turns and "
+            f"agent probes cut at their token limit (a cut probe is scored on what it holds); a point more than "
+            f"{CUT_FLAG:.0%} points from plain's is flagged below, and <i>gain_uncut</i> is the stability gain again "
+            f"with cut probes left out (Holm p in <i>gain_uncut_p_holm</i>). <i>mmlu_top_share</i> is the share of "
+            f"answers that are the point's most chosen letter (above 60%: collapsed, its accuracy is that letter's "
+            f"share of answers, not knowledge); <i>mmlu_tied</i> counts questions whose top letters tied.</p>"
             + (f"<h2>Where n does not support a difference</h2><ul>{warnings}</ul>" if warnings else "")
             + (f"<h2>What this n can detect</h2><ul>{notes}</ul>" if notes else "")
             + f"{body}</body>")

@@ -1,4 +1,4 @@
-"""The theory checks of seed 000 Sec. 5 as files: run every part, write plots, tables and a summary.
+"""The theory checks of the persona-drift paper, Sec. 5, as files: run every part, write plots, tables and a summary.
 
 Layout of DIR (all names fixed so docs and scripts can link to them):
     checks.csv / checks.md     one row per claim: measured, expected, pass/FAIL/info

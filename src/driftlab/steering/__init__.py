@@ -1,6 +1,6 @@
 """Inference-time interventions, written as `--steer NAME[:key=value,...]` (repeatable, composable).
 
-* `split-softmax:k=0.9[,heads=0-5+7.2]` — split-softmax with exponent k (seed 000 Eq. 6-7);
+* `split-softmax:k=0.9[,heads=0-5+7.2]` — split-softmax with exponent k (persona-drift paper Eq. 6-7);
 * `bias:value=2.0[,span=system|marked][,invert=true][,heads=...]` — additive logit bias on keys;
 * `instaboost:m=5` — InstABoost: attention to the system prompt multiplied by m, renormalised;
 * `pasta:heads=FILE.json|3.1+5.2[,topk=K][,alpha=0.01][,span=marked|system]` — PASTA: attention

@@ -1,6 +1,6 @@
 """User emphasis: `*marked*` spans in messages, and where they land among the prompt's tokens.
 
-PASTA (seed 002) steers attention towards text the user underlined. A user marks spans in
+PASTA (Zhang et al., ICLR 2024) steers attention towards text the user underlined. A user marks spans in
 system and user messages with a marker (default `*...*`; several spans per message; `\\*` is a literal
 `*`), or passes explicit character spans on a message (`{"role": ..., "content": ...,
 "emphasis": [[start, end], ...]}`, offsets into that content, taken as given). The markers

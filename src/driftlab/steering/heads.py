@@ -3,7 +3,7 @@
 A head config is pastalib's format, `{"layer": [head, ...], ...}` (a bare list of layers
 means every head of those layers), so configs move between pastalib and driftlab both
 ways. A profile is what `driftlab pasta profile` writes: one task's score when steering each
-single head, ranked best first. Seed 002 Sec. 3.2 builds the steered set from several
+single head, ranked best first. The PASTA paper (Sec. 3.2) builds the steered set from several
 tasks' profiles: the intersection of their top-k (PASTA's default), their union, or one
 task's own top-k ("task-specific", Sec. 5.3).
 """
@@ -123,7 +123,7 @@ def save_heads(heads: Sequence[tuple[int, int]], path: str | Path) -> Path:
 
 
 def select(profiles: Sequence[Profile], how: str, topk: int) -> list[tuple[int, int]]:
-    """Seed 002's head selection over several tasks' profiles (sorted (layer, head) pairs).
+    """The PASTA paper's head selection over several tasks' profiles (sorted (layer, head) pairs).
 
     intersection = heads in every task's top-k (PASTA's default); union = in any task's
     top-k; task-specific = the top-k of the one profile given.

@@ -90,7 +90,7 @@ class _WithHeads(BaseIntervention):
 
 
 class SplitSoftmax(_WithHeads):
-    """Split-softmax (seed 000 Eq. 6-7): the system prompt keeps pi^k of the attention mass."""
+    """Split-softmax (persona-drift paper Eq. 6-7): the system prompt keeps pi^k of the attention mass."""
 
     kind: Literal["split-softmax"] = "split-softmax"
     k: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
@@ -132,7 +132,7 @@ class InstABoost(BaseIntervention):
 
 
 class Pasta(_WithHeads):
-    """PASTA (seed 002 Eq. 2): on the selected heads, attention to every key outside the
+    """PASTA (Zhang et al., ICLR 2024, Eq. 2): on the selected heads, attention to every key outside the
     emphasised tokens is scaled by alpha and renormalised, i.e. log(alpha) is added to those
     keys' logits; other heads are untouched.
 
@@ -213,7 +213,7 @@ class Trace(BaseIntervention):
 
 
 class SystemPromptRepetition(BaseIntervention):
-    """System-prompt repetition (seed 000 Sec. 6.1): before each user utterance after the
+    """System-prompt repetition (persona-drift paper Sec. 6.1): before each user utterance after the
     first, the system prompt is injected (as a system message) with probability p.
 
     Only the model sees the copies, never the user LM. A draw is a hash of (seed, the
@@ -247,7 +247,7 @@ class SystemPromptRepetition(BaseIntervention):
 
 
 class ClassifierFreeGuidance(BaseIntervention):
-    """Classifier-free guidance (seed 000 Eq. 5): per step, with and without the system prompt,
+    """Classifier-free guidance (persona-drift paper Eq. 5): per step, with and without the system prompt,
     log p^ = log p(w | w<t) + alpha (log p(w | w<t, s_B) - log p(w | w<t)); alpha = 1 is plain."""
 
     kind: Literal["cfg"] = "cfg"

@@ -1,4 +1,4 @@
-"""Numerical checks of the cone geometry behind attention decay (seed 000, Sec. 5 / App. A).
+"""Numerical checks of the cone geometry behind attention decay (persona-drift paper, Sec. 5 / App. A).
 
 Modules: `cone` (Theorem 5.1), `wendel` (Proposition 5.2), `volume` (Proposition 5.3),
 `embeddings` (Figure 7): each simulates and checks its claim; `driftlab.report.theory`

@@ -1,4 +1,4 @@
-"""Theorem 5.1 (seed 000, Sec. 5.2): generated tokens stay inside the approximate cone.
+"""Theorem 5.1 (persona-drift paper, Sec. 5.2): generated tokens stay inside the approximate cone.
 
 The theorem is about a *simplified* transformer: attention only (no MLP, no layer norm),
 residual stream h^l = h^{l-1} + sum_m W_ov^{l,m} Att^{l,m}(...), and the next token is the

@@ -1,4 +1,4 @@
-"""Figure 7 (seed 000, App. A): histogram of the norms of a model's input embeddings.
+"""Figure 7 (persona-drift paper, App. A): histogram of the norms of a model's input embeddings.
 
 The simplified model of Sec. 5 puts every token on the unit sphere. The paper justifies this
 by showing that LLaMA2-7B-chat's embedding rows have norms concentrated around 1. Whether a

@@ -1,4 +1,4 @@
-"""Proposition 5.3 (seed 000, Sec. 5.3): volume ratio of approximate cones ~ eps^(d2 - d1).
+"""Proposition 5.3 (persona-drift paper, Sec. 5.3): volume ratio of approximate cones ~ eps^(d2 - d1).
 
 mu(C^eps) is the normalised spherical measure of C^eps ∩ S^{D-1}. For the eps-approximate
 cone of a spherical cone P^d[c, psi] in a d-dim subspace U, a point x of the sphere is inside
@@ -74,7 +74,7 @@ def _sin_integral(a: float, p: int) -> float:
 
 
 def paper_bound(D: int, d1: int, psi1: float, d2: int, psi2: float, eps: float) -> float:
-    """The explicit upper bound at the end of the proof of Prop. 5.3/A.2 (seed 001's form)."""
+    """The explicit upper bound at the end of the proof of Prop. 5.3/A.2 (the instruction-stability paper's form)."""
     log_g = gammaln((D - d1 + 1) / 2) + gammaln((d1 - 1) / 2) - gammaln((D - 1) / 2)
     th = math.asin(eps)
     num = _sin_integral(psi1, d1 - 2) * _sin_integral(2 * th, d2 - 2)

@@ -1,0 +1,282 @@
+"""The figures docs/results/README.md quotes, computed from the committed records.
+
+Every number of the generated blocks of docs/results/README.md (between `<!-- figures:NAME -->`
+and `<!-- /figures:NAME -->`) is computed here from the run directories committed beside it,
+with the statistics the reports use (`driftlab.report.metrics`, `driftlab.report.sweep`,
+`driftlab.stats`). The prose around them quotes these blocks, never numbers typed by hand.
+
+    python docs/results/figures.py          # rewrite the blocks in place
+    python docs/results/figures.py --check  # exit 1 and name the blocks that differ
+
+tests/test_results_figures.py runs the check, so a README whose tables disagree with their
+records fails the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+HERE = Path(__file__).resolve().parent
+README = HERE / "README.md"
+
+
+def _p(p: float) -> str:
+    """p-values as the write-up prints them: 2 significant digits, scientific below 0.001."""
+    if not np.isfinite(p):
+        return ""
+    return f"{p:.0e}".replace("e-0", "e-") if p < 1e-3 else f"{p:.2g}"
+
+
+def _ci(low: float, high: float, digits: int = 2, sign: bool = False) -> str:
+    f = f"{{:+.{digits}f}}" if sign else f"{{:.{digits}f}}"
+    return f"[{f.format(low)}, {f.format(high)}]"
+
+
+# -- qwen-paper-20 --------------------------------------------------------------------------
+def qwen_paper_rounds() -> str:
+    from driftlab.report.metrics import summarize_run
+
+    s = summarize_run(HERE / "qwen-paper-20")
+    rows = [("agent stability (f_B), with a user persona", "persona", "agent"),
+            ("agent stability, empty-user ablation", "empty-user", "agent"),
+            ("user-persona adoption (f_A)", "persona", "user")]
+    per, ov = s.per_round, s.overall
+    rounds = sorted(per["round"].unique())
+    lines = ["| round | " + " | ".join(map(str, rounds)) + " | overall [95% t-interval] |",
+             "|---|" + "---|" * len(rounds) + "---|"]
+    for label, cond, target in rows:
+        cells = per[(per.condition == cond) & (per.target == target) & (per.category == "all")].set_index("round")
+        o = ov[(ov.condition == cond) & (ov.target == target) & (ov.category == "all")].iloc[0]
+        lines.append(f"| {label} | " + " | ".join(f"{cells.loc[r, 'mean']:.2f}" for r in rounds)
+                     + f" | {o['mean']:.2f} {_ci(o.ci_low, o.ci_high)} (n = {int(o.n)}) |")
+    cut = s.cut
+    lines += ["", "| condition | turns cut at 400 tokens | agent probes cut |", "|---|---|---|"]
+    for r in cut.itertuples():
+        lines.append(f"| {r.condition} | {round(r.turns_cut * r.turns)} of {r.turns} | "
+                     f"{round(r.probes_cut * r.probes)} of {r.probes} |")
+    return "\n".join(lines)
+
+
+def qwen_paper_tests() -> str:
+    from driftlab.report.metrics import summarize_run
+
+    s = summarize_run(HERE / "qwen-paper-20")
+    lines = ["| comparison (n = 20 conversations) | difference [95% t-interval] | higher / lower / tied | p (Holm) |",
+             "|---|---|---|---|"]
+    names = {("agent", "persona"): "drift, agent", ("agent", "empty-user"): "drift, agent, empty-user ablation",
+             ("user", "persona"): "drift, user-persona adoption"}
+    for r in s.drift.itertuples():
+        lines.append(f"| {names[(r.target, r.condition)]}: round {r.last} - round {r.first} | {r.diff:+.2f} "
+                     f"{_ci(r.diff_ci_low, r.diff_ci_high, sign=True)} | {r.better} / {r.worse} / {r.tied} | "
+                     f"{_p(r.p)} ({_p(r.p_holm)}) |")
+    for r in s.comparisons[s.comparisons.target == "agent"].itertuples():
+        lines.append(f"| ablation - with persona, overall stability | {r.diff:+.2f} "
+                     f"{_ci(r.diff_ci_low, r.diff_ci_high, sign=True)} | {r.better} / {r.worse} / {r.tied} | "
+                     f"{_p(r.p)} |")
+    return "\n".join(lines)
+
+
+# -- decay runs ------------------------------------------------------------------------------
+def _per_dialog(npz: Path) -> dict[int, dict[int, float]]:
+    """round -> dialog -> mean pi over the agent's tokens of that round, all layers and heads."""
+    from driftlab.protocol.decay import DecayTrace
+
+    trace = DecayTrace.load(npz)
+    rounds, dialogs = sorted(set(trace.round.tolist())), sorted(set(trace.dialog.tolist()))
+    return {r: {d: float(trace.pi[(trace.round == r) & (trace.dialog == d)].mean()) for d in dialogs} for r in rounds}
+
+
+def decay_rounds() -> str:
+    from driftlab.protocol.decay import DecayTrace
+    from driftlab.stats import paired_test
+
+    trace = DecayTrace.load(HERE / "decay-qwen-20" / "decay.npz")
+    per = _per_dialog(HERE / "decay-qwen-20" / "decay.npz")
+    rounds = sorted(per)
+    means = [np.mean(list(per[r].values())) for r in rounds]
+    lines = ["| round | " + " | ".join(map(str, rounds)) + " |", "|---|" + "---|" * len(rounds),
+             "| mean pi | " + " | ".join(f"{m:.3f}" for m in means) + " |", "",
+             "| comparison (n = 20 dialogs, exact Wilcoxon signed-rank) | mean difference | lower / higher | p |",
+             "|---|---|---|---|"]
+    first, second, last = rounds[0], rounds[1], rounds[-1]
+    for a, b in ((last, first), (second, first), (last, second)):
+        t = paired_test(per[a], per[b], method="wilcoxon")
+        lines.append(f"| round {a} - round {b} | {t.diff.estimate:+.3f} | {t.worse} / {t.better} | {_p(t.p)} |")
+    layer, head = trace.steepest_head()
+    peaks = {r: float(trace.pi[trace.round == r, layer, head].max()) for r in (first, last)}
+    lines += ["", f"Steepest head: layer {layer}, head {head}; its highest pi on one token is "
+                  f"{peaks[first]:.3f} in round {first} and {peaks[last]:.3f} in round {last}."]
+    return "\n".join(lines)
+
+
+def decay_four_dialogs() -> str:
+    """The 4 dialogs of qwen-paper/: content and prefix spans, and the base model beside them."""
+    from driftlab.stats import paired_test
+
+    runs = [("qwen2.5-coder-1.5b (chat), `content` (default)", HERE / "decay-qwen-content" / "decay.npz"),
+            ("qwen2.5-coder-1.5b (chat), `prefix`", HERE / "decay-qwen-prefix" / "decay.npz"),
+            ("gemma3-270m (base), `content`", HERE / "decay-qwen-content" / "decay_gemma3-270m.npz")]
+    lines = []
+    for i, (label, npz) in enumerate(runs):
+        per = _per_dialog(npz)
+        rounds = sorted(per)
+        if not i:
+            lines += ["| model, system span | " + " | ".join(map(str, rounds)) + " | round 8 lower than round 1 |",
+                      "|---|" + "---|" * (len(rounds) + 1)]
+        t = paired_test(per[rounds[-1]], per[rounds[0]], method="wilcoxon")
+        lines.append(f"| {label} | " + " | ".join(f"{np.mean(list(per[r].values())):.3f}" for r in rounds)
+                     + f" | {t.worse} of {t.n}, exact Wilcoxon p = {_p(t.p)} |")
+    return "\n".join(lines)
+
+
+# -- sweep-ref-20 ---------------------------------------------------------------------------
+LABELS = {"plain": "plain", "split-softmax:k=0.8,heads=all": "split-softmax k=0.8",
+          "split-softmax:k=0.3,heads=all": "split-softmax k=0.3", "split-softmax:k=0.1,heads=all": "split-softmax k=0.1",
+          "spr:p=0.5,seed=0": "SPR p=0.5", "spr:p=1.0,seed=0": "SPR p=1", "instaboost:m=3.0": "InstABoost m=3",
+          "instaboost:m=10.0": "InstABoost m=10", "instaboost:m=100.0": "InstABoost m=100",
+          "cfg:alpha=1.5": "CFG alpha=1.5", "cfg:alpha=3.0": "CFG alpha=3"}
+
+
+def _bold(text: str, p: float) -> str:
+    return f"**{text}**" if np.isfinite(p) and p < 0.05 else text
+
+
+def _sweep(name: str) -> pd.DataFrame:
+    from driftlab.report.sweep import sweep_table
+
+    return pd.read_csv(HERE / name / "sweep.csv") if (HERE / name / "sweep.csv").exists() else sweep_table(HERE / name)
+
+
+def sweep_stability(name: str = "sweep-ref-20") -> str:
+    t = _sweep(name)
+    lines = ["| point | stability [95% t] | gain over plain [95% t]: better / worse / tied, p (Holm) | cut turns / probes "
+             "| without cut probes: stability, gain, p (Holm) |", "|---|---|---|---|---|"]
+    for r in t.itertuples():
+        gain = uncut = ""
+        if r.method != "plain":
+            gain = (f"{_bold(f'{r.stability_gain:+.2f}', r.gain_p_holm)} "
+                    f"{_ci(r.stability_gain_ci_low, r.stability_gain_ci_high, sign=True)}: {r.gain_better} / "
+                    f"{r.gain_worse} / {r.gain_tied}, p = {_p(r.gain_p)} ({_bold(_p(r.gain_p_holm), r.gain_p_holm)})")
+            uncut = f", {_bold(f'{r.gain_uncut:+.2f}', r.gain_uncut_p_holm)}, p = {_p(r.gain_uncut_p)} " \
+                    f"({_bold(_p(r.gain_uncut_p_holm), r.gain_uncut_p_holm)})"
+        flag = " (flagged)" if r.cut_flag else ""
+        lines.append(f"| {LABELS[r.spec]} | {r.stability:.2f} {_ci(r.stability_ci_low, r.stability_ci_high)} | "
+                     f"{gain} | {r.turns_cut:.0%} / {r.probes_cut:.0%}{flag} | {r.stability_uncut:.2f}{uncut} |")
+    return "\n".join(lines)
+
+
+def sweep_mmlu(name: str) -> str:
+    t = _sweep(name)
+    k = int(t.mmlu_dialogs.max())
+    interval = "Newcombe" if k == 1 else "cluster t"
+    lines = [f"| point | MMLU acc. | most chosen letter (share) | tied top letters | MMLU drop [95% {interval}]: "
+             "lost / gained, p (Holm) |", "|---|---|---|---|---|"]
+    for r in t.itertuples():
+        drop = ""
+        if r.method != "plain":
+            drop = (f"{_bold(f'{r.mmlu_drop:+.3f}', r.mmlu_p_holm)} "
+                    f"{_ci(r.mmlu_drop_ci_low, r.mmlu_drop_ci_high, 3, sign=True)}: {r.mmlu_lost} / {r.mmlu_gained}, "
+                    f"p = {_p(r.mmlu_p)} ({_bold(_p(r.mmlu_p_holm), r.mmlu_p_holm)})")
+        collapsed = " (collapsed)" if r.mmlu_collapsed else ""
+        lines.append(f"| {LABELS[r.spec]} | {r.mmlu_accuracy:.3f} | {r.mmlu_top_letter} ({r.mmlu_top_share:.0%})"
+                     f"{collapsed} | {r.mmlu_tied} | {drop} |")
+    test = ("exact McNemar over the 200 questions, all asked after one dialog" if k == 1 else
+            f"exact sign-flip test over the {k} dialogs (10 questions each), the dialog as the unit")
+    lines += ["", f"Test: {test}; Holm over the 10 steered points."]
+    return "\n".join(lines)
+
+
+def sweep_context(name: str = "sweep-ref-20") -> str:
+    """Per agent persona (category), each point's stability; plain's drift test; the sweep's power."""
+    from driftlab.protocol.sweep import point_dir
+    from driftlab.records.rundir import RunDir
+    from driftlab.report.metrics import summarize_run
+    from driftlab.report.sweep import power_notes
+
+    out = HERE / name
+    specs = RunDir(out).read_manifest()["points"]
+    summaries = {spec or "plain": summarize_run(point_dir(out, spec) / "selfchat") for spec in specs}
+    plain = summaries["plain"]
+    ov = plain.overall
+    personas = {row.category: row.persona for row in plain.scores[plain.scores.target == "agent"].itertuples()}
+    cats = [c for c in ov[(ov.target == "agent")].category if c != "all"]
+    lines = ["| agent persona (4 conversations each) | " + " | ".join(LABELS[s or "plain"] for s in specs) + " |",
+             "|---|" + "---|" * len(specs)]
+    for cat in cats:
+        cells = []
+        for spec in specs:
+            o = summaries[spec or "plain"].overall
+            cells.append(f"{o[(o.target == 'agent') & (o.category == cat)]['mean'].iloc[0]:.2f}")
+        lines.append(f"| `{personas[cat]}` | " + " | ".join(cells) + " |")
+    d = next(plain.drift[plain.drift.target == "agent"].itertuples())
+    per = plain.per_round
+    cell = per[(per.target == "agent") & (per.category == "all")].set_index("round")["mean"]
+    lines += ["", f"Plain, round {d.last} - round {d.first}: {cell.iloc[-1]:.2f} - {cell.iloc[0]:.2f} = {d.diff:+.2f} "
+                  f"{_ci(d.diff_ci_low, d.diff_ci_high, sign=True)}, {d.better} higher / {d.worse} lower / {d.tied} "
+                  f"tied, exact Wilcoxon p = {_p(d.p)} (n = {d.n})."]
+    lines += [""] + [f"- Power: {note}" for note in power_notes(_sweep(name))]
+    return "\n".join(lines)
+
+
+BLOCKS: dict[str, Callable[[], str]] = {
+    "qwen-paper-20-rounds": qwen_paper_rounds,
+    "qwen-paper-20-tests": qwen_paper_tests,
+    "decay-qwen-20": decay_rounds,
+    "decay-qwen-4": decay_four_dialogs,
+    "sweep-ref-20-stability": sweep_stability,
+    "sweep-ref-20-context": sweep_context,
+    "sweep-ref-20-mmlu": lambda: sweep_mmlu("sweep-ref-20"),
+}
+
+
+def finished(name: str) -> bool:
+    """A committed run directory whose run completed (one still being computed has no figures yet)."""
+    import json
+
+    path = HERE / name / "manifest.json"
+    return path.exists() and json.loads(path.read_text()).get("completed") is True
+
+
+SWEEPS = [name for name in ("sweep-ref-20", "sweep-ref-20-h20") if finished(name)]
+if finished("sweep-ref-20-h20"):
+    BLOCKS["sweep-ref-20-h20-mmlu"] = lambda: sweep_mmlu("sweep-ref-20-h20")
+BLOCK = re.compile(r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(\n<!-- /figures:(?P=name) -->)", re.S)
+
+
+def render(text: str, only: list[str] | None = None) -> str:
+    """`text` with every generated block recomputed (those named in `only`, if given)."""
+    def fill(m: re.Match) -> str:
+        name = m["name"]
+        if name not in BLOCKS:
+            raise SystemExit(f"{README}: unknown figures block {name!r}; known: {', '.join(BLOCKS)}")
+        body = BLOCKS[name]() if only is None or name in only else m["body"]
+        return m[1] + body + m[4]
+    return BLOCK.sub(fill, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare instead of rewriting; exit 1 on a difference")
+    args = parser.parse_args(argv)
+    text = README.read_text(encoding="utf-8")
+    new = render(text)
+    if args.check:
+        stale = [m["name"] for m, n in zip(BLOCK.finditer(text), BLOCK.finditer(new), strict=True) if m[0] != n[0]]
+        if stale:
+            print(f"{README}: these generated blocks differ from their records: {', '.join(stale)}; "
+                  f"run `python {Path(__file__).relative_to(Path.cwd()) if Path.cwd() in Path(__file__).parents else __file__}`")
+            return 1
+        return 0
+    README.write_text(new, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
