@@ -20,6 +20,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "driftlab"
 LAYERS: list[set[str]] = [
     {"__main__", "__init__"},
     {"cli"},
+    {"api"},
     {"report", "serve"},
     {"pasta"},
     {"protocol"},

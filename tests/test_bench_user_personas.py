@@ -71,7 +71,7 @@ def test_toml_entries_load(tmp_path: Path) -> None:
         ({**PIRATE, "measure": "mentions_anyy"}, "measure", "did you mean 'mentions_any'"),
         ({**PIRATE, "params": {"term": ["arr"]}}, "params", "term"),
         ({**PIRATE, "params": {"terms": "arr"}}, "params", "terms"),
-        ({**PIRATE, "category": "pirates"}, "category", "'persona'"),
+        ({**PIRATE, "category": "Pirate Stories"}, "category", "pattern"),  # open, but a slug
         ({**PIRATE, "id": "Pirate Persona"}, "id", "pattern"),
         ({**PIRATE, "colour": "red"}, "colour", "Extra inputs"),
         ({**PIRATE, "id": "reply-in-french"}, "id", "built-in"),
@@ -86,6 +86,14 @@ def test_invalid_jsonl_entry_names_line_and_field(
     assert f"line 3, field '{field}'" in err.value.message
     assert words in err.value.message
     assert err.value.hint
+
+
+def test_a_category_of_your_own_is_a_category(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path, [{**PIRATE, "category": "pirates"}])
+    assert [p.id for p in load_personas(category="pirates", extra=path)] == ["pirate"]
+    with pytest.raises(DriftlabError) as err:
+        load_personas(category="pirate", extra=path)
+    assert err.value.hint.endswith("language, pirates")  # the built-ins in the paper's order, then yours
 
 
 def test_duplicate_ids_and_broken_json(tmp_path: Path) -> None:

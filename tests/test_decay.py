@@ -20,7 +20,7 @@ def test_replay_reproduces_the_pi_of_decoding(smol32):
     system, question = "Always reply in French.", "What do you do in London as a tourist?"
     conv = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     reply = chat(smol32, [conv], Sampling(greedy=True, max_new_tokens=20), steer=["trace"])[0]
-    live = reply.trace["decode"].numpy()  # [n_tokens (+1 for EOS if stopped), L, H]
+    live = reply.trace.decode  # [n_tokens (+1 for EOS if stopped), L, H]
     trace = trace_dialogs(smol32, [{"pair": 0, "system": system, "a": [question], "b": [reply.text]}])
     n = min(len(live), len(trace.pi))
     assert n >= 10

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
-import torch
 
 from devices import backend_device
 from driftlab.chat import ChatRequest
@@ -80,9 +80,11 @@ def _assert_same(ref, got) -> None:
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     for a, b in zip(ref, got, strict=True):
         assert (a.trace is None) == (b.trace is None)
-        for part in (a.trace or {}):
-            assert a.trace[part].shape == b.trace[part].shape
-            torch.testing.assert_close(b.trace[part], a.trace[part], atol=1e-5, rtol=0)
+        if a.trace is None:
+            continue
+        assert (a.trace.prefill is None) == (b.trace.prefill is None)
+        for part in ("decode", "prefill") if a.trace.prefill is not None else ("decode",):
+            np.testing.assert_allclose(getattr(b.trace, part), getattr(a.trace, part), atol=1e-5, rtol=0)
 
 
 # -- helpers and refusals (no model) ----------------------------------------------------------------

@@ -7,9 +7,10 @@
 Importing this package is cheap; the libraries behind some measures load on first use.
 """
 
-from driftlab.bench.measures import MEASURES
+from driftlab.bench.measures import MEASURES, register_custom
 from driftlab.bench.personas import (
     CATEGORIES,
+    MeasureError,
     Persona,
     get_persona,
     load_personas,
@@ -21,6 +22,7 @@ from driftlab.bench.starters import STARTER_SETS, STARTERS, starters
 __all__ = [
     "CATEGORIES",
     "MEASURES",
+    "MeasureError",
     "STARTERS",
     "STARTER_SETS",
     "USER_PROBE_VERSIONS",
@@ -28,6 +30,7 @@ __all__ = [
     "get_persona",
     "load_personas",
     "load_user_personas",
+    "register_custom",
     "starters",
     "user_probe",
     "user_probes",

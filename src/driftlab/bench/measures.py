@@ -32,6 +32,8 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_typ
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from driftlab.errors import DriftlabError
+
 MeasureFn = Callable[..., float]
 
 #: Registry: measure id -> function(text, **params) -> float in [0, 1].
@@ -81,6 +83,52 @@ def register(
         return measure
 
     return decorate
+
+
+def register_custom(fn: Callable[[str], float], name: str | None = None, needs_complete: bool = False) -> str:
+    """Register a measure written in the user's own code (`driftlab.measure`); returns its id.
+
+    Any callable `text -> float in [0, 1]` scores: a notebook's lambda, a classifier, a call to
+    a judge. Its id is what a run's manifest records, so a resumed run (a new process) finds it
+    again when the same code registers it again; re-registering an id with a function of the same
+    module and name replaces it (a re-run notebook cell), a different function under a taken id
+    is refused. A value that is not a number in [0, 1] is caught where the reply is scored.
+    """
+    if not callable(fn):
+        raise DriftlabError(f"a measure must be a callable text -> float in [0, 1], not {type(fn).__name__}",
+                            hint="e.g. `lambda text: float('bonjour' in text.lower())`, with name=...")
+    if name is None:  # a function registered before (dl.measure) keeps the name it was given
+        name = next((k for k, f in _CUSTOM.items() if f is fn), getattr(fn, "__name__", ""))
+    if not re.fullmatch(r"[A-Za-z_][\w-]*", name or "") or name == "<lambda>":
+        raise DriftlabError(f"cannot name the measure {fn!r} after itself ({name!r}): pass name=.",
+                            hint="pass name='my-measure' (letters, digits, '-' and '_'): manifests record it.")
+    old = _CUSTOM.get(name)
+    if name in MEASURES and (old is None or _origin(old) != _origin(fn)):
+        raise DriftlabError(f"the measure id {name!r} is already taken by {'a built-in measure' if old is None else _origin(old)}.",
+                            hint="pass another name=...")
+    for table in (MEASURES, _PARAMS, _CHECKS):
+        table.pop(name, None)
+    _NEEDS_COMPLETE.discard(name)
+    register(name, needs_complete=needs_complete)(_one_argument(fn))
+    _CUSTOM[name] = fn
+    return name
+
+
+_CUSTOM: dict[str, Callable[[str], float]] = {}  # id -> the user's function (built-ins are not here)
+
+
+def _origin(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _one_argument(fn: Callable[[str], float]) -> MeasureFn:
+    """The user's function as a measure without parameters (register reads parameters from the signature)."""
+
+    def measure(text: str) -> float:
+        return fn(text)
+
+    measure.__name__ = getattr(fn, "__name__", "measure")
+    return measure
 
 
 def needs_complete(name: str) -> bool:

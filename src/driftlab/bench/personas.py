@@ -10,19 +10,26 @@ from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
 import json
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, get_args, overload
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from driftlab.bench.measures import MEASURES, needs_complete, validate_params
+from driftlab.bench.measures import MEASURES, needs_complete, register_custom, validate_params
 from driftlab.errors import DriftlabError
 
 Category = Literal["multiple_choice", "persona", "pattern", "memorization", "language"]
-#: The five categories of the persona-drift paper, section 3.2.
+#: The five categories of the persona-drift paper, section 3.2 (the built-in personas'); a
+#: persona of your own may name any other ("custom" by default).
 CATEGORIES: tuple[str, ...] = get_args(Category)
+SLUG = r"^[a-z0-9]+(?:[-_][a-z0-9]+)*$"
+
+
+class MeasureError(ValueError):
+    """A measure's value is not a score (NaN, outside [0, 1], not a number)."""
 
 
 class Persona(BaseModel):
@@ -34,11 +41,25 @@ class Persona(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     id: str = Field(pattern=r"^[a-z0-9]+(?:-[a-z0-9]+)*$", description="stable slug, e.g. 'reply-in-french'")
-    category: Category
+    category: str = Field("custom", pattern=SLUG, description="one of CATEGORIES for the built-ins; any slug else")
     system_prompt: str = Field(min_length=1)
     probe: str = Field(min_length=1)
     measure: str = Field(description="id of a function in MEASURES")
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_code(cls, data: Any) -> Any:
+        """In code, `measure` may be the function itself (registered under its name, see
+        `driftlab.measure`) and `id` may be left out (a stable one from the system prompt)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if callable(data.get("measure")):
+            data["measure"] = register_custom(data["measure"], needs_complete=bool(data.pop("needs_complete", False)))
+        if "id" not in data and isinstance(data.get("system_prompt"), str):
+            data["id"] = "custom-" + hashlib.sha256(data["system_prompt"].encode()).hexdigest()[:8]
+        return data
 
     @field_validator("measure")
     @classmethod
@@ -46,7 +67,8 @@ class Persona(BaseModel):
         if name not in MEASURES:
             close = difflib.get_close_matches(name, MEASURES, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown measure {name!r}{hint} (see `docs/personas.md` for the list)")
+            raise ValueError(f"unknown measure {name!r}{hint} (see `docs/personas.md` for the list; a measure "
+                             "defined in code must be registered first, with driftlab.measure, also before a resume)")
         return name
 
     @field_validator("params")
@@ -84,7 +106,14 @@ class Persona(BaseModel):
         """
         if truncated and self.needs_complete:
             return None
-        return float(MEASURES[self.measure](text, **self.params))
+        value = MEASURES[self.measure](text, **self.params)
+        try:
+            score = float(value)
+        except (TypeError, ValueError):
+            score = float("nan")
+        if not 0.0 <= score <= 1.0:  # also NaN (a bool is a 0/1 score)
+            raise MeasureError(f"measure {self.measure!r} returned {value!r}, not a number in [0, 1]")
+        return score
 
 
 @functools.cache
@@ -101,8 +130,10 @@ def load_personas(category: str | None = None, extra: str | Path | None = None) 
         personas += load_user_personas(extra)
     if category is None:
         return personas
-    if category not in CATEGORIES:
-        raise DriftlabError(f"unknown category {category!r}", hint=f"use one of: {', '.join(CATEGORIES)}")
+    present = {p.category for p in personas}
+    known = [c for c in CATEGORIES if c in present] + sorted(present - set(CATEGORIES))
+    if category not in known:
+        raise DriftlabError(f"unknown category {category!r}", hint=f"use one of: {', '.join(known)}")
     return [p for p in personas if p.category == category]
 
 
@@ -226,7 +257,7 @@ def _build(entries: list[tuple[int, Any]], source: str, builtin: bool = False) -
 def _hint(field: str) -> str:
     return {
         "id": "ids are lower-case words joined by '-', e.g. 'my-pirate'",
-        "category": f"use one of: {', '.join(CATEGORIES)}",
+        "category": f"lower-case words joined by '-' or '_', e.g. one of the built-in {', '.join(CATEGORIES)}",
         "measure": "`driftlab personas measures` lists the measure ids",
         "params": "`driftlab personas measures` lists each measure's parameters",
     }.get(field.split(".")[0], "see docs/personas.md for the entry format")

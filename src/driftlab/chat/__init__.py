@@ -19,11 +19,12 @@ from driftlab.chat.base import (
 )
 from driftlab.chat.factory import make_backend
 from driftlab.chat.spec import BackendSpec, Runtime
+from driftlab.chat.trace import Trace  # (not the `trace` function: it would hide the module `chat.trace`)
 
 __all__ = [
     "BackendSpec", "Capabilities", "ChatBackend", "ChatRequest", "Conversation", "HFChatBackend", "LogLikelihood",
     "Message", "ModelShape", "Rendered", "Reply", "Runtime", "Sampling", "ScoringBackend", "TokenBackend",
-    "TokenLogprob", "chat", "make_backend", "token_backend",
+    "TokenLogprob", "Trace", "chat", "make_backend", "token_backend",
 ]
 
 

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from driftlab.errors import DriftlabError
 from driftlab.messages import Conversation, Message, validate_conversation
 from driftlab.steering.interventions import Interventions
+
+if TYPE_CHECKING:
+    from driftlab.chat.trace import Trace
 
 __all__ = [
     "MAX_SEED", "Capabilities", "ChatBackend", "ChatRequest", "Conversation", "LogLikelihood", "Message",
@@ -83,7 +86,7 @@ class Reply:
     n_tokens: int
     finish_reason: Literal["stop", "length", "cancelled"]  # cancelled: its caller gave up (ChatRequest.cancelled)
     token_ids: list[int] = field(default_factory=list)
-    trace: Any = None  # attention trace when one was requested (local backend only)
+    trace: Trace | None = None  # pi per token, layer and head when tracing was asked for (local backend only)
     n_prompt_tokens: int = 0  # tokens the model was shown (0 where unknown)
     logprobs: list[TokenLogprob] | None = None  # per generated token, when ChatRequest.logprobs asked
 

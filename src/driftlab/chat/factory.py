@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from driftlab.chat.base import ChatBackend
-from driftlab.chat.spec import REMOTE_PREFIX, BackendSpec
+from driftlab.chat.spec import MEMORY_PREFIX, REMOTE_PREFIX, BackendSpec
 from driftlab.errors import DriftlabError
 
 
@@ -24,6 +24,11 @@ def make_backend(
     the locked run directory of the caller: a remote backend logs every request there, so
     a resumed run never sends a finished request again.
     """
+    if spec.model.startswith(MEMORY_PREFIX):
+        raise DriftlabError(f"{spec.model} is a model that was held in memory by the Python process that ran it; "
+                            "it cannot be loaded by name.",
+                            hint="Pass the backend itself: driftlab.from_model(model, tokenizer), then e.g. "
+                                 "driftlab.selfchat(backend, out=...) to resume.")
     if spec.remote:
         if spec.device_map or spec.quantize:
             flag = "--device-map" if spec.device_map else "--quantize"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,9 +35,11 @@ from driftlab.chat.prefix_cache import PrefixCache
 from driftlab.chat.spec import BackendSpec
 from driftlab.chat.static_decode import DECODE_MODES, DecodeMode, StaticDecoder, cache_length, static_refusal
 from driftlab.chat.templates import Renderer
+from driftlab.chat.trace import Trace
 from driftlab.errors import DriftlabError
 from driftlab.steering.emphasis import strip_emphasis
 from driftlab.steering.interventions import KINDS, Interventions
+from driftlab.steering.interventions import Trace as TraceIntervention
 
 
 class HFChatBackend:
@@ -62,30 +65,43 @@ class HFChatBackend:
         dynamic KV cache), `static` (a static cache, eager steps), `compiled` (a static cache
         and torch.compile'd steps: CUDA graphs on a GPU) or `auto` (`dynamic` for now, on every
         device). Where a static cache cannot serve the model, decoding stays dynamic, said once."""
-        if decode not in DECODE_MODES:
-            raise DriftlabError(f"Unknown decode mode {decode!r}.", hint=f"Use one of {', '.join(DECODE_MODES)}.")
+        _check_decode(decode)
         if attn_implementation is None:
             from driftlab.attention import ATTENTION_NAME, register
 
             register()
             attn_implementation = ATTENTION_NAME
-        self.model, self.tokenizer, self.path = load_model(
+        loaded, tokenizer, path = load_model(
             model, dtype, device, attn_implementation, device_map=device_map, quantize=quantize)
-        self.name = model
+        self._setup(loaded, tokenizer, path, model, span_mode=span_mode, prefix_cache_bytes=prefix_cache_bytes,
+                    decode=decode, device_map=device_map, quantize=quantize)
+
+    def _setup(self, model, tokenizer, path, name: str, *, span_mode: str, prefix_cache_bytes: int,
+               decode: DecodeMode, device_map: str | None, quantize: str | None, attachment=None) -> None:
+        """What both ways in share (a model by name, a model from memory): renderer, stop
+        tokens, shape, prefix cache and decode loop. `attachment` (from_model) is the borrowed
+        model's installed attention, given back by `close()`."""
+        self.model, self.tokenizer, self.path = model, tokenizer, path
+        self.name = name
         self.device_map, self.quantize = device_map, quantize
+        self._attachment = attachment
+        self._closed = False
+        config_model = attachment.base if attachment is not None else model  # a PEFT model's config is its base's
         self.device = input_device(self.model)
+        had_template = bool(getattr(tokenizer, "chat_template", None))
         self.renderer = Renderer(self.tokenizer, span_mode)
-        if self.renderer.plain and "preset" not in self._preset_meta():
+        self._set_template = not had_template  # the plain template was set on the tokenizer: close() unsets it
+        if self.renderer.plain and (attachment is not None or "preset" not in self._preset_meta()):
             from driftlab.console import err_console
 
             err_console().print(
-                f"note: {model} has no chat template (a base model?): dialogs are rendered as plain text "
+                f"note: {name} has no chat template (a base model?): dialogs are rendered as plain text "
                 "(the system prompt, then 'User:' and 'Assistant:' lines), and replies stop at the next speaker.",
                 highlight=False, markup=False)
-        self.eos_ids = self.renderer.eos_ids(self.model.config, self.model.generation_config)
+        self.eos_ids = self.renderer.eos_ids(config_model.config, config_model.generation_config)
         self.stop_ids = frozenset(self.eos_ids)
         self.stop_strings = self.renderer.stop_strings
-        self.shape = _shape(self.model.config)
+        self.shape = _shape(config_model.config)
         self.pad_id = self._pad_id()
         self.prefix_cache = PrefixCache(prefix_cache_bytes if self._cacheable() else 0)
         self.decode_mode = decode
@@ -98,8 +114,79 @@ class HFChatBackend:
             if why is None:
                 self._static = StaticDecoder(self.model, compiled=decode == "compiled")
             else:
-                self._fallback(f"--decode {decode} is not available for {model}: {why}; "
+                self._fallback(f"--decode {decode} is not available for {name}: {why}; "
                                "it decodes with the dynamic cache instead.")
+
+    @classmethod
+    def from_model(
+        cls,
+        model,
+        tokenizer,
+        *,
+        span_mode: str = "content",
+        prefix_cache_bytes: int = 2 << 30,
+        decode: DecodeMode = "auto",
+        name: str | None = None,
+    ) -> HFChatBackend:
+        """A backend around a transformers model you already hold, instead of one driftlab loads.
+
+        Why: models are often loaded, placed (`device_map`), quantised or fine-tuned (PEFT)
+        in ways driftlab's loader does not reproduce; this steers, traces and measures that
+        very object. Any decoder-only `PreTrainedModel` on the AttentionInterface works, on any
+        device; a `peft.PeftModel` decodes through its adapters (its config is read from
+        `get_base_model()`). driftlab's attention is installed with transformers'
+        `set_attn_implementation("driftlab")`; `close()` (or leaving a `with` block) restores
+        the model's own implementation, so the model serves its other users unchanged after.
+        A model driftlab cannot steer (attention outside the interface, no `layer_idx`,
+        softcapping, ...) is refused with a one-line error, and left as it was. While open,
+        the model belongs to this backend: `steer()` or a second backend on it is refused.
+        `describe()` records `"source": "memory"`, the name (`name`, else the model's
+        `name_or_path`) and any PEFT adapters. Generation matches a backend that loaded the
+        same weights by name, token for token.
+        """
+        from driftlab.chat.attach import Attachment, describe_name
+
+        _check_decode(decode)
+        label = describe_name(model, name)
+        attachment = Attachment(model, f"an open HFChatBackend ({label})", label)
+        try:
+            if not callable(getattr(tokenizer, "apply_chat_template", None)):
+                raise DriftlabError(f"HFChatBackend.from_model needs the tokenizer of {label}, not {tokenizer!r}.",
+                                    hint="Pass the model's tokenizer (AutoTokenizer.from_pretrained(...)).")
+            self = cls.__new__(cls)
+            base = attachment.base
+            quant = getattr(base.config, "quantization_config", None)
+            quant = getattr(quant, "quant_method", None) or (quant.get("quant_method") if isinstance(quant, dict)
+                                                              else None) if quant is not None else None
+            where = getattr(base, "name_or_path", "") or ""
+            self._setup(model, tokenizer, Path(where) if where and Path(where).is_dir() else None, label,
+                        span_mode=span_mode, prefix_cache_bytes=prefix_cache_bytes, decode=decode,
+                        device_map="hf_device_map" if getattr(base, "hf_device_map", None) else None,
+                        quantize=str(quant) if quant else None, attachment=attachment)
+        except BaseException:
+            attachment.restore()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Let go: drop the prefix cache and the static decode state, and give a model from
+        `from_model` back as it came (its own attention implementation; a chat template the
+        backend set on its tokenizer unset). A closed backend refuses to generate. Idempotent."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self.prefix_cache.clear()
+        self._static = None
+        if self._attachment is not None:
+            if self._set_template:
+                self.tokenizer.chat_template = None
+            self._attachment.restore()
+
+    def __enter__(self) -> HFChatBackend:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @classmethod
     def from_spec(cls, spec: BackendSpec, *, prefix_cache_bytes: int = 2 << 30) -> HFChatBackend:
@@ -138,6 +225,8 @@ class HFChatBackend:
         return replies[: len(convs)]
 
     def describe(self) -> dict[str, Any]:
+        if self._attachment is not None:
+            return self._describe_memory()
         meta: dict[str, Any] = {
             "name": self.name, "backend": "hf", "path": str(self.path), "architecture": type(self.model).__name__,
             "dtype": str(self.model.dtype).replace("torch.", ""), "device": str(self.device),
@@ -151,6 +240,32 @@ class HFChatBackend:
             meta["hub"] = {**hub, "requested": self.name}
         if self.device_map:
             meta["device_map"] = {k: str(v) for k, v in getattr(self.model, "hf_device_map", {}).items()}
+        if self.quantize:
+            meta["quantize"] = self.quantize
+        return meta
+
+    def _describe_memory(self) -> dict[str, Any]:
+        """describe() of a model from `from_model`: where it came from is the caller's object, so
+        the manifest says so (`source`), with its name_or_path and adapters, and no preset."""
+        from driftlab.chat.attach import adapters
+
+        base = self._attachment.base
+        meta: dict[str, Any] = {
+            "name": self.name, "backend": "hf", "source": "memory",
+            "name_or_path": getattr(base, "name_or_path", "") or None,
+            "architecture": type(base).__name__, "wrapper": type(self.model).__name__ if self.model is not base else None,
+            "dtype": str(base.dtype).replace("torch.", ""), "device": str(self.device),
+            "span_mode": self.renderer.span_mode, "max_context": self.shape.max_context,
+            "peft": adapters(self.model),
+        }
+        if self.path is not None:
+            from driftlab.assets.hub import snapshot_info
+
+            hub = snapshot_info(self.path)
+            if hub:
+                meta["hub"] = hub
+        if self.device_map:
+            meta["device_map"] = {k: str(v) for k, v in getattr(base, "hf_device_map", {}).items()}
         if self.quantize:
             meta["quantize"] = self.quantize
         return meta
@@ -376,7 +491,7 @@ class HFChatBackend:
         if guidance is not None and B % 2:
             raise DriftlabError("Guided decoding needs an unconditional row for every conditional one.")
 
-        def reply(b: int, trace: Any = None) -> Reply:
+        def reply(b: int, trace: Trace | None = None) -> Reply:
             # A final EOS ends the reply and is not part of it; with ignore_eos it is just a token.
             ended = not sampling.ignore_eos and sampled[b] and sampled[b][-1] in self.eos_ids
             toks = sampled[b][:-1] if ended else sampled[b]
@@ -384,7 +499,7 @@ class HFChatBackend:
             if self.renderer.stop_strings:
                 text = self._cut_stop(text)
             return Reply(text=text.strip(), n_tokens=len(toks), finish_reason=reasons[b], token_ids=toks,
-                         trace=trace or None, n_prompt_tokens=len(prompts[b]),
+                         trace=trace, n_prompt_tokens=len(prompts[b]),
                          logprobs=scored[b][: len(toks)] if logprobs is not None else None)
 
         # A row's reply is known when it finishes, unless pi traces (built at the end) are asked for.
@@ -462,8 +577,58 @@ class HFChatBackend:
 
         self._store_prefixes(prompts, sampled, 0 if prompt_only else n_fed, pads, cache, tags, cache_store,
                              at=dict(enumerate(live)))
-        traces = state.row_traces([len(x) for x in sampled], pads) if state is not None else [None] * B
-        return [reply(b, traces[b]) for b in range(B)]
+        rows = state.row_traces([len(x) for x in sampled], pads) if state is not None else [{}] * B
+        # Guidance twins (b >= real) are dropped by `generate`: no trace to build for them.
+        return [reply(b, self._trace_of(rows[b], prompts[b], sampled[b], spans[b]) if b < real else None)
+                for b in range(B)]
+
+    @torch.inference_mode()
+    def trace(self, conversation: Conversation, *, interventions: Interventions | None = None,
+              add_generation_prompt: bool | None = None) -> Trace:
+        """pi over a conversation as the model reads it, without generating: one prefill pass.
+
+        Why a method of its own: a drift study often asks where attention sits over a given
+        dialog (a saved one, a hand-written one), not over a reply; a 1-token generate would
+        do it but sample a token nobody wants and touch the prefix cache. The conversation is
+        rendered as `generate` renders it (conversation-hook interventions such as SPR
+        applied; with the generation prompt unless it ends with the assistant's turn, which is
+        then traced as it stands, or as `add_generation_prompt` says) and run through the
+        model once with tracing on, under the attention interventions given (pi under
+        split-softmax, PASTA, ...); logits rules (cfg) do nothing here, since no token is drawn.
+        The Trace has `prefill` [prompt tokens, L, H] and an empty `decode`.
+        """
+        iv = interventions if interventions is not None else Interventions()
+        self.capabilities.require(self.name, iv)
+        validate_conversation(conversation, 0)
+        iv = Interventions.of(*iv.without("trace", "cfg").items, TraceIntervention(prefill=True))
+        conv = iv.model_view(conversation)
+        if add_generation_prompt is None:
+            add_generation_prompt = conv[-1]["role"] != "assistant"
+        rendered = self.render(conv, add_generation_prompt, interventions=iv)
+        if not rendered.ids:
+            raise DriftlabError("The conversation rendered to zero tokens.", hint="Give a non-empty conversation.")
+        T = len(rendered.ids)
+        self._check_context(T, 0)
+        ids = torch.tensor([rendered.ids], dtype=torch.long, device=self.device)
+        mask = torch.ones_like(ids)
+        positions = torch.arange(T, device=self.device)[None]
+        spans = rendered.spans()
+        state = self._state([iv.attention()], [spans], [0], T, T)
+        self._forward(ids, mask, positions, self._new_cache(), state)
+        return self._trace_of(state.row_traces([0], [0])[0], rendered.ids, [], spans)
+
+    def _trace_of(self, row: dict[str, torch.Tensor], prompt: Sequence[int], generated: Sequence[int],
+                  spans: dict[str, list[tuple[int, int]]]) -> Trace | None:
+        """The typed Trace of one row of `AttentionState.row_traces` (None where nothing was traced),
+        with the token texts (one decode per token: what each row of pi belongs to)."""
+        if not row:
+            return None
+        def texts(ids: Sequence[int]) -> tuple[str, ...]:  # (batch_decode([]) is [""], not [])
+            return tuple(self.tokenizer.batch_decode([[int(t)] for t in ids])) if len(ids) else ()
+
+        return Trace(decode=row["decode"], prefill=row.get("prefill"), prompt_length=len(prompt),
+                     system_spans=tuple(spans.get("system", ())), prompt_tokens=texts(prompt),
+                     generated_tokens=texts(generated))
 
     # -- internals ---------------------------------------------------------------------------
     def _check_context(self, prompt_len: int, new_tokens: int) -> None:
@@ -487,6 +652,8 @@ class HFChatBackend:
 
     def _forward(self, ids, mask, positions, cache, state: AttentionState | None, keep: int = 1,
                  forward: Callable | None = None) -> torch.Tensor:
+        if self._closed:  # a model from memory has its own attention back: it would run unsteered
+            raise DriftlabError(f"The backend of {self.name} is closed.", hint="Open a new one to generate again.")
         extra = state.forward_kwargs(mask.shape[1]) if state is not None else {}
         out = (forward or self.model)(
             input_ids=ids,
@@ -598,6 +765,11 @@ class HFChatBackend:
                 for layer in cache.layers
             ]
             self.prefix_cache.store(tokens, kv, tags[b])
+
+
+def _check_decode(decode: str) -> None:
+    if decode not in DECODE_MODES:
+        raise DriftlabError(f"Unknown decode mode {decode!r}.", hint=f"Use one of {', '.join(DECODE_MODES)}.")
 
 
 def _shape(config) -> ModelShape:

@@ -20,10 +20,17 @@ from driftlab.errors import DriftlabError
 SpanMode = Literal["prefix", "content"]
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 REMOTE_PREFIX = "openai:"
+# A model the user built or loaded in Python and handed over (`driftlab.from_model`): manifests
+# record it as memory:NAME; only that object can run it, so it cannot be loaded by name.
+MEMORY_PREFIX = "memory:"
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
 def _model_name(v: str) -> str:
+    if v.startswith(MEMORY_PREFIX):
+        if not v[len(MEMORY_PREFIX) :].strip():
+            raise ValueError("'memory:' needs a name for the model, e.g. memory:my-finetune")
+        return v
     if v.startswith(REMOTE_PREFIX):
         if not v[len(REMOTE_PREFIX) :].strip():
             raise ValueError("'openai:' needs the served model's name, e.g. openai:Qwen/Qwen2.5-7B-Instruct")

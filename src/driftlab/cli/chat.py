@@ -51,9 +51,8 @@ def chat(
     ]
     reply = model.generate(ChatRequest([conversation], sampling, seeds=[seed], interventions=interventions))[0]
     typer.echo(reply.text)
-    if reply.trace:
-        pi = reply.trace["decode"]
+    if reply.trace is not None:
         Console(stderr=True).print(
             f"[dim]pi (attention mass on the system prompt), mean over layers and heads, per token: "
-            f"{' '.join(f'{v:.2f}' for v in pi.mean(dim=(1, 2)).tolist())}[/]"
+            f"{' '.join(f'{v:.2f}' for v in reply.trace.mean().tolist())}[/]"
         )

@@ -94,6 +94,10 @@ def print_summary(run_dir: str | Path, console: Console | None = None) -> RunSum
                           highlight=False, markup=False, style="yellow")
     if unscored:
         console.print(f"{unscored} probes unscored: cut, and their measure needs a complete reply.", highlight=False)
+    failed = int(summary.truncation.probes_error.sum()) if len(summary.truncation) else 0
+    if failed:
+        console.print(f"[yellow]Warning:[/] {failed} probes unscored: their measure failed (raised, or gave no score "
+                      "in [0, 1]); each record's `error` says why.", highlight=False)
     state = progress(summary)
     if not state["complete"]:
         counts = ", ".join(f"{state['present'][k]} of {n} {k}s" for k, n in state["expected"].items())

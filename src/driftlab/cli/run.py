@@ -33,6 +33,36 @@ def _pairs(values: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+def _own_persona(system: str | None, probe: str | None, measure: str | None, params: str | None) -> dict:
+    """--system/--probe/--measure: one persona of the user's, the agent of every pair."""
+    import json
+
+    from pydantic import ValidationError
+
+    from driftlab.bench import Persona
+    from driftlab.errors import DriftlabError
+
+    given = {"--system": system, "--probe": probe, "--measure": measure}
+    if all(v is None for v in given.values()) and params is None:
+        return {}
+    missing = [k for k, v in given.items() if v is None]
+    if missing:
+        raise DriftlabError(f"your own persona needs --system, --probe and --measure; {', '.join(missing)} missing.",
+                            hint="`driftlab personas measures` lists the measures and their parameters.")
+    try:
+        values = json.loads(params) if params else {}
+    except ValueError as err:
+        raise DriftlabError(f"--measure-params is not JSON ({err}).", hint='e.g. \'{"language": "fr"}\'') from None
+    try:
+        persona = Persona(system_prompt=system, probe=probe, measure=measure, params=values)
+    except ValidationError as err:
+        e = err.errors()[0]
+        raise DriftlabError(f"Invalid --{e['loc'][0] if e['loc'] else 'measure'}: "
+                            f"{e['msg'].removeprefix('Value error, ')}.",
+                            hint="`driftlab personas measures` lists the measures and their parameters.") from None
+    return {"personas": [persona], "agents": [persona.id]}
+
+
 @backend_options(remote=True, ray=True)
 def run(
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (created, or resumed if it exists).")],
@@ -68,6 +98,14 @@ def run(
     persona_file: Annotated[
         Path | None, typer.Option(help="JSONL/TOML file of extra personas (see docs/personas.md).")
     ] = None,
+    system: Annotated[str | None, typer.Option(
+        help="Your own system prompt: the agent of every pair (with --probe and --measure; users are drawn "
+             "from the built-ins by --pairs).")] = None,
+    probe: Annotated[str | None, typer.Option(help="The probe question that tests --system.")] = None,
+    measure: Annotated[str | None, typer.Option(
+        help="The measure that scores a probe reply for --system (`driftlab personas measures` lists them).")] = None,
+    measure_params: Annotated[str | None, typer.Option(
+        help='Its parameters as JSON, e.g. \'{"language": "fr"}\'.')] = None,
     batch_size: Annotated[int, typer.Option(help="Most conversations generated together in one batch.")] = 32,
     report: Annotated[bool, typer.Option(help="Write report.html at the end.")] = True,
 ) -> None:
@@ -80,8 +118,9 @@ def run(
     from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
 
     sampling = build(Sampling, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy)
+    own = _own_persona(system, probe, measure, measure_params)
     config = build(
-        SelfChatConfig, {"pair_ids": "--pair", "persona_file": "--persona-file"},
+        SelfChatConfig, {"pair_ids": "--pair", "persona_file": "--persona-file"}, **own,
         backend=backend, user_model=user_model, pairs=pairs, pair_ids=_pairs(pair or []),
         categories=[c.strip() for c in categories.split(",")] if categories else None,
         rounds=rounds, probe_every=probe_every, probe_repeats=probe_repeats, probe_after=probe_after,

@@ -175,7 +175,7 @@ def trace_batch(backend: TokenBackend, dialogs: Sequence[dict[str, Any]]) -> lis
                                       cache_store=[False] * len(dialogs))
     out = []
     for reply, tspans, r in zip(replies, turns, rendered, strict=True):
-        pre = reply.trace["prefill"].numpy()  # [T, L, H]; pi at query p predicts token p+1
+        pre = reply.trace.prefill  # [T, L, H]; pi at query p predicts token p+1
         parts: dict[str, list] = {"pi": [], "round": [], "step": [], "position": []}
         for rnd, (s, e) in enumerate(tspans, start=1):
             positions = np.arange(s - 1, e - 1)

@@ -54,6 +54,9 @@ class ProbeRecord(_Record):
     persona: str
     repeat: int = Field(ge=0)
     score: float | None = Field(None, ge=0.0, le=1.0)
+    # Why the measure gave no score (it raised, or returned NaN or a value outside [0, 1]): the
+    # reply is kept, the run goes on, and reports count these apart from replies cut too short.
+    error: str | None = None
 
     @property
     def key(self) -> tuple:

@@ -28,6 +28,7 @@ Schedule, per round i, batched over all conversations:
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import random
@@ -38,7 +39,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from driftlab.bench import Persona, get_persona, load_personas, starters, user_probe
+from driftlab.bench import Persona, load_personas, starters, user_probe
 from driftlab.bench.probes import ProbeVersion
 from driftlab.bench.starters import StarterSetName
 from driftlab.chat.base import MAX_SEED, ChatBackend, ChatRequest, Conversation, Sampling
@@ -96,11 +97,14 @@ class SelfChatConfig(ProtocolConfig):
     seed: int = Field(0, ge=0, le=MAX_SEED, description="run seed: pairs, starters and every sample derive from it")
     steer: DialogSteer = Field(default_factory=Interventions, description="agent-side interventions")
     persona_file: str | None = None
+    personas: list[Persona] = Field(default_factory=list, description="personas defined in code (driftlab.Persona), "
+                                    "beside the built-ins and persona_file; their measures must be registered")
+    agents: list[str] | None = Field(None, description="draw agent personas from these ids only")
     batch_size: int = Field(32, ge=1, le=4096, description="most conversations per generate call")
 
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size", "persona_file")
     # What a run recorded before the option existed meant: the probe replaced a_i; probes had a turn's budget.
-    LEGACY: ClassVar[dict[str, Any]] = {"probe_after": "user", "probe_tokens": "turn"}
+    LEGACY: ClassVar[dict[str, Any]] = {"probe_after": "user", "probe_tokens": "turn", "personas": [], "agents": None}
 
     _probe_budget = field_validator("probe_tokens", mode="before")(probe_budget)
 
@@ -146,16 +150,32 @@ class SelfChatConfig(ProtocolConfig):
         Cheap (no model): run before anything is loaded or written, so an unknown pair id,
         an empty category or an unreadable persona file fails at once.
         """
-        pool = load_personas(extra=self.persona_file)
-        agents = [p for p in pool if self.categories is None or p.category in self.categories]
-        for ids in self.pair_ids:
-            for pid in ids:
-                get_persona(pid, self.persona_file)  # raises with close matches for an unknown id
+        pool = all_personas(self)
+        by_id = {p.id: p for p in pool}
+        for pid in [pid for ids in self.pair_ids for pid in ids] + list(self.agents or []):
+            if pid not in by_id:
+                close = difflib.get_close_matches(pid, by_id, n=3)
+                raise DriftlabError(f"no persona with id {pid!r}", hint=f"did you mean {', '.join(close)}?" if close
+                                    else "`driftlab personas list` shows the built-in ids")
+        agents = [p for p in pool if (self.categories is None or p.category in self.categories)
+                  and (self.agents is None or p.id in self.agents)]
         if self.pairs and not agents:
             raise DriftlabError(f"No personas in categories {self.categories}.", hint="See `driftlab personas list`.")
         if not self.pair_ids and not self.pairs:
             raise DriftlabError("No persona pairs to run.", hint="Use --pairs N or --pair AGENT_ID:USER_ID.")
         return pool, agents
+
+
+def all_personas(config: SelfChatConfig) -> list[Persona]:
+    """The built-in personas, those of `persona_file` and those given in code (ids unique)."""
+    pool = load_personas(extra=config.persona_file)
+    taken = {p.id for p in pool}
+    for p in config.personas:
+        if p.id in taken:
+            raise DriftlabError(f"persona id {p.id!r} given in code is already taken (built-in or persona_file).",
+                                hint="give your persona another id")
+        taken.add(p.id)
+    return pool + list(config.personas)
 
 
 def draw_pairs(config: SelfChatConfig) -> list[Pair]:
@@ -176,7 +196,7 @@ def draw_pairs(config: SelfChatConfig) -> list[Pair]:
 
 def input_hashes(config: SelfChatConfig) -> dict[str, str]:
     """sha256 of the data a plan is drawn from, so a changed data set is noticed on resume."""
-    pool = [p.model_dump() for p in load_personas(extra=config.persona_file)]
+    pool = [p.model_dump() for p in all_personas(config)]
     return {"personas": digest(pool), "starters": digest(starters(config.starters))}
 
 
@@ -330,9 +350,7 @@ class SelfChat(Protocol[SelfChatConfig]):
             fields = {**job.record, "text": reply.text, "n_tokens": reply.n_tokens,
                       "finish_reason": reply.finish_reason, "seed": job.seed}
             if job.score is not None:
-                # A measure that needs a whole reply does not score one cut at the token limit (None).
-                score = job.score(reply.text, truncated=reply.finish_reason == "length")
-                records.append(ProbeRecord(**fields, score=score))
+                records.append(ProbeRecord(**fields, **_scored(job.score, reply.text, reply.finish_reason)))
                 continue
             rec = TurnRecord(**fields)
             records.append(rec)
@@ -371,6 +389,16 @@ class SelfChat(Protocol[SelfChatConfig]):
                          rec["repeat"])
         after = rec["round"] + (self.config.probe_after == "agent")  # after b_i: the view of round i + 1
         return Job(rec, d.agent_view(after, persona.probe), seed, "agent", False, persona.score)
+
+
+def _scored(score: Callable[..., float | None], text: str, finish_reason: str) -> dict[str, Any]:
+    """A probe reply's score, or why there is none. A measure that needs a whole reply does not
+    score one cut at the token limit (None); a measure that raises or returns no score in [0, 1]
+    (a user's own code, a judge) is recorded as that record's error, and the run goes on."""
+    try:
+        return {"score": score(text, truncated=finish_reason == "length")}
+    except Exception as err:  # noqa: BLE001 - any failure of a scorer is data about that record
+        return {"score": None, "error": f"{type(err).__name__}: {err}"[:500]}
 
 
 def _key(rec: dict[str, Any]) -> tuple:

@@ -325,7 +325,8 @@ def render_html(
             "Replies cut at --max-new-tokens, per round",
             "turns_cut / probes_cut: share of replies that hit the token limit (finish_reason 'length'); "
             "probes_unscored: cut probes whose measure needs a complete reply (left out of the means, not "
-            "counted as drift). Many cuts mean --max-new-tokens is too small for these personas.",
+            "counted as drift); probes_error: probes whose measure failed (raised, or gave no score in [0, 1]; "
+            "each record's error field says why). Many cuts mean --max-new-tokens is too small for these personas.",
         ), *cut_tables(summary)],
         full_table=_frame_table(
             summary.per_round,

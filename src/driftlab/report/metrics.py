@@ -269,13 +269,16 @@ def truncation(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
     A reply cut at the token limit can fail a measure for being cut (a JSON object without
     its closing brace, a list without its last item), not for drifting; probes whose measure
     needs a complete reply are then left unscored (score None) rather than counted as 0.
+    `probes_error` counts probes whose measure failed (raised, or gave no score in [0, 1]).
     """
     rows = [
         {"condition": r["condition"], "round": int(r["round"]), "kind": r["kind"],
-         "cut": r.get("finish_reason") == "length", "unscored": r["kind"] == "probe" and r.get("score") is None}
+         "cut": r.get("finish_reason") == "length",
+         "unscored": r["kind"] == "probe" and r.get("score") is None and not r.get("error"),
+         "error": r["kind"] == "probe" and bool(r.get("error"))}
         for r in records if r.get("kind") in ("turn", "probe")
     ]
-    columns = ["condition", "round", "turns", "turns_cut", "probes", "probes_cut", "probes_unscored"]
+    columns = ["condition", "round", "turns", "turns_cut", "probes", "probes_cut", "probes_unscored", "probes_error"]
     if not rows:
         return pd.DataFrame(columns=columns)
     df = pd.DataFrame(rows)
@@ -285,7 +288,7 @@ def truncation(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
         out.append({"condition": cond, "round": rnd, "turns": len(turns),
                     "turns_cut": float(turns.cut.mean()) if len(turns) else float("nan"),
                     "probes": len(probes), "probes_cut": float(probes.cut.mean()) if len(probes) else float("nan"),
-                    "probes_unscored": int(probes.unscored.sum())})
+                    "probes_unscored": int(probes.unscored.sum()), "probes_error": int(probes.error.sum())})
     return pd.DataFrame(out, columns=columns).sort_values(["condition", "round"], kind="stable").reset_index(drop=True)
 
 
