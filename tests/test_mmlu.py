@@ -538,3 +538,20 @@ def test_a_strength_whose_answers_collapse_is_never_within_budget(tmp_path):
     assert found["points"] and all(p["collapsed"] and p["top_letter"] == "A" and p["top_share"] == 1.0
                                    and not p["within"] for p in found["points"])
     assert "No tested strength" in found["note"]
+
+
+def test_driftlab_report_of_an_mmlu_run_prints_its_accuracy_table(tiny, tmp_path):
+    from typer.testing import CliRunner
+
+    from driftlab.cli import app
+    from driftlab.protocol.mmlu import MMLU, summarize
+
+    config = MMLUConfig(backend=BackendSpec(model=tiny.name), n=12, turn=0, data=str(RAW), batch_size=6,
+                        steer=["split-softmax:k=0.5"])
+    run_protocol(MMLU(config, tiny), tmp_path / "run", progress=False)
+    result = CliRunner().invoke(app, ["report", str(tmp_path / "run")], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    s = summarize(tmp_path / "run")
+    assert f"{s['plain']['accuracy']:.3f}" in result.output and "steered: split-softmax:k=0.5,heads=all" in result.output
+    assert f"{s['drop']['p']:.3g}" in result.output and "drop (plain - steered)" in result.output
+    assert "Power: a drop of 0.05 needs about" in result.output

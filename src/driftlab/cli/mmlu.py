@@ -47,11 +47,8 @@ def mmlu(
     a warning where the questions are too few to support a drop, and how many questions a
     drop of --effect would need. Re-running the same command resumes.
     """
-    from rich.console import Console
-    from rich.table import Table
-
     from driftlab.errors import DriftlabError
-    from driftlab.protocol.mmlu import MMLU, MMLUConfig, correctness, questions_needed, summarize
+    from driftlab.protocol.mmlu import MMLU, MMLUConfig
     from driftlab.protocol.runner import run_protocol
 
     if not 0 < effect <= 1:  # also nan
@@ -61,7 +58,23 @@ def mmlu(
                    histories=histories, ties=ties, history_tokens=history_tokens, seed=seed,
                    data=str(data) if data else None, batch_size=batch_size)
     rundir = run_protocol(MMLU(config), out)
-    s = summarize(rundir.path)
+    print_mmlu(rundir.path, effect)
+    typer.echo(f"records: {rundir.records_path}")
+
+
+def print_mmlu(run_dir: Path, effect: float = 0.05) -> None:
+    """The accuracy table of an MMLU run (also `driftlab report` of one): per condition with its
+    interval, the drop with its paired test, the warnings its records call for, and the power."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from driftlab.protocol.mmlu import MMLUConfig, correctness, questions_needed, summarize
+    from driftlab.protocol.runner import config_of
+    from driftlab.records.rundir import RunDir
+
+    config = MMLUConfig.model_validate({**MMLUConfig.LEGACY, **config_of(RunDir(run_dir).read_manifest())})
+    backend = config.backend
+    s = summarize(run_dir)
     after = f" after {config.histories} dialog(s)" if config.round else ""
     table = Table(title=f"MMLU at turn {config.turn} ({config.turn_counting} counting, round {config.round}) · "
                         f"{backend.model} · {s['n']} questions{after}")
@@ -96,7 +109,7 @@ def mmlu(
                           "(--histories N spreads them over N dialogs).", highlight=False)
         if d["warning"]:
             console.print(f"[yellow]Warning:[/] {d['warning']}.", highlight=False)
-        correct = correctness(rundir.path)
+        correct = correctness(run_dir)
         need = questions_needed(effect, correct["plain"], correct["steered"])
         console.print(f"Power: a drop of {effect:g} needs about {need['n']} questions (exact McNemar, alpha "
                       f"{need['alpha']:g}, power {need['power']:g}, {need['discordant']:.0%} of questions answered "
@@ -105,4 +118,3 @@ def mmlu(
         console.print(table)
     for note in notes:
         console.print(f"[yellow]Warning:[/] {note}", highlight=False)
-    typer.echo(f"records: {rundir.records_path}")

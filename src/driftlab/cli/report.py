@@ -152,7 +152,8 @@ def report(
     """Write RUN_DIR/report.html (figures, tables, transcripts) and summary.csv; print the drift table.
 
     For a run of another protocol (sweep, calibrate, decay, pasta profile|tune|eval) it redraws
-    that run's figures from its records.
+    that run's figures from its records; for an MMLU run it prints the accuracy table (per
+    condition, the drop with its paired test) that `driftlab mmlu` printed.
     """
     from rich.console import Console
     from rich.markup import escape
@@ -165,7 +166,13 @@ def report(
         raise DriftlabError(
             f"{run_dir} is not a directory.", hint="Give the --out directory of a `driftlab run`."
         )
-    figures = _figures_of(RunDir(run_dir).read_manifest().get("protocol", "selfchat"))
+    protocol = RunDir(run_dir).read_manifest().get("protocol", "selfchat")
+    if protocol == "mmlu":  # a table, no figures: accuracy per condition, the drop and its paired test
+        from driftlab.cli.mmlu import print_mmlu
+
+        print_mmlu(run_dir)
+        return
+    figures = _figures_of(protocol)
     if figures is not None:
         for path in figures(run_dir):
             typer.echo(str(path))
