@@ -33,6 +33,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -44,7 +45,7 @@ from driftlab.chat.base import ChatBackend, Reply, Sampling, token_backend, vali
 from driftlab.errors import DriftlabError
 from driftlab.serve.batcher import Batcher, Job, QueueFull, ServerClosing
 from driftlab.serve.drain import Drain
-from driftlab.serve.schema import ChatCompletionRequest
+from driftlab.serve.schema import ChatCompletionRequest, unsupported_field
 from driftlab.steering.heads import HeadSources, load_head_source
 from driftlab.steering.interventions import Interventions, Steer
 
@@ -122,23 +123,36 @@ class ClientGone(Exception):
 class TextStream:
     """Turns sampled token ids into text deltas that add up to the final reply.
 
-    The final reply is stripped and cut at stop strings, so trailing whitespace, a possible
-    stop-string prefix and an incomplete UTF-8 sequence are held back until more text shows
-    what they are; `finish` sends whatever of the final text is still unsent.
+    The final reply is stripped and cut at stop strings (the backend's `stop_strings` and the
+    request's `stops`), so trailing whitespace, a possible stop-string prefix and an incomplete
+    UTF-8 sequence are held back until more text shows what they are; once a request stop
+    string appears, nothing after it is ever sent. `finish` sends whatever of the final text
+    is still unsent.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop_strings: Sequence[str] = ()) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], stop_strings: Sequence[str] = (),
+                 stops: Sequence[str] = ()) -> None:
         self.decode = decode  # token ids -> text, special tokens skipped (TokenBackend.decode)
-        self.hold = max((len(s) for s in stop_strings), default=0)
+        self.stop_strings, self.stops = tuple(stop_strings), tuple(stops)
+        self.hold = max((len(s) for s in (*stop_strings, *stops)), default=0)
         self.ids: list[int] = []
         self.sent = ""
+        self.done = False  # a request stop string was reached
 
     def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.decode(self.ids).lstrip()
-        if text.endswith("\ufffd"):
+        if self.done:
             return ""
-        safe = (text[: max(0, len(text) - self.hold)] if self.hold else text).rstrip()
+        self.ids.append(token)
+        raw = self.decode(self.ids)
+        if (at := find_stop(raw, self.stops)) is not None:
+            raw, self.done = raw[:at], True
+        text = raw.lstrip()
+        if text.endswith("\ufffd") and not self.done:
+            return ""
+        if self.done:
+            safe = cut_at(text, self.stop_strings).rstrip()
+        else:
+            safe = (text[: max(0, len(text) - self.hold)] if self.hold else text).rstrip()
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
             return ""
         delta, self.sent = safe[len(self.sent) :], safe
@@ -237,7 +251,7 @@ def create_app(model: ChatBackend, settings: ServeSettings = ServeSettings()):
         _submit(job, arrived)
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         try:
-            reply = await _await(job)
+            reply = _cut_reply(await _await(job), job, req.stops())
         finally:
             watcher.cancel()
             metrics.latency.observe(time.monotonic() - arrived)
@@ -250,10 +264,15 @@ def create_app(model: ChatBackend, settings: ServeSettings = ServeSettings()):
             raise APIError(400, "The body nests JSON too deeply to be a chat request.") from None
         except ValueError as err:
             raise APIError(400, f"The body is not valid JSON: {err}.") from None
+        if (name := unsupported_field(data)) is not None:
+            raise APIError(422, f"{name}: not supported by driftlab serve (it would be ignored, which changes "
+                                "what the reply means); leave it out or send its neutral value.", param=name)
         try:
             req = ChatCompletionRequest.model_validate(data)
         except ValidationError as err:
             raise _invalid(err) from None
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs to be true.", param="top_logprobs")
         if req.model != served:
             raise APIError(404, f"Model '{req.model}' is not served here; this server serves '{served}'.",
                            param="model", kind="not_found_error")
@@ -296,7 +315,45 @@ def create_app(model: ChatBackend, settings: ServeSettings = ServeSettings()):
         await _check_prompt(conversation, steer, sampling.max_new_tokens)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         seed = req.seed if req.seed is not None else secrets.randbits(63)
-        return Job(conversation, sampling, seed, steer, logprobs, store=not settings.deterministic)
+        job = Job(conversation, sampling, seed, steer, logprobs, store=not settings.deterministic)
+        if stops := req.stops():
+            job.watch = lambda: _stop_watch(job, stops)
+        return job
+
+    def _stop_watch(job: Job, stops: list[str]) -> Callable[[int], None]:
+        """Ends the job's row once its text holds a stop string (called on the worker thread
+        with each token; decodes a tail only, so a long reply costs no quadratic decode)."""
+        ids: list[int] = []
+        tail = max(len(s) for s in stops) + 8  # tokens: at least one character each, but for partial UTF-8
+
+        def watch(token: int) -> None:
+            ids.append(token)
+            if find_stop(backend.decode(ids[-tail:]), stops) is not None:
+                job.stopped.set()
+
+        return watch
+
+    def _cut_reply(reply: Reply, job: Job, stops: list[str]) -> Reply:
+        """The reply cut before its first stop string, `finish_reason` "stop", and its token
+        count (usage, log-probs) that of the shortest run of generated tokens that covers the
+        returned text: the tokens after the stop, decoded before the row ended, are dropped."""
+        if not stops:
+            return reply
+        raw = backend.decode(reply.token_ids)
+        at = find_stop(raw, stops)
+        if at is None:
+            return replace(reply, finish_reason="stop") if job.stopped.is_set() else reply
+        ids = reply.token_ids
+        lo, hi = 0, len(ids)  # the smallest k with len(decode(ids[:k])) >= at
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(backend.decode(ids[:mid])) >= at:
+                hi = mid
+            else:
+                lo = mid + 1
+        text = cut_at(raw[:at], backend.stop_strings).strip()
+        return replace(reply, text=text, n_tokens=lo, finish_reason="stop", token_ids=ids[:lo],
+                       logprobs=None if reply.logprobs is None else reply.logprobs[:lo])
 
     async def _check_prompt(conversation: list[dict[str, str]], steer: Interventions, new_tokens: int) -> None:
         """Tokenise the prompt as the model will see it (on a thread: a long one takes a while)
@@ -360,7 +417,7 @@ def create_app(model: ChatBackend, settings: ServeSettings = ServeSettings()):
         job.on_token = lambda tok: job.loop.call_soon_threadsafe(tokens.put_nowait, tok)
         job.future.add_done_callback(lambda _: tokens.put_nowait(None))
         _submit(job, arrived)  # before the response starts, so a closing server still answers 503
-        text = TextStream(backend.decode, backend.stop_strings)
+        text = TextStream(backend.decode, backend.stop_strings, req.stops())
         opts = req.stream_options
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
@@ -374,7 +431,7 @@ def create_app(model: ChatBackend, settings: ServeSettings = ServeSettings()):
                     if delta := text.push(tok):
                         yield {"data": chunk({"content": delta})}
                 try:
-                    reply = await _await(job)
+                    reply = _cut_reply(await _await(job), job, req.stops())
                 except APIError as err:  # the 200 header is sent: the error is an event, then [DONE]
                     metrics.responses.labels(str(err.status)).inc()
                     yield {"data": json.dumps(err.body())}
@@ -409,6 +466,16 @@ def create_app(model: ChatBackend, settings: ServeSettings = ServeSettings()):
         return {**entry(token_id, logprob), "top_logprobs": [entry(i, lp) for i, lp in top]}
 
     return app
+
+
+def find_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Where the first of `stops` begins in `text` (None: nowhere)."""
+    return min((i for s in stops if (i := text.find(s)) >= 0), default=None)
+
+
+def cut_at(text: str, stops: Sequence[str]) -> str:
+    at = find_stop(text, stops)
+    return text if at is None else text[:at]
 
 
 def _closing(message: str) -> APIError:

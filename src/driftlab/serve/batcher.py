@@ -11,6 +11,8 @@ Requests that arrive while a batch decodes form the next batch.
 A job belongs to one client, and nothing one client does reaches another (vLLM's rule):
 - a job whose client left, timed out or was drained is *aborted*: it is skipped if still
   queued, and its row stops at the next decode step if it is running (`ChatRequest.cancelled`);
+  a job whose reply reached one of its stop strings (`Job.stopped`) ends the same way, and the
+  server cuts its reply at the stop;
 - a batch that fails is re-run one job at a time, so an error fails only the job that causes it
   (a stream that already sent tokens fails with it: a re-run could contradict them);
 - the queue is bounded (`QueueFull`, HTTP 429) and no record of past work grows: the batch
@@ -55,8 +57,12 @@ class Job:
     future: asyncio.Future | None = None  # set by the server on its event loop
     loop: asyncio.AbstractEventLoop | None = None
     on_token: Callable[[int], None] | None = None  # called on the worker thread
+    # makes a watcher called with each token (stop strings; not a stream): a fresh one for each
+    # decode run, since a failed batch is re-run one job at a time
+    watch: Callable[[], Callable[[int], None]] | None = None
     queued_at: float = field(default_factory=time.monotonic)
     aborted: threading.Event = field(default_factory=threading.Event)  # read by the worker at every step
+    stopped: threading.Event = field(default_factory=threading.Event)  # a stop string was sampled: end the row
     streamed: bool = False  # some of its tokens reached the client already
     resolved: bool = False  # its result was handed over (a short row finishes before its batch)
 
@@ -176,8 +182,13 @@ class Batcher:
 
     def _generate(self, live: list[Job]) -> list[Reply]:
         callbacks = [j.on_token for j in live]
+        for j in live:
+            j.stopped.clear()
+        watches = [j.watch() if j.watch is not None else None for j in live]
 
         def on_token(row: int, token: int) -> None:
+            if watches[row] is not None:
+                watches[row](token)
             if callbacks[row] is not None:
                 live[row].streamed = True
                 callbacks[row](token)
@@ -187,7 +198,8 @@ class Batcher:
             [j.conversation for j in live], live[0].sampling.model_copy(update={"max_new_tokens": max(limits)}),
             seeds=[j.seed for j in live], row_max_tokens=limits,
             interventions=live[0].interventions, logprobs=live[0].logprobs, cache_store=[j.store for j in live],
-            on_token=on_token if any(callbacks) else None, cancelled=lambda row: live[row].aborted.is_set(),
+            on_token=on_token if any(callbacks) or any(watches) else None,
+            cancelled=lambda row: live[row].aborted.is_set() or live[row].stopped.is_set(),
             on_finish=lambda row, reply: live[row].resolve(reply),  # a short reply need not wait for the batch
         )
         self.batches.append(len(live))
