@@ -52,6 +52,11 @@ def test_python_examples_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
     assert len(blocks) == 2
-    for block in blocks:
-        exec(compile(block, "README.md", "exec"), {})  # noqa: S102 - the README's own examples
-    assert (tmp_path / "runs" / "api" / "report.html").is_file()
+    spaces = [{} for _ in blocks]
+    for block, namespace in zip(blocks, spaces, strict=True):
+        exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - the README's own examples
+    api, lower = spaces
+    assert api["run"].manifest["completed"] and api["run"].path is None  # in memory: nothing left behind
+    assert [r["kind"] for r in api["mine"].records].count("probe") == 1
+    assert not any(tmp_path.iterdir())
+    assert lower["plain"].trace.decode.shape[1:] == (30, 9)  # SmolLM2-135M: layers, heads

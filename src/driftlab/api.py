@@ -98,15 +98,15 @@ def backend_spec(model: str = DEFAULT_MODEL, **options: Any) -> BackendSpec:
 
 
 def spec_of(backend: ChatBackend) -> BackendSpec:
-    """What a run's manifest records about a backend: how `load` made it, or, for a model handed
-    over in memory (`from_model`), `memory:NAME` with its dtype."""
+    """What a run's manifest records about a backend: how `load` made it; for a backend built
+    otherwise, its name (`memory:NAME` for a model handed over with `from_model`) and the dtype it
+    computes in."""
     if backend in _SPECS:
         return _SPECS[backend]
     facts = backend.describe()
-    if facts.get("source") == "memory":
-        dtype = facts.get("dtype") if facts.get("dtype") in ("bfloat16", "float16", "float32") else "auto"
-        return BackendSpec(model=MEMORY_PREFIX + str(backend.name), dtype=dtype)
-    return BackendSpec(model=str(backend.name))
+    dtype = facts.get("dtype") if facts.get("dtype") in ("bfloat16", "float16", "float32") else "auto"
+    memory = facts.get("source") == "memory"
+    return BackendSpec(model=(MEMORY_PREFIX if memory else "") + str(backend.name), dtype=dtype)
 
 
 def personas(category: str | None = None, extra: str | Path | None = None) -> list[Persona]:
