@@ -61,19 +61,21 @@ def _hand_attention(q, k, v, allowed, bias, scale):
 
 
 @pytest.mark.parametrize("q,window", [(12, None), (12, 5), (1, None), (1, 5)])
-def test_flex_unit_bias_padding_and_system_lse(q: int, window: int | None) -> None:
+def test_flex_unit_bias_padding_and_system_lse(q: int, window: int | None, device, tol) -> None:
+    """On the test device (`--device cuda`: the compiled kernels, with their LSE), against a float64 hand reference."""
     torch.manual_seed(0)
     B, H, Hkv, K, d = 3, 4, 2, 12, 16
-    query, key, value = torch.randn(B, H, q, d), torch.randn(B, Hkv, K, d), torch.randn(B, Hkv, K, d)
-    bias = torch.randn(B, H, K) * 2
-    first = torch.tensor([0, 3, 11])  # row 2: only the last key is real
+    query, key, value = (torch.randn(B, H, q, d, device=device), torch.randn(B, Hkv, K, d, device=device),
+                         torch.randn(B, Hkv, K, d, device=device))
+    bias = torch.randn(B, H, K, device=device) * 2
+    first = torch.tensor([0, 3, 11], device=device)  # row 2: only the last key is real
     a, b = 2, 7  # system slots: [2, 7) of every row that has them there
-    sys_keys = torch.zeros(B, b - a, dtype=torch.bool)
+    sys_keys = torch.zeros(B, b - a, dtype=torch.bool, device=device)
     sys_keys[0], sys_keys[1, 1:] = True, True
     scale = 0.3
 
-    pos_q = torch.arange(K - q, K)[:, None]
-    pos_k = torch.arange(K)[None, :]
+    pos_q = torch.arange(K - q, K, device=device)[:, None]
+    pos_k = torch.arange(K, device=device)[None, :]
     allowed = (pos_k[None] >= first[:, None, None]) & (pos_k <= pos_q)[None]
     if window is not None:
         allowed = allowed & (pos_q - pos_k < window)[None]
@@ -88,20 +90,20 @@ def test_flex_unit_bias_padding_and_system_lse(q: int, window: int | None) -> No
     want, want_lse = _hand_attention(query, key, value, allowed, bias, scale)
     want_sys, want_lse_sys = _hand_attention(query, key, value, sys_allowed, bias, scale)
 
-    assert (out.double() - want).abs().max() < 1e-5 and (o_sys.double() - want_sys).abs().max() < 1e-5
+    assert (out.double() - want).abs().max() < tol(1e-5) and (o_sys.double() - want_sys).abs().max() < tol(1e-5)
     finite = torch.isfinite(want_lse)
     assert torch.equal(finite, torch.isfinite(lse_all))
     # flex's LSE is the natural log (its kernels keep base-2 statistics and rescale them):
     # a base-2 LSE would be off by a factor ln 2 ~ 0.69, far beyond this tolerance.
-    assert (lse_all.double()[finite] - want_lse[finite]).abs().max() < 1e-5
+    assert (lse_all.double()[finite] - want_lse[finite]).abs().max() < tol(1e-5)
     assert (lse_all.double()[finite] * math.log(2) - want_lse[finite]).abs().max() > 0.1
     pi, rest = flex.system_share(lse_all, lse_sys)
     weights = torch.softmax(
         (query.double() @ key.repeat_interleave(2, 1).double().transpose(-1, -2) * scale + bias.double()[:, :, None])
         .masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
     want_pi = (weights * sys_allowed).sum(-1, keepdim=True)
-    assert (pi.double() - want_pi).abs().max() < 1e-6
-    assert (pi + rest - 1).abs().max() < 1e-6
+    assert (pi.double() - want_pi).abs().max() < tol(1e-6)
+    assert (pi + rest - 1).abs().max() < tol(1e-6)
     # Fully masked queries (left padding) and rows without system keys: zeros, never NaN.
     assert not (out.isnan().any() or o_sys.isnan().any() or pi.isnan().any() or rest.isnan().any())
     if q == K:
@@ -110,19 +112,20 @@ def test_flex_unit_bias_padding_and_system_lse(q: int, window: int | None) -> No
 
 
 @pytest.mark.parametrize("window", [None, 4])
-def test_flex_unit_static_decode_step_masked_in_the_score(window: int | None) -> None:
+def test_flex_unit_static_decode_step_masked_in_the_score(window: int | None, device, tol) -> None:
     """A decode step on a static cache: one query at slot 7 of 12 (slots 8-11 not yet filled),
     its position a 0-d tensor, the keys it sees given by `visible` in the score_mod, no block
     mask. Same hand reference as above; unfilled slots, padding and the window must stay hidden."""
     torch.manual_seed(1)
     B, H, Hkv, K, d = 3, 4, 2, 12, 16
-    query, key, value = torch.randn(B, H, 1, d), torch.randn(B, Hkv, K, d), torch.randn(B, Hkv, K, d)
-    bias = torch.randn(B, H, K) * 2
-    first, slot = torch.tensor([0, 3, 6]), torch.tensor(7)
+    query, key, value = (torch.randn(B, H, 1, d, device=device), torch.randn(B, Hkv, K, d, device=device),
+                         torch.randn(B, Hkv, K, d, device=device))
+    bias = torch.randn(B, H, K, device=device) * 2
+    first, slot = torch.tensor([0, 3, 6], device=device), torch.tensor(7, device=device)
     a, b = 0, 8  # the system-only call covers slots [0, 8); row 2 has no system key
-    sys_keys = torch.zeros(B, b - a, dtype=torch.bool)
+    sys_keys = torch.zeros(B, b - a, dtype=torch.bool, device=device)
     sys_keys[0, 1:4], sys_keys[1, 3:6] = True, True
-    pos_k = torch.arange(K)
+    pos_k = torch.arange(K, device=device)
     allowed = (pos_k[None] >= first[:, None]) & (pos_k <= 7)
     if window is not None:
         allowed = allowed & (7 - pos_k < window)
@@ -138,13 +141,13 @@ def test_flex_unit_static_decode_step_masked_in_the_score(window: int | None) ->
                                  visible=see_sys)
     want, want_lse = _hand_attention(query, key, value, allowed[:, None, None], bias, scale)
     want_sys, _ = _hand_attention(query, key, value, sys_allowed[:, None, None], bias, scale)
-    assert (out.double() - want).abs().max() < 1e-5 and (lse_all.double() - want_lse).abs().max() < 1e-5
-    assert (o_sys[:2].double() - want_sys[:2]).abs().max() < 1e-5  # row 2's is unused (pi = 0)
+    assert (out.double() - want).abs().max() < tol(1e-5) and (lse_all.double() - want_lse).abs().max() < tol(1e-5)
+    assert (o_sys[:2].double() - want_sys[:2]).abs().max() < tol(1e-5)  # row 2's is unused (pi = 0)
     pi, rest = flex.system_share(lse_all, lse_sys)
     logits = (query.double() @ key.repeat_interleave(2, 1).double().transpose(-1, -2) * scale
               + bias.double()[:, :, None]).masked_fill(~allowed[:, None, None], float("-inf"))
     want_pi = (torch.softmax(logits, -1) * sys_allowed[:, None, None]).sum(-1, keepdim=True)
-    assert (pi.double() - want_pi).abs().max() < 1e-6 and bool((pi[2] == 0).all()) and bool((rest[2] == 1).all())
+    assert (pi.double() - want_pi).abs().max() < tol(1e-6) and bool((pi[2] == 0).all()) and bool((rest[2] == 1).all())
     assert not (pi.isnan().any() or rest.isnan().any())
 
 
@@ -244,12 +247,12 @@ def test_flex_sliding_window_decode_equals_full_recompute(gemma, case: str) -> N
 
 
 @pytest.mark.model
-def test_flex_pi_equals_sdpa_pi_on_smollm2(smol32, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flex_pi_equals_sdpa_pi_on_smollm2(smol32, monkeypatch: pytest.MonkeyPatch, tol) -> None:
     """pi from the two flex calls' LSEs = pi from the CPU flash kernel's LSEs (the SDPA path)."""
     cfg = Interventions.parse(["trace", "split-softmax:k=0.7,heads=0-10", "instaboost:m=4"])
     pis, logits = {}, {}
     for kernel in ("sdpa", "flex"):
         monkeypatch.setenv(engine_module.KERNEL_ENV, kernel)
         logits[kernel], pis[kernel], pads = prefill(smol32, cfg)
-    assert max_diff(pis["flex"], pis["sdpa"], pads, dim=3) <= 1e-5
+    assert max_diff(pis["flex"], pis["sdpa"], pads, dim=3) <= tol(1e-5)
     assert max_diff(logits["flex"], logits["sdpa"], pads, dim=1) <= LOGIT_TOL

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from devices import backend_device
+from devices import backend_device, tol
 from driftlab.chat import ChatRequest
 from driftlab.chat.base import Sampling
 from driftlab.chat.hf import HFChatBackend
@@ -84,7 +84,7 @@ def _assert_same(ref, got) -> None:
             continue
         assert (a.trace.prefill is None) == (b.trace.prefill is None)
         for part in ("decode", "prefill") if a.trace.prefill is not None else ("decode",):
-            np.testing.assert_allclose(getattr(b.trace, part), getattr(a.trace, part), atol=1e-5, rtol=0)
+            np.testing.assert_allclose(getattr(b.trace, part), getattr(a.trace, part), atol=tol(1e-5), rtol=0)
 
 
 # -- helpers and refusals (no model) ----------------------------------------------------------------
