@@ -415,9 +415,21 @@ def kernel_for(device: torch.device) -> str:
     return "sdpa"
 
 
+_flex_declines_said: set[str] = set()
+
+
 def _flex_declined(reason: str) -> None:
-    """The flex path handed a call back to the SDPA path (tests make this fatal)."""
+    """The flex path handed a call back to the SDPA path (tests make this fatal). Said once per
+    reason and process: on a GPU that fallback is slower and builds per-query masks, so a run that
+    takes it should say so, not leave it to a debug log."""
     logger.debug("flex attention path declined: %s", reason)
+    if reason in _flex_declines_said:
+        return
+    _flex_declines_said.add(reason)
+    from driftlab.console import err_console
+
+    err_console().print(f"note: an attention call ran on the SDPA path instead of FlexAttention: {reason} "
+                        "(said once per reason).", highlight=False, markup=False)
 
 
 def _flex_masks(state: AttentionState, attention_mask: torch.Tensor | None, B: int, q: int, K: int, lo: int,
