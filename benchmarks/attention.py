@@ -16,16 +16,26 @@ Two baselines, one model each (same weights, same decode loop, same prompt):
   attention code at all.
 
 Setup: default model (smollm2-135m), dtype auto (fp32 on CPUs without native bf16), batch 1,
-greedy, EOS ignored, a system prompt plus a user turn of real text (seed 000's paper) cut to
-the context length, prefix cache off, torch intra-op threads pinned (1 on CPU, see `run`).
+greedy, EOS ignored, a system prompt plus a user turn of real text (the persona-drift paper,
+Li et al. 2024, where it lies beside the repository) cut to the context length, prefix cache
+off, torch intra-op threads pinned (1 on a CPU unless BENCH_THREADS says otherwise, see
+common.pin_threads).
 Protocol: every variant is warmed up at every context first (untimed); then each of N
 repeats runs every variant once per context, interleaved (the order rotates between repeats,
 so slow drift of a shared machine hits all alike), and the best repeat is kept. Every ratio
 asserts that both sides ran the same prompt length and the same number of decode steps.
 
+Sizes (contexts; decode steps; repeats): --quick 64 and 256; 8; 2. Default 256 and 1024; 16; 2.
+--full 256 and 2048; 64; 3 (the size of the figures in docs/design-notes.md; it ran past 13
+minutes on the shared 2-core CPU). Measured with `time python benchmarks/run.py attention` on
+this project's 2-core CPU, shared with other jobs (load average ~2, this run included), 1 torch
+thread, float32: the default size took 2 min 56 s (tracing 1.08x, key bias 1.00x, split-softmax
+1.07x driftlab SDPA's decode step at 1024 tokens; eager 1.76x the whole call), --quick 1 min 8 s.
+
 * decode tokens/s = 1 / median time of one decode forward (the backend's own `_forward`,
   timed per call; the median ignores bursts from other processes);
-* "2048 + 64" = wall time of one whole call: a 2048-token prefill and 64 decode steps;
+* "2048 + 64" = wall time of one whole call: a 2048-token prefill and 64 decode steps (at
+  --full; the default size's call is a 1024-token prefill and 16 steps);
 * peak memory: CUDA: `torch.cuda.max_memory_allocated` over the call, minus what was
   allocated before it. CPU: the process's peak resident set (VmHWM) over the call minus its
   resident set before; VmHWM is reset through /proc/self/clear_refs and freed heap pages are
@@ -45,7 +55,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from common import Result, TimedForward, sync
+from common import Result, TimedForward, pin_threads, size_of, sync
 
 from driftlab.chat import Sampling, chat
 from driftlab.chat.hf import HFChatBackend
@@ -186,21 +196,24 @@ class Run(NamedTuple):  # (a dataclass needs sys.modules, which run.py's loader 
         return self.prompt_len, len(self.calls) - 1
 
 
-def run(quick: bool = False) -> Result:
-    contexts = (64, 256) if quick else (256, 2048)
-    n_decode = 8 if quick else 64
-    repeats = 2 if quick else 3
+SIZES = {  # contexts, decode steps, timed rounds
+    "quick": ((64, 256), 8, 2),
+    "default": ((256, 1024), 16, 2),
+    "full": ((256, 2048), 64, 3),
+}
+
+
+def run(quick: bool = False, full: bool = False) -> Result:
+    size = size_of(quick, full)
+    contexts, n_decode, repeats = SIZES[size]
     big = contexts[-1]
-    default_threads = torch.get_num_threads()
+    # With 2+ OpenMP threads, any other busy process on the (shared) cores stalls every parallel
+    # region at its barrier: we saw single decode steps swing from 60 ms to 2.5 s. One thread
+    # (BENCH_THREADS to change it) gives stable ratios; absolute speeds are then per core.
+    threads, default_threads = pin_threads()
     drift = HFChatBackend("smollm2-135m", dtype="auto", prefix_cache_bytes=0)
     stock = HFChatBackend("smollm2-135m", dtype="auto", prefix_cache_bytes=0, attn_implementation="sdpa")
     assert stock.model.config._attn_implementation == "sdpa" != drift.model.config._attn_implementation
-    # With 2+ OpenMP threads, any other busy process on the (shared) cores stalls every parallel
-    # region at its barrier: we saw single decode steps swing from 60 ms to 2.5 s. One thread
-    # gives stable ratios; absolute speeds are then per core. On CUDA the count hardly matters.
-    threads = 1 if drift.device.type == "cpu" else default_threads
-    torch.set_num_threads(threads)
-    print(f"torch.set_num_threads({threads}) (process default {default_threads})", flush=True)
     timers = {id(drift): TimedForward(drift), id(stock): TimedForward(stock)}
     memory = PeakMemory(drift.device)
     convs = {ctx: conversation(drift, ctx) for ctx in contexts}
@@ -304,10 +317,9 @@ def run(quick: bool = False) -> Result:
         "reduction orders may flip a near-tie token; in fp32 they agreed on 40 tokens at 256 and 2048).",
         f"peak memory method: {memory.method}; extra over what was resident before the call "
         "(model weights excluded).",
-        f"torch threads: {torch.get_num_threads()} pinned (process default {default_threads}); "
+        f"torch threads: {threads} pinned (process default {default_threads}); "
         f"warm-up: every variant at every context before timing.",
     ]
-    torch.set_num_threads(default_threads)
     diff = [(last[("tracing", c)].pi[0] - last[(EAGER, c)].pi[0]).abs() for c in contexts]
     res.notes.append(
         f"sanity: pi of the last prompt query, engine trace vs eager weights (both "
@@ -315,9 +327,10 @@ def run(quick: bool = False) -> Result:
         f"{max(d[0].max().item() for d in diff):.1e} in layer 0, {max(d.max().item() for d in diff):.1e} "
         "over all layers (the two kernels' rounding compounds through the layers)."
     )
-    if quick:
-        res.notes.append(f"--quick: the RESULT ratios are at context {big}, not 2048.")
+    if big != 2048:
+        res.notes.append(f"{size} size: the RESULT ratios are at context {big}, not 2048 (--full).")
     res.results = {
+        "size": size,
         "torch_threads": str(threads),
         "tracing_overhead": f"{ratio(step_s, 'tracing', DRIFTLAB_SDPA):.3f}",
         "bias_overhead": f"{ratio(step_s, 'key bias', DRIFTLAB_SDPA):.3f}",

@@ -1,7 +1,8 @@
-"""Shared pieces of the benchmarks: the result type and a timer."""
+"""Shared pieces of the benchmarks: the result type, a timer, thread pinning, sizes."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,3 +66,54 @@ class TimedForward:
         sync()
         self.calls.append(time.perf_counter() - t)
         return out
+
+
+SIZES = ("quick", "default", "full")  # run.py: --quick | (nothing) | --full
+
+
+def size_of(quick: bool, full: bool) -> str:
+    """The size a module's `run(quick, full)` was asked for."""
+    if quick and full:
+        raise ValueError("--quick and --full exclude each other")
+    return "quick" if quick else "full" if full else "default"
+
+
+_DEFAULT_THREADS: list[int] = []  # the process's own count, before the first pin
+
+
+def pin_threads() -> tuple[int, int]:
+    """Pin torch's intra-op threads for the whole run on a CPU; returns (pinned, process default).
+
+    BENCH_THREADS=N sets the count; the default is 1. With 2 OpenMP threads on a 2-core machine
+    that other jobs also load, every parallel region waits at its barrier for a descheduled
+    thread: measured on this project's 2-core CPU under a load average of ~6, SmolLM2-135M fp32
+    took 6.4x as long for 16 greedy tokens at batch 1 (14.0 s vs 2.2 s) and 8.1x at batch 32 as
+    with 1 thread. One thread keeps a benchmark's time and ratios stable on a shared machine;
+    absolute speeds are then per core. On CUDA the count is left as it is. run.py pins before a
+    benchmark starts; calling it again changes nothing.
+    """
+    import torch
+
+    from driftlab.errors import DriftlabError
+
+    if not _DEFAULT_THREADS:
+        _DEFAULT_THREADS.append(torch.get_num_threads())
+    default = _DEFAULT_THREADS[0]
+    if torch.cuda.is_available():
+        return torch.get_num_threads(), default
+    text = os.environ.get("BENCH_THREADS", "1")
+    if not text.isdigit() or int(text) < 1:
+        raise DriftlabError(f"BENCH_THREADS={text!r}: expected a positive whole number of threads.",
+                            hint="Leave it unset for 1 thread (stable on a shared machine), or e.g. BENCH_THREADS=2.")
+    torch.set_num_threads(int(text))
+    return int(text), default
+
+
+def selfchat_config(**fields):
+    """A SelfChatConfig whose probes decode with the turn's token budget, in the same call as the
+    agent's turn (what the self-chat benchmarks measure), on any driftlab that has the option."""
+    from driftlab.protocol.selfchat import SelfChatConfig
+
+    if "probe_tokens" in SelfChatConfig.model_fields:
+        fields.setdefault("probe_tokens", "turn")
+    return SelfChatConfig(**fields)

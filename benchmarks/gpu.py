@@ -4,9 +4,9 @@ memory-bandwidth floor, and batched self-chat throughput (issue 21, point 4).
 
 Models: randomly initialised from real configs, built directly on the device (a model's speed and
 memory do not depend on its weights' values): the Llama-2-7B and Qwen2.5-7B shapes (vocabulary
-49152, SmolLM2's, so its tokenizer and chat template serve), and with `--quick` a tiny Llama-family
-shape with grouped-query attention (4 layers, hidden 128, 8 query / 2 KV heads, init std 0.1 so
-attention is far from uniform) that runs on a CPU in about a minute. The model goes into driftlab's
+49152, SmolLM2's, so its tokenizer and chat template serve), and on a CPU or with `--quick` a tiny
+Llama-family shape with grouped-query attention (4 layers, hidden 128, 8 query / 2 KV heads, init
+std 0.1 so attention is far from uniform). The model goes into driftlab's
 real `HFChatBackend` (its decode loop, prefix cache, renderer and attention engine): the benchmark
 hands the backend the in-memory model in place of `load_model`'s disk load, for the construction
 only (see `_backend`).
@@ -40,26 +40,34 @@ plus the KV cache at that context) / bandwidth, the bandwidth measured in this r
 device-to-device copy (read + write bytes / time).
 
 Self-chat: driftlab's real protocol (`SelfChat` through `run_protocol`), 8 pairs x 3 rounds x 48
-tokens on the Qwen2.5-7B shape (the tiny shape with --quick), batched with prefix reuse in every
-mode, against a naive loop (batch 1, no prefix cache, plain). Tokens/s = generated tokens / wall.
+tokens on the Qwen2.5-7B shape (the tiny shape on a CPU), batched with prefix reuse in every
+mode, against a naive loop (batch 1, no prefix cache, plain); probes decode with the turn's
+budget, in the agent's call. Tokens/s = generated tokens / wall.
 
 Correctness: at the smallest context the split-softmax mode's greedy tokens are compared with an
-independent eager reference that materialises and reweights the weights (seed 000 Eq. 7) on the
-same model; trace's tokens, and those of split k=1, InstABoost m=1 and PASTA alpha=1 (strength 0),
-with plain's (they must change nothing).
+independent eager reference that materialises and reweights the weights (Eq. 7 of the persona-drift
+paper, Li et al. 2024) on the same model; trace's tokens, and those of split k=1, InstABoost m=1 and
+PASTA alpha=1 (strength 0), with plain's (they must change nothing).
 
 Targets of issue 21 (H100-class GPU, Llama-2-7B shape; self-chat on the Qwen2.5-7B shape) are
 printed beside the measured ratios; they are judged only on CUDA ("n/a (not a GPU)" elsewhere).
 
-Settings (environment variables; `python benchmarks/run.py gpu [--quick]` takes no others):
-  GPUBENCH_SHAPES     comma list of llama2-7b, qwen2.5-7b, tiny (default: the two 7B shapes on
-                      CUDA, tiny with --quick or on a CPU)
-  GPUBENCH_CONTEXTS   comma list of prompt lengths (default 2048,8192,32768 on CUDA; 256,1024 with
-                      --quick; 1024,4096 on a CPU without --quick)
-  GPUBENCH_DECODE     decode steps per call (default 32; 8 with --quick)
-  GPUBENCH_REPEATS    timed rounds (default 3; 2 with --quick)
-  GPUBENCH_SELFCHAT   PAIRSxROUNDSxTOKENS[@SHAPE] (default 8x3x48@qwen2.5-7b; 2x2x8@tiny with
-                      --quick), or 0 to skip
+Sizes (`python benchmarks/run.py gpu [--quick | --full]`; each setting below overrides its part):
+  CUDA           the two 7B shapes at 2048, 8192 and 32768 tokens, 32 decode steps, 3 rounds,
+                 self-chat 8x3x48@qwen2.5-7b (best of 2); --full is the same
+  CPU (default)  tiny at 256 and 1024 tokens, 16 decode steps, 2 rounds, self-chat 2x2x8@tiny
+                 (best of 2): 1 min 29 s (`time python benchmarks/run.py gpu`) on this
+                 project's 2-core CPU, shared with other jobs (load average ~4, this run
+                 included), float32, 1 torch thread; --quick 1 min 13 s
+  CPU --full     tiny at 1024 and 4096 tokens, 32 decode steps, 3 rounds, self-chat 2x2x8@tiny
+  --quick        tiny at 256 and 1024 tokens, 8 decode steps, 2 rounds, self-chat 2x2x8@tiny (once)
+
+Settings (environment variables; run.py takes no others):
+  GPUBENCH_SHAPES     comma list of llama2-7b, qwen2.5-7b, tiny
+  GPUBENCH_CONTEXTS   comma list of prompt lengths
+  GPUBENCH_DECODE     decode steps per call
+  GPUBENCH_REPEATS    timed rounds
+  GPUBENCH_SELFCHAT   PAIRSxROUNDSxTOKENS[@SHAPE], or 0 to skip
   GPUBENCH_VARIANTS   comma list restricting the per-context variants (plain and sdpa always run)
   GPUBENCH_SLOW_S     a variant whose warm-up (prefill + 1 step) takes longer is timed once (default 60)
   GPUBENCH_TOKENIZER  tokenizer directory (default: the provisioned smollm2-135m)
@@ -83,7 +91,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from common import Result, Table, TimedForward, sync
+from common import Result, Table, TimedForward, pin_threads, selfchat_config, size_of, sync
 
 CUDA = torch.cuda.is_available()
 SYSTEM = "You are a careful science journalist. Always answer in French, in at most three sentences."
@@ -273,9 +281,10 @@ REFERENCE = "gpubench_eager_split_softmax"
 
 
 def split_reference(backend, conv, n_new: int, k: float) -> list[int]:
-    """Greedy tokens under an independent eager split-softmax (seed 000 Eq. 7): the weights are
-    materialised in float64, pi summed over the rendered system span, then reweighted
-    (pi^k / pi on system keys, (1 - pi^k) / (1 - pi) on the others) before multiplying V."""
+    """Greedy tokens under an independent eager split-softmax (Eq. 7 of the persona-drift paper,
+    Li et al. 2024): the weights are materialised in float64, pi summed over the rendered system
+    span, then reweighted (pi^k / pi on system keys, (1 - pi^k) / (1 - pi) on the others) before
+    multiplying V."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -348,27 +357,37 @@ def _positive(name: str, text: str | float, kind: type = int) -> float:
     return value
 
 
-def run(quick: bool = False) -> Result:
+# Defaults per size (each GPUBENCH_* variable overrides its part): shapes, contexts, decode steps,
+# timed rounds, self-chat, self-chat rounds. On CUDA the default is the full size.
+DEFAULTS = {
+    "quick": ("tiny", "256,1024", 8, 2, "2x2x8@tiny", 1),
+    "cpu": ("tiny", "256,1024", 16, 2, "2x2x8@tiny", 2),
+    "cpu-full": ("tiny", "1024,4096", 32, 3, "2x2x8@tiny", 2),
+    "cuda": ("llama2-7b,qwen2.5-7b", "2048,8192,32768", 32, 3, "8x3x48@qwen2.5-7b", 2),
+}
+
+
+def run(quick: bool = False, full: bool = False) -> Result:
     from driftlab.attention import ATTENTION_NAME
     from driftlab.chat import Sampling, chat
     from driftlab.steering import Interventions
 
+    size = size_of(quick, full)
     device = torch.device("cuda" if CUDA else "cpu")
     dtype = pick_dtype(device)
-    tiny_default = quick or not CUDA
-    shapes = _env_list("GPUBENCH_SHAPES", ["tiny"] if tiny_default else ["llama2-7b", "qwen2.5-7b"])
+    d_shapes, d_contexts, d_decode, d_repeats, d_selfchat, sc_repeats = DEFAULTS[
+        "quick" if quick else "cuda" if CUDA else "cpu-full" if full else "cpu"]
+    shapes = _env_list("GPUBENCH_SHAPES", d_shapes.split(","))
     if unknown := [s for s in shapes if s not in ("llama2-7b", "qwen2.5-7b", "tiny")]:
         raise SystemExit(f"GPUBENCH_SHAPES: unknown shape {unknown[0]!r}; use llama2-7b, qwen2.5-7b or tiny.")
-    contexts = [_positive("GPUBENCH_CONTEXTS", x) for x in _env_list(
-        "GPUBENCH_CONTEXTS", ["256", "1024"] if quick else (["2048", "8192", "32768"] if CUDA else ["1024", "4096"]))]
-    n_decode = _positive("GPUBENCH_DECODE", os.environ.get("GPUBENCH_DECODE", 8 if quick else 32))
-    repeats = _positive("GPUBENCH_REPEATS", os.environ.get("GPUBENCH_REPEATS", 2 if quick else 3))
-    sc = os.environ.get("GPUBENCH_SELFCHAT", "2x2x8@tiny" if tiny_default else "8x3x48@qwen2.5-7b")
+    contexts = [_positive("GPUBENCH_CONTEXTS", x) for x in _env_list("GPUBENCH_CONTEXTS", d_contexts.split(","))]
+    n_decode = _positive("GPUBENCH_DECODE", os.environ.get("GPUBENCH_DECODE", d_decode))
+    repeats = _positive("GPUBENCH_REPEATS", os.environ.get("GPUBENCH_REPEATS", d_repeats))
+    sc = os.environ.get("GPUBENCH_SELFCHAT", d_selfchat)
     slow_s = _positive("GPUBENCH_SLOW_S", os.environ.get("GPUBENCH_SLOW_S", 60), float)
     decode_loop()  # a bad GPUBENCH_LOOP stops here, before any model is built
     threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # a shared CPU stalls multi-threaded regions (see benchmarks/attention.py)
+    pin_threads()  # on a CPU: 1 thread unless BENCH_THREADS (a shared CPU stalls multi-threaded regions)
     try:
         import pastalib.pasta  # noqa: F401
 
@@ -379,7 +398,8 @@ def run(quick: bool = False) -> Result:
     bw = bandwidth(device)
     method, measure_peak = peak_memory(device)
     records: list[dict] = []
-    results: dict[str, str] = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "loop": decode_loop(),
+    results: dict[str, str] = {"size": size, "torch_threads": str(torch.get_num_threads()),
+                               "device": str(device), "dtype": str(dtype).removeprefix("torch."), "loop": decode_loop(),
                                "bandwidth_gb_s": f"{bw / 1e9:.1f}"}
     res = Result(
         title=(f"driftlab attention modes at real shapes, random weights ({device}, "
@@ -593,7 +613,7 @@ def run(quick: bool = False) -> Result:
                 timer.on = False
                 sc_modes = {m: [f"{pasta},span=system" if x == pasta else x for x in specs] for m, specs in modes.items()}
                 selfchat_table = selfchat(backend, p, rd, tk, sc_modes,
-                                          repeats=1 if quick else 2, results=results, targets=targets,
+                                          repeats=sc_repeats, results=results, targets=targets,
                                           shape=shape, records=records)
                 timer.on = True
 
@@ -657,7 +677,7 @@ def selfchat(backend, pairs: int, rounds: int, tokens: int, modes: dict[str, lis
     from driftlab.chat import Sampling
     from driftlab.protocol.dialog import RECORDS
     from driftlab.protocol.runner import run_protocol
-    from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
+    from driftlab.protocol.selfchat import SelfChat
 
     pair_ids = [(a, u) for a in SELFCHAT_AGENTS for u in SELFCHAT_AGENTS if a != u][:pairs]
     cache_bytes = (8 << 30) if CUDA else (1 << 30)
@@ -665,8 +685,8 @@ def selfchat(backend, pairs: int, rounds: int, tokens: int, modes: dict[str, lis
     def once(batch: int, cache: bool, specs: list[str], pids=pair_ids, n_rounds=rounds, n_tok=tokens):
         backend.prefix_cache.clear()
         backend.prefix_cache.max_bytes = cache_bytes if cache else 0
-        cfg = SelfChatConfig(pairs=0, pair_ids=pids, rounds=n_rounds, batch_size=batch, seed=1, steer=specs,
-                             sampling=Sampling(max_new_tokens=n_tok, ignore_eos=True))
+        cfg = selfchat_config(pairs=0, pair_ids=pids, rounds=n_rounds, batch_size=batch, seed=1, steer=specs,
+                              sampling=Sampling(max_new_tokens=n_tok, ignore_eos=True))
         with tempfile.TemporaryDirectory() as out:
             sync()
             t = time.perf_counter()

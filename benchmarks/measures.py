@@ -16,13 +16,19 @@ texts that once made a measure's time grow faster than linearly:
 
 Each measure is warmed up on a short reply first (its library loaded), then timed once per
 input (best of `repeats`). `RESULT measures_max_seconds_1mb` is the worst over measures and inputs.
+
+Sizes: --quick 3 inputs, 1 timing each; default: every input, 1 timing each; --full: every
+input, best of 2. Measured with `time python benchmarks/run.py measures` on this project's
+2-core CPU, shared with other jobs (load average ~2.5, this run included): the default size took
+1 min 5 s (slowest: choice on "A A A ...", 1.08 s, one timing on a loaded machine: over the
+1 s target), --quick 36 s.
 """
 
 from __future__ import annotations
 
 from functools import partial
 
-from common import Result, best_time
+from common import Result, best_time, size_of
 
 from driftlab.bench import MEASURES, load_personas
 
@@ -50,14 +56,16 @@ INPUTS = {
 QUICK_INPUTS = ("prose", "abbreviations", "buts")
 
 
-def run(quick: bool = False) -> Result:
+def run(quick: bool = False, full: bool = False) -> Result:
+    size = size_of(quick, full)
     inputs = {k: v for k, v in INPUTS.items() if not quick or k in QUICK_INPUTS}
-    repeats = 1 if quick else 2
+    repeats = 2 if full else 1
     params = {}
     for p in load_personas():  # a built-in persona's params where a measure has one, else its defaults
         params.setdefault(p.measure, p.params)
     res = Result(
-        title=f"persona measures: seconds to score 1 MB, best of {repeats}, after a warm-up on a short reply",
+        title=f"persona measures: seconds to score 1 MB, best of {repeats}, after a warm-up on a short reply "
+              f"({size} size)",
         columns=["measure", "prose s", "slowest input", "slowest s"],
     )
     worst: dict[str, float] = {}
@@ -69,6 +77,6 @@ def run(quick: bool = False) -> Result:
         worst[name] = times[slow]
         res.rows.append([name, f"{times['prose']:.3f}", slow, f"{times[slow]:.3f}"])
     slowest = max(worst, key=worst.__getitem__)
-    res.results = {"measures_max_seconds_1mb": f"{worst[slowest]:.3f}", "measures_slowest": slowest}
+    res.results = {"size": size, "measures_max_seconds_1mb": f"{worst[slowest]:.3f}", "measures_slowest": slowest}
     res.notes.append(f"{len(MEASURES)} measures x {len(inputs)} inputs of {MB:,} characters; target < 1 s")
     return res

@@ -1,9 +1,15 @@
-"""Run one benchmark: `python benchmarks/run.py NAME [--quick]`.
+"""Run one benchmark: `python benchmarks/run.py NAME [--quick | --full]`.
 
-Each benchmark is a module `benchmarks/<name>.py` with `run(quick: bool) -> Result`: a
-table (title, columns, rows) printed for people, then `RESULT key=value` lines for
+Each benchmark is a module `benchmarks/<name>.py` with `run(quick: bool, full: bool) -> Result`:
+a table (title, columns, rows) printed for people, then `RESULT key=value` lines for
 programs. Ratios are measured within one run, on one machine, so they compare like with
 like; absolute numbers depend on the machine and are printed for context only.
+
+Sizes: by default every benchmark finishes in under 5 minutes on this project's 2-core CPU
+while other jobs share it (each module's docstring says what it runs and what that took);
+`--full` runs the long sizes (tens of minutes for some); `--quick` is a smoke test of the
+benchmark itself, too small for its figures to mean much. On a CPU, torch runs on 1 thread
+unless BENCH_THREADS says otherwise (see `common.pin_threads`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ def available() -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", choices=available(), help="benchmark to run")
-    parser.add_argument("--quick", action="store_true", help="smaller settings, for a smoke test")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="smallest settings: a smoke test of the benchmark")
+    size.add_argument("--full", action="store_true", help="the long sizes (can take tens of minutes on a CPU)")
     args = parser.parse_args()
 
     sys.path.insert(0, str(HERE))
@@ -33,18 +41,26 @@ def main() -> int:
     spec.loader.exec_module(module)
 
     import torch
+    from common import pin_threads
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
-    console.print(
-        f"[dim]{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
-        f"torch {torch.__version__}, cuda={torch.cuda.is_available()}[/]"
-    )
     from driftlab.errors import DriftlabError
 
+    console = Console()
     try:
-        result = module.run(quick=args.quick)
+        threads, default = pin_threads()
+    except DriftlabError as err:
+        console.print(f"Error: {err}", markup=False)
+        return 2
+    console.print(
+        f"[dim]{platform.processor() or platform.machine()}, {threads} torch threads (process default {default}), "
+        f"torch {torch.__version__}, cuda={torch.cuda.is_available()}, size "
+        f"{'quick' if args.quick else 'full' if args.full else 'default'}[/]"
+    )
+
+    try:
+        result = module.run(quick=args.quick, full=args.full)
     except DriftlabError as err:  # bad settings (a model name, an env var): one line, not a traceback
         console.print(f"Error: {err}", markup=False)  # and its "Hint:" line
         return 2
