@@ -52,12 +52,14 @@ def _own_persona(system: str | None, probe: str | None, measure: str | None, par
     try:
         values = json.loads(params) if params else {}
     except ValueError as err:
-        raise DriftlabError(f"--measure-params is not JSON ({err}).", hint='e.g. \'{"language": "fr"}\'') from None
+        raise DriftlabError(f"--measure-params is not JSON ({err}).", hint='e.g. \'{"lang": "fr"}\' for the language measure') from None
     try:
         persona = Persona(system_prompt=system, probe=probe, measure=measure, params=values)
     except ValidationError as err:
         e = err.errors()[0]
-        raise DriftlabError(f"Invalid --{e['loc'][0] if e['loc'] else 'measure'}: "
+        field = str(e["loc"][0]) if e["loc"] else "measure"
+        flag = {"system_prompt": "system", "params": "measure-params"}.get(field, field)
+        raise DriftlabError(f"Invalid --{flag}: "
                             f"{e['msg'].removeprefix('Value error, ')}.",
                             hint="`driftlab personas measures` lists the measures and their parameters.") from None
     return {"personas": [persona], "agents": [persona.id]}
@@ -105,7 +107,7 @@ def run(
     measure: Annotated[str | None, typer.Option(
         help="The measure that scores a probe reply for --system (`driftlab personas measures` lists them).")] = None,
     measure_params: Annotated[str | None, typer.Option(
-        help='Its parameters as JSON, e.g. \'{"language": "fr"}\'.')] = None,
+        help='Its parameters as JSON, e.g. \'{"lang": "fr"}\' for the language measure.')] = None,
     batch_size: Annotated[int, typer.Option(help="Most conversations generated together in one batch.")] = 32,
     report: Annotated[bool, typer.Option(help="Write report.html at the end.")] = True,
 ) -> None:
