@@ -230,11 +230,7 @@ def _run(make: Callable[[BackendSpec, ChatBackend | None], Any], backend: ChatBa
     with tempfile.TemporaryDirectory(prefix="driftlab-") as tmp:
         rundir = run_protocol(protocol, out if out is not None else Path(tmp) / "run", progress=progress)
         return Run(protocol.name, rundir.path if out is not None else None, rundir.read_manifest(),
-                   _records(rundir), summarize(rundir.path))
-
-
-def _records(rundir) -> list[dict[str, Any]]:
-    return [r.model_dump() if isinstance(r, BaseModel) else dict(r) for r in rundir.records()]
+                   rundir.records(), summarize(rundir.path))
 
 
 # -- keywords -> configs ----------------------------------------------------------------------------
