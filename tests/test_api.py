@@ -66,7 +66,7 @@ def test_keywords_map_onto_the_protocol_config():
     (lambda: dl.selfchat(None, roundz=3), "unknown keyword for driftlab.selfchat(): roundz=; did you mean rounds=?"),
     (lambda: dl.selfchat(None, rounds=0), "invalid rounds=0: Input should be greater than or equal to 1"),
     (lambda: dl.selfchat(None, pair="french"), "pair 'french' is not 'AGENT_ID:USER_ID'"),
-    (lambda: dl.selfchat(None, system="Be terse."), "needs system=, probe= and measure=; probe, measure missing"),
+    (lambda: dl.selfchat(None, system="Be terse."), "needs system=, probe= and measure=; probe=, measure= missing"),
     (lambda: dl.mmlu(None, n=0), "invalid n=0"),
     (lambda: dl.load("smollm2-135m", dtpye="float32"), "unknown keyword for driftlab.load(): dtpye=; did you "
                                                         "mean dtype=?"),

@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"steering"},
     {"attention", "theory"},
     {"assets", "bench", "messages", "records", "stats"},
+    {"plugins"},
     {"console", "errors"},
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}

@@ -19,6 +19,8 @@ _LAZY = {
     "selfchat": "driftlab.api", "mmlu": "driftlab.api", "sweep": "driftlab.api", "measure": "driftlab.api",
     "Run": "driftlab.api", "Persona": "driftlab.bench", "personas": "driftlab.api",
     "Interventions": "driftlab.steering", "Sampling": "driftlab.chat",
+    "results": "driftlab.api", "compare": "driftlab.api", "Results": "driftlab.report.results",
+    "Estimate": "driftlab.report.results",
 }
 __all__ = ["DriftlabError", "__version__", *_LAZY]
 

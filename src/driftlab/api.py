@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -29,6 +29,9 @@ from driftlab.bench import Persona, register_custom
 from driftlab.chat.base import ChatBackend, Sampling
 from driftlab.chat.spec import MEMORY_PREFIX, BackendSpec, Runtime
 from driftlab.errors import DriftlabError
+
+if TYPE_CHECKING:
+    from driftlab.report.results import Results
 
 __all__ = ["Run", "from_model", "load", "measure", "mmlu", "personas", "selfchat", "spec_of", "steer", "sweep",
            "trace"]
@@ -117,6 +120,22 @@ def personas(category: str | None = None, extra: str | Path | None = None) -> li
     return load_personas(category, extra)
 
 
+# -- results of any run ---------------------------------------------------------------------------
+def results(run_dir: str | Path) -> Results:
+    """The `Results` of any run directory (any protocol, a plugin's too): estimates with n, interval
+    and test, and the run's identity on every row of `.to_pandas()`."""
+    from driftlab.report.results import summarize
+
+    return summarize(run_dir)
+
+
+def compare(run_dirs: Iterable[str | Path], out: str | Path) -> Path:
+    """One page (OUT/compare.html, compare.csv, compare.png) of several runs' headline estimates."""
+    from driftlab.report.compare import compare_page
+
+    return compare_page(list(run_dirs), out)
+
+
 # -- your own measures ----------------------------------------------------------------------------
 def measure(fn: Callable[[str], float] | None = None, *, name: str | None = None,
             needs_complete: bool = False) -> Any:
@@ -139,7 +158,9 @@ class Run:
     `summary` is what the protocol's report is drawn from: a `RunSummary` for a self-chat
     (`.overall`, `.per_round`, `.comparisons`), a dict for MMLU (accuracy per condition, the drop
     with its paired test), a DataFrame for a sweep (one row per point). `path` is the run
-    directory, or None when it was a temporary one.
+    directory, or None when it was a temporary one. `results` is the same run in the one shape every
+    protocol shares (`Results`: estimates with n, interval and test; `.to_pandas()` concatenates
+    across runs), what `driftlab report` writes as results.json.
     """
 
     protocol: str
@@ -147,6 +168,7 @@ class Run:
     manifest: dict[str, Any]
     records: list[dict[str, Any]]
     summary: Any
+    results: Results
 
     def to_pandas(self):
         """The records as a DataFrame, with the run's protocol, model, revision, dtype, steer and
@@ -229,8 +251,10 @@ def _run(make: Callable[[BackendSpec, ChatBackend | None], Any], backend: ChatBa
     protocol = make(spec, backend)
     with tempfile.TemporaryDirectory(prefix="driftlab-") as tmp:
         rundir = run_protocol(protocol, out if out is not None else Path(tmp) / "run", progress=progress)
+        from driftlab.report.results import summarize as results_of
+
         return Run(protocol.name, rundir.path if out is not None else None, rundir.read_manifest(),
-                   rundir.records(), summarize(rundir.path))
+                   rundir.records(), summarize(rundir.path), results_of(rundir.path))
 
 
 # -- keywords -> configs ----------------------------------------------------------------------------
@@ -252,18 +276,41 @@ def _config(schema: type[BaseModel], spec: BackendSpec, options: dict[str, Any])
     return _validated(schema, backend=spec, **values)
 
 
+#: How the parts of one's own persona are spelt, in Python and on the command line (errors name them so).
+KEYWORDS = {"system": "system=", "probe": "probe=", "measure": "measure=", "params": "measure_params="}
+FLAGS = {"system": "--system", "probe": "--probe", "measure": "--measure", "params": "--measure-params"}
+
+
+def own_persona(system: str | None, probe: str | None, measure: str | Callable[[str], float] | None,
+                params: dict[str, Any] | None = None, names: dict[str, str] = KEYWORDS) -> Persona | None:
+    """One persona of the caller's from its system prompt, probe and measure (an id, a one-line
+    `judge:model=...` spec, or a function), or None when none is given; errors name the parts as
+    `names` spells them (keywords for `dl.selfchat`, flags for `driftlab run`)."""
+    given = {"system": system, "probe": probe, "measure": measure}
+    if all(v is None for v in given.values()) and not params:
+        return None
+    missing = [k for k, v in given.items() if v is None]
+    if missing:
+        parts = [names[k] for k in given]
+        raise DriftlabError(f"your own persona needs {', '.join(parts[:-1])} and {parts[-1]}; "
+                            f"{', '.join(names[k] for k in missing)} missing.",
+                            hint="the measure is a measure id (`driftlab personas measures`), judge:model=...,rubric=..., "
+                                 "or in Python a function text -> float in [0, 1].")
+    try:
+        return Persona(system_prompt=system, probe=probe, measure=measure, params=params or {})
+    except ValidationError as err:
+        e = err.errors()[0]
+        field = {"system_prompt": "system", "params": "params"}.get(str(e["loc"][0]) if e["loc"] else "", "measure")
+        raise DriftlabError(f"Invalid {names[field]}: {e['msg'].removeprefix('Value error, ')}.",
+                            hint="`driftlab personas measures` lists the measures and their parameters.") from None
+
+
 def _own_persona(options: dict[str, Any], system: str | None, probe: str | None,
                  measure: str | Callable[[str], float] | None) -> dict[str, Any]:
     """`system=, probe=, measure=`: one persona of the caller's, the agent of every pair."""
-    given = {"system": system, "probe": probe, "measure": measure}
-    if all(v is None for v in given.values()):
+    persona = own_persona(system, probe, measure)
+    if persona is None:
         return options
-    missing = [k for k, v in given.items() if v is None]
-    if missing:
-        raise DriftlabError(f"your own persona needs system=, probe= and measure=; {', '.join(missing)} missing.",
-                            hint="measure= takes a measure id (`driftlab personas measures`) or a function "
-                                 "text -> float in [0, 1].")
-    persona = _validated(Persona, system_prompt=system, probe=probe, measure=measure)
     return {**options, "personas": [*options.get("personas", []), persona],
             "agents": [*(options.get("agents") or []), persona.id]}
 

@@ -633,6 +633,48 @@ def pairs_needed_means(effect: float, sd: float, alpha: float = ALPHA, power: fl
     return n
 
 
+# -- agreement of two raters ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Agreement:
+    """How well two scorers of the same items agree (a judge model and a deterministic measure).
+
+    `spearman`: rank correlation of the scores (NaN when either is constant), with its p-value;
+    `agree`: the share of items both put on the same side of `threshold` (Wilson interval);
+    `kappa`: Cohen's kappa of those pass/fail calls (agreement beyond chance; NaN when both
+    raters call every item alike); `mad`: the mean absolute difference of the scores.
+    """
+
+    n: int
+    spearman: float
+    spearman_p: float
+    agree: Interval
+    kappa: float
+    mad: float
+    threshold: float
+
+
+def agreement(a: Sequence[float], b: Sequence[float], threshold: float = 0.5) -> Agreement:
+    """`Agreement` of paired scores a[i], b[i] in [0, 1] (scipy's Spearman, scikit-learn's kappa)."""
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if x.shape != y.shape:
+        raise ValueError(f"agreement needs paired scores; got {x.size} and {y.size}")
+    n = int(x.size)
+    passed_x, passed_y = x >= threshold, y >= threshold
+    same = int((passed_x == passed_y).sum())
+    rho = p = kappa = float("nan")
+    if n >= 2 and np.ptp(x) > 0 and np.ptp(y) > 0:
+        from scipy import stats
+
+        res = stats.spearmanr(x, y)
+        rho, p = float(res.statistic), float(res.pvalue)
+    if n and len(set(passed_x.tolist()) | set(passed_y.tolist())) > 1:
+        from sklearn.metrics import cohen_kappa_score
+
+        kappa = float(cohen_kappa_score(passed_x, passed_y))
+    mad = float(np.abs(x - y).mean()) if n else float("nan")
+    return Agreement(n, rho, p, proportion_interval(same, n), kappa, mad, threshold)
+
+
 # -- compatibility ------------------------------------------------------------------------------
 def mean_ci(values: Iterable[float | bool], *, seed: int = 0) -> tuple[float, float, float]:
     """(mean, ci_low, ci_high) by `mean_interval`'s rule (Wilson / t / BCa by data and n)."""

@@ -7,6 +7,7 @@
 Importing this package is cheap; the libraries behind some measures load on first use.
 """
 
+from driftlab.bench.judge import JUDGE, JudgeParams
 from driftlab.bench.measures import MEASURES, register_custom
 from driftlab.bench.personas import (
     CATEGORIES,
@@ -21,6 +22,8 @@ from driftlab.bench.starters import STARTER_SETS, STARTERS, starters
 
 __all__ = [
     "CATEGORIES",
+    "JUDGE",
+    "JudgeParams",
     "MEASURES",
     "MeasureError",
     "STARTERS",

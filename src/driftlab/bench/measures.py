@@ -68,7 +68,7 @@ def register(
         fields: dict[str, Any] = {}
         for pname, param in list(inspect.signature(fn).parameters.items())[1:]:
             default = ... if param.default is inspect.Parameter.empty else param.default
-            fields[pname] = (hints[pname], default)
+            fields[pname] = (hints.get(pname, Any), default)
         _PARAMS[name] = create_model(f"{name}_params", __config__=ConfigDict(extra="forbid"), **fields)
         if check is not None:
             _CHECKS[name] = check
@@ -129,6 +129,39 @@ def _one_argument(fn: Callable[[str], float]) -> MeasureFn:
 
     measure.__name__ = getattr(fn, "__name__", "measure")
     return measure
+
+
+def parse_keywords(text: str) -> dict[str, str]:
+    """`key=value,key=value` as a dict: a measure's parameters in a one-line spec
+    (`judge:model=x,rubric=...`). A comma starts a new pair only before `word=`, so a rubric may
+    hold commas ("rubric=warm, never familiar")."""
+    out: dict[str, str] = {}
+    for part in re.split(r",\s*(?=\w+\s*=)", text.strip()):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{part!r} is not key=value (e.g. model=smollm2-135m,rubric=...)")
+        out[key.strip()] = value.strip()
+    return out
+
+
+_PLUGINS: dict[str, MeasureFn] = {}  # id -> a function another package declared (entry points)
+
+
+def plugin_measures() -> list[str]:
+    """Register the measures other packages declare (entry point group `driftlab.measures`: a
+    function `f(text, **params) -> float in [0, 1]`, its parameters typed like the built-ins';
+    `f.needs_complete = True` marks one that cannot judge a cut reply); returns their ids."""
+    from driftlab.plugins import load
+
+    for name, fn in load("driftlab.measures").items():
+        if _PLUGINS.get(name) is fn:
+            continue
+        if name in MEASURES:
+            raise DriftlabError(f"The driftlab.measures plugin {name!r} takes the id of a measure driftlab has.",
+                                hint="Rename the entry point in the plugin's package.")
+        register(name, needs_complete=bool(getattr(fn, "needs_complete", False)))(fn)
+        _PLUGINS[name] = fn
+    return sorted(_PLUGINS)
 
 
 def needs_complete(name: str) -> bool:

@@ -18,7 +18,15 @@ from typing import Any, Literal, get_args, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from driftlab.bench.measures import MEASURES, needs_complete, register_custom, validate_params
+from driftlab.bench.judge import JUDGE, JudgeParams
+from driftlab.bench.measures import (
+    MEASURES,
+    needs_complete,
+    parse_keywords,
+    plugin_measures,
+    register_custom,
+    validate_params,
+)
 from driftlab.errors import DriftlabError
 
 Category = Literal["multiple_choice", "persona", "pattern", "memorization", "language"]
@@ -51,10 +59,15 @@ class Persona(BaseModel):
     @classmethod
     def _from_code(cls, data: Any) -> Any:
         """In code, `measure` may be the function itself (registered under its name, see
-        `driftlab.measure`) and `id` may be left out (a stable one from the system prompt)."""
+        `driftlab.measure`) or a one-line spec `name:key=value,...` (`judge:model=x,rubric=...`),
+        and `id` may be left out (a stable one from the system prompt)."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        spec = data.get("measure")
+        if isinstance(spec, str) and ":" in spec and not data.get("params"):  # "judge:model=x,rubric=..."
+            data["measure"], rest = spec.split(":", 1)
+            data["params"] = parse_keywords(rest)
         if callable(data.get("measure")):
             data["measure"] = register_custom(data["measure"], needs_complete=bool(data.pop("needs_complete", False)))
         if "id" not in data and isinstance(data.get("system_prompt"), str):
@@ -64,7 +77,9 @@ class Persona(BaseModel):
     @field_validator("measure")
     @classmethod
     def _known_measure(cls, name: str) -> str:
-        if name not in MEASURES:
+        if name not in MEASURES and name != JUDGE:
+            plugin_measures()  # another package's, declared through an entry point
+        if name not in MEASURES and name != JUDGE:
             close = difflib.get_close_matches(name, MEASURES, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"unknown measure {name!r}{hint} (see `docs/personas.md` for the list; a measure "
@@ -78,6 +93,8 @@ class Persona(BaseModel):
         if name is None:  # an unknown measure was already reported on its own field
             return params
         try:
+            if name == JUDGE:
+                return JudgeParams.model_validate(params).model_dump(exclude_unset=True)
             return validate_params(name, params)
         except ValueError as err:  # name the persona: a data file may hold many with one measure
             pid = info.data.get("id")
@@ -106,6 +123,9 @@ class Persona(BaseModel):
         """
         if truncated and self.needs_complete:
             return None
+        if self.measure == JUDGE:
+            raise MeasureError(f"persona {self.id!r} is scored by a judge model ({self.params['model']}): it scores "
+                               "inside a run (driftlab run, driftlab.selfchat), not as a function of the text alone")
         value = MEASURES[self.measure](text, **self.params)
         try:
             score = float(value)

@@ -46,7 +46,11 @@ class HFChatBackend:
     """A local chat model: a `ChatBackend`, `ScoringBackend` and `TokenBackend`.
     Thread-unsafe by design: one generate call at a time."""
 
-    capabilities = Capabilities(interventions=frozenset(KINDS), loglikelihood=True, tokens=True)
+    @property
+    def capabilities(self) -> Capabilities:
+        """Every kind in `KINDS`, a plugin's included: this backend applies any attention or
+        conversation hook through the same engine and message view."""
+        return Capabilities(interventions=frozenset(KINDS), loglikelihood=True, tokens=True)
 
     def __init__(
         self,
@@ -433,154 +437,17 @@ class HFChatBackend:
         """
         if not prompts:
             return []
-        if any(len(p) == 0 for p in prompts):
-            raise DriftlabError("A prompt rendered to zero tokens.", hint="Give a non-empty conversation.")
-        seeds = list(seeds) if seeds is not None else list(range(len(prompts)))
-        if len(seeds) != len(prompts):
-            raise DriftlabError(f"{len(seeds)} seeds given for {len(prompts)} conversations.")
-        prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
-        B, T = len(prompts), max(len(p) for p in prompts)
-        self._check_context(T, sampling.max_new_tokens)
-        pads = [T - len(p) for p in prompts]
-        attention = [iv.attention() for iv in interventions]
-        # A static cache has `length` slots from the start: the state's key layout spans all of them.
-        static = self._static
-        length = cache_length(T + sampling.max_new_tokens, self.shape.max_context) if static is not None \
-            else T + sampling.max_new_tokens
-        cache = static.new_cache(B, length) if static is not None else None  # before its arena is used
-        state = self._state(attention, spans, pads, T, length)
-        if static is not None and state is not None:
-            # The trace buffer's length and the system-only call's key range are bucketed too: a
-            # shape that changed per call would recompile.
-            system_end = cache_length(state.system_slots[1], length) if state.system_slots else None
-            state.static_layout(cache_length(sampling.max_new_tokens), static.arena, system_end=system_end)
-        tags = [f"{iv.fingerprint()}|{sorted(sp.items())}" if iv.fingerprint() else ""
-                for iv, sp in zip(interventions, spans, strict=True)]
-        # Under a prompt-scoped bias a generated token's KV differs from the same token's KV
-        # as part of a later prompt (its keys were not biased): keep only prompt KV then.
-        prompt_only = any(a is not None and a.prompt_scoped for a in attention)
-
-        # Layout: row b = [pad * pads[b]] + prompt_b. Slots [0, S) come from the prefix cache.
-        if state is not None and state.config.trace_prefill:
-            hits = [(0, None)] * B  # every prompt query must be computed to be traced
-        else:
-            hits = [self.prefix_cache.lookup(p, tag) for p, tag in zip(prompts, tags, strict=True)]
-        S = min(pads[b] + min(hits[b][0], len(prompts[b]) - 1) for b in range(B))
-        cache = self._cache_from_hits(hits, pads, S, cache)
-
-        ids = torch.full((B, T), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, T), dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, pads[b] :] = torch.from_numpy(p)
-            mask[b, pads[b] :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        if static is not None:
-            # One mask for every step: the slots after the prompt are visible once filled (and
-            # hidden by causality until then), as the dynamic loop's growing mask of ones says.
-            mask = torch.cat([mask, torch.ones((B, length - T), dtype=mask.dtype, device=self.device)], dim=1)
-
-        gens = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
-        warpers = _warpers(sampling)
-        sampled: list[list[int]] = [[] for _ in range(B)]  # includes the EOS that ended a row
-        scored: list[list[TokenLogprob]] = [[] for _ in range(B)]
-        real = B // 2 if guidance is not None else B  # rows whose replies are returned
-        finished = torch.zeros(B, dtype=torch.bool, device=self.device)
-        reasons = ["length"] * B
-
-        if guidance is not None and B % 2:
-            raise DriftlabError("Guided decoding needs an unconditional row for every conditional one.")
-
-        def reply(b: int, trace: Trace | None = None) -> Reply:
-            # A final EOS ends the reply and is not part of it; with ignore_eos it is just a token.
-            ended = not sampling.ignore_eos and sampled[b] and sampled[b][-1] in self.eos_ids
-            toks = sampled[b][:-1] if ended else sampled[b]
-            text = self.tokenizer.decode(toks, skip_special_tokens=True)
-            if self.renderer.stop_strings:
-                text = self._cut_stop(text)
-            return Reply(text=text.strip(), n_tokens=len(toks), finish_reason=reasons[b], token_ids=toks,
-                         trace=trace, n_prompt_tokens=len(prompts[b]),
-                         logprobs=scored[b][: len(toks)] if logprobs is not None else None)
-
-        # A row's reply is known when it finishes, unless pi traces (built at the end) are asked for.
-        early = on_finish if state is None or not state.trace else None
-        # Rows that are done leave the batch (dynamic cache only; a static cache keeps its shapes
-        # for compiled steps, and pi traces are assembled per batch position at the end): in a
-        # self-chat a few long replies would otherwise make every finished row cost a forward
-        # pass per step until the longest ends. `live[i]` is the row at batch position i; with
-        # guidance the first `n_cond` positions are conditional rows, the rest their twins.
-        compacting = self.compact_rows and static is None and (state is None or not state.trace)
-        live, n_cond = list(range(B)), real
-        logits = self._forward(ids[:, S:], mask, positions[:, S:], cache, state)
-        n_fed = 0  # decode steps run: sampled[b][:n_fed] have their KV in the cache
+        run = _Decoding(self, prompts, sampling, seeds=seeds, interventions=interventions, spans=spans,
+                        cache_store=cache_store, guidance=guidance, logprobs=logprobs, on_finish=on_finish)
         for step in range(sampling.max_new_tokens):
-            if cancelled is not None:
-                for i in torch.nonzero(~finished[:n_cond]).flatten().tolist():
-                    b = live[i]
-                    if cancelled(b):
-                        finished[i] = finished[i + n_cond if guidance is not None else i] = True
-                        reasons[b] = "cancelled"
-                        if early is not None:
-                            early(b, reply(b))
-                if bool(finished.all()):
-                    break
-            mixed = logits if guidance is None else _guide(logits, guidance)
-            drawn = _sample(mixed, warpers, [gens[b] for b in live[:n_cond]])
-            nxt = drawn if guidance is None else torch.cat([drawn, drawn])
-            nxt = torch.where(finished, torch.full_like(nxt, self.pad_id), nxt)
-            tokens = nxt.tolist()  # one device-to-host copy per step, not one per row
-            top = _top_logprobs(mixed, nxt[:n_cond], logprobs) if logprobs is not None else None
-            running = torch.nonzero(~finished).flatten().tolist()
-            for i in running:
-                b, tok = live[i], tokens[i]
-                sampled[b].append(tok)
-                if i < n_cond:
-                    if top is not None:
-                        scored[b].append(top[i])
-                    if on_token is not None:
-                        on_token(b, tok)
-                if row_max_tokens is not None and len(sampled[b]) >= row_max_tokens[b]:
-                    finished[i] = True
-                if sampling.ignore_eos:
-                    continue
-                if tok in self.eos_ids or (self.renderer.stop_strings and self._hit_stop(sampled[b])):
-                    finished[i] = True
-                    reasons[b] = "stop"
-            if early is not None:
-                for i in running:
-                    if i < n_cond and finished[i]:
-                        early(live[i], reply(live[i]))
-            if bool(finished.all()) or step == sampling.max_new_tokens - 1:
+            if cancelled is not None and run.cancel(cancelled):
                 break
-            positions = positions[:, -1:] + 1
-            if compacting:
-                done = int(finished[:n_cond].sum())
-                if done and 4 * done >= n_cond:  # a quarter of the batch: worth one copy of the cache
-                    keep = torch.nonzero(~finished[:n_cond]).flatten()
-                    if guidance is not None:
-                        keep = torch.cat([keep, keep + n_cond])
-                    gone = sorted(set(range(len(live))) - set(keep.tolist()))
-                    self._store_prefixes(prompts, sampled, 0 if prompt_only else n_fed, pads, cache, tags,
-                                         cache_store, at={i: live[i] for i in gone})
-                    cache.batch_select_indices(keep)
-                    if state is not None:
-                        state.select_rows(keep.tolist())
-                    live = [live[i] for i in keep.tolist()]
-                    n_cond = len(live) // 2 if guidance is not None else len(live)
-                    mask, positions, nxt, finished = mask[keep], positions[keep], nxt[keep], finished[keep]
-            if static is not None:
-                logits = self._static_step(nxt[:, None], mask, positions, cache, state)
-            else:
-                mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype, device=self.device)], dim=1)
-                logits = self._forward(nxt[:, None], mask, positions, cache, state)
-            n_fed += 1
-
-        self._store_prefixes(prompts, sampled, 0 if prompt_only else n_fed, pads, cache, tags, cache_store,
-                             at=dict(enumerate(live)))
-        rows = state.row_traces([len(x) for x in sampled], pads) if state is not None else [{}] * B
-        # Guidance twins (b >= real) are dropped by `generate`: no trace to build for them.
-        return [reply(b, self._trace_of(rows[b], prompts[b], sampled[b], spans[b]) if b < real else None)
-                for b in range(B)]
+            nxt = run.sample()
+            run.take(nxt, on_token, row_max_tokens)
+            if run.done or step == sampling.max_new_tokens - 1:
+                break
+            run.feed(run.compact(nxt))
+        return run.finish()
 
     @torch.inference_mode()
     def trace(self, conversation: Conversation, *, interventions: Interventions | None = None,
@@ -798,6 +665,207 @@ def _without_system(conversation: Conversation) -> Conversation:
         return rest
     return [{"role": "system", "content": ""}, *rest]
 
+
+
+class _Decoding:
+    """One call of `HFChatBackend._decode`: the batch's layout, cache and per-row progress.
+
+    Each decode step is a method: `cancel` (rows whose client left), `sample` (the next token of
+    every row, guidance mixed in), `take` (append it, end rows at EOS, a stop string or their
+    limit), `compact` (drop finished rows from the batch), `feed` (one forward pass); `finish`
+    stores the prefixes and builds the replies. Layout: row b = [pad * pads[b]] + prompt_b;
+    with guidance the second half of the rows are the unconditional twins of the first half.
+    """
+
+    def __init__(self, backend: HFChatBackend, prompts: Sequence[Sequence[int]], sampling: Sampling, *,
+                 seeds: Sequence[int] | None, interventions: Sequence[Interventions],
+                 spans: Sequence[dict[str, list[tuple[int, int]]]], cache_store: Sequence[bool] | None,
+                 guidance: float | None, logprobs: int | None, on_finish: Callable[[int, Reply], None] | None) -> None:
+        if any(len(p) == 0 for p in prompts):
+            raise DriftlabError("A prompt rendered to zero tokens.", hint="Give a non-empty conversation.")
+        seeds = list(seeds) if seeds is not None else list(range(len(prompts)))
+        if len(seeds) != len(prompts):
+            raise DriftlabError(f"{len(seeds)} seeds given for {len(prompts)} conversations.")
+        if guidance is not None and len(prompts) % 2:
+            raise DriftlabError("Guided decoding needs an unconditional row for every conditional one.")
+        self.backend, self.sampling, self.spans, self.cache_store = backend, sampling, spans, cache_store
+        self.guidance, self.logprobs = guidance, logprobs
+        self.prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
+        B = len(self.prompts)
+        self.real = B // 2 if guidance is not None else B  # rows whose replies are returned
+        self.gens = [torch.Generator(device=backend.device).manual_seed(int(s)) for s in seeds]
+        self.warpers = _warpers(sampling)
+        self.sampled: list[list[int]] = [[] for _ in range(B)]  # includes the EOS that ended a row
+        self.scored: list[list[TokenLogprob]] = [[] for _ in range(B)]
+        self.finished = torch.zeros(B, dtype=torch.bool, device=backend.device)
+        self.reasons = ["length"] * B
+        self._layout(interventions)
+        # A row's reply is known when it finishes, unless pi traces (built at the end) are asked for.
+        self.early = on_finish if self.state is None or not self.state.trace else None
+        # Rows that are done leave the batch (dynamic cache only; a static cache keeps its shapes
+        # for compiled steps, and pi traces are assembled per batch position at the end): in a
+        # self-chat a few long replies would otherwise make every finished row cost a forward
+        # pass per step until the longest ends. `live[i]` is the row at batch position i; with
+        # guidance the first `n_cond` positions are conditional rows, the rest their twins.
+        self.compacting = backend.compact_rows and self.static is None and (self.state is None or not self.state.trace)
+        self.live, self.n_cond = list(range(B)), self.real
+        self.n_fed = 0  # decode steps run: sampled[b][:n_fed] have their KV in the cache
+        self.logits = backend._forward(self.ids[:, self.S :], self.mask, self.positions[:, self.S :], self.cache,
+                                       self.state)
+
+    def _layout(self, interventions: Sequence[Interventions]) -> None:
+        """Pads, the attention state, the cache (from the prefix cache where a prompt starts as a
+        stored one), and the padded ids, mask and positions of the prompts."""
+        backend, sampling, prompts = self.backend, self.sampling, self.prompts
+        B, T = len(prompts), max(len(p) for p in prompts)
+        backend._check_context(T, sampling.max_new_tokens)
+        self.pads = pads = [T - len(p) for p in prompts]
+        attention = [iv.attention() for iv in interventions]
+        # A static cache has `length` slots from the start: the state's key layout spans all of them.
+        self.static = static = backend._static
+        length = cache_length(T + sampling.max_new_tokens, backend.shape.max_context) if static is not None \
+            else T + sampling.max_new_tokens
+        cache = static.new_cache(B, length) if static is not None else None  # before its arena is used
+        self.state = state = backend._state(attention, self.spans, pads, T, length)
+        if static is not None and state is not None:
+            # The trace buffer's length and the system-only call's key range are bucketed too: a
+            # shape that changed per call would recompile.
+            system_end = cache_length(state.system_slots[1], length) if state.system_slots else None
+            state.static_layout(cache_length(sampling.max_new_tokens), static.arena, system_end=system_end)
+        self.tags = [f"{iv.fingerprint()}|{sorted(sp.items())}" if iv.fingerprint() else ""
+                     for iv, sp in zip(interventions, self.spans, strict=True)]
+        # Under a prompt-scoped bias a generated token's KV differs from the same token's KV
+        # as part of a later prompt (its keys were not biased): keep only prompt KV then.
+        self.prompt_only = any(a is not None and a.prompt_scoped for a in attention)
+        if state is not None and state.config.trace_prefill:
+            hits = [(0, None)] * B  # every prompt query must be computed to be traced
+        else:
+            hits = [backend.prefix_cache.lookup(p, tag) for p, tag in zip(prompts, self.tags, strict=True)]
+        self.S = min(pads[b] + min(hits[b][0], len(prompts[b]) - 1) for b in range(B))  # slots [0, S) are cached
+        self.cache = backend._cache_from_hits(hits, pads, self.S, cache)
+        ids = torch.full((B, T), backend.pad_id, dtype=torch.long)
+        mask = torch.zeros((B, T), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, pads[b] :] = torch.from_numpy(p)
+            mask[b, pads[b] :] = 1
+        self.ids, mask = ids.to(backend.device), mask.to(backend.device)
+        self.positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        if static is not None:
+            # One mask for every step: the slots after the prompt are visible once filled (and
+            # hidden by causality until then), as the dynamic loop's growing mask of ones says.
+            mask = torch.cat([mask, torch.ones((B, length - T), dtype=mask.dtype, device=backend.device)], dim=1)
+        self.mask = mask
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finished.all())
+
+    def _twin(self, i: int) -> int:
+        return i + self.n_cond if self.guidance is not None else i
+
+    def cancel(self, cancelled: Callable[[int], bool]) -> bool:
+        """End the (conditional) rows whose request was cancelled, and their guidance twins; True
+        when no row is left."""
+        for i in torch.nonzero(~self.finished[: self.n_cond]).flatten().tolist():
+            b = self.live[i]
+            if cancelled(b):
+                self.finished[i] = self.finished[self._twin(i)] = True
+                self.reasons[b] = "cancelled"
+                if self.early is not None:
+                    self.early(b, self.reply(b))
+        return self.done
+
+    def sample(self) -> torch.Tensor:
+        """The next token of every batch position (pad for finished ones); guidance twins get their
+        row's token. Records the log-probabilities asked for."""
+        mixed = self.logits if self.guidance is None else _guide(self.logits, self.guidance)
+        drawn = _sample(mixed, self.warpers, [self.gens[b] for b in self.live[: self.n_cond]])
+        nxt = drawn if self.guidance is None else torch.cat([drawn, drawn])
+        nxt = torch.where(self.finished, torch.full_like(nxt, self.backend.pad_id), nxt)
+        self._top = _top_logprobs(mixed, nxt[: self.n_cond], self.logprobs) if self.logprobs is not None else None
+        return nxt
+
+    def take(self, nxt: torch.Tensor, on_token: Callable[[int, int], None] | None,
+             row_max_tokens: Sequence[int] | None) -> None:
+        """Append each running row's token; end rows at EOS, a stop string or their own limit."""
+        backend, ignore_eos = self.backend, self.sampling.ignore_eos
+        tokens = nxt.tolist()  # one device-to-host copy per step, not one per row
+        running = torch.nonzero(~self.finished).flatten().tolist()
+        for i in running:
+            b, tok = self.live[i], tokens[i]
+            self.sampled[b].append(tok)
+            if i < self.n_cond:
+                if self._top is not None:
+                    self.scored[b].append(self._top[i])
+                if on_token is not None:
+                    on_token(b, tok)
+            if row_max_tokens is not None and len(self.sampled[b]) >= row_max_tokens[b]:
+                self.finished[i] = True
+            if ignore_eos:
+                continue
+            if tok in backend.eos_ids or (backend.renderer.stop_strings and backend._hit_stop(self.sampled[b])):
+                self.finished[i] = True
+                self.reasons[b] = "stop"
+        if self.early is not None:
+            for i in running:
+                if i < self.n_cond and self.finished[i]:
+                    self.early(self.live[i], self.reply(self.live[i]))
+
+    def compact(self, nxt: torch.Tensor) -> torch.Tensor:
+        """Drop finished rows from the batch once a quarter of it is done (one copy of the cache);
+        their prefixes are stored first. Returns the next tokens of the rows kept."""
+        self.positions = self.positions[:, -1:] + 1
+        done = int(self.finished[: self.n_cond].sum())
+        if not self.compacting or not done or 4 * done < self.n_cond:
+            return nxt
+        keep = torch.nonzero(~self.finished[: self.n_cond]).flatten()
+        if self.guidance is not None:
+            keep = torch.cat([keep, keep + self.n_cond])
+        gone = sorted(set(range(len(self.live))) - set(keep.tolist()))
+        self._store(at={i: self.live[i] for i in gone})
+        self.cache.batch_select_indices(keep)
+        if self.state is not None:
+            self.state.select_rows(keep.tolist())
+        self.live = [self.live[i] for i in keep.tolist()]
+        self.n_cond = len(self.live) // 2 if self.guidance is not None else len(self.live)
+        self.mask, self.positions, self.finished = self.mask[keep], self.positions[keep], self.finished[keep]
+        return nxt[keep]
+
+    def feed(self, nxt: torch.Tensor) -> None:
+        """One forward pass of the sampled tokens (the static cache's compiled step, or the dynamic one)."""
+        backend = self.backend
+        if self.static is not None:
+            self.logits = backend._static_step(nxt[:, None], self.mask, self.positions, self.cache, self.state)
+        else:
+            ones = torch.ones((len(self.live), 1), dtype=self.mask.dtype, device=backend.device)
+            self.mask = torch.cat([self.mask, ones], dim=1)
+            self.logits = backend._forward(nxt[:, None], self.mask, self.positions, self.cache, self.state)
+        self.n_fed += 1
+
+    def _store(self, at: dict[int, int]) -> None:
+        self.backend._store_prefixes(self.prompts, self.sampled, 0 if self.prompt_only else self.n_fed, self.pads,
+                                     self.cache, self.tags, self.cache_store, at=at)
+
+    def reply(self, b: int, trace: Trace | None = None) -> Reply:
+        backend, sampled = self.backend, self.sampled[b]
+        # A final EOS ends the reply and is not part of it; with ignore_eos it is just a token.
+        ended = not self.sampling.ignore_eos and sampled and sampled[-1] in backend.eos_ids
+        toks = sampled[:-1] if ended else sampled
+        text = backend.tokenizer.decode(toks, skip_special_tokens=True)
+        if backend.renderer.stop_strings:
+            text = backend._cut_stop(text)
+        return Reply(text=text.strip(), n_tokens=len(toks), finish_reason=self.reasons[b], token_ids=toks,
+                     trace=trace, n_prompt_tokens=len(self.prompts[b]),
+                     logprobs=self.scored[b][: len(toks)] if self.logprobs is not None else None)
+
+    def finish(self) -> list[Reply]:
+        """Store the prefixes still in the batch and return every row's reply (with its pi trace)."""
+        self._store(at=dict(enumerate(self.live)))
+        B = len(self.prompts)
+        rows = self.state.row_traces([len(x) for x in self.sampled], self.pads) if self.state is not None else [{}] * B
+        # Guidance twins (b >= real) are dropped by `generate`: no trace to build for them.
+        return [self.reply(b, self.backend._trace_of(rows[b], self.prompts[b], self.sampled[b], self.spans[b])
+                           if b < self.real else None) for b in range(B)]
 
 def _guide(logits: torch.Tensor, alpha: float) -> torch.Tensor:
     """Persona-drift paper Eq. 5 over a batch whose second half is unconditional: lu + alpha (lc - lu)."""

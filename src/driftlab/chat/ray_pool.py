@@ -22,7 +22,7 @@ from typing import Any
 from driftlab.chat.base import Capabilities, ChatRequest, Conversation, LogLikelihood, Reply
 from driftlab.chat.spec import BackendSpec, Runtime
 from driftlab.errors import DriftlabError
-from driftlab.steering.interventions import Interventions
+from driftlab.steering.interventions import KINDS, Interventions
 
 DEFAULT_ACTORS = 2  # CPU actors when the cluster has no GPUs and --actors is not given
 RESTARTS = 2  # Ray's own restarts of a dead actor (its pending calls are retried on the new one)
@@ -83,15 +83,12 @@ class RayBackend:
     """A local model on a pool of Ray actors: one per GPU, else `--actors` CPU actors (default 2)."""
 
     def __init__(self, spec: BackendSpec, *, prefix_cache_bytes: int = 2 << 30) -> None:
-        from driftlab.chat.hf import HFChatBackend
-
         if not spec.runtime.ray:
             raise DriftlabError("RayBackend needs a Ray address.", hint="Use --ray local or --ray ADDRESS.")
         ray = _ray()
         self.name = spec.model
         # Everything the local model applies, but not its token level (that stays in the actors).
-        self.capabilities = Capabilities(interventions=HFChatBackend.capabilities.interventions,
-                                         loglikelihood=True)
+        self.capabilities = Capabilities(interventions=frozenset(KINDS), loglikelihood=True)
         self.address = spec.runtime.ray
         connect(self.address)
         resources = ray.cluster_resources()

@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from driftlab.cli import data, models, pasta, personas
+from driftlab.cli import data, models, pasta, personas, protocol
 from driftlab.cli.calibrate import calibrate
 from driftlab.cli.chat import chat
 from driftlab.cli.decay import decay
@@ -32,6 +32,7 @@ app.add_typer(models.app, name="models")
 app.add_typer(personas.app, name="personas")
 app.add_typer(data.app, name="data")
 app.add_typer(pasta.app, name="pasta")
+app.add_typer(protocol.app, name="protocol")
 app.command("chat")(chat)
 app.command("run")(run)
 app.command("report")(report)

@@ -159,11 +159,16 @@ def build(schema: type[M], flags: dict[str, str] | None = None, /, **values: Any
         return schema(**values)
     except ValidationError as err:
         e = err.errors()[0]
-        field = next((str(p) for p in reversed(e["loc"]) if isinstance(p, str)), "?")
-        flag = (flags or {}).get(field, "--" + field.replace("_", "-"))
+        names = [str(p) for p in e["loc"] if isinstance(p, str)]
+        field = names[-1] if names else "?"
+        flags = flags or {}
+        flag = flags.get(field) or flags.get(names[0] if names else "?") or "--" + field.replace("_", "-")
         given = e.get("input")
         shown = f" {given}" if isinstance(given, (int, float, str)) and not isinstance(given, bool) else ""
         msg = e["msg"].removeprefix("Value error, ")
+        if len(names) > 1 and field not in flags:  # a key inside an option's value: --judge "colour=red"
+            msg = f"{field}{shown.replace(' ', '=', 1)}: {msg[0].lower() + msg[1:]}"
+            shown = ""
         if e["type"] == "literal_error":
             choices = literal_choices(e)
             msg = f"use one of {', '.join(choices)}{did_you_mean(given, choices)}"

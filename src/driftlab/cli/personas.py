@@ -82,16 +82,21 @@ def measures() -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from driftlab.bench.measures import MEASURES, measure_params
+    from driftlab.bench.judge import JUDGE, JudgeParams
+    from driftlab.bench.measures import MEASURES, measure_params, plugin_measures
 
-    table = Table(title=f"{len(MEASURES)} measures", show_lines=True)
+    plugins = set(plugin_measures())
+    table = Table(title=f"{len(MEASURES)} measures and the judge", show_lines=True)
     table.add_column("measure", no_wrap=True, style="bold")
     table.add_column("parameters")
     table.add_column("what it scores", overflow="fold")
     for name, fn in sorted(MEASURES.items()):
         params = "\n".join(f"{k}: {v}" for k, v in measure_params(name).items()) or "-"
         summary = (fn.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
-        table.add_row(name, escape(params), escape(summary))
+        table.add_row(name + (" (plugin)" if name in plugins else ""), escape(params), escape(summary))
+    judge = "\n".join(f"{k}: {f.description}" for k, f in JudgeParams.model_fields.items())
+    table.add_row(JUDGE, escape(judge), "rated 0-10 by a judge model against the rubric (score = rating / 10), "
+                  "greedy, its verdicts cached in the run directory; e.g. judge:model=qwen2.5-coder-1.5b,rubric=...")
     Console().print(table)
 
 

@@ -7,9 +7,10 @@ jinja2) happen inside the functions so `driftlab --help` stays fast.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -98,6 +99,12 @@ def print_summary(run_dir: str | Path, console: Console | None = None) -> RunSum
     if failed:
         console.print(f"[yellow]Warning:[/] {failed} probes unscored: their measure failed (raised, or gave no score "
                       "in [0, 1]); each record's `error` says why.", highlight=False)
+    for r in summary.judge.itertuples():
+        console.print(f"Judge vs measure ({r.target} probes, n={r.n}): Spearman rho {r.spearman:.2f} (p={r.spearman_p:.2g}), "
+                      f"same pass/fail at 0.5 {r.agree:.0%} [{r.agree_low:.0%}, {r.agree_high:.0%}], Cohen's kappa "
+                      f"{r.kappa:.2f}, mean |difference| {r.mad:.2f}"
+                      + (f"; {r.judge_errors} replies the judge did not rate" if r.judge_errors else "") + ".",
+                      highlight=False, markup=False)
     state = progress(summary)
     if not state["complete"]:
         counts = ", ".join(f"{state['present'][k]} of {n} {k}s" for k, n in state["expected"].items())
@@ -106,31 +113,62 @@ def print_summary(run_dir: str | Path, console: Console | None = None) -> RunSum
     return summary
 
 
-def _figures_of(protocol: str):
-    """The function that redraws a non-self-chat run's figures (returning their paths), or None."""
-    if protocol.startswith("pasta-"):
-        from driftlab.report.pasta import write_pasta_figures
+# How `driftlab report` draws a run of each built-in protocol other than self-chat and MMLU (printed
+# below): "module:function" (imported when used: matplotlib is slow to load), and how to read back
+# the files it wrote. A plugin's protocol draws itself (`Protocol.report`).
+_REPORTERS: dict[str, tuple[str, Callable[[Any], list[Path]]]] = {
+    **dict.fromkeys(("pasta-eval", "pasta-profile", "pasta-tune"),
+                    ("driftlab.report.pasta:write_pasta_figures", lambda path: [path])),
+    "calibrate": ("driftlab.report.calibration:write_calibration_figure", lambda path: [path]),
+    "sweep": ("driftlab.report.sweep:write_sweep_report", lambda path: [path]),
+    "decay": ("driftlab.report.decay_figures:write_decay_figures", lambda figures: list(figures.files)),
+}
 
-        return lambda run_dir: [write_pasta_figures(run_dir)]
-    if protocol == "calibrate":
-        from driftlab.report.calibration import write_calibration_figure
 
-        return lambda run_dir: [write_calibration_figure(run_dir)]
-    if protocol == "sweep":
-        from driftlab.report.sweep import write_sweep_report
+def _figures(protocol: str, run_dir: Path) -> list[Path]:
+    """Draw a non-self-chat run's figures and return their paths (a plugin's, by its own `report`)."""
+    if protocol not in _REPORTERS:
+        from driftlab.protocol.registry import protocol_class
 
-        return lambda run_dir: [write_sweep_report(run_dir)]
-    if protocol == "decay":
-        from driftlab.report.decay_figures import write_decay_figures
+        return list(protocol_class(protocol).report(run_dir))
+    import importlib
 
-        return lambda run_dir: write_decay_figures(run_dir).files
-    return None
+    target, files = _REPORTERS[protocol]
+    module, function = target.split(":")
+    return files(getattr(importlib.import_module(module), function)(run_dir))
+
+
+def _status(run_dir: Path, manifest: dict[str, Any]) -> str:
+    """'pasta-eval run: 120 of 120 records, complete' (what any protocol's run can say of itself)."""
+    from driftlab.protocol.registry import protocol_of
+    from driftlab.records.rundir import RunDir
+
+    expected = sum(protocol_of(manifest).expected(manifest).values())
+    present = len(RunDir(run_dir).records())
+    state = "complete" if manifest.get("completed") else "incomplete: re-run its command to finish it"
+    return f"{manifest.get('protocol', 'selfchat')} run: {present} of {expected} records, {state}"
+
+
+def _write_results(run_dir: Path) -> None:
+    """results.json / results.csv of any run, said in one line on stderr if they cannot be made
+    (an incomplete run may lack what its summary needs; its own report below says more)."""
+    from driftlab.errors import DriftlabError
+    from driftlab.report.results import summarize
+
+    try:
+        summarize(run_dir).write(run_dir)
+    except (DriftlabError, OSError, KeyError, ValueError) as err:
+        typer.echo(f"note: no results.json for {run_dir} ({type(err).__name__}: {err})".splitlines()[0], err=True)
 
 
 def report(
-    run_dir: Annotated[
-        Path, typer.Argument(help="A run directory (the --out of `driftlab run`).", metavar="RUN_DIR")
+    run_dirs: Annotated[
+        list[Path], typer.Argument(help="A run directory (the --out of `driftlab run` or any protocol); several: "
+                                        "one page comparing them.", metavar="RUN_DIR...")
     ],
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Where the comparison of several runs goes (default: ./compare).")
+    ] = None,
     open_browser: Annotated[
         bool, typer.Option("--open", help="Open report.html in the default web browser.")
     ] = False,
@@ -151,9 +189,11 @@ def report(
 ) -> None:
     """Write RUN_DIR/report.html (figures, tables, transcripts) and summary.csv; print the drift table.
 
-    For a run of another protocol (sweep, calibrate, decay, pasta profile|tune|eval) it redraws
-    that run's figures from its records; for an MMLU run it prints the accuracy table (per
-    condition, the drop with its paired test) that `driftlab mmlu` printed.
+    For a run of another protocol (sweep, calibrate, decay, pasta profile|tune|eval, a plugin's) it
+    redraws that run's figures from its records; for an MMLU run it prints the accuracy table (per
+    condition, the drop with its paired test) that `driftlab mmlu` printed. Every run also gets
+    results.json and results.csv (the one results contract: estimates with n, interval and test).
+    Several RUN_DIRs: OUT/compare.html (their headline estimates side by side) and compare.csv.
     """
     from rich.console import Console
     from rich.markup import escape
@@ -162,27 +202,33 @@ def report(
     from driftlab.records.rundir import RunDir
     from driftlab.report.html import SUMMARY_CSV, write_report
 
-    if not run_dir.is_dir():
-        raise DriftlabError(
-            f"{run_dir} is not a directory.", hint="Give the --out directory of a `driftlab run`."
-        )
-    protocol = RunDir(run_dir).read_manifest().get("protocol", "selfchat")
+    for run_dir in run_dirs:
+        if not run_dir.is_dir():
+            raise DriftlabError(f"{run_dir} is not a directory.", hint="Give the --out directory of a `driftlab run`.")
+    if len(run_dirs) > 1:
+        from driftlab.report.compare import compare_page
+
+        typer.echo(str(compare_page(run_dirs, out or Path("compare"))))
+        return
+    run_dir = run_dirs[0]
+    manifest = RunDir(run_dir).read_manifest()
+    protocol = manifest.get("protocol", "selfchat")
     if protocol == "mmlu":  # a table, no figures: accuracy per condition, the drop and its paired test
         from driftlab.cli.mmlu import print_mmlu
 
         print_mmlu(run_dir)
-        return
-    figures = _figures_of(protocol)
-    if figures is not None:
-        for path in figures(run_dir):
+    elif protocol != "selfchat":
+        for path in _figures(protocol, run_dir):
             typer.echo(str(path))
-        return
-    console = Console()
-    summary = print_summary(run_dir, console)
-    path = write_report(run_dir, errors=ErrorDisplay(errors).value, summary=summary, max_pairs=transcripts)
-    console.print(f"Report: [bold]{escape(str(path))}[/]", highlight=False)
-    console.print(f"Per-round summary: {escape(str(run_dir / SUMMARY_CSV))}", highlight=False)
-    if open_browser:
-        import webbrowser
+        typer.echo(_status(run_dir, manifest))
+    else:
+        console = Console()
+        summary = print_summary(run_dir, console)
+        path = write_report(run_dir, errors=ErrorDisplay(errors).value, summary=summary, max_pairs=transcripts)
+        console.print(f"Report: [bold]{escape(str(path))}[/]", highlight=False)
+        console.print(f"Per-round summary: {escape(str(run_dir / SUMMARY_CSV))}", highlight=False)
+        if open_browser:
+            import webbrowser
 
-        webbrowser.open(path.resolve().as_uri())
+            webbrowser.open(path.resolve().as_uri())
+    _write_results(run_dir)  # after the protocol's own report: an error there is the one to see

@@ -37,32 +37,16 @@ def _own_persona(system: str | None, probe: str | None, measure: str | None, par
     """--system/--probe/--measure: one persona of the user's, the agent of every pair."""
     import json
 
-    from pydantic import ValidationError
-
-    from driftlab.bench import Persona
+    from driftlab.api import FLAGS, own_persona
     from driftlab.errors import DriftlabError
 
-    given = {"--system": system, "--probe": probe, "--measure": measure}
-    if all(v is None for v in given.values()) and params is None:
-        return {}
-    missing = [k for k, v in given.items() if v is None]
-    if missing:
-        raise DriftlabError(f"your own persona needs --system, --probe and --measure; {', '.join(missing)} missing.",
-                            hint="`driftlab personas measures` lists the measures and their parameters.")
     try:
-        values = json.loads(params) if params else {}
+        values = json.loads(params) if params else None
     except ValueError as err:
-        raise DriftlabError(f"--measure-params is not JSON ({err}).", hint='e.g. \'{"lang": "fr"}\' for the language measure') from None
-    try:
-        persona = Persona(system_prompt=system, probe=probe, measure=measure, params=values)
-    except ValidationError as err:
-        e = err.errors()[0]
-        field = str(e["loc"][0]) if e["loc"] else "measure"
-        flag = {"system_prompt": "system", "params": "measure-params"}.get(field, field)
-        raise DriftlabError(f"Invalid --{flag}: "
-                            f"{e['msg'].removeprefix('Value error, ')}.",
-                            hint="`driftlab personas measures` lists the measures and their parameters.") from None
-    return {"personas": [persona], "agents": [persona.id]}
+        raise DriftlabError(f"--measure-params is not JSON ({err}).",
+                            hint='e.g. \'{"lang": "fr"}\' for the language measure') from None
+    persona = own_persona(system, probe, measure, values, names=FLAGS)
+    return {"personas": [persona], "agents": [persona.id]} if persona is not None else {}
 
 
 @backend_options(remote=True, ray=True)
@@ -107,7 +91,11 @@ def run(
     measure: Annotated[str | None, typer.Option(
         help="The measure that scores a probe reply for --system (`driftlab personas measures` lists them).")] = None,
     measure_params: Annotated[str | None, typer.Option(
-        help='Its parameters as JSON, e.g. \'{"lang": "fr"}\' for the language measure.')] = None,
+        help='Its parameters as JSON, e.g. \'{"lang": "fr"}\' for the language measure; for `--measure judge`: '
+             '\'{"model": "MODEL", "rubric": "..."}\'.')] = None,
+    judge: Annotated[str | None, typer.Option(
+        help="Also rate every probe reply with a judge model, beside its measure, and report how the two agree: "
+             "a model (preset, directory, Hub id, openai:NAME) or model=...,rubric=...,base_url=....")] = None,
     batch_size: Annotated[int, typer.Option(help="Most conversations generated together in one batch.")] = 32,
     report: Annotated[bool, typer.Option(help="Write report.html at the end.")] = True,
 ) -> None:
@@ -122,13 +110,14 @@ def run(
     sampling = build(Sampling, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy)
     own = _own_persona(system, probe, measure, measure_params)
     config = build(
-        SelfChatConfig, {"pair_ids": "--pair", "persona_file": "--persona-file"}, **own,
+        SelfChatConfig, {"pair_ids": "--pair", "persona_file": "--persona-file", "judge": "--judge"}, **own,
         backend=backend, user_model=user_model, pairs=pairs, pair_ids=_pairs(pair or []),
         categories=[c.strip() for c in categories.split(",")] if categories else None,
         rounds=rounds, probe_every=probe_every, probe_repeats=probe_repeats, probe_after=probe_after,
         user_probe=user_probe,
         user_probe_version=user_probe_version, starters=starters, ablation=ablation, sampling=sampling,
         probe_tokens=probe_tokens, seed=seed, steer=steer or [], persona_file=str(persona_file) if persona_file else None, batch_size=batch_size,
+        judge=judge,
     )
     rundir = run_protocol(SelfChat(config), out)
     typer.echo(f"records: {rundir.records_path}")

@@ -26,7 +26,7 @@ from driftlab.errors import DriftlabError
 from driftlab.pasta.metrics import argmax_accuracy, efficacy
 from driftlab.pasta.tasks import BASELINES, EXAMPLES, N_SHOTS, Example, PromptName, Task, TaskName, get_task
 from driftlab.protocol.registry import register
-from driftlab.protocol.runner import Protocol, ProtocolConfig, RunState
+from driftlab.protocol.runner import C, Protocol, ProtocolConfig, RunState
 from driftlab.records.rundir import RunDir
 from driftlab.stats import Interval, PairedTest, mean_interval, paired_test, with_holm
 from driftlab.steering.interventions import Interventions, Steer
@@ -143,7 +143,7 @@ def _score_candidates(backend, task: Task, examples: list[Example], convs: list[
     return out
 
 
-class TaskProtocol(Protocol):
+class TaskProtocol(Protocol[C]):
     """What PASTA's protocols share: a task, its examples recorded in the plan, and a backend
     that can score them. Their units are batches of examples under one steering."""
 
@@ -185,7 +185,7 @@ class TaskProtocol(Protocol):
 
 
 @register
-class PastaEval(TaskProtocol):
+class PastaEval(TaskProtocol[PastaEvalConfig]):
     """One task under several baselines; a unit is a batch of examples under one baseline."""
 
     name = "pasta-eval"

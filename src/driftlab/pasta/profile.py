@@ -83,7 +83,7 @@ Row = tuple[tuple[int, int], Example]  # (layer, head) steered alone (BASELINE: 
 
 
 @register
-class HeadProfiler(TaskProtocol):
+class HeadProfiler(TaskProtocol[ProfileConfig]):
     """Every head steered alone on the train examples. Units: for generation tasks, batches of
     (head, example) rows (each row steers its own head); for scored tasks and likelihood
     ranking, one head's examples."""

@@ -109,7 +109,7 @@ def head_sets(config: TuneConfig) -> list[dict[str, Any]]:
 
 
 @register
-class HeadTuner(TaskProtocol):
+class HeadTuner(TaskProtocol[TuneConfig]):
     """PASTA with each head set on the validation split, beside the unsteered model; a unit
     is a batch of examples under one head set."""
 

@@ -57,6 +57,9 @@ class ProbeRecord(_Record):
     # Why the measure gave no score (it raised, or returned NaN or a value outside [0, 1]): the
     # reply is kept, the run goes on, and reports count these apart from replies cut too short.
     error: str | None = None
+    # The run's judge (`--judge`) rating the same reply beside the measure, or why it gave none.
+    judge: float | None = Field(None, ge=0.0, le=1.0)
+    judge_error: str | None = None
 
     @property
     def key(self) -> tuple:

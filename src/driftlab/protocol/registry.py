@@ -4,7 +4,9 @@ A run directory's manifest names the protocol that wrote it; readers (the report
 checks, tests) look the protocol up here for its record schema and how many records a
 complete run holds. Each protocol class registers itself (`@register`) where it is
 defined; this module imports none of them: `protocol_class` imports the modules listed in
-`MODULES` on first use, so the registry stays at the bottom of the protocols it serves.
+`MODULES` on first use, so the registry stays at the bottom of the protocols it serves. Other
+packages add protocols through entry points (`driftlab.protocols`, see `driftlab.plugins`),
+loaded when a name is not found among driftlab's own.
 """
 
 from __future__ import annotations
@@ -36,19 +38,35 @@ PROTOCOLS: dict[str, type[Protocol]] = {}
 def register(cls: P) -> P:
     """Class decorator: make a protocol known under its `name`."""
     if PROTOCOLS.get(cls.name, cls) is not cls:
-        raise RuntimeError(f"two protocols are named {cls.name!r}")
+        raise DriftlabError(f"Two protocols are named {cls.name!r}: {PROTOCOLS[cls.name].__module__} and {cls.__module__}.",
+                            hint="Rename one of them (a plugin's entry point and class name).")
     PROTOCOLS[cls.name] = cls
     return cls
+
+
+def all_protocols() -> dict[str, type[Protocol]]:
+    """Every protocol: driftlab's and those other packages declare (entry points `driftlab.protocols`)."""
+    from driftlab.plugins import load
+    from driftlab.protocol.runner import Protocol
+
+    for module in MODULES:
+        importlib.import_module(module)
+    for name, cls in load("driftlab.protocols").items():
+        if not (isinstance(cls, type) and issubclass(cls, Protocol)) or getattr(cls, "name", None) != name:
+            raise DriftlabError(f"The driftlab.protocols plugin {name!r} is not a Protocol subclass named {name!r}.",
+                                hint="Point the entry point at a class Protocol[MyConfig] with name = the entry point's.")
+        register(cls)
+    return dict(PROTOCOLS)
 
 
 def protocol_class(name: str) -> type[Protocol]:
     """The protocol registered as `name`."""
     if name not in PROTOCOLS:
-        for module in MODULES:
-            importlib.import_module(module)
+        all_protocols()
     if name not in PROTOCOLS:
         raise DriftlabError(f"Unknown protocol '{name}' in the manifest.",
-                            hint=f"This driftlab knows: {', '.join(sorted(PROTOCOLS))}. Upgrade driftlab?")
+                            hint=f"This driftlab knows: {', '.join(sorted(PROTOCOLS))}. Upgrade driftlab, or install "
+                                 "the package whose plugin wrote the run.")
     return PROTOCOLS[name]
 
 

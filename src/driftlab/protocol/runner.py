@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
@@ -105,6 +105,17 @@ class Protocol(ABC, Generic[C]):
     def label(self) -> str:
         return self.name
 
+    @classmethod
+    def config_type(cls) -> type[ProtocolConfig]:
+        """The config class this protocol runs on: the `C` of `class X(Protocol[C])`."""
+        for klass in cls.__mro__:
+            for base in getattr(klass, "__orig_bases__", ()):
+                args = get_args(base)
+                origin = get_origin(base)
+                if isinstance(origin, type) and issubclass(origin, Protocol) and args and isinstance(args[0], type):
+                    return args[0]
+        raise TypeError(f"{cls.__name__} does not say its config: declare it as `class {cls.__name__}(Protocol[MyConfig])`")
+
     # -- before the lock ---------------------------------------------------------------------
     def check(self) -> None:
         """Cheap checks of what a new run's plan is drawn from (data present, ids known), before
@@ -155,6 +166,12 @@ class Protocol(ABC, Generic[C]):
 
     def finish(self, state: RunState) -> None:
         """Write what is derived from the complete records (a profile, a ranking, a summary)."""
+
+    @classmethod
+    def report(cls, run_dir: Path) -> list[Path]:
+        """Draw this protocol's figures of a run directory; the files written. `driftlab report`
+        calls it for a protocol it has no report of its own for (a plugin's); none by default."""
+        return []
 
 
 def run_protocol(protocol: Protocol, out: str | Path | RunDir, *, plan: dict[str, Any] | None = None,

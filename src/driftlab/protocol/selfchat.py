@@ -39,13 +39,14 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from driftlab.bench import Persona, load_personas, starters, user_probe
+from driftlab.bench import JUDGE, JudgeParams, Persona, load_personas, starters, user_probe
 from driftlab.bench.probes import ProbeVersion
 from driftlab.bench.starters import StarterSetName
 from driftlab.chat.base import MAX_SEED, ChatBackend, ChatRequest, Conversation, Sampling
 from driftlab.chat.spec import BackendSpec, ModelName
 from driftlab.errors import DriftlabError
 from driftlab.protocol.dialog import RECORDS, Dialog, Pair, ProbeRecord, TurnRecord, pairs_from_manifest
+from driftlab.protocol.judge import Ask, Judges
 from driftlab.protocol.registry import register
 from driftlab.protocol.runner import Protocol, ProtocolConfig, RunState
 from driftlab.steering.interventions import DialogSteer, Interventions
@@ -101,10 +102,14 @@ class SelfChatConfig(ProtocolConfig):
                                     "beside the built-ins and persona_file; their measures must be registered")
     agents: list[str] | None = Field(None, description="draw agent personas from these ids only")
     batch_size: int = Field(32, ge=1, le=4096, description="most conversations per generate call")
+    judge: JudgeParams | None = Field(None, description="also rate every probe reply with this judge model (a model "
+                                      "name, or model=...,rubric=...), beside its persona's measure: the report "
+                                      "shows how well the two agree")
 
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size", "persona_file")
     # What a run recorded before the option existed meant: the probe replaced a_i; probes had a turn's budget.
-    LEGACY: ClassVar[dict[str, Any]] = {"probe_after": "user", "probe_tokens": "turn", "personas": [], "agents": None}
+    LEGACY: ClassVar[dict[str, Any]] = {"probe_after": "user", "probe_tokens": "turn", "personas": [], "agents": None,
+                                        "judge": None}
 
     _probe_budget = field_validator("probe_tokens", mode="before")(probe_budget)
 
@@ -228,7 +233,7 @@ class Job:
     seed: int
     role: str  # "agent" or "user"
     keep_cache: bool
-    score: Callable[..., float | None] | None = None  # Persona.score(text, truncated=...)
+    persona: Persona | None = None  # a probe's: whose measure scores the reply
 
 
 @register
@@ -255,9 +260,18 @@ class SelfChat(Protocol[SelfChatConfig]):
 
     def check(self) -> None:
         self.config.persona_pool()
+        for params in self._judge_params():
+            Judges.spec(params, self.config.backend)
+
+    def _judge_params(self) -> list[JudgeParams]:
+        """Every judge of this run: the run's own and those of personas whose measure is a judge."""
+        found = [self.config.judge] if self.config.judge else []
+        found += [JudgeParams(**p.params) for p in all_personas(self.config) if p.measure == JUDGE]
+        return list(dict.fromkeys(found))
 
     def connect(self, run_dir: Path) -> None:
         super().connect(run_dir)
+        self.judges = Judges(self.config.backend, self.backend, run_dir)
         if self.user is None:
             spec = self.config.user_backend()
             if spec == self.config.backend:
@@ -289,9 +303,11 @@ class SelfChat(Protocol[SelfChatConfig]):
 
     def describe(self) -> dict[str, Any]:
         agent = self.backend.describe()
+        judges = self._judge_params()
         return {"conditions": self.config.conditions, "probe_rounds": self.config.probe_rounds(),
                 "models": {"agent": agent, "user": self.user.describe()},
-                "interventions": self.config.steer.specs(), "resume": resume_guarantee(agent.get("dtype", "unknown"))}
+                "interventions": self.config.steer.specs(), "resume": resume_guarantee(agent.get("dtype", "unknown")),
+                **({"judges": self.judges.describe(judges)} if judges else {})}
 
     @classmethod
     def expected(cls, manifest: dict[str, Any]) -> dict[str, int]:
@@ -329,7 +345,7 @@ class SelfChat(Protocol[SelfChatConfig]):
 
     def run_unit(self, chunk: list[Job]) -> list[TurnRecord | ProbeRecord]:
         records: list[TurnRecord | ProbeRecord] = []
-        turns, probes = [j for j in chunk if j.score is None], [j for j in chunk if j.score is not None]
+        turns, probes = [j for j in chunk if j.persona is None], [j for j in chunk if j.persona is not None]
         if self.config.probe_tokens == "turn":  # one budget: one call, as before the option
             turns, probes = chunk, []
         for jobs, sampling in ((turns, self.config.sampling), (probes, self.config.probe_sampling())):
@@ -346,17 +362,38 @@ class SelfChat(Protocol[SelfChatConfig]):
         )
         replies = (self.backend if agent_side else self.user).generate(request)
         records: list[TurnRecord | ProbeRecord] = []
+        scores = iter(self._scores([(j, r) for j, r in zip(chunk, replies, strict=True) if j.persona is not None]))
         for job, reply in zip(chunk, replies, strict=True):
             fields = {**job.record, "text": reply.text, "n_tokens": reply.n_tokens,
                       "finish_reason": reply.finish_reason, "seed": job.seed}
-            if job.score is not None:
-                records.append(ProbeRecord(**fields, **_scored(job.score, reply.text, reply.finish_reason)))
+            if job.persona is not None:
+                records.append(ProbeRecord(**fields, **next(scores)))
                 continue
             rec = TurnRecord(**fields)
             records.append(rec)
             d = self._by_key[(rec.pair, rec.condition)]
             (d.a if rec.speaker == "user" else d.b)[rec.round] = reply.text
         return records
+
+    def _scores(self, probes: list[tuple[Job, Any]]) -> list[dict[str, Any]]:
+        """Each probe reply's score fields: its persona's measure (a judge's rating for a judge
+        measure) and, with the run's `judge`, that judge's rating beside it; judges asked in one batch."""
+        out: list[dict[str, Any]] = []
+        asks: list[tuple[int, str, Ask]] = []
+        for k, (job, reply) in enumerate(probes):
+            p = job.persona
+            judged = p.measure == JUDGE
+            out.append({} if judged else _scored(p.score, reply.text, reply.finish_reason))
+            for field, params in (("score", JudgeParams(**p.params) if judged else None),
+                                  ("judge", None if judged else self.config.judge)):
+                if params is not None:
+                    asks.append((k, field, Ask(params, p.system_prompt, p.probe, reply.text)))
+        for (k, field, _), rated in zip(asks, self.judges.rate([a for *_, a in asks]), strict=True):
+            out[k].update({field: rated["score"], "error" if field == "score" else "judge_error": rated["error"]})
+        return out
+
+    def finish(self, state: RunState) -> None:
+        self.judges.close()
 
     def _base(self, d: Dialog, i: int) -> dict[str, Any]:
         return {"pair": d.pair.index, "condition": d.condition, "round": i}
@@ -388,7 +425,7 @@ class SelfChat(Protocol[SelfChatConfig]):
         seed = item_seed(self.config.seed, d.pair.index, d.condition, rec["round"], "probe", rec["target"],
                          rec["repeat"])
         after = rec["round"] + (self.config.probe_after == "agent")  # after b_i: the view of round i + 1
-        return Job(rec, d.agent_view(after, persona.probe), seed, "agent", False, persona.score)
+        return Job(rec, d.agent_view(after, persona.probe), seed, "agent", False, persona)
 
 
 def _scored(score: Callable[..., float | None], text: str, finish_reason: str) -> dict[str, Any]:

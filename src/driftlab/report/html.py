@@ -280,6 +280,17 @@ def cut_tables(summary: RunSummary) -> list[TextTable]:
 
 
 # -- page -------------------------------------------------------------------------------------
+def judge_tables(summary: RunSummary) -> list[TextTable]:
+    """The run's judge against the personas' measures (none for a run without `--judge`)."""
+    if summary.judge.empty:
+        return []
+    return [_frame_table(summary.judge, "Judge model against the deterministic measures",
+                         "Per probe target, on the replies both scored: Spearman rho of the two scores, the share "
+                         "both put on the same side of 0.5 (agree, Wilson 95% interval), Cohen's kappa of those "
+                         "pass/fail calls, the mean absolute difference (mad); judge_errors: replies whose verdict "
+                         "held no rating. A judge that disagrees here should not be trusted where no measure exists.")]
+
+
 def _png_data_uri(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
 
@@ -327,7 +338,7 @@ def render_html(
             "probes_unscored: cut probes whose measure needs a complete reply (left out of the means, not "
             "counted as drift); probes_error: probes whose measure failed (raised, or gave no score in [0, 1]; "
             "each record's error field says why). Many cuts mean --max-new-tokens is too small for these personas.",
-        ), *cut_tables(summary)],
+        ), *cut_tables(summary), *judge_tables(summary)],
         full_table=_frame_table(
             summary.per_round,
             "Every cell (summary.csv)",

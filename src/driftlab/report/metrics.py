@@ -35,7 +35,7 @@ import pandas as pd
 
 from driftlab.errors import DriftlabError
 from driftlab.protocol.registry import protocol_of
-from driftlab.stats import CONFIDENCE, N_RESAMPLES, mean_interval, paired_test, with_holm
+from driftlab.stats import CONFIDENCE, N_RESAMPLES, agreement, mean_interval, paired_test, with_holm
 
 ALL = "all"  # the category label of rows that pool every category
 TARGETS = ("agent", "user", "user-excess")
@@ -332,6 +332,31 @@ def uncut_scores(records: Iterable[dict[str, Any]], manifest: dict[str, Any]) ->
     return probe_scores([r for r in records if not (r.get("kind") == "probe" and is_cut(r))], manifest)
 
 
+JUDGE_COLUMNS = ["target", "n", "measure_mean", "judge_mean", "spearman", "spearman_p", "agree", "agree_low",
+                 "agree_high", "agree_method", "kappa", "mad", "judge_errors"]
+
+
+def judge_agreement(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
+    """Per probe target: how the run's judge (`--judge`) agrees with the personas' own measures on
+    the replies both scored (Spearman rho, pass/fail agreement at 0.5 with its Wilson interval,
+    Cohen's kappa, mean absolute difference), and how many replies the judge could not rate.
+    Empty for a run without a judge. Read it before trusting a judge where no measure exists."""
+    probes = [r for r in records if r.get("kind") == "probe" and (r.get("judge") is not None or r.get("judge_error"))]
+    rows = []
+    for target in sorted({r["target"] for r in probes}):
+        mine = [r for r in probes if r["target"] == target]
+        both = [r for r in mine if r.get("score") is not None and r.get("judge") is not None]
+        a = agreement([r["score"] for r in both], [r["judge"] for r in both])
+        rows.append({"target": target, "n": a.n,
+                     "measure_mean": float(np.mean([r["score"] for r in both])) if both else float("nan"),
+                     "judge_mean": float(np.mean([r["judge"] for r in both])) if both else float("nan"),
+                     "spearman": a.spearman, "spearman_p": a.spearman_p, "agree": a.agree.estimate,
+                     "agree_low": a.agree.low, "agree_high": a.agree.high, "agree_method": a.agree.method,
+                     "kappa": a.kappa, "mad": a.mad,
+                     "judge_errors": sum(1 for r in mine if r.get("judge_error"))})
+    return pd.DataFrame(rows, columns=JUDGE_COLUMNS)
+
+
 class RunSummary(NamedTuple):
     """Everything the report, the figures and the CLI table are made from."""
 
@@ -346,6 +371,7 @@ class RunSummary(NamedTuple):
     cut: pd.DataFrame  # `cut_shares`: replies cut at their token limit, per condition, flagged
     overall_uncut: pd.DataFrame  # `summarize_overall` of `uncut_scores`: cut probes left out
     comparisons_uncut: pd.DataFrame  # `compare_conditions` of `uncut_scores`
+    judge: pd.DataFrame  # `judge_agreement`: the run's judge against each persona's measure (empty without one)
 
 
 def summarize_run(run_dir: str | Path, n_resamples: int = N_RESAMPLES, seed: int = 0) -> RunSummary:
@@ -383,4 +409,5 @@ def summarize_run(run_dir: str | Path, n_resamples: int = N_RESAMPLES, seed: int
         cut=cut_shares(records),
         overall_uncut=summarize_overall(uncut, n_resamples=n_resamples, seed=seed),
         comparisons_uncut=compare_conditions(uncut),
+        judge=judge_agreement(records),
     )

@@ -31,7 +31,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
-    TypeAdapter,
+    SerializeAsAny,
     ValidationError,
     ValidationInfo,
     WithJsonSchema,
@@ -260,6 +260,7 @@ class ClassifierFreeGuidance(BaseIntervention):
         return self.alpha != 1.0
 
 
+#: The built-in kinds as one type (for annotations); `KINDS` also holds those of plugins.
 Intervention = Annotated[
     SplitSoftmax | KeyBias | InstABoost | Pasta | Trace | SystemPromptRepetition | ClassifierFreeGuidance,
     Field(discriminator="kind"),
@@ -268,7 +269,49 @@ KINDS: dict[str, type[BaseIntervention]] = {
     c.model_fields["kind"].default: c
     for c in (SplitSoftmax, KeyBias, InstABoost, Pasta, Trace, SystemPromptRepetition, ClassifierFreeGuidance)
 }
-_ADAPTER: TypeAdapter = TypeAdapter(Intervention)
+_BUILTIN = frozenset(KINDS)
+#: Hooks a plugin may act through: `attention` (its `attention_fields`, e.g. key biases, compiled
+#: with the others'), `conversation` (its `transform`). `logits` is driftlab's own decode loop's.
+PLUGIN_HOOKS = ("attention", "conversation")
+
+
+def register_intervention(cls: type[BaseIntervention]) -> type[BaseIntervention]:
+    """Make an intervention class known by its `kind` (what a plugin's entry point names)."""
+    field = cls.model_fields.get("kind") if isinstance(cls, type) and issubclass(cls, BaseIntervention) else None
+    kind = field.default if field is not None else None
+    if not isinstance(kind, str) or not re.fullmatch(r"[a-z][a-z0-9-]*", kind):
+        raise DriftlabError(f"{cls!r} is not an intervention: it needs to subclass BaseIntervention with "
+                            "`kind: Literal['my-kind'] = 'my-kind'`.", hint="See docs/architecture.md, plugins.")
+    if kind in _BUILTIN or KINDS.get(kind, cls) is not cls:
+        raise DriftlabError(f"Two interventions are named {kind!r}.", hint="Rename the plugin's kind.")
+    if getattr(cls, "hook", None) not in PLUGIN_HOOKS:
+        raise DriftlabError(f"Intervention {kind!r} acts through hook {getattr(cls, 'hook', None)!r}; a plugin "
+                            f"acts through {' or '.join(PLUGIN_HOOKS)}.", hint="Set `hook: ClassVar[Hook] = 'attention'`.")
+    KINDS[kind] = cls
+    return cls
+
+
+def plugin_interventions() -> list[str]:
+    """Register the interventions other packages declare (entry points `driftlab.interventions`)."""
+    from driftlab.plugins import load
+
+    found = load("driftlab.interventions")
+    for cls in found.values():
+        if cls not in KINDS.values():
+            register_intervention(cls)
+    return sorted(k for k in KINDS if k not in _BUILTIN)
+
+
+def _typed(item: Any) -> BaseIntervention:
+    """An intervention from a dict `{"kind": ..., ...}` (or one already built), by its kind's class."""
+    if isinstance(item, BaseIntervention):
+        return item
+    kind = item.get("kind") if isinstance(item, dict) else None
+    if kind not in KINDS:
+        plugin_interventions()
+    if kind not in KINDS:
+        raise ValueError(f"unknown intervention kind {kind!r}; known: {', '.join(KINDS)}")
+    return KINDS[kind].model_validate(item)
 
 
 class Interventions(BaseModel):
@@ -276,7 +319,12 @@ class Interventions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    items: tuple[Intervention, ...] = ()
+    items: tuple[SerializeAsAny[BaseIntervention], ...] = ()
+
+    @field_validator("items", mode="before")
+    @classmethod
+    def _by_kind(cls, items: Any) -> Any:
+        return tuple(_typed(i) for i in items) if isinstance(items, list | tuple) else items
 
     @model_validator(mode="after")
     def _compatible(self) -> Interventions:
@@ -378,6 +426,8 @@ def _parse_one(spec: str, heads: HeadSources | None = None) -> BaseIntervention:
     name, _, body = spec.strip().partition(":")
     name = name.strip().lower()
     if name not in KINDS:
+        plugin_interventions()  # another package's kind, declared through an entry point
+    if name not in KINDS:
         raise DriftlabError(
             f"Unknown intervention '{name}' in --steer {spec!r}{did_you_mean(name, KINDS)}.",
             hint="Known: " + "; ".join(c.form for c in KINDS.values()),
@@ -394,9 +444,10 @@ def _parse_one(spec: str, heads: HeadSources | None = None) -> BaseIntervention:
                                 f"--steer {spec!r}: 'kind' is not a setting.", hint=f"Write it as {form}.")
         fields[key] = value.strip()
     try:
-        return _ADAPTER.validate_python({"kind": name, **fields}, context={"heads": heads})
+        return KINDS[name].model_validate({"kind": name, **fields}, context={"heads": heads})
     except ValidationError as err:
-        raise DriftlabError(f"--steer {spec!r}: {_first_error(err, fields)}", hint=f"Write it as {form}.") from None
+        raise DriftlabError(f"--steer {spec!r}: {_first_error(err, fields, KINDS[name])}",
+                            hint=f"Write it as {form}.") from None
 
 
 def did_you_mean(given: Any, choices: Sequence[str] | dict) -> str:
@@ -410,13 +461,14 @@ def literal_choices(error: dict) -> list[str]:
     return re.findall(r"'([^']*)'", str((error.get("ctx") or {}).get("expected", "")))
 
 
-def _first_error(err: ValidationError, given: dict[str, str] | None = None) -> str:
+def _first_error(err: ValidationError, given: dict[str, str] | None = None,
+                 kind: type[BaseIntervention] | None = None) -> str:
     # A misspelt setting also leaves its real name missing: name the misspelling first.
     e = min(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
     key = next((str(p) for p in reversed(e["loc"]) if isinstance(p, str) and p in (given or {})), None)
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
-        kind = KINDS.get(str(e["loc"][0]))  # a discriminated union's errors start at the kind
+        kind = kind or KINDS.get(str(e["loc"][0]))  # a discriminated union's errors start at the kind
         settings = [f for f in kind.model_fields if f != "kind"] if kind else []
         return f"unknown setting '{e['loc'][-1]}'{did_you_mean(e['loc'][-1], settings)}."
     if e["type"] == "missing":
@@ -442,7 +494,7 @@ def _as_interventions(value: Any) -> Interventions:
 
 
 def _as_intervention(value: Any) -> BaseIntervention:
-    return _parse_one(value) if isinstance(value, str) else value
+    return _parse_one(value) if isinstance(value, str) else _typed(value)
 
 
 _SPECS = WithJsonSchema({"type": "array", "items": {"type": "string"}})
@@ -453,5 +505,5 @@ Steer = Annotated[Interventions, BeforeValidator(_as_interventions),
 #: The same, for protocols whose messages are model text (see `Interventions.for_dialogs`).
 DialogSteer = Annotated[Steer, AfterValidator(lambda iv: iv.for_dialogs())]
 #: One intervention as a config field (a sweep's grid point), stored as its spec.
-OneSteer = Annotated[Intervention, BeforeValidator(_as_intervention),
+OneSteer = Annotated[SerializeAsAny[BaseIntervention], BeforeValidator(_as_intervention),
                      PlainSerializer(lambda i: i.spec(), return_type=str), WithJsonSchema({"type": "string"})]
