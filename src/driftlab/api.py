@@ -253,8 +253,11 @@ def _run(make: Callable[[BackendSpec, ChatBackend | None], Any], backend: ChatBa
         rundir = run_protocol(protocol, out if out is not None else Path(tmp) / "run", progress=progress)
         from driftlab.report.results import summarize as results_of
 
+        results = results_of(rundir.path)
+        if out is not None:  # a run directory that stays says its results as `driftlab report` would
+            results.write(rundir.path)
         return Run(protocol.name, rundir.path if out is not None else None, rundir.read_manifest(),
-                   rundir.records(), summarize(rundir.path), results_of(rundir.path))
+                   rundir.records(), summarize(rundir.path), results)
 
 
 # -- keywords -> configs ----------------------------------------------------------------------------

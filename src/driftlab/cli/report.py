@@ -52,6 +52,11 @@ def summary_table(summary: RunSummary) -> Table:
     return table
 
 
+def _num(value: float, fmt: str) -> str:
+    """A number as `fmt`, or '-' where it is undefined (NaN: a constant score, too few values)."""
+    return format(value, fmt) if value == value else "-"
+
+
 def print_summary(run_dir: str | Path, console: Console | None = None) -> RunSummary:
     """Summarise a run directory and print its drift table (for the end of `driftlab run`)."""
     from rich.console import Console
@@ -100,11 +105,15 @@ def print_summary(run_dir: str | Path, console: Console | None = None) -> RunSum
         console.print(f"[yellow]Warning:[/] {failed} probes unscored: their measure failed (raised, or gave no score "
                       "in [0, 1]); each record's `error` says why.", highlight=False)
     for r in summary.judge.itertuples():
-        console.print(f"Judge vs measure ({r.target} probes, n={r.n}): Spearman rho {r.spearman:.2f} (p={r.spearman_p:.2g}), "
-                      f"same pass/fail at 0.5 {r.agree:.0%} [{r.agree_low:.0%}, {r.agree_high:.0%}], Cohen's kappa "
-                      f"{r.kappa:.2f}, mean |difference| {r.mad:.2f}"
-                      + (f"; {r.judge_errors} replies the judge did not rate" if r.judge_errors else "") + ".",
-                      highlight=False, markup=False)
+        unrated = f"; {r.judge_errors} replies the judge did not rate" if r.judge_errors else ""
+        if not r.n:
+            console.print(f"Judge vs measure ({r.target} probes): no reply scored by both{unrated}.",
+                          highlight=False, markup=False)
+            continue
+        console.print(f"Judge vs measure ({r.target} probes, n={r.n}): Spearman rho {_num(r.spearman, '.2f')} "
+                      f"(p={_num(r.spearman_p, '.2g')}), same pass/fail at 0.5 {r.agree:.0%} [{r.agree_low:.0%}, "
+                      f"{r.agree_high:.0%}], Cohen's kappa {_num(r.kappa, '.2f')}, mean |difference| {r.mad:.2f}"
+                      f"{unrated}.", highlight=False, markup=False)
     state = progress(summary)
     if not state["complete"]:
         counts = ", ".join(f"{state['present'][k]} of {n} {k}s" for k, n in state["expected"].items())

@@ -127,3 +127,6 @@ def run(
 
         summary = print_summary(rundir.path)
         typer.echo(f"report: {write_report(rundir.path, summary=summary)}")
+        from driftlab.report.results import summarize
+
+        typer.echo(f"results: {summarize(rundir.path).write(rundir.path)[0]}")
