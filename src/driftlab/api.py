@@ -303,7 +303,9 @@ def own_persona(system: str | None, probe: str | None, measure: str | Callable[[
         return Persona(system_prompt=system, probe=probe, measure=measure, params=params or {})
     except ValidationError as err:
         e = err.errors()[0]
-        field = {"system_prompt": "system", "params": "params"}.get(str(e["loc"][0]) if e["loc"] else "", "measure")
+        # params given apart (a dict, --measure-params) or inside a one-line measure (judge:model=...)
+        field = {"system_prompt": "system", "params": "params" if params else "measure"}.get(
+            str(e["loc"][0]) if e["loc"] else "", "measure")
         raise DriftlabError(f"Invalid {names[field]}: {e['msg'].removeprefix('Value error, ')}.",
                             hint="`driftlab personas measures` lists the measures and their parameters.") from None
 

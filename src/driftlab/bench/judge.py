@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from driftlab.bench.measures import parse_keywords
+from driftlab.bench.measures import parse_keywords, register_params
 
 JUDGE = "judge"
 RUBRIC = ("How fully does the reply follow the system prompt's instruction? 0 means it ignores it entirely, "
@@ -82,3 +82,6 @@ def verdict_score(verdict: str) -> float:
     if found is None:
         raise ValueError(f"the judge answered {verdict[:80]!r}, which holds no rating from 0 to 10")
     return int(found.group(1)) / 10
+
+
+register_params(JUDGE, JudgeParams)  # a persona's judge params are checked like any measure's

@@ -144,6 +144,12 @@ def parse_keywords(text: str) -> dict[str, str]:
     return out
 
 
+def register_params(name: str, model: type[BaseModel]) -> None:
+    """Make `validate_params` check the parameters of `name` by `model`: for a measure that is no
+    function of the text (the judge, `driftlab.bench.judge`), whose parameters are a model of their own."""
+    _PARAMS[name] = model
+
+
 _PLUGINS: dict[str, MeasureFn] = {}  # id -> a function another package declared (entry points)
 
 
@@ -171,7 +177,7 @@ def needs_complete(name: str) -> bool:
 
 def validate_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
     """`params` checked and coerced for measure `name` ("3" -> 3); ValueError with a readable message if they do not fit."""
-    if name not in MEASURES:
+    if name not in _PARAMS:
         raise ValueError(f"unknown measure {name!r}; known measures: {', '.join(sorted(MEASURES))}")
     model = _PARAMS[name]
     try:

@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from driftlab.bench.judge import JUDGE, JudgeParams
+from driftlab.bench.judge import JUDGE
 from driftlab.bench.measures import (
     MEASURES,
     needs_complete,
@@ -93,8 +93,6 @@ class Persona(BaseModel):
         if name is None:  # an unknown measure was already reported on its own field
             return params
         try:
-            if name == JUDGE:
-                return JudgeParams.model_validate(params).model_dump(exclude_unset=True)
             return validate_params(name, params)
         except ValueError as err:  # name the persona: a data file may hold many with one measure
             pid = info.data.get("id")

@@ -11,7 +11,9 @@ loaded when a name is not found among driftlab's own.
 
 from __future__ import annotations
 
+import difflib
 import importlib
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from driftlab.errors import DriftlabError
@@ -44,6 +46,11 @@ def register(cls: P) -> P:
     return cls
 
 
+def did_you_mean(given: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(given, list(choices), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
 def all_protocols() -> dict[str, type[Protocol]]:
     """Every protocol: driftlab's and those other packages declare (entry points `driftlab.protocols`)."""
     from driftlab.plugins import load
@@ -64,9 +71,9 @@ def protocol_class(name: str) -> type[Protocol]:
     if name not in PROTOCOLS:
         all_protocols()
     if name not in PROTOCOLS:
-        raise DriftlabError(f"Unknown protocol '{name}' in the manifest.",
-                            hint=f"This driftlab knows: {', '.join(sorted(PROTOCOLS))}. Upgrade driftlab, or install "
-                                 "the package whose plugin wrote the run.")
+        raise DriftlabError(f"Unknown protocol '{name}'{did_you_mean(name, PROTOCOLS)}.",
+                            hint=f"This driftlab knows: {', '.join(sorted(PROTOCOLS))} (`driftlab protocol list`). "
+                                 "A run's manifest names another? Upgrade driftlab, or install the plugin that wrote it.")
     return PROTOCOLS[name]
 
 

@@ -20,6 +20,7 @@ Safety rules:
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import shutil
@@ -30,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from driftlab.errors import DriftlabError
@@ -285,3 +287,16 @@ def _one_line(err: Exception) -> str:
         where = ".".join(str(p) for p in e["loc"])
         return f"{where}: {e['msg']}" if where else e["msg"]
     return str(err).split("\n")[0][:200]
+
+
+def jsonable(x: object) -> object:
+    """NaN and inf -> null, numpy scalars -> Python: for strict JSON."""
+    if isinstance(x, dict):
+        return {k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [jsonable(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x

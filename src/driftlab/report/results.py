@@ -19,18 +19,16 @@ recomputes a statistic differently); a protocol from another package summarises 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from driftlab.errors import DriftlabError
 from driftlab.protocol.registry import protocol_of
-from driftlab.records.rundir import RunDir
+from driftlab.records.rundir import RunDir, jsonable
 
 RESULTS_JSON = "results.json"
 RESULTS_CSV = "results.csv"
@@ -73,7 +71,7 @@ class Results:
 
     def to_dict(self) -> dict[str, Any]:
         return {"protocol": self.protocol, "identity": self.identity, "complete": self.complete,
-                "estimates": [_jsonable(asdict(e)) for e in self.estimates]}
+                "estimates": [jsonable(asdict(e)) for e in self.estimates]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Results:
@@ -242,16 +240,3 @@ def _num(v: Any) -> float:
         return float(v) if v is not None else NAN
     except (TypeError, ValueError):
         return NAN
-
-
-def _jsonable(value: Any) -> Any:
-    """NaN -> null and numpy scalars -> Python, for strict JSON."""
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value

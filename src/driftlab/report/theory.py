@@ -28,6 +28,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from driftlab.errors import DriftlabError
+from driftlab.records.rundir import jsonable
 from driftlab.theory import cone, embeddings, volume, wendel
 from driftlab.theory.checks import Check
 from driftlab.theory.cone import ConeResult, eps_tilde
@@ -62,18 +63,6 @@ def _markdown(checks: list[Check]) -> str:
         cells = [c.id, c.claim, c.measured, c.expected, c.status]
         lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _jsonable(x: object) -> object:
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, float) and not np.isfinite(x):
-        return None
-    return x
 
 
 
@@ -360,6 +349,6 @@ def write_theory(
         "timings_s": rep.timings,
         "versions": {"python": platform.python_version(), "numpy": np.__version__},
     }
-    (out / "summary.json").write_text(json.dumps(_jsonable(summary), indent=2))
+    (out / "summary.json").write_text(json.dumps(jsonable(summary), indent=2))
     rep.files.append(out / "summary.json")
     return rep
