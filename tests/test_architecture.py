@@ -24,6 +24,7 @@ LAYERS: list[set[str]] = [
     {"report", "serve"},
     {"pasta"},
     {"protocol"},
+    {"integrations"},
     {"chat"},
     {"steering"},
     {"attention", "theory"},

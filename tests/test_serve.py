@@ -88,7 +88,7 @@ def test_per_request_steer_replaces_the_default_and_changes_the_reply(server, sm
     ({**body(), "messages": [{"role": "user", "content": "x"}] * 9}, 422, "messages"),  # limit 8
     (body(driftlab={"steer": "split-softmax:k=7"}), 422, "driftlab.steer"),
     (body(driftlab={"steer": "warp:factor=2"}), 422, "driftlab.steer"),
-    (body(n=2), 422, "n"),
+    (body(n=17), 422, "n"),  # at most 16 choices
     (body(stop=["a", "b", "c", "d", "e"]), 422, "stop"),  # OpenAI's limit: 4
     ({**body(), "model": "gpt-4o"}, 404, "model"),
     (body("x" * 5000), 413, None),  # body limit 4096 bytes

@@ -175,8 +175,8 @@ def test_a_poisoned_batch_fails_only_its_poison(backend, smol32):
 def test_framework_errors_are_openai_json_and_types_are_strict(backend):
     app = create_app(backend, ServeSettings(docs=False))
     with serving(app) as url:
-        assert "Invalid URL (POST /v1/completions)" in openai_error(
-            httpx.post(f"{url}/v1/completions", json={}, timeout=TIMEOUT), 404)["message"]
+        assert "Invalid URL (POST /v1/embeddings)" in openai_error(
+            httpx.post(f"{url}/v1/embeddings", json={}, timeout=TIMEOUT), 404)["message"]
         r = httpx.get(f"{url}/v1/chat/completions", timeout=TIMEOUT)
         openai_error(r, 405)
         assert "POST" in r.headers["allow"]

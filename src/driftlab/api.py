@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["Run", "from_model", "load", "measure", "mmlu", "personas", "selfchat", "spec_of", "steer", "sweep",
            "trace"]
 
-_SAMPLING = tuple(Sampling.model_fields)  # max_new_tokens, temperature, top_p, greedy, ignore_eos
+_SAMPLING = tuple(Sampling.model_fields)  # max_new_tokens, temperature, top_p, greedy, ignore_eos, top_k, ...
 _RUNTIME = tuple(Runtime.model_fields)  # base_url, concurrency, ray, ...
 _SPECS: weakref.WeakKeyDictionary[Any, BackendSpec] = weakref.WeakKeyDictionary()  # backend -> how it was loaded
 

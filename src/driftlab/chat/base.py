@@ -20,7 +20,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_serializer,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from driftlab.errors import DriftlabError
 from driftlab.messages import Conversation, Message, validate_conversation
@@ -44,6 +52,14 @@ class Sampling(BaseModel):
     Defaults follow the drift papers (temperature 1.0, nucleus top-p 0.9). Seeds are not
     here: they belong to each generated row (`ChatRequest.seeds`), so a conversation's
     sample does not depend on which others share its batch.
+
+    The OpenAI/vLLM fields after `ignore_eos` mean what they mean in vLLM, and their defaults
+    change nothing: `logit_bias` is added to the logits, then `repetition_penalty` (over the
+    prompt and the generated tokens: a logit > 0 is divided by it, others multiplied) and
+    `frequency_penalty` / `presence_penalty` (over the generated tokens: logit -= f * count +
+    p * (count > 0)) apply, in greedy decoding too; `top_k` (0 or -1: off) and `min_p` (0: off)
+    only when sampling. At their defaults they are left out of a dump, so configs and
+    manifests written before they existed read and compare as they did.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -53,6 +69,61 @@ class Sampling(BaseModel):
     top_p: float = Field(0.9, gt=0.0, le=1.0, allow_inf_nan=False, description="nucleus mass, in (0, 1]")
     greedy: bool = False
     ignore_eos: bool = Field(False, description="always generate max_new_tokens (benchmarks)")
+    top_k: int = Field(0, ge=-1, description="sample among the k most likely tokens (0 or -1: all)")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False,
+                         description="drop tokens less likely than min_p times the most likely one (0: off)")
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False,
+                                      description="over prompt and generated tokens (1: off; > 1 discourages)")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
+                                     description="subtracted per earlier occurrence in the reply")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
+                                    description="subtracted once a token occurs in the reply")
+    logit_bias: tuple[tuple[int, float], ...] = Field(
+        (), description="token id -> bias in [-100, 100] added to its logit (given as a mapping)")
+    json_schema: str | None = Field(
+        None, description="constrain the reply to JSON valid under this schema (compact JSON text; "
+                          "driftlab.chat.constrain), after bias and penalties")
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off(cls, v: int) -> int:
+        return 0 if v == -1 else v  # vLLM's -1 and 0 both mean off: one value, so equal samplings compare equal
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_mapping(cls, v: Any) -> Any:
+        """A mapping {token id (an int or its decimal string): bias}, as OpenAI sends it, read as pairs."""
+        if isinstance(v, dict):
+            for key in v:
+                if isinstance(key, str) and not (key.isascii() and key.isdigit()):
+                    raise ValueError(f"token id {key!r} is not a non-negative integer")
+            return [(int(key), bias) for key, bias in v.items()]
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_pairs(cls, v: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        """Sorted (id, bias) pairs: hashable and order-free (a Sampling is a batch's grouping key)."""
+        for token, bias in v:
+            if token < 0:
+                raise ValueError(f"token id {token} is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias {bias:g} of token {token} is outside [-100, 100]")
+        if len({token for token, _ in v}) < len(v):
+            raise ValueError("a token id is given twice")
+        return tuple(sorted(v))
+
+    @field_serializer("logit_bias")
+    def _bias_as_mapping(self, v: tuple[tuple[int, float], ...]) -> dict[str, float]:
+        return {str(token): bias for token, bias in v}
+
+    @model_serializer(mode="wrap")
+    def _neutral_left_out(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for name in _NEUTRAL_LEFT_OUT:
+            if getattr(self, name) == Sampling.model_fields[name].default:
+                data.pop(name, None)
+        return data
 
     @field_validator("temperature")
     @classmethod
@@ -67,6 +138,24 @@ class Sampling(BaseModel):
         if self.temperature == 0.0 and not self.greedy:
             object.__setattr__(self, "greedy", True)
         return self
+
+    @property
+    def penalized(self) -> bool:
+        """Whether logit_bias or a penalty changes the logits (also before a greedy argmax)."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 \
+            or self.presence_penalty != 0.0
+
+    def check_vocab(self, vocab_size: int | None) -> None:
+        """A DriftlabError naming logit_bias if it names a token the model does not have."""
+        bad = [token for token, _ in self.logit_bias if vocab_size is not None and token >= vocab_size]
+        if bad:
+            raise DriftlabError(f"logit_bias: token id {bad[0]} is not in the model's vocabulary "
+                                f"(ids 0 to {vocab_size - 1}).")
+
+
+# Added after runs were recorded: a dump leaves them out at their defaults (see Sampling).
+_NEUTRAL_LEFT_OUT = ("top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
+                     "json_schema")
 
 
 @dataclass(frozen=True)
@@ -89,11 +178,15 @@ class Reply:
     trace: Trace | None = None  # pi per token, layer and head when tracing was asked for (local backend only)
     n_prompt_tokens: int = 0  # tokens the model was shown (0 where unknown)
     logprobs: list[TokenLogprob] | None = None  # per generated token, when ChatRequest.logprobs asked
+    end: TokenLogprob | None = None  # the end-of-turn token that ended it (not part of it), when logprobs asked
 
 
 @dataclass(frozen=True)
 class ChatRequest:
     """One batch of work for a backend: what to continue, how, and under which interventions.
+
+    A row is a conversation or, for local backends only, a prompt already rendered to tokens
+    (`Rendered`, e.g. raw text from `driftlab.chat.text.encode`), continued as it stands.
 
     `seeds[i]` is row i's own random stream (default: i). `cache_store[i]` is a hint that
     row i's KV is worth keeping because a later prompt extends it (dialog turns, not probe
@@ -106,10 +199,12 @@ class ChatRequest:
     row i's token limit below `sampling.max_new_tokens`, so requests that differ only in
     their limit share a batch (local backends only; others use `sampling`'s). `on_finish(row,
     reply)` receives a row's reply as soon as that row is done, while longer rows of its
-    batch still decode (local backends, without pi tracing; the returned list has it too).
+    batch still decode (local backends, without pi tracing; the returned list has it too). `on_logprob(row, entry)` receives each
+    generated token's log-prob entry (with `logprobs`) just before `on_token` sees the token
+    (streamed log-probs; local backends only).
     """
 
-    conversations: Sequence[Conversation]
+    conversations: Sequence[Conversation | Rendered]
     sampling: Sampling = Sampling()
     seeds: Sequence[int] | None = None
     interventions: Interventions = Interventions()
@@ -119,11 +214,13 @@ class ChatRequest:
     cancelled: Callable[[int], bool] | None = None
     row_max_tokens: Sequence[int] | None = None
     on_finish: Callable[[int, Reply], None] | None = None
+    on_logprob: Callable[[int, TokenLogprob], None] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.conversations)
         for i, conv in enumerate(self.conversations):
-            validate_conversation(conv, i)
+            if not isinstance(conv, Rendered):
+                validate_conversation(conv, i)
         for limit in self.row_max_tokens or ():
             if not 1 <= limit <= self.sampling.max_new_tokens:
                 raise DriftlabError(f"A row's token limit {limit} is outside [1, {self.sampling.max_new_tokens}].")
@@ -139,7 +236,9 @@ class ChatRequest:
 
     def local_only(self) -> list[str]:
         """The fields set here that only a local backend honours (streaming and serving hooks)."""
-        return [n for n in ("on_token", "cancelled", "on_finish", "row_max_tokens") if getattr(self, n) is not None]
+        fields = [n for n in ("on_token", "cancelled", "on_finish", "row_max_tokens", "on_logprob")
+                  if getattr(self, n) is not None]
+        return fields + (["rendered prompts"] if any(isinstance(c, Rendered) for c in self.conversations) else [])
 
     def row_seeds(self) -> list[int]:
         return [int(s) for s in self.seeds] if self.seeds is not None else list(range(len(self.conversations)))
@@ -231,6 +330,15 @@ class Rendered:
     system_span: tuple[int, int] | None  # [start, end) token positions, None without system message
     emphasis: tuple[tuple[int, int], ...] = ()  # token ranges a user emphasised (PASTA)
 
+    def without_system(self) -> Rendered:
+        """The prompt without its system span's tokens: classifier-free guidance's other row."""
+        if self.system_span is None:
+            raise DriftlabError("cfg needs the system span of a raw prompt, and this prompt has none.",
+                                hint="Name it (a character range or a marker), or render a chat prompt with a "
+                                     "system message.")
+        a, b = self.system_span
+        return Rendered(ids=self.ids[:a] + self.ids[b:], text=self.text, system_span=None)
+
     def spans(self) -> dict[str, list[tuple[int, int]]]:
         """Named token ranges for the attention engine: "system" and "emphasis" where present."""
         out: dict[str, list[tuple[int, int]]] = {}
@@ -251,6 +359,7 @@ class ModelShape:
     max_context: int | None = None  # positions the model was trained for (None: unknown)
     layer_types: tuple[str, ...] = ()  # e.g. "full_attention" / "sliding_attention" per layer, where declared
     sliding_window: int | None = None
+    vocab_size: int | None = None  # rows of the output logits (None: unknown)
 
     @property
     def sliding_layers(self) -> int:

@@ -30,6 +30,8 @@ from driftlab.chat.base import (
     TokenLogprob,
     validate_conversation,
 )
+from driftlab.chat.constrain import JsonConstraint
+from driftlab.chat.guidance import guide
 from driftlab.chat.loading import input_device, load_model
 from driftlab.chat.prefix_cache import PrefixCache
 from driftlab.chat.spec import BackendSpec
@@ -211,18 +213,20 @@ class HFChatBackend:
         """
         iv = request.interventions
         self.capabilities.require(self.name, iv)
-        convs = [iv.model_view(c) for c in request.conversations]
-        rendered = [self.render(c, interventions=iv) for c in convs]
+        convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in request.conversations]
+        rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
         seeds, store = request.row_seeds(), request.cache_store
         alpha = iv.guidance()
         if alpha is not None:
             # An emptied system prompt is no prompt to steer towards: the unconditional rows have no system span.
-            rendered += [replace(self.render(_without_system(c), interventions=iv), system_span=None) for c in convs]
+            rendered += [c.without_system() if isinstance(c, Rendered) else
+                         replace(self.render(_without_system(c), interventions=iv), system_span=None) for c in convs]
             seeds, store = seeds * 2, (list(store) * 2 if store is not None else None)
         replies = self._decode(
             [r.ids for r in rendered], request.sampling, seeds=seeds, interventions=[iv] * len(rendered),
             spans=[r.spans() for r in rendered], cache_store=store, guidance=alpha,
             logprobs=request.logprobs, on_token=request.on_token, cancelled=request.cancelled,
+            on_logprob=request.on_logprob,
             row_max_tokens=list(request.row_max_tokens) * (2 if alpha is not None else 1)
             if request.row_max_tokens is not None else None, on_finish=request.on_finish,
         )
@@ -343,7 +347,7 @@ class HFChatBackend:
             if alpha is not None:  # rows end with the same continuation, so positions align from the end
                 plain = self._teacher_forced(
                     [plain_rows[i] for i in chunk], [{} for _ in chunk], interventions, keep, conts)
-                logprobs = torch.log_softmax(_guide(torch.cat([logprobs, plain]), alpha), dim=-1)
+                logprobs = torch.log_softmax(guide(torch.cat([logprobs, plain]), alpha), dim=-1)
             for b, group in enumerate(groups[start : start + batch_size]):
                 for i in group:
                     n = n_cont[i]
@@ -418,6 +422,7 @@ class HFChatBackend:
         cancelled: Callable[[int], bool] | None = None,
         row_max_tokens: Sequence[int] | None = None,
         on_finish: Callable[[int, Reply], None] | None = None,
+        on_logprob: Callable[[int, TokenLogprob], None] | None = None,
     ) -> list[Reply]:
         """The core decode loop over token prompts, with each row's interventions.
 
@@ -433,7 +438,8 @@ class HFChatBackend:
         twin there: the row stops costing sampling, and a batch whose rows are all done ends;
         `row_max_tokens[b]` ends row b earlier than `sampling.max_new_tokens` (reason "length");
         `on_finish(row, reply)` hands over a row's reply as soon as it stops or hits its limit
-        (not with pi tracing, whose traces are assembled at the end).
+        (not with pi tracing, whose traces are assembled at the end); `on_logprob(row, entry)`
+        each token's log-prob entry, just before `on_token` sees the token.
         """
         if not prompts:
             return []
@@ -443,7 +449,7 @@ class HFChatBackend:
             if cancelled is not None and run.cancel(cancelled):
                 break
             nxt = run.sample()
-            run.take(nxt, on_token, row_max_tokens)
+            run.take(nxt, on_token, row_max_tokens, on_logprob)
             if run.done or step == sampling.max_new_tokens - 1:
                 break
             run.feed(run.compact(nxt))
@@ -647,6 +653,7 @@ def _shape(config) -> ModelShape:
         max_context=getattr(config, "max_position_embeddings", None),
         layer_types=tuple(getattr(text, "layer_types", None) or ()),
         sliding_window=getattr(text, "sliding_window", None),
+        vocab_size=getattr(text, "vocab_size", None),
     )
 
 
@@ -695,6 +702,10 @@ class _Decoding:
         self.real = B // 2 if guidance is not None else B  # rows whose replies are returned
         self.gens = [torch.Generator(device=backend.device).manual_seed(int(s)) for s in seeds]
         self.warpers = _warpers(sampling)
+        sampling.check_vocab(backend.shape.vocab_size)
+        self.penalties = _Penalties(sampling, self.prompts[: self.real]) if sampling.penalized else None
+        self.constraint = JsonConstraint(backend.tokenizer, backend.eos_ids, sampling.json_schema, self.real) \
+            if sampling.json_schema is not None else None
         self.sampled: list[list[int]] = [[] for _ in range(B)]  # includes the EOS that ended a row
         self.scored: list[list[TokenLogprob]] = [[] for _ in range(B)]
         self.finished = torch.zeros(B, dtype=torch.bool, device=backend.device)
@@ -777,16 +788,22 @@ class _Decoding:
 
     def sample(self) -> torch.Tensor:
         """The next token of every batch position (pad for finished ones); guidance twins get their
-        row's token. Records the log-probabilities asked for."""
-        mixed = self.logits if self.guidance is None else _guide(self.logits, self.guidance)
-        drawn = _sample(mixed, self.warpers, [self.gens[b] for b in self.live[: self.n_cond]])
+        row's token. Logit bias and penalties apply to the (mixed) logits, then a JSON constraint,
+        then the warpers; the log-probabilities asked for are the model's, before all of them."""
+        mixed = self.logits if self.guidance is None else guide(self.logits, self.guidance)
+        rows = self.live[: self.n_cond]
+        shaped = mixed if self.penalties is None else self.penalties(mixed, rows, self.sampled)
+        if self.constraint is not None:  # JSON: the tokens its grammar does not allow next get -inf
+            shaped = self.constraint(shaped, rows, self.sampled)
+        drawn = _sample(shaped, self.warpers, [self.gens[b] for b in rows])
         nxt = drawn if self.guidance is None else torch.cat([drawn, drawn])
         nxt = torch.where(self.finished, torch.full_like(nxt, self.backend.pad_id), nxt)
         self._top = _top_logprobs(mixed, nxt[: self.n_cond], self.logprobs) if self.logprobs is not None else None
         return nxt
 
     def take(self, nxt: torch.Tensor, on_token: Callable[[int, int], None] | None,
-             row_max_tokens: Sequence[int] | None) -> None:
+             row_max_tokens: Sequence[int] | None, on_logprob: Callable[[int, TokenLogprob], None] | None = None,
+             ) -> None:
         """Append each running row's token; end rows at EOS, a stop string or their own limit."""
         backend, ignore_eos = self.backend, self.sampling.ignore_eos
         tokens = nxt.tolist()  # one device-to-host copy per step, not one per row
@@ -797,6 +814,8 @@ class _Decoding:
             if i < self.n_cond:
                 if self._top is not None:
                     self.scored[b].append(self._top[i])
+                    if on_logprob is not None:
+                        on_logprob(b, self._top[i])
                 if on_token is not None:
                     on_token(b, tok)
             if row_max_tokens is not None and len(self.sampled[b]) >= row_max_tokens[b]:
@@ -856,7 +875,8 @@ class _Decoding:
             text = backend._cut_stop(text)
         return Reply(text=text.strip(), n_tokens=len(toks), finish_reason=self.reasons[b], token_ids=toks,
                      trace=trace, n_prompt_tokens=len(self.prompts[b]),
-                     logprobs=self.scored[b][: len(toks)] if self.logprobs is not None else None)
+                     logprobs=self.scored[b][: len(toks)] if self.logprobs is not None else None,
+                     end=self.scored[b][len(toks)] if ended and self.logprobs is not None else None)
 
     def finish(self) -> list[Reply]:
         """Store the prefixes still in the batch and return every row's reply (with its pi trace)."""
@@ -866,13 +886,6 @@ class _Decoding:
         # Guidance twins (b >= real) are dropped by `generate`: no trace to build for them.
         return [self.reply(b, self.backend._trace_of(rows[b], self.prompts[b], self.sampled[b], self.spans[b])
                            if b < self.real else None) for b in range(B)]
-
-def _guide(logits: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Persona-drift paper Eq. 5 over a batch whose second half is unconditional: lu + alpha (lc - lu)."""
-    n = logits.shape[0] // 2
-    cond, uncond = torch.log_softmax(logits[:n], dim=-1), torch.log_softmax(logits[n:], dim=-1)
-    return uncond + alpha * (cond - uncond)
-
 
 def _top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> list[TokenLogprob]:
     """Each row's chosen token's log-probability and its k most likely alternatives."""
@@ -886,17 +899,89 @@ def _top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> list[To
     return out
 
 
+class _Penalties:
+    """`logit_bias`, then the repetition, frequency and presence penalties (vLLM's definitions,
+    see `Sampling`), over each row's own tokens. Applied before the greedy argmax or the warpers.
+
+    Rows have ragged histories, so instead of transformers' processors (which read a
+    rectangular `input_ids`) each row keeps a mask of its prompt's tokens and counts of its
+    generated ones, updated with the tokens sampled since the last step; the repetition
+    penalty is the same arithmetic as transformers' `RepetitionPenaltyLogitsProcessor`.
+    """
+
+    def __init__(self, sampling: Sampling, prompts: Sequence[np.ndarray]) -> None:
+        self.sampling, self.prompts = sampling, prompts
+        self.started = False  # the tensors below are built at the first step, on the logits' device
+        self.counted = [0] * len(prompts)  # generated tokens of each row already in `counts`
+        self.counts: torch.Tensor | None = None  # [rows, vocab]: each generated token's count (penalties only)
+        self.in_prompt: torch.Tensor | None = None  # [rows, vocab]: the prompt's tokens (repetition penalty)
+        self.bias: torch.Tensor | None = None  # [vocab]
+
+    def _start(self, logits: torch.Tensor) -> None:
+        sampling, (V, device) = self.sampling, (logits.shape[-1], logits.device)
+        sampling.check_vocab(V)
+        self.started = True
+        if sampling.repetition_penalty != 1.0 or sampling.frequency_penalty or sampling.presence_penalty:
+            self.counts = torch.zeros((len(self.prompts), V), dtype=logits.dtype, device=device)
+        if sampling.repetition_penalty != 1.0:
+            self.in_prompt = torch.zeros((len(self.prompts), V), dtype=torch.bool, device=device)
+            for b, p in enumerate(self.prompts):  # a tokenizer's added tokens may lie past the logits
+                self.in_prompt[b, torch.from_numpy(p[p < V]).to(device)] = True
+        if sampling.logit_bias:
+            self.bias = torch.zeros(V, dtype=logits.dtype, device=device)
+            ids, values = zip(*sampling.logit_bias, strict=True)
+            self.bias[list(ids)] = torch.tensor(values, dtype=logits.dtype, device=device)
+
+    def __call__(self, logits: torch.Tensor, rows: list[int], sampled: list[list[int]]) -> torch.Tensor:
+        """`logits[i]` is row `rows[i]`'s; `sampled[b]` the tokens row b generated so far."""
+        if not self.started:
+            self._start(logits)
+        if self.bias is not None:
+            logits = logits + self.bias
+        if self.counts is None:
+            return logits
+        new = [(b, t) for b in rows for t in sampled[b][self.counted[b] :]]
+        for b in rows:
+            self.counted[b] = len(sampled[b])
+        if new:
+            at, tokens = (torch.tensor(x, device=logits.device) for x in zip(*new, strict=True))
+            self.counts.index_put_((at, tokens), torch.ones(len(new), dtype=self.counts.dtype,
+                                                             device=logits.device), accumulate=True)
+        sampling, index = self.sampling, torch.tensor(rows, device=logits.device)
+        counts = self.counts[index]
+        if self.in_prompt is not None:
+            seen = self.in_prompt[index] | (counts > 0)
+            p = sampling.repetition_penalty
+            logits = torch.where(seen, torch.where(logits < 0, logits * p, logits / p), logits)
+        if sampling.frequency_penalty:
+            logits = logits - sampling.frequency_penalty * counts
+        if sampling.presence_penalty:
+            logits = logits - sampling.presence_penalty * (counts > 0).to(logits.dtype)
+        return logits
+
+
 def _warpers(sampling: Sampling):
-    """transformers' temperature and nucleus warpers (None for greedy decoding)."""
+    """transformers' temperature, top-k, nucleus and min-p warpers, in that order (None for
+    greedy decoding, which they would not change)."""
     if sampling.greedy:
         return None
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     warpers = LogitsProcessorList()
     if sampling.temperature != 1.0:
         warpers.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k > 0:
+        warpers.append(TopKLogitsWarper(sampling.top_k))
     if sampling.top_p < 1.0:
         warpers.append(TopPLogitsWarper(sampling.top_p))
+    if sampling.min_p > 0.0:
+        warpers.append(MinPLogitsWarper(sampling.min_p))
     return warpers
 
 

@@ -50,6 +50,9 @@ TOP_LOGPROBS = 20  # the most OpenAI's API returns per position
 RETRY_STATUS = frozenset({408, 409, 429})  # plus every 5xx
 
 
+VLLM_EXTENSIONS = ("ignore_eos", "top_k", "min_p", "repetition_penalty")  # request fields OpenAI's API lacks
+
+
 class RequestLog:
     """Finished requests of a run, keyed by a hash of everything that determines the reply.
 
@@ -201,6 +204,23 @@ class OpenAIChatBackend:
             body.update(logprobs=True, top_logprobs=logprobs)
         if sampling.ignore_eos:
             body["ignore_eos"] = True  # vLLM's extension; benchmarks only
+        # Sent only where they change something, so a plain OpenAI endpoint (which lacks top_k,
+        # min_p and repetition_penalty, vLLM's extensions) and recorded request keys are as before.
+        if sampling.frequency_penalty:
+            body["frequency_penalty"] = sampling.frequency_penalty
+        if sampling.presence_penalty:
+            body["presence_penalty"] = sampling.presence_penalty
+        if sampling.logit_bias:
+            body["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias}
+        if sampling.repetition_penalty != 1.0:
+            body["repetition_penalty"] = sampling.repetition_penalty
+        if not sampling.greedy and sampling.top_k > 0:
+            body["top_k"] = sampling.top_k
+        if not sampling.greedy and sampling.min_p > 0.0:
+            body["min_p"] = sampling.min_p
+        if sampling.json_schema is not None:  # the server constrains (OpenAI, vLLM and driftlab serve do)
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "reply", "schema": json.loads(sampling.json_schema)}}
         return body
 
     def _run(self, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -237,7 +257,7 @@ class OpenAIChatBackend:
         if self.log is not None and key in self.log.done:
             return self.log.done[key]
         openai = self._openai
-        extra = {k: body[k] for k in ("ignore_eos",) if k in body}
+        extra = {k: body[k] for k in VLLM_EXTENSIONS if k in body}  # not in the SDK's signature
         kwargs = {k: v for k, v in body.items() if k not in extra}
         async with gate:
             for attempt in range(self.runtime.max_retries + 1):

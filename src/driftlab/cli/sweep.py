@@ -1,4 +1,4 @@
-"""`driftlab sweep`: stability vs MMLU cost for each mitigation over a grid of strengths (Fig. 5/6)."""
+"""`driftlab sweep`: stability vs MMLU (or lm-eval task) cost for each mitigation over a grid of strengths (Fig. 5/6)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,14 @@ from driftlab.cli.options import (
     build,
 )
 
+DEFAULT_METHODS = "split-softmax,spr,cfg,instaboost"
+
 
 @backend_options(remote=True, ray=True)
 def sweep(
     out: Annotated[Path, typer.Option("--out", "-o", help="Sweep directory (created, or resumed if it exists).")],
     backend: BackendSpec,
-    methods: Annotated[str, typer.Option(help="Comma-separated methods with their default grids.")] = (
-        "split-softmax,spr,cfg,instaboost"),
+    methods: Annotated[str, typer.Option(help="Comma-separated methods with their default grids.")] = DEFAULT_METHODS,
     point: Annotated[list[str] | None, typer.Option(
         "--point", help="A grid point as a --steer spec (repeatable); replaces the default grids; more points than a sweep recorded are added to it.")] = None,
     pairs: Annotated[int, typer.Option(help="Use the first N of the 20 ordered pairs of the 5 sweep personas.")] = 20,
@@ -53,8 +54,21 @@ def sweep(
     seed: Annotated[int, typer.Option(help="Seed of dialogs, samples and questions.")] = 0,
     data: MMLUDataOpt = None,
     batch_size: Annotated[int, typer.Option(help="Most conversations generated together in one batch.")] = 32,
+    benchmark: Annotated[str, typer.Option(
+        help="What prices each point: 'mmlu' (MMLU at --mmlu-turn of the point's dialog) or 'lm-eval:TASK', an "
+             "lm-evaluation-harness task (a registered name, or one from --benchmark-include) run on the local "
+             "model under the point's steer, with an agent persona's system prompt; needs `pip install lm-eval`, "
+             "and offline the task's dataset in the Hugging Face cache.")] = "mmlu",
+    benchmark_include: Annotated[Path | None, typer.Option(
+        help="A folder of lm-eval task YAMLs (lm-eval's --include_path) that --benchmark lm-eval:TASK may name.")] = None,
+    benchmark_n: Annotated[int | None, typer.Option(
+        help="Items of the lm-eval task per point, a seeded sample (default 100; all where the task has fewer).")] = None,
 ) -> None:
     """Measure persona stability and MMLU drop for every (method, strength), then plot the trade-off.
+
+    --benchmark lm-eval:TASK prices the points by an lm-eval task instead of MMLU (columns
+    bench_* instead of mmlu_*; spr, which edits the conversation, cannot be priced so and is
+    left out of the default methods).
 
     One model load serves every point; each point's self-chat and MMLU runs are resumable
     run directories under OUT/points/. Writes sweep.csv, sweep_tradeoff.png (Fig. 5),
@@ -77,6 +91,10 @@ def sweep(
             (item,) = Interventions.parse([spec]).items
             grid.setdefault(item.kind, []).append(item)
     else:
+        if benchmark != "mmlu" and methods == DEFAULT_METHODS:  # lm-eval sends raw text: no conversation edits
+            methods = ",".join(m for m in GRID if GRID[m][0].hook != "conversation")
+            Console(stderr=True).print(f"sweep: --benchmark {benchmark}: methods {methods} (spr edits the conversation, "
+                                       "which lm-eval's raw text has not).", highlight=False, markup=False)
         chosen = [m.strip() for m in methods.split(",") if m.strip()]
         unknown = [m for m in chosen if m not in GRID]
         if unknown or not chosen:
@@ -93,18 +111,22 @@ def sweep(
                    starters=starters, sampling=sampling, probe_tokens=probe_tokens, seed=seed, mmlu_n=mmlu_n, mmlu_turn=mmlu_turn,
                    mmlu_turn_counting=mmlu_turn_counting, mmlu_history=mmlu_history,
                    mmlu_histories=histories, mmlu_ties=ties,
-                   data=str(data) if data else None, batch_size=batch_size)
+                   data=str(data) if data else None, batch_size=batch_size, benchmark=benchmark,
+                   benchmark_include=str(benchmark_include) if benchmark_include else None, benchmark_n=benchmark_n)
     run_protocol(Sweep(config), out)
     from driftlab.report.sweep import power_notes, write_sweep_report  # matplotlib: only once the run is done
     page = write_sweep_report(out, match_drop)
     table = pd.read_csv(Path(out) / "sweep.csv")
     console = Console(stderr=True)
+    cost = "mmlu" if "mmlu_drop" in table.columns else "bench"  # an lm-eval sweep's columns: bench_*
     cols = ["spec", "stability", "stability_gain", "gain_n", "gain_p", "gain_p_holm", "mmlu_accuracy", "mmlu_drop",
             "mmlu_n", "mmlu_p", "mmlu_p_holm"]
+    cols = [c.replace("mmlu_", f"{cost}_") for c in cols]
     console.print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}", na_rep="-"),
                   highlight=False, markup=False)
-    console.print(f"gain: Wilcoxon signed-rank over conversations; drop: {table.mmlu_method.dropna().iloc[-1]} "
-                  f"({int(table.mmlu_dialogs.max())} dialog(s)); p_holm: Holm over the sweep's points.",
+    units = "dialog(s)" if cost == "mmlu" else f"persona(s); {table.benchmark.iloc[0]} {table.bench_metric.iloc[0]}"
+    console.print(f"gain: Wilcoxon signed-rank over conversations; drop: {table[f'{cost}_method'].dropna().iloc[-1]} "
+                  f"({int(table[f'{cost}_dialogs'].max())} {units}); p_holm: Holm over the sweep's points.",
                   highlight=False, markup=False)
     for row in table.itertuples():
         if isinstance(row.warning, str) and row.warning:

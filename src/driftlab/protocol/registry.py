@@ -27,6 +27,7 @@ P = TypeVar("P", bound=type)
 MODULES = (
     "driftlab.protocol.selfchat",
     "driftlab.protocol.mmlu",
+    "driftlab.protocol.lmeval",
     "driftlab.protocol.calibrate",
     "driftlab.protocol.sweep",
     "driftlab.protocol.decay",

@@ -17,6 +17,13 @@ For every point (method, strength) of a grid, on one loaded backend:
   counted as the paper's reference code counts turns (`mmlu_turn_counting`, see
   `driftlab.protocol.mmlu.question_round`).
 
+`benchmark` says what prices a point: "mmlu" (the default, all of the above) or
+"lm-eval:<task>", an lm-evaluation-harness task run on the point's model under its steer
+(`driftlab.protocol.lmeval`: a seeded sample of `benchmark_n` items, asked under the agent
+personas' system prompts, the drop tested per item as MMLU's per question); its records are
+then `RUN/points/<spec>/benchmark/` instead of `.../mmlu/`. Sweeps recorded before the option
+priced by MMLU (`LEGACY`).
+
 The plain model is the point (none, 0). Every point is a pair of resumable run directories
 under `RUN/points/<spec>/`, all continuing one plan recorded in the sweep's manifest (the
 self-chat's personas and starters, the MMLU questions), so a killed sweep resumes, a
@@ -47,6 +54,8 @@ from driftlab.bench.starters import StarterSetName
 from driftlab.chat.base import Sampling
 from driftlab.console import err_console
 from driftlab.errors import DriftlabError
+from driftlab.protocol import lmeval
+from driftlab.protocol.lmeval import LMEvalBench, LMEvalConfig
 from driftlab.protocol.mmlu import (
     MMLU,
     MMLUConfig,
@@ -152,6 +161,11 @@ class SweepConfig(ProtocolConfig):
     history_tokens: int = Field(64, ge=1, le=32768)
     data: str | None = None
     batch_size: int = Field(32, ge=1, le=4096)
+    benchmark: str = Field("mmlu", description="what prices a point: 'mmlu' or 'lm-eval:<task>' (an "
+                                               "lm-evaluation-harness task)")
+    benchmark_include: str | None = Field(None, description="a folder of lm-eval task YAMLs (lm-eval benchmarks only)")
+    benchmark_n: int | None = Field(None, ge=1, le=1_000_000, description="items of the lm-eval task per point, a "
+                                                                          "seeded sample (default 100; lm-eval only)")
 
     # The grid is compared point by point when the sweep starts its units (`Sweep._add_points`):
     # a resume may add points, never drop one.
@@ -159,7 +173,8 @@ class SweepConfig(ProtocolConfig):
     # Sweeps recorded before these options: MMLU at a round, after a separate self-chat.
     LEGACY: ClassVar[dict[str, Any]] = {"mmlu_turn_counting": "round", "mmlu_history": "selfchat", "mmlu_ties": "first",
                                         "mmlu_histories": 1, "probe_after": "user",
-                                        "probe_tokens": "turn"}
+                                        "probe_tokens": "turn", "benchmark": "mmlu", "benchmark_include": None,
+                                        "benchmark_n": None}
 
     _probe_budget = field_validator("probe_tokens", mode="before")(probe_budget)
 
@@ -176,14 +191,49 @@ class SweepConfig(ProtocolConfig):
         question_round(turn, info.data.get("mmlu_turn_counting", "paper"))
         return turn
 
+    @field_validator("benchmark")
+    @classmethod
+    def _known_benchmark(cls, benchmark: str) -> str:
+        task = lmeval.task_of(benchmark)
+        if benchmark != "mmlu" and (not task or task != task.strip() or any(c.isspace() for c in task)):
+            raise ValueError("use 'mmlu' or 'lm-eval:<task>' (an lm-evaluation-harness task name)")
+        return benchmark
+
+    @model_validator(mode="after")
+    def _benchmark_options(self) -> SweepConfig:
+        """lm-eval options only with an lm-eval benchmark; its sample size recorded as run (default 100);
+        no point it cannot run (an intervention that edits the conversation: lm-eval sends raw text)."""
+        if self.task is None:
+            if self.benchmark_include is not None or self.benchmark_n is not None:
+                raise ValueError("--benchmark-include and --benchmark-n apply to --benchmark lm-eval:<task>; MMLU's "
+                                 "size is --mmlu-n")
+            return self
+        if self.benchmark_n is None:
+            object.__setattr__(self, "benchmark_n", 100)
+        edits = sorted({p.kind for points in self.grid.values() for p in points if p.hook == "conversation"})
+        if edits:
+            raise ValueError(f"{', '.join(edits)} edits the conversation, and lm-eval sends raw text: an lm-eval "
+                             f"benchmark cannot price it (leave it out of the grid, or use --benchmark mmlu)")
+        return self
+
+    @property
+    def task(self) -> str | None:
+        """The lm-eval task of an lm-eval benchmark (None: MMLU)."""
+        return lmeval.task_of(self.benchmark)
+
+    @property
+    def children(self) -> tuple[str, str]:
+        """A point's run directories: its self-chat and what prices it."""
+        return children(self.benchmark)
+
     @model_validator(mode="after")
     def _dialog_long_enough(self) -> SweepConfig:
         needed = question_round(self.mmlu_turn, self.mmlu_turn_counting) - 1
-        if self.mmlu_history == "dialog" and needed > self.rounds:
+        if self.task is None and self.mmlu_history == "dialog" and needed > self.rounds:
             raise ValueError(f"the MMLU question at turn {self.mmlu_turn} ({self.mmlu_turn_counting} counting) "
                              f"follows {needed} rounds of the point's dialog, which has {self.rounds}")
-        if self.mmlu_history == "dialog" and self.pair_ids and self.mmlu_histories > len(self.pair_ids):
-            raise ValueError(f"MMLU over {self.mmlu_histories} dialogs needs as many persona pairs; the sweep has "
+        if (self.mmlu_history == "dialog" or self.task) and self.pair_ids and self.mmlu_histories > len(self.pair_ids):
+            raise ValueError(f"{'MMLU' if self.task is None else 'lm-eval'} over {self.mmlu_histories} dialogs needs as many persona pairs; the sweep has "
                              f"{len(self.pair_ids)}")
         return self
 
@@ -228,6 +278,14 @@ class SweepConfig(ProtocolConfig):
             histories=self.mmlu_histories, ties=self.mmlu_ties, seed=self.seed, history_tokens=self.history_tokens, data=self.data, plain=point is None,
         )
 
+    def bench(self, point: BaseIntervention | None) -> LMEvalConfig:
+        """The point's lm-eval benchmark (an lm-eval sweep only)."""
+        if self.task is None:
+            raise ValueError("an MMLU sweep has no lm-eval benchmark")
+        return LMEvalConfig(backend=self.backend, task=self.task, include=self.benchmark_include,
+                            n=self.benchmark_n or 100, steer=[point] if point else [], histories=self.mmlu_histories,
+                            seed=self.seed, batch_size=self.batch_size)
+
 
 def point_dir(out: str | Path, spec: str) -> Path:
     """RUN/points/<spec> of a point's `--steer` spec ('' for the plain model)."""
@@ -236,18 +294,33 @@ def point_dir(out: str | Path, spec: str) -> Path:
 
 @register
 class Sweep(Protocol[SweepConfig]):
-    """Every point of the grid on one backend: a unit is one point (its self-chat, then its MMLU run)."""
+    """Every point of the grid on one backend: a unit is one point (its self-chat, then its MMLU or lm-eval run)."""
 
     name = "sweep"
     records = TypeAdapter(dict)  # none of its own: its records live in the point directories
 
     def check(self) -> None:
-        SelfChat(self.config.selfchat(None)).check()
-        MMLU(self.config.mmlu(None)).check()
+        cfg = self.config
+        if cfg.task is not None:  # before any model loads: lm-eval, a local model, the task, its data and metric
+            lmeval.require_lm_eval()
+            lmeval.require_local(cfg.backend)
+            lmeval.check_task(cfg.task, cfg.benchmark_include)
+        SelfChat(cfg.selfchat(None)).check()
+        if cfg.task is None:
+            MMLU(cfg.mmlu(None)).check()
+
+    def require(self) -> None:
+        if self.config.task is not None:  # a resume too (`check` runs for new sweeps only)
+            LMEvalBench(self.config.bench(None), self.backend).require()
 
     def plan(self) -> dict[str, Any]:
-        return {"selfchat": SelfChat(self.config.selfchat(None)).draw_plan(),
-                "mmlu": MMLU(self.config.mmlu(None)).draw_plan()}
+        cfg = self.config
+        selfchat = SelfChat(cfg.selfchat(None)).draw_plan()
+        if cfg.task is None:
+            return {"selfchat": selfchat, "mmlu": MMLU(cfg.mmlu(None)).draw_plan()}
+        bench = LMEvalBench(cfg.bench(None)).draw_plan()
+        return {"selfchat": selfchat,
+                "benchmark": {**bench, "systems": lmeval.personas_plan(selfchat, cfg.mmlu_histories)}}
 
     def describe(self) -> dict[str, Any]:
         return {"points": [p.spec() if p else "" for _, p in self.config.points()],
@@ -300,6 +373,10 @@ class Sweep(Protocol[SweepConfig]):
         self._redo_if_stale(where, point)
         run_protocol(SelfChat(cfg.selfchat(point), self.backend), where / "selfchat", plan=self._plan["selfchat"],
                      progress=self.progress)
+        if cfg.task is not None:
+            run_protocol(LMEvalBench(cfg.bench(point), self.backend), where / "benchmark",
+                         plan=self._plan["benchmark"], progress=self.progress)
+            return []
         run_protocol(MMLU(cfg.mmlu(point), self.backend), where / "mmlu", plan=self._mmlu_plan(where, point),
                      progress=self.progress)
         return []
@@ -317,25 +394,28 @@ class Sweep(Protocol[SweepConfig]):
     def _expected(self, point: BaseIntervention | None) -> dict[str, dict[str, Any]]:
         """The manifests (as far as `point_differences` compares them) this sweep writes for a point now."""
         cfg, agent = self.config, self.backend.describe()
-        mmlu_plan = dict(self._plan["mmlu"])
+        mmlu_plan = dict(self._plan.get("mmlu") or {})
         mmlu = cfg.mmlu(point)
-        if cfg.mmlu_history == "dialog" and mmlu.round:
+        if cfg.task is None and cfg.mmlu_history == "dialog" and mmlu.round:
             entries = [{"from": HISTORY_FROM, "pair": p["pair"], "condition": "persona", "rounds": mmlu.round - 1,
                         "agent": p["agent"], "user": p["user"], "starter": p["starter"]}
                        for p in self._plan["selfchat"]["pairs"][: cfg.mmlu_histories]]
             mmlu_plan["history"] = entries[0] if cfg.mmlu_histories == 1 else entries
         common = {"versions": versions()}
-        return {
-            "selfchat": {"config": cfg.selfchat(point).model_dump(mode="json"), **self._plan["selfchat"], **common,
-                         "models": {"agent": agent, "user": agent}},
-            "mmlu": {"config": mmlu.model_dump(mode="json"), **mmlu_plan, **common, "models": {"agent": agent}},
-        }
+        out = {"selfchat": {"config": cfg.selfchat(point).model_dump(mode="json"), **self._plan["selfchat"], **common,
+                            "models": {"agent": agent, "user": agent}}}
+        if cfg.task is not None:
+            out["benchmark"] = {"config": cfg.bench(point).model_dump(mode="json"), **self._plan["benchmark"],
+                                **common, "models": {"agent": agent}}
+            return out
+        return {**out, "mmlu": {"config": mmlu.model_dump(mode="json"), **mmlu_plan, **common,
+                                "models": {"agent": agent}}}
 
     def _redo_if_stale(self, where: Path, point: BaseIntervention | None) -> None:
         """Move a point run by other code, data or settings than this sweep's to RUN/stale/ (and so run it
         again): its records could not be combined with the others'."""
         expected = self._expected(point)
-        diffs = [f"{child}: {d}" for child in CHILDREN if RunDir(where / child).exists()
+        diffs = [f"{child}: {d}" for child in self.config.children if RunDir(where / child).exists()
                  for d in point_differences(RunDir(where / child).read_manifest(), expected[child], child)]
         if not diffs:
             return
@@ -353,9 +433,15 @@ class Sweep(Protocol[SweepConfig]):
 
 
 HISTORY_FROM = "../selfchat"  # a point's MMLU history: its own self-chat, beside its MMLU run
-CHILDREN = ("selfchat", "mmlu")
-CONFIGS: dict[str, type[ProtocolConfig]] = {"selfchat": SelfChatConfig, "mmlu": MMLUConfig}
-PLAN_KEYS = ("pairs", "personas", "questions", "inputs", "history")
+CHILDREN = ("selfchat", "mmlu")  # an MMLU sweep's; an lm-eval sweep's: `children`
+CONFIGS: dict[str, type[ProtocolConfig]] = {"selfchat": SelfChatConfig, "mmlu": MMLUConfig, "benchmark": LMEvalConfig}
+PLAN_KEYS = ("pairs", "personas", "questions", "inputs", "history", "benchmark", "items", "systems")
+
+
+def children(benchmark: str = "mmlu") -> tuple[str, str]:
+    """A point's run directories under a sweep priced by `benchmark`: its self-chat, and its MMLU run
+    ("mmlu") or its lm-eval run ("benchmark")."""
+    return CHILDREN if lmeval.task_of(benchmark) is None else ("selfchat", "benchmark")
 INTERVENTION_KEYS = ("steer", "plain")  # the one thing the points of a sweep may differ in
 RUN_PLACE_KEYS = ("device", "device_map", "path")  # where a model ran, not what it is
 PULL_KEYS = ("pulled_at", "seconds")  # when and how fast a preset was pulled, not what it is (its sha256 is)
@@ -410,13 +496,15 @@ def _short(value: Any) -> str:
 
 def check_points(out: str | Path) -> None:
     """Refuse a sweep whose points differ in anything but the intervention (code version, sampling,
-    data hashes, model, seeds, pairs, questions): each point's self-chat and MMLU manifests are
-    compared with the plain point's."""
+    data hashes, model, seeds, pairs, questions): each point's self-chat and MMLU (or lm-eval)
+    manifests are compared with the plain point's."""
     out = Path(out)
-    specs = RunDir(out).read_manifest().get("points", [])
-    base = {child: RunDir(point_dir(out, "") / child).read_manifest() for child in CHILDREN}
+    manifest = RunDir(out).read_manifest()
+    specs = manifest.get("points", [])
+    kids = children(config_of(manifest).get("benchmark") or "mmlu")
+    base = {child: RunDir(point_dir(out, "") / child).read_manifest() for child in kids}
     for spec in specs[1:]:
-        for child in CHILDREN:
+        for child in kids:
             manifest = RunDir(point_dir(out, spec) / child).read_manifest()
             diffs = point_differences(base[child], manifest, child, intervention=False)
             if diffs:

@@ -166,15 +166,16 @@ def _sweep(run_dir: Path) -> list[Estimate]:
 
     table = sweep_table(run_dir)
     keys = ["method", "spec"]
+    c = "mmlu" if "mmlu_drop" in table.columns else "bench"  # a sweep priced by an lm-eval task: bench_* (its drop)
     steered = table[table.method != "plain"]  # each point against plain: plain has no difference of its own
     return [*_frame(table, "stability", "stability", keys, low="stability_ci_low", high="stability_ci_high",
                     interval="stability_ci_method", n="n_conversations"),
             *_frame(steered[steered.gain_n.notna()], "gain", "stability_gain", keys, low="stability_gain_ci_low",
                     high="stability_gain_ci_high", interval="gain_ci_method", test="gain_method", p="gain_p",
                     p_holm="gain_p_holm", n="gain_n"),
-            *_frame(steered[steered.mmlu_drop.notna()], "mmlu_drop", "mmlu_drop", keys, low="mmlu_drop_ci_low",
-                    high="mmlu_drop_ci_high", interval="mmlu_ci_method", test="mmlu_method", p="mmlu_p",
-                    p_holm="mmlu_p_holm", n="mmlu_n")]
+            *_frame(steered[steered[f"{c}_drop"].notna()], f"{c}_drop", f"{c}_drop", keys, low=f"{c}_drop_ci_low",
+                    high=f"{c}_drop_ci_high", interval=f"{c}_ci_method", test=f"{c}_method", p=f"{c}_p",
+                    p_holm=f"{c}_p_holm", n=f"{c}_n")]
 
 
 def _calibrate(run_dir: Path) -> list[Estimate]:

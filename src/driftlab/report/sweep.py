@@ -12,6 +12,14 @@ CUT_FLAG), the stability gain again without cut probes (sensitivity), and MMLU a
 collapsed onto one letter or tied. `power_notes` says how many pairs and questions a given
 effect needs.
 
+A sweep priced by an lm-eval task (`--benchmark lm-eval:<task>`) pairs its items the same way
+(`driftlab.protocol.lmeval`: the task's 0/1 metric per item, the same McNemar / cluster test,
+Newcombe interval and Holm family); its columns are named `bench_*` where an MMLU sweep's are
+`mmlu_*` (`bench_top_choice` for `mmlu_top_letter`: the option index chosen most), beside
+`benchmark` (e.g. "lm-eval:arc_easy") and `bench_metric` (e.g. "acc"), so an MMLU sweep's table
+is as it always was and no lm-eval figure is read as MMLU's. The figures and pages read
+either (`cost_view`) and name the benchmark.
+
 Fig. 5: stability (mean agent probe score over rounds and conversations) against the MMLU
 drop, one curve per method through its strengths, all starting at the plain model.
 Fig. 6: stability per round for each method at a matched MMLU drop: for each method the
@@ -29,6 +37,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from driftlab.errors import DriftlabError
+from driftlab.protocol import lmeval
 from driftlab.protocol.mmlu import answer_health, answers, dialogs_of, drop_test
 from driftlab.protocol.runner import config_of
 from driftlab.protocol.sweep import check_points, point_dir
@@ -58,7 +67,10 @@ def sweep_table(out: str | Path) -> pd.DataFrame:
     if manifest.get("protocol") != "sweep" or manifest.get("completed") is not True:
         raise DriftlabError(f"{out} is not a finished sweep.", hint="Run (or resume) the same `driftlab sweep` command.")
     check_points(out)  # points that differ in more than the intervention are never combined
-    grid = config_of(manifest).get("grid", {})
+    config = config_of(manifest)
+    grid = config.get("grid", {})
+    task = lmeval.task_of(config.get("benchmark") or "mmlu")
+    label = "MMLU" if task is None else f"{task} {_bench_plan(out)['metric']}"
     rows: list[dict] = []
     gains: list[PairedTest | None] = []
     gains_uncut: list[PairedTest | None] = []
@@ -66,12 +78,19 @@ def sweep_table(out: str | Path) -> pd.DataFrame:
     plain_correct: dict[int, float] = {}
     plain_stability = plain_uncut = pd.Series(dtype=float)
     plain_cut: dict[str, float] = {}
-    dialogs = dialogs_of(point_dir(out, "") / "mmlu")
+    dialogs = dialogs_of(point_dir(out, "") / "mmlu") if task is None else lmeval.dialogs_of(
+        point_dir(out, "") / "benchmark")
     for spec in manifest["points"]:
         method = spec.split(":", 1)[0] if spec else "plain"
         where = point_dir(out, spec)
-        answered = answers(where / "mmlu")["steered" if spec else "plain"]
-        steered = {i: float(r.correct) for i, r in answered.items()}
+        if task is None:
+            answered = answers(where / "mmlu")["steered" if spec else "plain"]
+            steered = {i: float(r.correct) for i, r in answered.items()}
+            health = answer_health(answered)
+        else:  # the task's 0/1 metric per item, paired by doc_id
+            items = lmeval.answers(where / "benchmark")["steered" if spec else "plain"]
+            steered = {i: r.value for i, r in items.items()}
+            health = lmeval.answer_health(items)
         summary = summarize_run(where / "selfchat")
         ov = summary.overall
         agent = ov[(ov.target == "agent") & (ov.category == "all")].iloc[0]
@@ -85,7 +104,6 @@ def sweep_table(out: str | Path) -> pd.DataFrame:
         gains_uncut.append(paired_test(uncut.to_dict(), plain_uncut.to_dict(), method="wilcoxon") if spec else None)
         diffs = (per_conv - plain_stability).dropna()
         drops.append(drop_test(plain_correct, steered, dialogs) if spec else None)
-        health = answer_health(answered)
         rows.append({
             "method": method, "spec": spec or "plain", "strength_rank": grid[method].index(spec) + 1 if spec else 0,
             "stability": agent["mean"], "stability_ci_low": agent["ci_low"], "stability_ci_high": agent["ci_high"],
@@ -104,10 +122,19 @@ def sweep_table(out: str | Path) -> pd.DataFrame:
         row.update({"gain_uncut": gain_uncut.diff.estimate if gain_uncut else 0.0,
                     "gain_uncut_p": gain_uncut.p if gain_uncut else NAN,
                     "gain_uncut_p_holm": gain_uncut.p_adjusted if gain_uncut else NAN})
-        row["warning"] = "; ".join(_warnings(row, gain, gain_uncut, d))
+        row["warning"] = "; ".join(_warnings(row, gain, gain_uncut, d, label))
     table = pd.DataFrame(rows)[COLUMNS]
+    if task is not None:
+        table = table.rename(columns=BENCH_NAMES)
+        table.insert(table.columns.get_loc("bench_accuracy"), "benchmark", config["benchmark"])
+        table.insert(table.columns.get_loc("bench_accuracy"), "bench_metric", _bench_plan(out)["metric"])
     table.to_csv(out / "sweep.csv", index=False)
     return table
+
+
+def _bench_plan(out: Path) -> dict:
+    """The lm-eval benchmark a sweep's points ran (task, metric, filter, ...), as the plain point recorded it."""
+    return RunDir(point_dir(out, "") / "benchmark").read_manifest()["benchmark"]
 
 
 COLUMNS = ["method", "spec", "strength_rank", "stability", "stability_ci_low", "stability_ci_high",
@@ -119,9 +146,25 @@ COLUMNS = ["method", "spec", "strength_rank", "stability", "stability_ci_low", "
            "mmlu_dialogs", "mmlu_lost", "mmlu_gained", "mmlu_method", "mmlu_p", "mmlu_p_holm", "mmlu_top_letter",
            "mmlu_top_share", "mmlu_collapsed", "mmlu_tied", "n_conversations", "warning"]
 NAN = float("nan")
+#: An lm-eval sweep's names of the MMLU columns (`sweep_table`); `cost_view` reads them back.
+BENCH_NAMES = {c: "bench_top_choice" if c == "mmlu_top_letter" else "bench_" + c.removeprefix("mmlu_")
+               for c in COLUMNS if c.startswith("mmlu_")}
 
 
-def _warnings(row: dict, gain: PairedTest | None, gain_uncut: PairedTest | None, d: PairedTest | None) -> list[str]:
+def cost_view(table: pd.DataFrame) -> tuple[pd.DataFrame, str, str]:
+    """(the table with the MMLU column names, what prices it, what its items are called): an MMLU
+    sweep's as it is, "MMLU", "questions"; an lm-eval sweep's renamed back (`BENCH_NAMES`), e.g.
+    "arc_easy acc", "items"."""
+    if "bench_drop" not in table.columns:
+        return table, "MMLU", "questions"
+    view = table.rename(columns={v: k for k, v in BENCH_NAMES.items()})
+    task = lmeval.task_of(str(view.benchmark.iloc[0])) if len(view) else "lm-eval"
+    metric = str(view.bench_metric.iloc[0]) if len(view) else ""
+    return view, f"{task} {metric}".strip(), "items"
+
+
+def _warnings(row: dict, gain: PairedTest | None, gain_uncut: PairedTest | None, d: PairedTest | None,
+              label: str = "MMLU") -> list[str]:
     """What a reader must know before reading a point's row: where n does not support a difference,
     where the gain does not hold without cut probes, where cutting or collapsed answers confound."""
     out = []
@@ -134,10 +177,12 @@ def _warnings(row: dict, gain: PairedTest | None, gain_uncut: PairedTest | None,
         out.append(f"cut at the token limit: {row['turns_cut']:.0%} of turns and {row['probes_cut']:.0%} of probes, "
                    f"more than {CUT_FLAG:.0%} points from plain's")
     if row["mmlu_collapsed"]:
-        out.append(f"MMLU answers collapsed: {row['mmlu_top_share']:.0%} are {row['mmlu_top_letter']}, so its accuracy "
-                   f"is the share of questions whose answer is {row['mmlu_top_letter']}, not knowledge")
+        top = row["mmlu_top_letter"] if label == "MMLU" else f"option {row['mmlu_top_letter']}"
+        items = "questions" if label == "MMLU" else "items"
+        out.append(f"{label} answers collapsed: {row['mmlu_top_share']:.0%} are {top}, so its accuracy "
+                   f"is the share of {items} whose answer is {top}, not knowledge")
     if d and d.warning():
-        out.append(f"MMLU drop: {d.warning()}")
+        out.append(f"{label} drop: {d.warning()}")
     return out
 
 
@@ -164,8 +209,14 @@ def _drop_columns(t: PairedTest | None, n: int) -> dict:
 
 
 def _drop_basis(table: pd.DataFrame) -> str:
-    """How many dialogs the MMLU drop rests on, and the test that follows from it."""
+    """How many dialogs (an lm-eval sweep: personas) the drop rests on, and the test that follows from it."""
+    table, label, _ = cost_view(table)
     k = int(table.mmlu_dialogs.max()) if len(table) else 1
+    if label != "MMLU":
+        if k <= 1:
+            return ("exact McNemar test over the items, all asked under one persona's system prompt: the drop rests "
+                    "on that one prompt (--histories N spreads them over the agents of the first N pairs)")
+        return f"the items spread over {k} personas' system prompts, which are the unit of the exact cluster sign-flip test"
     if k <= 1:
         return ("exact McNemar test over the questions, all asked after one dialog: the drop rests on that one "
                 "context (--histories N spreads them over N dialogs)")
@@ -177,6 +228,7 @@ def power_notes(table: pd.DataFrame, gain: float = POWER_GAIN, mmlu_drop: float 
     `gain` needs (paired t, from the sd of the paired differences) and the MMLU questions a drop of
     `mmlu_drop` needs (exact McNemar, from the share of questions answered differently), each at
     alpha 0.05 and power 0.8, with the median over the steered points as the spread."""
+    table, label, items = cost_view(table)
     steered = table[table.method != "plain"]
     if steered.empty:
         return []
@@ -190,10 +242,12 @@ def power_notes(table: pd.DataFrame, gain: float = POWER_GAIN, mmlu_drop: float 
     shares = ((steered.mmlu_lost + steered.mmlu_gained) / steered.mmlu_n).dropna()
     # As `driftlab.protocol.mmlu.questions_needed`: the measured disagreement, never below 2 |drop|.
     share = min(1.0, max(2 * mmlu_drop, float(shares.median()) if len(shares) else 0.0))
-    lower = (" if questions were independent (they are not: they share their dialogs, so this is a lower bound)"
+    shared = "dialogs" if label == "MMLU" else "system prompts"
+    lower = (f" if {items} were independent (they are not: they share their {shared}, so this is a lower bound)"
              if int(table.mmlu_dialogs.max()) > 1 else "")
-    notes.append(f"An MMLU drop of {mmlu_drop:g} needs about {pairs_needed_proportions(mmlu_drop, share)} questions "
-                 f"(exact McNemar, alpha 0.05, power 0.8, {share:.1%} of questions answered differently, the median "
+    notes.append(f"{'An' if label == 'MMLU' else 'A'} {label} drop of {mmlu_drop:g} needs about "
+                 f"{pairs_needed_proportions(mmlu_drop, share)} {items} "
+                 f"(exact McNemar, alpha 0.05, power 0.8, {share:.1%} of {items} answered differently, the median "
                  f"over the points){lower}; this sweep has {int(table.mmlu_n.max())}.")
     return notes
 
@@ -205,7 +259,8 @@ def _per_conversation(scores: pd.DataFrame) -> pd.Series:
 
 
 def matched_points(table: pd.DataFrame, match_drop: float | None = None) -> tuple[float, pd.DataFrame]:
-    """(target drop, one row per method: the point whose MMLU drop is closest to the target)."""
+    """(target drop, one row per method: the point whose MMLU (or lm-eval) drop is closest to the target)."""
+    table, _, _ = cost_view(table)
     grid = table[table.method != "plain"]
     target = float(grid.mmlu_drop.median()) if match_drop is None else match_drop
     rows = grid.loc[(grid.mmlu_drop - target).abs().groupby(grid.method).idxmin()]
@@ -217,6 +272,7 @@ def tradeoff_figure(table: pd.DataFrame, path: Path) -> Path:
     paired CI of the MMLU drop over questions (horizontal), so a reader sees at a glance which
     costs the sweep's n can tell apart. A filled marker is a point whose gain over plain holds
     after Holm; a hollow one is not shown to differ."""
+    table, label, _ = cost_view(table)
     fig = Figure(figsize=(7.2, 4.6), dpi=130)
     ax = fig.subplots()
     plain = table[table.method == "plain"].iloc[0]
@@ -236,7 +292,8 @@ def tradeoff_figure(table: pd.DataFrame, path: Path) -> Path:
                         textcoords="offset points", xytext=(4, 4), fontsize=6, color=color)
     ax.scatter([plain.mmlu_drop], [plain.stability], color="black", zorder=5, label="plain")
     ax.axvline(0, color="0.7", lw=0.6, zorder=0)
-    ax.set_xlabel("MMLU drop at the question turn (plain - steered; bars: paired 95% CI)")
+    ax.set_xlabel("MMLU drop at the question turn (plain - steered; bars: paired 95% CI)" if label == "MMLU" else
+                  f"{label} drop, lm-eval (plain - steered; bars: paired 95% CI)")
     ax.set_ylabel("persona stability (mean probe score)")
     ax.set_title("Stability vs cost (persona-drift paper, Fig. 5); vertical bars: 95% CI over conversations;\n"
                  "filled: stability gain over plain shown (Holm p < 0.05), hollow: not shown", fontsize=8)
@@ -247,6 +304,7 @@ def tradeoff_figure(table: pd.DataFrame, path: Path) -> Path:
 
 def rounds_figure(out: Path, table: pd.DataFrame, match_drop: float | None, path: Path) -> Path:
     target, matched = matched_points(table, match_drop)
+    label = cost_view(table)[1]
     chosen = [("plain", "")] + [(r.method, r.spec) for r in matched.itertuples()]
     fig = Figure(figsize=(6.4, 4.2), dpi=130)
     ax = fig.subplots()
@@ -258,7 +316,8 @@ def rounds_figure(out: Path, table: pd.DataFrame, match_drop: float | None, path
         ax.fill_between(cells["round"], cells["ci_low"], cells["ci_high"], color=COLORS.get(method), alpha=0.12)
     ax.set_xlabel("round")
     ax.set_ylabel("persona stability (mean probe score)")
-    ax.set_title(f"Stability per round at a matched MMLU drop of ~{target:.3f} (persona-drift paper, Fig. 6)", fontsize=9)
+    ax.set_title(f"Stability per round at a matched {label} drop of ~{target:.3f} (persona-drift paper, Fig. 6)",
+                 fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     return save_png(fig, path)
@@ -273,6 +332,8 @@ def write_sweep_report(out: str | Path, match_drop: float | None = None) -> Path
             rounds_figure(out, table, match_drop, out / "sweep_rounds.png")]
     target, matched = matched_points(table, match_drop)
     best = matched.sort_values("stability", ascending=False).iloc[0]
+    label = cost_view(table)[1]
+    mmlu = label == "MMLU"
     imgs = "".join(f'<img src="data:image/png;base64,{base64.b64encode(f.read_bytes()).decode()}" '
                    f'style="max-width:48%">' for f in figs)
     cols = ["method", "spec", "stability", "stability_ci_low", "stability_ci_high", "stability_gain",
@@ -280,6 +341,8 @@ def write_sweep_report(out: str | Path, match_drop: float | None = None) -> Path
             "gain_method", "gain_p", "gain_p_holm", "turns_cut", "probes_cut", "gain_uncut", "gain_uncut_p_holm",
             "mmlu_accuracy", "mmlu_drop", "mmlu_drop_ci_low", "mmlu_drop_ci_high", "mmlu_n", "mmlu_dialogs",
             "mmlu_method", "mmlu_p", "mmlu_p_holm", "mmlu_top_share", "mmlu_tied", "n_conversations"]
+    if not mmlu:
+        cols = [BENCH_NAMES.get(c, c) for c in cols]
     body = table[cols].to_html(index=False, float_format=lambda v: f"{v:.3f}", border=0, na_rep="")
     gain = "" if best.method == "plain" else (
         f" Its stability gain over plain is {best.stability_gain:+.3f} [{best.stability_gain_ci_low:+.3f}, "
@@ -292,23 +355,37 @@ def write_sweep_report(out: str | Path, match_drop: float | None = None) -> Path
     page = (f"<!doctype html><meta charset='utf-8'><title>driftlab sweep</title>"
             f"<body style='font-family:sans-serif;max-width:1100px;margin:auto'>"
             f"<h1>Mitigation trade-off</h1>{imgs}"
-            f"<p>At a matched MMLU drop of about {target:.3f}, the method with the highest mean stability is "
-            f"<b>{html.escape(str(best.spec))}</b> (stability {best.stability:.3f}, "
-            f"95% CI [{best.stability_ci_low:.3f}, {best.stability_ci_high:.3f}], MMLU drop {best.mmlu_drop:+.3f})."
+            f"<p>At a matched {html.escape(label)} drop of about {target:.3f}, the method with the highest mean "
+            f"stability is <b>{html.escape(str(best.spec))}</b> (stability {best.stability:.3f}, "
+            f"95% CI [{best.stability_ci_low:.3f}, {best.stability_ci_high:.3f}], {html.escape(label)} drop "
+            f"{best.mmlu_drop:+.3f})."
             f"{gain} A method wins only where its Holm-corrected p is below 0.05.</p>"
-            f"<p>Every point runs the same pairs, starters and seeds and is asked the same MMLU questions, so each is "
-            f"compared with plain pair by pair: <i>gain_*</i> is the stability gain (steered - plain per "
-            f"conversation, Wilcoxon signed-rank test), <i>mmlu_*</i> the MMLU drop (plain - steered per question; "
-            f"{_drop_basis(table)}; lost/gained questions in sweep.csv); <i>p_holm</i> corrects each column's p over "
-            f"the sweep's points (Holm). Intervals: t below 30 values, BCa bootstrap from 30; "
-            f"the MMLU drop: Newcombe's square-and-add interval for paired proportions over one dialog, a "
-            f"cluster-robust t-interval over several (the <i>*_ci_method</i> columns of sweep.csv).</p>"
-            f"<p>What could confound these: <i>turns_cut</i> / <i>probes_cut</i> are the shares of dialog turns and "
+            + (f"<p>Every point runs the same pairs, starters and seeds and is asked the same MMLU questions, so each is "
+               f"compared with plain pair by pair: <i>gain_*</i> is the stability gain (steered - plain per "
+               f"conversation, Wilcoxon signed-rank test), <i>mmlu_*</i> the MMLU drop (plain - steered per question; "
+               f"{_drop_basis(table)}; lost/gained questions in sweep.csv); <i>p_holm</i> corrects each column's p over "
+               f"the sweep's points (Holm). Intervals: t below 30 values, BCa bootstrap from 30; "
+               f"the MMLU drop: Newcombe's square-and-add interval for paired proportions over one dialog, a "
+               f"cluster-robust t-interval over several (the <i>*_ci_method</i> columns of sweep.csv).</p>" if mmlu else
+               f"<p>Every point runs the same pairs, starters and seeds and is asked the same items of the lm-eval task "
+               f"{html.escape(label)} (lm-eval's own prompts and metric, the model's chat template, an agent "
+               f"persona's system prompt), so each is compared with plain pair by pair: <i>gain_*</i> is the "
+               f"stability gain (steered - plain per conversation, Wilcoxon signed-rank test), <i>bench_*</i> the "
+               f"{html.escape(label)} drop (plain - steered per item; {_drop_basis(table)}; lost/gained items in "
+               f"sweep.csv); <i>p_holm</i> corrects each column's p over the sweep's points (Holm). Intervals: t "
+               f"below 30 values, BCa bootstrap from 30; the drop: Newcombe's square-and-add interval for paired "
+               f"proportions under one system prompt, a cluster-robust t-interval over several (the "
+               f"<i>*_ci_method</i> columns of sweep.csv).</p>")
+            + f"<p>What could confound these: <i>turns_cut</i> / <i>probes_cut</i> are the shares of dialog turns and "
             f"agent probes cut at their token limit (a cut probe is scored on what it holds); a point more than "
             f"{CUT_FLAG:.0%} points from plain's is flagged below, and <i>gain_uncut</i> is the stability gain again "
-            f"with cut probes left out (Holm p in <i>gain_uncut_p_holm</i>). <i>mmlu_top_share</i> is the share of "
-            f"answers that are the point's most chosen letter (above 60%: collapsed, its accuracy is that letter's "
-            f"share of answers, not knowledge); <i>mmlu_tied</i> counts questions whose top letters tied.</p>"
+            f"with cut probes left out (Holm p in <i>gain_uncut_p_holm</i>). "
+            + ("<i>mmlu_top_share</i> is the share of "
+               "answers that are the point's most chosen letter (above 60%: collapsed, its accuracy is that letter's "
+               "share of answers, not knowledge); <i>mmlu_tied</i> counts questions whose top letters tied.</p>" if mmlu
+               else "<i>bench_top_share</i> is the share of multiple-choice answers that are the point's most chosen "
+                    "option (above 60%: collapsed, its accuracy is that option's share of answers, not knowledge); "
+                    "<i>bench_tied</i> counts items whose top options tied (both empty for generated answers).</p>")
             + (f"<h2>Where n does not support a difference</h2><ul>{warnings}</ul>" if warnings else "")
             + (f"<h2>What this n can detect</h2><ul>{notes}</ul>" if notes else "")
             + f"{body}</body>")

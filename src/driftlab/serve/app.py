@@ -29,30 +29,45 @@ import hmac
 import json
 import re
 import secrets
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from driftlab.chat.base import (
+    MAX_SEED,
     ChatBackend,
     Reply,
     Sampling,
     TokenBackend,
+    TokenLogprob,
     token_backend,
     validate_conversation,
 )
+from driftlab.chat.constrain import check_schema
 from driftlab.errors import DriftlabError
 from driftlab.serve.batcher import Batcher, Job, QueueFull, ServerClosing
 from driftlab.serve.drain import Drain
-from driftlab.serve.schema import ChatCompletionRequest, unsupported_field
+from driftlab.serve.schema import ChatCompletionRequest, SamplingFields, unsupported_field
+from driftlab.serve.wire import (
+    APIError,
+    ClientGone,
+    RequestTimeout,
+    TextStream,
+    closing,
+    cut_at,
+    find_stop,
+    invalid,
+    parse_json,
+    read_body,
+)
 from driftlab.steering.heads import HeadSources, load_head_source
 from driftlab.steering.interventions import Interventions, Steer
 
@@ -109,71 +124,6 @@ class ServeSettings(BaseModel):
     graceful_timeout: float = Field(30.0, ge=0, le=3600, allow_inf_nan=False)
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-class RequestTimeout(Exception):
-    """The request ran past --request-timeout."""
-
-
-class ClientGone(Exception):
-    """The client closed its connection before the reply was ready."""
-
-
-class TextStream:
-    """Turns sampled token ids into text deltas that add up to the final reply.
-
-    The final reply is stripped and cut at stop strings (the backend's `stop_strings` and the
-    request's `stops`), so trailing whitespace, a possible stop-string prefix and an incomplete
-    UTF-8 sequence are held back until more text shows what they are; once a request stop
-    string appears, nothing after it is ever sent. `finish` sends whatever of the final text
-    is still unsent.
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str], stop_strings: Sequence[str] = (),
-                 stops: Sequence[str] = ()) -> None:
-        self.decode = decode  # token ids -> text, special tokens skipped (TokenBackend.decode)
-        self.stop_strings, self.stops = tuple(stop_strings), tuple(stops)
-        self.hold = max((len(s) for s in (*stop_strings, *stops)), default=0)
-        self.ids: list[int] = []
-        self.sent = ""
-        self.done = False  # a request stop string was reached
-
-    def push(self, token: int) -> str:
-        if self.done:
-            return ""
-        self.ids.append(token)
-        raw = self.decode(self.ids)
-        if (at := find_stop(raw, self.stops)) is not None:
-            raw, self.done = raw[:at], True
-        text = raw.lstrip()
-        if text.endswith("\ufffd") and not self.done:
-            return ""
-        if self.done:
-            safe = cut_at(text, self.stop_strings).rstrip()
-        else:
-            safe = (text[: max(0, len(text) - self.hold)] if self.hold else text).rstrip()
-        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
-            return ""
-        delta, self.sent = safe[len(self.sent) :], safe
-        return delta
-
-    def finish(self, final: str) -> str:
-        delta = final[len(self.sent) :] if final.startswith(self.sent) else ""
-        self.sent = final
-        return delta
-
-
 @dataclass(eq=False)
 class Call:
     """One chat-completion request past its checks: what its reply (whole or streamed) needs."""
@@ -183,6 +133,9 @@ class Call:
     cid: str  # the reply's id, chatcmpl-...
     created: int  # the reply's Unix time
     arrived: float  # time.monotonic() on arrival: the deadline and the latency count from here
+    more: list[Job] = field(default_factory=list)  # choices 2..n (n > 1, not streamed)
+    scored: list[TokenLogprob] = field(default_factory=list)  # a stream's token log-probs, as sampled
+    sent: int = 0  # how many of them chunks have carried
 
 
 @dataclass(eq=False)
@@ -271,9 +224,9 @@ class ServerState:
         # Every check before the request joins a batch, then a stream or a whole reply.
         # A draining server takes nothing new (503).
         if self.drain.draining:
-            raise _closing("The server is shutting down and takes no new requests; retry in a moment.")
+            raise closing("The server is shutting down and takes no new requests; retry in a moment.")
         arrived = time.monotonic()
-        req = self._parse(await _read_body(request, self.settings.max_body_bytes))
+        req = self._parse(await read_body(request, self.settings.max_body_bytes))
         call = await self._call(req, arrived)
         if req.stream:
             return self._stream(call)
@@ -284,9 +237,7 @@ class ServerState:
         """The body as a request this server accepts: its model, and within its limits."""
         req = _load_request(raw)
         settings = self.settings
-        if req.model != self.served:
-            raise APIError(404, f"Model '{req.model}' is not served here; this server serves '{self.served}'.",
-                           param="model", kind="not_found_error")
+        self.check_model(req.model)
         if len(req.messages) > settings.max_messages:
             raise APIError(422, f"messages: {len(req.messages)} messages, at most {settings.max_messages}.",
                            param="messages")
@@ -301,42 +252,86 @@ class ServerState:
         """The request as a job with its future on this loop, and the reply's id."""
         job = await self._job(req)
         loop = asyncio.get_running_loop()
-        job.future, job.loop = loop.create_future(), loop
-        return Call(req, job, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), arrived)
+        jobs = [job] + [self._sibling(job, k, req) for k in range(1, req.n)]
+        for j in jobs:
+            j.future, j.loop = loop.create_future(), loop
+        return Call(req, job, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), arrived, jobs[1:])
+
+    def _sibling(self, job: Job, k: int, req: ChatCompletionRequest) -> Job:
+        """Choice k of n: the first choice's job with its own seed (the k-th after the first's)."""
+        twin = replace(job, seed=(job.seed + k) % (MAX_SEED + 1), future=None, loop=None, watch=None,
+                       aborted=threading.Event(), stopped=threading.Event())
+        if stops := req.stops():
+            twin.watch = lambda: self.stop_watch(twin, stops)
+        return twin
 
     async def _job(self, req: ChatCompletionRequest) -> Job:
         """The request as a batch job, with every check that concerns it alone done here, before
         it can share a batch: a bad request fails by itself."""
         conversation = _conversation(req)
-        sampling = self._sampling(req)
-        steer = self._steer(req)
+        settings = self.settings
+        sampling = self.sampling(req, req.new_tokens(min(settings.default_max_tokens, settings.max_tokens_limit)))
+        steer = self.steer_of(req)
         await self._check_prompt(conversation, steer, sampling.max_new_tokens)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         job = Job(conversation, sampling, seed, steer, logprobs, store=not self.settings.deterministic)
         if stops := req.stops():
-            job.watch = lambda: self._stop_watch(job, stops)
+            job.watch = lambda: self.stop_watch(job, stops)
         return job
 
-    def _sampling(self, req: ChatCompletionRequest) -> Sampling:
-        """The request's sampling, its token limit defaulting to the server's (422 if unusable)."""
-        settings = self.settings
+    def sampling(self, req: SamplingFields, max_new_tokens: int) -> Sampling:
+        """The request's sampling (422 if unusable), its logit_bias checked against the vocabulary
+        before the request can share a batch."""
         try:
-            return Sampling(max_new_tokens=req.new_tokens(min(settings.default_max_tokens, settings.max_tokens_limit)),
-                            temperature=req.temperature, top_p=req.top_p, ignore_eos=req.ignore_eos)
-        except ValidationError as err:  # e.g. a temperature too small to sample with
-            raise _invalid(err) from None
+            sampling = req.sampling(max_new_tokens)
+            sampling.check_vocab(self.backend.shape.vocab_size)
+        except ValidationError as err:  # e.g. a temperature too small to sample with, a logit_bias above 100
+            raise invalid(err) from None
+        except DriftlabError as err:  # a logit_bias token the model does not have
+            raise APIError(422, str(err), param="logit_bias") from None
+        if sampling.json_schema is not None:
+            self._check_schema(sampling.json_schema)
+        return sampling
 
-    def _steer(self, req: ChatCompletionRequest) -> Interventions:
-        """The request's own interventions, or the server's default; head sets by registered
-        name only, and the backend must support them (422 otherwise)."""
-        if req.driftlab is None or req.driftlab.specs() is None:
+    def _check_schema(self, schema: str) -> None:
+        """422 naming response_format unless this backend can constrain decoding to the schema
+        (compiled here, once per schema, before the request can share a batch)."""
+        backend = self.backend
+        tokenizer, vocab_size = getattr(backend, "tokenizer", None), backend.shape.vocab_size
+        if tokenizer is None or vocab_size is None:
+            raise APIError(422, "response_format: this backend cannot constrain decoding to JSON; send "
+                                '{"type": "text"} or leave it out.', param="response_format")
+        try:
+            check_schema(tokenizer, vocab_size, backend.eos_ids, schema)
+        except DriftlabError as err:
+            raise APIError(422, f"response_format: the JSON schema is not usable: {err}",
+                           param="response_format") from None
+
+    def check_model(self, model: str) -> None:
+        """404 unless `model` is the served name, alone or with a steer: `NAME+SPEC[+SPEC...]`."""
+        if model != self.served and not model.startswith(self.served + "+"):
+            raise APIError(404, f"Model '{model}' is not served here; this server serves '{self.served}' "
+                                f"(steered: '{self.served}+SPEC', e.g. '{self.served}+split-softmax:k=0.8').",
+                           param="model", kind="not_found_error")
+
+    def steer_of(self, req: ChatCompletionRequest) -> Interventions:
+        """The request's own interventions (its `driftlab.steer`, or a steer named in its model,
+        `NAME+SPEC+...`: a harness records the model name with its results), or the server's
+        default; head sets by registered name only; the backend must support them (422 otherwise)."""
+        named = req.model[len(self.served) + 1 :].split("+") if req.model != self.served else None
+        field = req.driftlab.specs() if req.driftlab is not None else None
+        if named is not None and field is not None:
+            raise APIError(422, "driftlab.steer: the model name already names a steer; give one or the other.",
+                           param="driftlab.steer")
+        specs, param = (named, "model") if named is not None else (field, "driftlab.steer")
+        if specs is None:
             return self.default_steer
         try:
-            steer = Interventions.parse(req.driftlab.specs(), self.request_heads)
+            steer = Interventions.parse(specs, self.request_heads)
             self.backend.capabilities.require(self.backend.name, steer)
         except DriftlabError as err:
-            raise APIError(422, f"driftlab.steer: {err}", param="driftlab.steer") from None
+            raise APIError(422, f"{param}: {err}", param=param) from None
         return steer
 
     async def _check_prompt(self, conversation: list[dict[str, str]], steer: Interventions, new_tokens: int) -> None:
@@ -360,7 +355,7 @@ class ServerState:
                                 f"the model's context window of {limit}; shorten the conversation or ask for "
                                 "fewer tokens.", param="messages")
 
-    def _stop_watch(self, job: Job, stops: list[str]) -> Callable[[int], None]:
+    def stop_watch(self, job: Job, stops: list[str]) -> Callable[[int], None]:
         """Ends the job's row once its text holds a stop string (called on the worker thread
         with each token; decodes a tail only, so a long reply costs no quadratic decode)."""
         ids: list[int] = []
@@ -375,12 +370,12 @@ class ServerState:
         return watch
 
     # -- a request in flight ----------------------------------------------------------------------
-    def _submit(self, job: Job, arrived: float) -> None:
+    def submit(self, job: Job, arrived: float) -> None:
         """Queue the job, with its deadline; it is in flight (the drain waits for it) until left."""
         try:
             self.batcher.submit(job)
         except ServerClosing as err:
-            raise _closing(str(err)) from None
+            raise closing(str(err)) from None
         except QueueFull as err:
             raise APIError(429, f"The server is at capacity ({err}); retry shortly.", kind="rate_limit_error",
                            headers={"Retry-After": "1"}) from None
@@ -395,12 +390,12 @@ class ServerState:
 
         job.future.add_done_callback(done)
 
-    async def _await(self, job: Job) -> Reply:
+    async def wait(self, job: Job) -> Reply:
         """The job's reply, or the API error that says why there is none."""
         try:
             return await job.future
         except ServerClosing as err:
-            raise _closing(str(err)) from None
+            raise closing(str(err)) from None
         except RequestTimeout:
             raise APIError(504, f"The request did not finish within this server's --request-timeout of "
                                 f"{self.settings.request_timeout:g} s; ask for fewer tokens or retry later.",
@@ -424,12 +419,12 @@ class ServerState:
         if at is None:
             return replace(reply, finish_reason="stop") if job.stopped.is_set() else reply
         ids = reply.token_ids
-        n = self._tokens_covering(ids, at)
+        n = self.tokens_covering(ids, at)
         text = cut_at(raw[:at], self.backend.stop_strings).strip()
         return replace(reply, text=text, n_tokens=n, finish_reason="stop", token_ids=ids[:n],
                        logprobs=None if reply.logprobs is None else reply.logprobs[:n])
 
-    def _tokens_covering(self, ids: list[int], chars: int) -> int:
+    def tokens_covering(self, ids: list[int], chars: int) -> int:
         """The smallest k with len(decode(ids[:k])) >= chars (a binary search: decoding is
         monotone in the prefix, and a long reply must not cost one decode per token)."""
         lo, hi = 0, len(ids)
@@ -444,14 +439,18 @@ class ServerState:
     # -- the answer -------------------------------------------------------------------------------
     async def _answer(self, call: Call, request: Request) -> JSONResponse:
         """The whole reply as one response; a client that leaves first aborts its job."""
-        self._submit(call.job, call.arrived)
-        watcher = asyncio.create_task(_watch_disconnect(request, call.job))
+        jobs = [call.job, *call.more]
+        for job in jobs:  # queued together: n choices share a batch
+            self.submit(job, call.arrived)
+        watcher = asyncio.create_task(_watch_disconnect(request, jobs))
         try:
-            reply = self._cut_reply(await self._await(call.job), call.job, call.req.stops())
+            replies = [self._cut_reply(await self.wait(job), job, call.req.stops()) for job in jobs]
         finally:
             watcher.cancel()
+            for job in jobs:  # a failed choice: the others stop costing the batch
+                job.abort(ClientGone())
             self.metrics.latency.observe(time.monotonic() - call.arrived)
-        return JSONResponse(self._completion(reply, call))
+        return JSONResponse(self._completion(replies, call))
 
     def _stream(self, call: Call):
         """The reply as server-sent events, its tokens passed from the worker thread to this
@@ -461,8 +460,10 @@ class ServerState:
         job = call.job
         tokens: asyncio.Queue[int | None] = asyncio.Queue()
         job.on_token = lambda tok: job.loop.call_soon_threadsafe(tokens.put_nowait, tok)
+        if job.logprobs is not None:
+            job.on_logprob = call.scored.append  # on the worker thread, before its token is queued
         job.future.add_done_callback(lambda _: tokens.put_nowait(None))
-        self._submit(job, call.arrived)  # before the response starts, so a closing server still answers 503
+        self.submit(job, call.arrived)  # before the response starts, so a closing server still answers 503
         text = TextStream(self.backend.decode, self.backend.stop_strings, call.req.stops())
         return EventSourceResponse(self._events(call, tokens, text))
 
@@ -472,9 +473,11 @@ class ServerState:
         end (see `_last_events`)."""
         try:
             yield {"data": self._chunk(call, {"role": "assistant", "content": ""})}
+            pushed = 0
             while (tok := await tokens.get()) is not None:
+                pushed += 1
                 if delta := text.push(tok):
-                    yield {"data": self._chunk(call, {"content": delta})}
+                    yield {"data": self._chunk(call, {"content": delta}, logprobs=self._stream_logprobs(call, pushed))}
             for event in await self._last_events(call, text):
                 yield event
         finally:  # also when the client closed the stream: its row leaves the batch
@@ -485,13 +488,14 @@ class ServerState:
         """The end of a stream: the unsent rest of the text, the finish reason, usage if asked
         for, `[DONE]`; or, since the 200 header is sent, the error as an event, then `[DONE]`."""
         try:
-            reply = self._cut_reply(await self._await(call.job), call.job, call.req.stops())
+            reply = self._cut_reply(await self.wait(call.job), call.job, call.req.stops())
         except APIError as err:
             self.metrics.responses.labels(str(err.status)).inc()
             return [{"data": json.dumps(err.body())}, {"data": "[DONE]"}]
         events = []
-        if rest := text.finish(reply.text):
-            events.append({"data": self._chunk(call, {"content": rest})})
+        rest, logprobs = text.finish(reply.text), self._stream_logprobs(call, reply.n_tokens)
+        if rest or logprobs:
+            events.append({"data": self._chunk(call, {"content": rest}, logprobs=logprobs)})
         events.append({"data": self._chunk(call, {}, reply.finish_reason)})
         opts = call.req.stream_options
         if opts is not None and opts.include_usage:
@@ -501,21 +505,38 @@ class ServerState:
         events.append({"data": "[DONE]"})
         return events
 
-    def _chunk(self, call: Call, delta: dict[str, Any], finish: str | None = None) -> str:
+    def _chunk(self, call: Call, delta: dict[str, Any], finish: str | None = None,
+               logprobs: dict[str, Any] | None = None) -> str:
         """One `chat.completion.chunk` event's data."""
         return json.dumps({"id": call.cid, "object": "chat.completion.chunk", "created": call.created,
                            "model": self.served,
-                           "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+                           "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
 
-    def _completion(self, reply: Reply, call: Call) -> dict[str, Any]:
-        """The `chat.completion` body, with log-probs if asked for and the steer that was applied."""
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": reply.text},
-                                  "finish_reason": reply.finish_reason, "logprobs": None}
-        if reply.logprobs is not None:
-            choice["logprobs"] = {"content": [self._token_logprob(t.token_id, t.logprob, t.top)
-                                              for t in reply.logprobs]}
+    def _stream_logprobs(self, call: Call, upto: int) -> dict[str, Any] | None:
+        """The log-probs of the tokens up to `upto` that no chunk has carried yet (None without
+        logprobs, or when there are none): each chunk carries those of the tokens its text
+        came from, so a stream's log-probs add up to the plain reply's."""
+        if call.job.logprobs is None or upto <= call.sent:
+            return None
+        entries, call.sent = call.scored[call.sent : upto], upto
+        return {"content": [self._token_logprob(t.token_id, t.logprob, t.top) for t in entries]}
+
+    def _completion(self, replies: list[Reply], call: Call) -> dict[str, Any]:
+        """The `chat.completion` body (one choice per reply), with log-probs if asked for and the
+        steer that was applied."""
+        choices = []
+        for i, reply in enumerate(replies):
+            choice: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": reply.text},
+                                      "finish_reason": reply.finish_reason, "logprobs": None}
+            if reply.logprobs is not None:
+                choice["logprobs"] = {"content": [self._token_logprob(t.token_id, t.logprob, t.top)
+                                                  for t in reply.logprobs]}
+            choices.append(choice)
+        usage = _usage(replies[0])
+        usage["completion_tokens"] = sum(r.n_tokens for r in replies)  # the prompt is read once for all n
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return {"id": call.cid, "object": "chat.completion", "created": call.created, "model": self.served,
-                "choices": [choice], "usage": _usage(reply), "driftlab": {"steer": call.job.interventions.specs()}}
+                "choices": choices, "usage": usage, "driftlab": {"steer": call.job.interventions.specs()}}
 
     def _token_logprob(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> dict[str, Any]:
         """One token's log-prob entry in OpenAI's form (text with special tokens, and its bytes)."""
@@ -526,76 +547,17 @@ class ServerState:
         return {**entry(token_id, logprob), "top_logprobs": [entry(i, lp) for i, lp in top]}
 
 
-def create_app(model: ChatBackend, settings: ServeSettings = ServeSettings()):
-    """The ASGI app serving a local backend (streaming and log-probs need its tokens): the
-    shared state, its routes and error handlers, and the batcher's lifespan."""
-    from driftlab.serve.metrics import CountResponses
-
-    state = ServerState.build(model, settings)
-    docs = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="driftlab serve", lifespan=state.lifespan, **docs)
-    app.state.server, app.state.batcher, app.state.drain = state, state.batcher, state.drain
-    app.add_middleware(CountResponses, metrics=state.metrics)
-    _add_error_handlers(app)
-    _add_routes(app, state)
-    return app
-
-
-def _add_routes(app: FastAPI, state: ServerState) -> None:
-    """The API: /health and /metrics open (probes and scrapers hold no key), the rest behind
-    the key."""
-    authorized = [Depends(state.authorize)]
-    app.get("/health")(state.health)
-    app.get("/metrics")(state.prometheus_metrics)
-    app.get("/v1/models", dependencies=authorized)(state.models)
-    app.post("/v1/chat/completions", dependencies=authorized)(state.completions)
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    """Every error in OpenAI's shape, the framework's own 404/405 and 500 included, so an
-    OpenAI client can read any of them."""
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _internal)
-
-
-async def _api_error(request: Request, err: APIError) -> JSONResponse:
-    return err.response()
-
-
-async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
-    """The framework's errors (unknown path, wrong method) in OpenAI's shape, saying what is served."""
-    if err.status_code == 404:
-        return APIError(404, f"Invalid URL ({request.method} {request.url.path}): this server serves "
-                             "POST /v1/chat/completions, GET /v1/models, /health and /metrics.").response()
-    if err.status_code == 405:
-        return APIError(405, f"{request.method} is not allowed on {request.url.path}.",
-                        headers=dict(err.headers or {})).response()
-    return APIError(err.status_code, str(err.detail)).response()
-
-
-async def _internal(request: Request, err: Exception) -> JSONResponse:  # logged by the server as well
-    """Any other failure as a 500 that names the exception's type only (no internals leak)."""
-    return APIError(500, f"The server failed on this request ({type(err).__name__}); it has been logged.",
-                    kind="server_error").response()
-
-
 def _load_request(raw: bytes) -> ChatCompletionRequest:
     """The body as a chat request (400 not JSON, 422 a wrong or unsupported field), before any
     check that depends on this server."""
-    try:
-        data = json.loads(raw)
-    except RecursionError:
-        raise APIError(400, "The body nests JSON too deeply to be a chat request.") from None
-    except ValueError as err:
-        raise APIError(400, f"The body is not valid JSON: {err}.") from None
+    data = parse_json(raw)
     if (name := unsupported_field(data)) is not None:
         raise APIError(422, f"{name}: not supported by driftlab serve (it would be ignored, which changes "
                             "what the reply means); leave it out or send its neutral value.", param=name)
     try:
         req = ChatCompletionRequest.model_validate(data)
     except ValidationError as err:
-        raise _invalid(err) from None
+        raise invalid(err) from None
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true.", param="top_logprobs")
     return req
@@ -618,48 +580,15 @@ def _conversation(req: ChatCompletionRequest) -> list[dict[str, str]]:
     return conversation
 
 
-def find_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Where the first of `stops` begins in `text` (None: nowhere)."""
-    return min((i for s in stops if (i := text.find(s)) >= 0), default=None)
-
-
-def cut_at(text: str, stops: Sequence[str]) -> str:
-    at = find_stop(text, stops)
-    return text if at is None else text[:at]
-
-
-def _closing(message: str) -> APIError:
-    return APIError(503, message, kind="server_error", headers={"Retry-After": "5"})
-
-
-async def _watch_disconnect(request: Request, job: Job) -> None:
-    """Abort `job` when its client closes the connection (the body is read: the next ASGI
-    message is the disconnect)."""
+async def _watch_disconnect(request: Request, jobs: list[Job]) -> None:
+    """Abort the request's jobs when its client closes the connection (the body is read: the
+    next ASGI message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    job.abort(ClientGone())
-
-
-def _invalid(err: ValidationError) -> APIError:
-    """422 naming the first invalid field, e.g. `messages.0.role: Input should be ...`."""
-    e = err.errors()[0]
-    param = ".".join(str(p) for p in e["loc"])
-    return APIError(422, f"{param}: {e['msg'].removeprefix('Value error, ')}", param=param)
+    for job in jobs:
+        job.abort(ClientGone())
 
 
 def _usage(reply: Reply) -> dict[str, int]:
     return {"prompt_tokens": reply.n_prompt_tokens, "completion_tokens": reply.n_tokens,
             "total_tokens": reply.n_prompt_tokens + reply.n_tokens}
-
-
-async def _read_body(request: Any, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to exceed `limit` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"The body is {declared} bytes; this server accepts at most {limit}.")
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise APIError(413, f"The body exceeds this server's limit of {limit} bytes.")
-    return bytes(body)

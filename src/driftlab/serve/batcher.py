@@ -5,7 +5,7 @@ little more per step than a batch of one on most hardware. The batcher is a boun
 plus one worker thread that owns the backend: it takes the first waiting job, gathers more
 for at most `max_wait_s` (up to `max_batch_size`), groups them by what a `ChatRequest`
 shares (sampling but for the token limit, interventions, logprobs) and runs each group as
-one `generate` call.
+one `generate` call (or one `driftlab.chat.text.score` call for prompts to score).
 Requests that arrive while a batch decodes form the next batch.
 
 A job belongs to one client, and nothing one client does reaches another (vLLM's rule):
@@ -31,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from driftlab.chat.base import ChatBackend, ChatRequest, Conversation, Reply, Sampling
+from driftlab.chat.base import ChatBackend, ChatRequest, Conversation, Rendered, Reply, Sampling, TokenLogprob
+from driftlab.chat.text import TokenScores, score
 from driftlab.steering.interventions import Interventions
 
 log = logging.getLogger("driftlab.serve")
@@ -48,7 +49,10 @@ class QueueFull(Exception):
 
 @dataclass(eq=False)  # a job is itself, not its fields (kept in sets)
 class Job:
-    conversation: Conversation
+    """One row of work: a conversation (or raw prompt) to continue, or, with `score`, a raw
+    prompt whose tokens' log-probabilities are wanted (`/v1/completions` with `echo`)."""
+
+    conversation: Conversation | Rendered
     sampling: Sampling
     seed: int
     interventions: Interventions
@@ -57,6 +61,7 @@ class Job:
     future: asyncio.Future | None = None  # set by the server on its event loop
     loop: asyncio.AbstractEventLoop | None = None
     on_token: Callable[[int], None] | None = None  # called on the worker thread
+    on_logprob: Callable[[TokenLogprob], None] | None = None  # each token's log-prob entry, before on_token
     # makes a watcher called with each token (stop strings; not a stream): a fresh one for each
     # decode run, since a failed batch is re-run one job at a time
     watch: Callable[[], Callable[[int], None]] | None = None
@@ -65,13 +70,14 @@ class Job:
     stopped: threading.Event = field(default_factory=threading.Event)  # a stop string was sampled: end the row
     streamed: bool = False  # some of its tokens reached the client already
     resolved: bool = False  # its result was handed over (a short row finishes before its batch)
+    score: bool = False  # score the prompt's tokens (result: TokenScores) instead of generating
 
     def group(self) -> tuple[Any, ...]:
         """What jobs must share to be decoded together (token limits may differ: each row has its own)."""
         return (self.sampling.model_copy(update={"max_new_tokens": 1}), tuple(self.interventions.specs()),
-                self.logprobs)
+                self.logprobs, self.score)
 
-    def resolve(self, result: Reply | BaseException) -> None:
+    def resolve(self, result: Reply | TokenScores | BaseException) -> None:
         """Hand the result to the waiting request (from the worker thread; the first result counts)."""
         self.resolved = True
 
@@ -180,7 +186,11 @@ class Batcher:
         for j, reply in zip(live, replies, strict=True):
             j.resolve(reply)
 
-    def _generate(self, live: list[Job]) -> list[Reply]:
+    def _generate(self, live: list[Job]) -> list[Reply] | list[TokenScores]:
+        if live[0].score:
+            self.batches.append(len(live))
+            self.n_batches += 1
+            return score(self.backend, [j.conversation for j in live], live[0].interventions, top=live[0].logprobs or 0)
         callbacks = [j.on_token for j in live]
         for j in live:
             j.stopped.clear()
@@ -199,6 +209,8 @@ class Batcher:
             seeds=[j.seed for j in live], row_max_tokens=limits,
             interventions=live[0].interventions, logprobs=live[0].logprobs, cache_store=[j.store for j in live],
             on_token=on_token if any(callbacks) or any(watches) else None,
+            on_logprob=(lambda row, entry: live[row].on_logprob(entry) if live[row].on_logprob else None)
+            if any(j.on_logprob for j in live) else None,
             cancelled=lambda row: live[row].aborted.is_set() or live[row].stopped.is_set(),
             on_finish=lambda row, reply: live[row].resolve(reply),  # a short reply need not wait for the batch
         )

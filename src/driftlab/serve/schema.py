@@ -1,20 +1,25 @@
-"""The OpenAI chat-completions request as `driftlab serve` accepts it, plus driftlab's extension.
+"""The OpenAI chat- and text-completions requests as `driftlab serve` accepts them, plus
+driftlab's extension field.
 
 Purely informational fields (`user`, `metadata`, `store`, ...) and fields this schema does not
-know are ignored, so ordinary clients work unchanged. Sampling fields driftlab does not apply
-(`logit_bias`, penalties, `top_k`, `min_p`, `repetition_penalty`, a `response_format` other
-than text, tools, `n > 1`) are refused with 422 naming the field, rather than silently dropped;
-their neutral values (0 penalties, `{"type": "text"}`, ...) are accepted, since they change
-nothing. An explicit `null` reads as the field's default, as OpenAI does.
+know are ignored, so ordinary clients work unchanged. The sampling fields `top_k`, `min_p`,
+`repetition_penalty`, `frequency_penalty`, `presence_penalty` and `logit_bias` are applied
+with vLLM's meaning (see `driftlab.chat.base.Sampling`); a chat `response_format` of
+`json_object` or `json_schema` constrains decoding to such JSON (`driftlab.chat.constrain`).
+Fields driftlab does not apply (tools, beam search) are refused with 422 naming the field,
+rather than silently dropped; their neutral values (`[]`, `"none"`, ...) are accepted, since they change nothing. An explicit `null` reads as the field's default, as
+OpenAI does.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, field_validator, model_validator
 
-from driftlab.chat.base import MAX_SEED
+from driftlab.chat.base import MAX_SEED, Sampling
+from driftlab.chat.constrain import JSON_OBJECT, canonical_schema
+from driftlab.chat.text import SystemSpan
 
 
 class TextPart(BaseModel):
@@ -82,31 +87,75 @@ class DriftlabOptions(BaseModel):
         return [self.steer] if isinstance(self.steer, str) else self.steer
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema the reply must satisfy (`strict` or not: it is
+    always enforced; `name` and `description` are informational)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _finite(cls, v: dict[str, Any] | bool) -> dict[str, Any] | bool:
+        canonical_schema(v)  # ValueError for NaN or infinity, which JSON cannot hold
+        return v
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object with a "schema"')
+        return self
+
+    def constraint(self) -> str | None:
+        """`Sampling.json_schema`: None for text, compact JSON of the schema otherwise."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return JSON_OBJECT
+        assert self.json_schema is not None
+        return canonical_schema(self.json_schema.schema_)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
+class SamplingFields(BaseModel):
+    """What chat and text completions share: the model, how to sample, how many choices, stops,
+    streaming. Strict types: JSON's true is not the number 1, nor "0.5" a temperature."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
-    # strict: JSON's true is not the number 1, nor "0.5" a temperature
-    max_tokens: int | None = Field(None, ge=1, strict=True)
-    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False, strict=True)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, strict=True)
     seed: int | None = Field(None, ge=0, le=MAX_SEED, strict=True)
-    n: int = Field(1, ge=1, le=1, strict=True, description="one choice per request")
+    n: int = Field(1, ge=1, le=16, strict=True, description="choices, each with its own seed (not streamed)")
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
-    logprobs: bool = Field(False, strict=True)
-    top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
     ignore_eos: bool = Field(False, strict=True, description="vLLM's extension: generate max_tokens (benchmarks)")
+    # applied as vLLM applies them (driftlab.chat.base.Sampling); top_k, min_p and repetition_penalty are vLLM's
+    top_k: int = Field(-1, ge=-1, strict=True, description="the k most likely tokens only (-1 or 0: all)")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False, strict=True)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False, strict=True)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False, strict=True)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False, strict=True)
+    logit_bias: dict[str, StrictFloat] = Field(default_factory=dict, strict=True,
+                                               description="token id -> bias in [-100, 100] added to its logit")
     stop: str | list[str] | None = Field(None, description="up to 4 strings; the reply ends before the first")
-    driftlab: DriftlabOptions | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -115,6 +164,12 @@ class ChatCompletionRequest(BaseModel):
         if not isinstance(data, dict):
             return data
         return {k: v for k, v in data.items() if not (k in NULL_IS_DEFAULT and v is None)}
+
+    @model_validator(mode="after")
+    def _one_streamed_choice(self) -> SamplingFields:
+        if self.stream and self.n > 1:
+            raise ValueError("stream: one choice per streamed request (n = 1); ask for n > 1 without stream")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -131,23 +186,99 @@ class ChatCompletionRequest(BaseModel):
     def stops(self) -> list[str]:
         return list(self.stop or [])
 
+    def sampling(self, max_new_tokens: int) -> Sampling:
+        """The decoding these fields ask for (pydantic's ValidationError where unusable, e.g. a
+        temperature too small to sample with)."""
+        return Sampling(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                        ignore_eos=self.ignore_eos, top_k=self.top_k, min_p=self.min_p,
+                        repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
+                        presence_penalty=self.presence_penalty, logit_bias=self.logit_bias)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
+    logprobs: bool = Field(False, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
+    response_format: ResponseFormat | None = None
+    driftlab: DriftlabOptions | None = None
+
+    def sampling(self, max_new_tokens: int) -> Sampling:
+        sampling = super().sampling(max_new_tokens)
+        schema = self.response_format.constraint() if self.response_format is not None else None
+        return sampling if schema is None else sampling.model_copy(update={"json_schema": schema})
+
     def new_tokens(self, default: int) -> int | None:
         return self.max_completion_tokens or self.max_tokens or default
 
 
+class SpanChars(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    chars: tuple[int, int]
+
+
+class SpanUntil(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    until: str = Field(min_length=1)
+
+
+class CompletionOptions(DriftlabOptions):
+    """The `driftlab` field of a text-completions request: the steer, and where its system span
+    is in raw text (a character range, everything before a marker, the chat template's system
+    message, or none)."""
+
+    system: SpanChars | SpanUntil | Literal["chat", "none"] = "chat"
+
+    def span(self) -> SystemSpan:
+        if isinstance(self.system, SpanChars):
+            return SystemSpan(chars=self.system.chars)
+        if isinstance(self.system, SpanUntil):
+            return SystemSpan(until=self.system.until)
+        return SystemSpan(chat=self.system == "chat")
+
+
+MAX_PROMPTS = 256  # prompts in one text-completions request (lm-eval batches a few dozen)
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default --max-logprobs
+
+
+class CompletionRequest(SamplingFields):
+    """OpenAI's (legacy) text completions as vLLM accepts them."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = Field(16, ge=0, strict=True)  # OpenAI's default; 0 with echo: score the prompt
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+    echo: bool = Field(False, strict=True)
+    driftlab: CompletionOptions | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CompletionRequest:
+        if not self.prompts():
+            raise ValueError("prompt: give at least one prompt")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 asks for nothing unless echo is true (score the prompt)")
+        if self.stream and len(self.prompts()) > 1:
+            raise ValueError("stream: one prompt per streamed request")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: strings, or lists of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
 NULL_IS_DEFAULT = frozenset({"temperature", "top_p", "n", "logprobs", "top_logprobs", "stream", "max_tokens",
-                             "max_completion_tokens", "stop", "seed", "stream_options", "ignore_eos"})
+                             "max_completion_tokens", "stop", "seed", "stream_options", "ignore_eos", "echo",
+                             "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+                             "logit_bias", "response_format"})
 
 # Fields that would change sampling or the reply's form, with the values that change nothing
 # (accepted: a client sending its defaults is honoured).
 UNSUPPORTED: dict[str, Any] = {
-    "logit_bias": lambda v: v == {},
-    "frequency_penalty": lambda v: v == 0 and not isinstance(v, bool),
-    "presence_penalty": lambda v: v == 0 and not isinstance(v, bool),
-    "top_k": lambda v: v in (-1, 0) and not isinstance(v, bool),
-    "min_p": lambda v: v == 0 and not isinstance(v, bool),
-    "repetition_penalty": lambda v: v == 1 and not isinstance(v, bool),
-    "response_format": lambda v: v == {"type": "text"},
     "tools": lambda v: v == [],
     "tool_choice": lambda v: v == "none",
     "functions": lambda v: v == [],
