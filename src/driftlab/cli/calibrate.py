@@ -57,6 +57,8 @@ def calibrate(
     rundir = run_protocol(Calibration(config), out)
     from driftlab.report.calibration import write_calibration_figure  # matplotlib: only once the run is done
     write_calibration_figure(rundir.path)
+    from driftlab.cli.report import write_results
+    write_results(rundir.path, say=True)
     found = summary(rundir.path)
     console = Console(stderr=True)
     table = Table(title=f"{method}: MMLU drop at turn {turn} ({turn_counting} counting, round {mmlu.round}; "

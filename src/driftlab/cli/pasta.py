@@ -54,6 +54,8 @@ def profile(
                    prompt=prompt, max_new_tokens=max_new_tokens, data=str(data) if data else None,
                    batch_size=batch_size)
     rundir = run_protocol(HeadProfiler(config), out)
+    from driftlab.cli.report import write_results
+    write_results(rundir.path, say=True)
     from driftlab.report.pasta import write_pasta_figures  # matplotlib: only once the run is done
     figure = write_pasta_figures(rundir.path)
     result = build_profile(rundir.path)
@@ -130,6 +132,8 @@ def evaluate(
                    max_new_tokens=max_new_tokens, generate_tokens=generate_tokens,
                    data=str(data) if data else None, batch_size=batch_size)
     rundir = run_protocol(PastaEval(config), out)
+    from driftlab.cli.report import write_results
+    write_results(rundir.path, say=True)
     from driftlab.report.pasta import write_pasta_figures  # matplotlib: only once the run is done
     figure = write_pasta_figures(rundir.path)
     from driftlab.pasta.evaluate import RECORDS, metric_intervals
@@ -213,6 +217,8 @@ def tune(
         values["topk"] = topk
     config = build(TuneConfig, {"select": "--select"}, **values)
     rundir = run_protocol(HeadTuner(config), out)
+    from driftlab.cli.report import write_results
+    write_results(rundir.path, say=True)
     from driftlab.report.pasta import write_pasta_figures  # matplotlib: only once the run is done
     figure = write_pasta_figures(rundir.path)
     result = summarize(rundir.path)

@@ -122,11 +122,9 @@ def run(
     rundir = run_protocol(SelfChat(config), out)
     typer.echo(f"records: {rundir.records_path}")
     if report and any(r["kind"] == "probe" for r in rundir.records()):
-        from driftlab.cli.report import print_summary
+        from driftlab.cli.report import print_summary, write_results
         from driftlab.report.html import write_report
 
         summary = print_summary(rundir.path)
         typer.echo(f"report: {write_report(rundir.path, summary=summary)}")
-        from driftlab.report.results import summarize
-
-        typer.echo(f"results: {summarize(rundir.path).write(rundir.path)[0]}")
+        write_results(rundir.path, say=True)

@@ -116,6 +116,8 @@ def sweep(
     run_protocol(Sweep(config), out)
     from driftlab.report.sweep import power_notes, write_sweep_report  # matplotlib: only once the run is done
     page = write_sweep_report(out, match_drop)
+    from driftlab.cli.report import write_results
+    write_results(Path(out), say=True)
     table = pd.read_csv(Path(out) / "sweep.csv")
     console = Console(stderr=True)
     cost = "mmlu" if "mmlu_drop" in table.columns else "bench"  # an lm-eval sweep's columns: bench_*
