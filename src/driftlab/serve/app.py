@@ -1,9 +1,12 @@
 """`driftlab serve`: a drift-controlled local model behind an OpenAI-compatible API.
 
-FastAPI + uvicorn, `/v1/chat/completions` (plain and SSE streaming through sse-starlette),
-`/v1/models`, `/health` and `/metrics` (Prometheus). The server applies a default
-intervention (`--steer`) to every request; a request may replace it with the extension field
-`"driftlab": {"steer": "split-softmax:k=0.8"}` (or `[]` for none). A request never makes the
+FastAPI + uvicorn. This module holds the server's settings, its shared state
+(`ServerState`: the steps every request goes through) and the chat-completions route (plain
+and SSE streaming through sse-starlette); `serve.completions` the text-completions and
+tokenizer routes, `serve.routes` the assembly (`create_app`), `serve.wire` the errors and
+text streaming they share. The server applies a default intervention (`--steer`) to every
+request; a request may replace it with the extension field `"driftlab": {"steer":
+"split-softmax:k=0.8"}` (or `[]` for none), or name a steer in its model (`NAME+SPEC`). A request never makes the
 server open a file: its `pasta:heads=` names a head set the operator registered at start
 (`--heads NAME=PATH`) or lists heads inline. Requests are batched by `serve.batcher.Batcher`
 into the backend's batched decode loop.
