@@ -57,7 +57,7 @@ def calibrate(
     rundir = run_protocol(Calibration(config), out)
     from driftlab.report.calibration import write_calibration_figure  # matplotlib: only once the run is done
     write_calibration_figure(rundir.path)
-    from driftlab.cli.report import write_results
+    from driftlab.cli.finish import write_results
     write_results(rundir.path, say=True)
     found = summary(rundir.path)
     console = Console(stderr=True)

@@ -70,7 +70,7 @@ def decay(
     rundir = run_protocol(Decay(config), out)
     from driftlab.report.decay_figures import write_decay_figures  # matplotlib: only once the run is done
     drawn = write_decay_figures(rundir.path, layer, head)
-    from driftlab.cli.report import write_results
+    from driftlab.cli.finish import write_results
     write_results(rundir.path, say=True)
 
     table = Table(title="mean pi (attention on the system prompt) per round")

@@ -59,7 +59,7 @@ def mmlu(
                    data=str(data) if data else None, batch_size=batch_size)
     rundir = run_protocol(MMLU(config), out)
     print_mmlu(rundir.path, effect)
-    from driftlab.cli.report import write_results
+    from driftlab.cli.finish import write_results
     write_results(rundir.path, say=True)
     typer.echo(f"records: {rundir.records_path}")
 

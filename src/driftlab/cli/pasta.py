@@ -54,7 +54,7 @@ def profile(
                    prompt=prompt, max_new_tokens=max_new_tokens, data=str(data) if data else None,
                    batch_size=batch_size)
     rundir = run_protocol(HeadProfiler(config), out)
-    from driftlab.cli.report import write_results
+    from driftlab.cli.finish import write_results
     write_results(rundir.path, say=True)
     from driftlab.report.pasta import write_pasta_figures  # matplotlib: only once the run is done
     figure = write_pasta_figures(rundir.path)
@@ -132,7 +132,7 @@ def evaluate(
                    max_new_tokens=max_new_tokens, generate_tokens=generate_tokens,
                    data=str(data) if data else None, batch_size=batch_size)
     rundir = run_protocol(PastaEval(config), out)
-    from driftlab.cli.report import write_results
+    from driftlab.cli.finish import write_results
     write_results(rundir.path, say=True)
     from driftlab.report.pasta import write_pasta_figures  # matplotlib: only once the run is done
     figure = write_pasta_figures(rundir.path)
@@ -217,7 +217,7 @@ def tune(
         values["topk"] = topk
     config = build(TuneConfig, {"select": "--select"}, **values)
     rundir = run_protocol(HeadTuner(config), out)
-    from driftlab.cli.report import write_results
+    from driftlab.cli.finish import write_results
     write_results(rundir.path, say=True)
     from driftlab.report.pasta import write_pasta_figures  # matplotlib: only once the run is done
     figure = write_pasta_figures(rundir.path)

@@ -87,6 +87,6 @@ def run(
         raise DriftlabError(f"--config {config}: {where}: {e['msg'].removeprefix('Value error, ')}.",
                             hint=f"{name}'s config fields: {', '.join(schema.model_fields)}.") from None
     rundir = run_protocol(cls(cfg), out, progress=progress)
-    from driftlab.cli.report import write_results
+    from driftlab.cli.finish import write_results
     write_results(rundir.path, say=True)
     typer.echo(f"records: {rundir.records_path}")

@@ -158,22 +158,6 @@ def _status(run_dir: Path, manifest: dict[str, Any]) -> str:
     return f"{manifest.get('protocol', 'selfchat')} run: {present} of {expected} records, {state}"
 
 
-def write_results(run_dir: Path, *, say: bool = False) -> None:
-    """results.json / results.csv of any run (every command that completes a run writes them),
-    said in one line on stderr if they cannot be made (an incomplete run may lack what its
-    summary needs; its own report says more); `say`: print where they are."""
-    from driftlab.errors import DriftlabError
-    from driftlab.report.results import summarize
-
-    try:
-        written = summarize(run_dir).write(run_dir)
-    except (DriftlabError, OSError, KeyError, ValueError) as err:
-        typer.echo(f"note: no results.json for {run_dir} ({type(err).__name__}: {err})".splitlines()[0], err=True)
-        return
-    if say:
-        typer.echo(f"results: {written[0]}")
-
-
 def report(
     run_dirs: Annotated[
         list[Path], typer.Argument(help="A run directory (the --out of `driftlab run` or any protocol); several: "
@@ -244,4 +228,6 @@ def report(
             import webbrowser
 
             webbrowser.open(path.resolve().as_uri())
+    from driftlab.cli.finish import write_results
+
     write_results(run_dir)  # after the protocol's own report: an error there is the one to see

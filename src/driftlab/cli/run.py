@@ -122,7 +122,8 @@ def run(
     rundir = run_protocol(SelfChat(config), out)
     typer.echo(f"records: {rundir.records_path}")
     if report and any(r["kind"] == "probe" for r in rundir.records()):
-        from driftlab.cli.report import print_summary, write_results
+        from driftlab.cli.finish import write_results
+        from driftlab.cli.report import print_summary
         from driftlab.report.html import write_report
 
         summary = print_summary(rundir.path)

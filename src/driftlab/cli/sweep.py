@@ -116,7 +116,7 @@ def sweep(
     run_protocol(Sweep(config), out)
     from driftlab.report.sweep import power_notes, write_sweep_report  # matplotlib: only once the run is done
     page = write_sweep_report(out, match_drop)
-    from driftlab.cli.report import write_results
+    from driftlab.cli.finish import write_results
     write_results(Path(out), say=True)
     table = pd.read_csv(Path(out) / "sweep.csv")
     console = Console(stderr=True)
