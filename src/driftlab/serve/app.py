@@ -415,17 +415,27 @@ class ServerState:
         """The reply cut before its first stop string, `finish_reason` "stop", and its token
         count (usage, log-probs) that of the shortest run of generated tokens that covers the
         returned text: the tokens after the stop, decoded before the row ended, are dropped."""
-        if not stops:
-            return reply
-        raw = self.backend.decode(reply.token_ids)
-        at = find_stop(raw, stops)
-        if at is None:
-            return replace(reply, finish_reason="stop") if job.stopped.is_set() else reply
-        ids = reply.token_ids
-        n = self.tokens_covering(ids, at)
-        text = cut_at(raw[:at], self.backend.stop_strings).strip()
-        return replace(reply, text=text, n_tokens=n, finish_reason="stop", token_ids=ids[:n],
+        cut = self.stop_cut(reply.token_ids, stops)
+        if cut is None:
+            return replace(reply, finish_reason="stop") if stops and job.stopped.is_set() else reply
+        raw, n = cut
+        text = cut_at(raw, self.backend.stop_strings).strip()
+        return replace(reply, text=text, n_tokens=n, finish_reason="stop", token_ids=reply.token_ids[:n],
                        logprobs=None if reply.logprobs is None else reply.logprobs[:n])
+
+    def stop_cut(self, ids: list[int], stops: list[str]) -> tuple[str, int] | None:
+        """The text of `ids` before the first of `stops` and how many tokens cover it (None: no
+        stop in it)."""
+        raw = self.backend.decode(ids) if stops else ""
+        at = find_stop(raw, stops)
+        return None if at is None else (raw[:at], self.tokens_covering(ids, at))
+
+    def token_feed(self, job: Job) -> asyncio.Queue[int | None]:
+        """The job's tokens, as sampled on the worker thread, on this loop's queue (None: the end)."""
+        tokens: asyncio.Queue[int | None] = asyncio.Queue()
+        job.on_token = lambda tok: job.loop.call_soon_threadsafe(tokens.put_nowait, tok)
+        job.future.add_done_callback(lambda _: tokens.put_nowait(None))
+        return tokens
 
     def tokens_covering(self, ids: list[int], chars: int) -> int:
         """The smallest k with len(decode(ids[:k])) >= chars (a binary search: decoding is
@@ -461,11 +471,9 @@ class ServerState:
         from sse_starlette.sse import EventSourceResponse
 
         job = call.job
-        tokens: asyncio.Queue[int | None] = asyncio.Queue()
-        job.on_token = lambda tok: job.loop.call_soon_threadsafe(tokens.put_nowait, tok)
+        tokens = self.token_feed(job)
         if job.logprobs is not None:
             job.on_logprob = call.scored.append  # on the worker thread, before its token is queued
-        job.future.add_done_callback(lambda _: tokens.put_nowait(None))
         self.submit(job, call.arrived)  # before the response starts, so a closing server still answers 503
         text = TextStream(self.backend.decode, self.backend.stop_strings, call.req.stops())
         return EventSourceResponse(self._events(call, tokens, text))

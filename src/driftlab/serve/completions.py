@@ -38,7 +38,6 @@ from driftlab.serve.wire import (
     TextStream,
     closing,
     cut_at,
-    find_stop,
     invalid,
     parse_json,
     read_body,
@@ -180,12 +179,13 @@ class Completions:
             return "", [], "length", []
         state = self.state
         ids, entries, finish = reply.token_ids, reply.logprobs or [], reply.finish_reason
-        raw = state.backend.decode(ids)
-        if (at := find_stop(raw, stops)) is not None:
-            n = state.tokens_covering(ids, at)
-            raw, ids, entries, finish = raw[:at], ids[:n], entries[:n], "stop"
-        elif reply.end is not None:  # the end-of-turn token is scored, not written (vLLM's reading)
-            entries = [*entries, reply.end]
+        if (cut := state.stop_cut(ids, stops)) is not None:
+            raw, n = cut
+            ids, entries, finish = ids[:n], entries[:n], "stop"
+        else:
+            raw = state.backend.decode(ids)
+            if reply.end is not None:  # the end-of-turn token is scored, not written (vLLM's reading)
+                entries = [*entries, reply.end]
         return cut_at(raw, state.backend.stop_strings), ids, finish, entries
 
     def _logprobs(self, rows) -> dict[str, Any]:
@@ -217,9 +217,7 @@ class Completions:
         if job is None or req.echo:
             raise APIError(422, "stream: stream a continuation (max_tokens >= 1) without echo.", param="stream")
         state = self.state
-        tokens: asyncio.Queue[int | None] = asyncio.Queue()
-        job.on_token = lambda tok: job.loop.call_soon_threadsafe(tokens.put_nowait, tok)
-        job.future.add_done_callback(lambda _: tokens.put_nowait(None))
+        tokens = state.token_feed(job)
         state.submit(job, arrived)
         text = TextStream(state.backend.decode, state.backend.stop_strings, req.stop or [], strip=False)
 
