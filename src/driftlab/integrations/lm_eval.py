@@ -141,10 +141,15 @@ class DriftlabLM(TemplateLM):
         self.tokenizer = self.backend.tokenizer
         if str(batch_size).startswith("auto"):
             batch_size = 8  # no search for the largest batch that fits; scoring keeps within LOGIT_BUDGET anyway
-        self._batch_size = int(batch_size)
-        if self._batch_size < 1:
-            raise DriftlabError(f"batch_size={batch_size} must be at least 1.")
+        if isinstance(batch_size, str) and batch_size.isdigit():  # lm-eval's CLI passes --batch_size as text
+            batch_size = int(batch_size)
+        if not (isinstance(batch_size, int) and batch_size >= 1):
+            raise DriftlabError(f"batch_size={batch_size} must be a whole number, at least 1 (or 'auto').")
+        self._batch_size = batch_size
         window = self.backend.shape.max_context
+        if max_length is not None and not (isinstance(max_length, int) and max_length >= 2):
+            raise DriftlabError(f"max_length={max_length} is not a usable window: give a whole number of tokens, "
+                                "at least 2.", hint="Or leave it out (the model's window, at most 2048).")
         self._max_length = int(max_length) if max_length else min(window or DEFAULT_MAX_LENGTH, DEFAULT_MAX_LENGTH)
         if window and self._max_length > window:
             raise DriftlabError(f"max_length={self._max_length} exceeds the model's context window of {window}.")
