@@ -51,26 +51,26 @@ def test_import_driftlab_is_cheap_and_lists_its_api():
 
 
 def test_keywords_map_onto_the_protocol_config():
-    from driftlab.protocol.selfchat import SelfChatConfig
+    from driftlab.api.options import KEYWORDS, selfchat_config
 
-    cfg = api._config(SelfChatConfig, BackendSpec(), {"pair": "reply-in-french:very-happy", "max_new_tokens": 12,
-                                                     "greedy": True, "steer": "split-softmax:k=0.5", "rounds": 3})
+    cfg = selfchat_config(BackendSpec(), KEYWORDS, {"pair": "reply-in-french:very-happy", "max_new_tokens": 12,
+                                                    "greedy": True, "steer": "split-softmax:k=0.5", "rounds": 3})
     assert cfg.pair_ids == [("reply-in-french", "very-happy")] and cfg.rounds == 3
     assert cfg.sampling.max_new_tokens == 12 and cfg.sampling.greedy
     assert cfg.steer.specs() == ["split-softmax:k=0.5,heads=all"]
-    two = api._config(SelfChatConfig, BackendSpec(), {"pair": [("a-b", "c-d"), "e:f"]})
+    two = selfchat_config(BackendSpec(), KEYWORDS, {"pair": [("a-b", "c-d"), "e:f"]})
     assert two.pair_ids == [("a-b", "c-d"), ("e", "f")]
 
 
 @pytest.mark.parametrize(("call", "message"), [
     (lambda: dl.selfchat(None, roundz=3), "unknown keyword for driftlab.selfchat(): roundz=; did you mean rounds=?"),
-    (lambda: dl.selfchat(None, rounds=0), "invalid rounds=0: Input should be greater than or equal to 1"),
-    (lambda: dl.selfchat(None, pair="french"), "pair 'french' is not 'AGENT_ID:USER_ID'"),
+    (lambda: dl.selfchat(None, rounds=0), "Invalid rounds=0: input should be greater than or equal to 1"),
+    (lambda: dl.selfchat(None, pair="french"), "pair 'french' is not AGENT_ID:USER_ID or (agent_id, user_id)"),
     (lambda: dl.selfchat(None, system="Be terse."), "needs system=, probe= and measure=; probe=, measure= missing"),
-    (lambda: dl.mmlu(None, n=0), "invalid n=0"),
+    (lambda: dl.mmlu(None, n=0), "Invalid n=0"),
     (lambda: dl.load("smollm2-135m", dtpye="float32"), "unknown keyword for driftlab.load(): dtpye=; did you "
                                                         "mean dtype=?"),
-    (lambda: dl.load("smollm2-135m", dtype="float8"), "invalid dtype='float8'"),
+    (lambda: dl.load("smollm2-135m", dtype="float8"), "Invalid dtype='float8'"),
 ])
 def test_bad_keywords_are_one_line_errors_before_any_model_loads(call, message):
     with pytest.raises(DriftlabError) as err:

@@ -145,7 +145,7 @@ CASES = [
     Case("run-bad-probe-after", ("run", "--out", "{ws}/run", "--probe-after", "probe"),
          ("Invalid --probe-after probe", "user, agent")),
     Case("sweep-bad-personas", ("sweep", "--out", "{ws}/sweep", "--personas", "paper"),
-         ("Invalid --personas 'paper'",)),
+         ("Invalid --personas paper: use one of table2, reference",)),
     # -- --steer: one grammar, one-line errors, no silent overwrite
     Case("chat-steer-nan", ("chat", "--steer", "bias:value=nan", "hi"), ("value=nan", "finite number")),
     Case("run-steer-twice", ("run", "--out", "{ws}/run", "--steer", "split-softmax:k=0.9",

@@ -17,7 +17,6 @@ from driftlab.cli.options import (
     TurnCountingOpt,
     TurnOpt,
     backend_options,
-    build,
 )
 
 
@@ -42,26 +41,24 @@ def calibrate(
     Prints the spec to use on stdout (e.g. `--steer "$(driftlab calibrate ...)"`), the points
     measured on stderr, and writes calibration.json and calibration.png. Resumable.
     """
+    options = {k: v for k, v in locals().items() if k not in ("out", "backend")}  # the run's options
     from rich.console import Console
     from rich.table import Table
 
+    from driftlab.api.options import FLAGS, calibrate_config
+    from driftlab.api.runs import execute
+    from driftlab.cli.finish import say_results
     from driftlab.errors import DriftlabError
-    from driftlab.protocol.calibrate import Calibration, CalibrationConfig, summary
-    from driftlab.protocol.mmlu import MMLUConfig
-    from driftlab.protocol.runner import run_protocol
+    from driftlab.protocol.calibrate import Calibration, summary
 
-    mmlu = build(MMLUConfig, backend=backend, n=n, turn=turn, turn_counting=turn_counting,
-                 histories=histories, ties=ties, history_tokens=history_tokens, seed=seed, data=str(data) if data else None)
-    config = build(CalibrationConfig, {"max_drop": "--max-mmlu-drop"}, method=method, max_drop=max_mmlu_drop,
-                   steps=steps, mmlu=mmlu)
-    rundir = run_protocol(Calibration(config), out)
+    config = calibrate_config(backend, FLAGS, options)
+    rundir = execute(Calibration(config), out)
     from driftlab.report.calibration import write_calibration_figure  # matplotlib: only once the run is done
     write_calibration_figure(rundir.path)
-    from driftlab.cli.finish import write_results
-    write_results(rundir.path, say=True)
+    say_results(rundir.path)
     found = summary(rundir.path)
     console = Console(stderr=True)
-    table = Table(title=f"{method}: MMLU drop at turn {turn} ({turn_counting} counting, round {mmlu.round}; "
+    table = Table(title=f"{method}: MMLU drop at turn {turn} ({turn_counting} counting, round {config.mmlu.round}; "
                         f"{n} questions after {histories} dialog(s)), budget {max_mmlu_drop:g}")
     for col in ("--steer", "n", "drop", "95% CI", "p", "within budget"):
         table.add_column(col)

@@ -47,9 +47,9 @@ def decay(
     from rich.console import Console
     from rich.table import Table
 
+    from driftlab.api.runs import execute
     from driftlab.errors import DriftlabError
     from driftlab.protocol.decay import Decay, DecayConfig
-    from driftlab.protocol.runner import run_protocol
 
     console = Console(stderr=True)
     # Cheap checks first: nothing is loaded, traced or written with a bad option.
@@ -67,11 +67,11 @@ def decay(
     for other in config.compare:
         _shape(other)  # a compare model that is not there fails before anything runs
 
-    rundir = run_protocol(Decay(config), out)
+    rundir = execute(Decay(config), out)
     from driftlab.report.decay_figures import write_decay_figures  # matplotlib: only once the run is done
     drawn = write_decay_figures(rundir.path, layer, head)
-    from driftlab.cli.finish import write_results
-    write_results(rundir.path, say=True)
+    from driftlab.cli.finish import say_results
+    say_results(rundir.path)
 
     table = Table(title="mean pi (attention on the system prompt) per round")
     table.add_column("model")

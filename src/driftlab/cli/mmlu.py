@@ -18,7 +18,6 @@ from driftlab.cli.options import (
     TurnCountingOpt,
     TurnOpt,
     backend_options,
-    build,
 )
 
 
@@ -47,20 +46,19 @@ def mmlu(
     a warning where the questions are too few to support a drop, and how many questions a
     drop of --effect would need. Re-running the same command resumes.
     """
+    options = {k: v for k, v in locals().items() if k not in ("out", "backend", "effect")}  # the run's options
+    from driftlab.api.options import FLAGS, mmlu_config
+    from driftlab.api.runs import execute
+    from driftlab.cli.finish import say_results
     from driftlab.errors import DriftlabError
-    from driftlab.protocol.mmlu import MMLU, MMLUConfig
-    from driftlab.protocol.runner import run_protocol
+    from driftlab.protocol.mmlu import MMLU
 
     if not 0 < effect <= 1:  # also nan
         raise DriftlabError(f"Invalid --effect {effect}: give an accuracy drop in (0, 1], e.g. 0.05.",
                             hint="The command's --help lists every option with its valid values.")
-    config = build(MMLUConfig, backend=backend, steer=steer or [], n=n, turn=turn, turn_counting=turn_counting,
-                   histories=histories, ties=ties, history_tokens=history_tokens, seed=seed,
-                   data=str(data) if data else None, batch_size=batch_size)
-    rundir = run_protocol(MMLU(config), out)
+    rundir = execute(MMLU(mmlu_config(backend, FLAGS, options)), out)
     print_mmlu(rundir.path, effect)
-    from driftlab.cli.finish import write_results
-    write_results(rundir.path, say=True)
+    say_results(rundir.path)
     typer.echo(f"records: {rundir.records_path}")
 
 

@@ -1,9 +1,10 @@
-"""Options shared by several commands, and the one place CLI values become validated configs.
+"""The flags shared by several commands; what they mean lives in `driftlab.api.options`.
 
 Ranges live in the pydantic models (Sampling, SelfChatConfig, BackendSpec), not in Typer
-options: a value is checked once, by the model the library uses too, and a bad one
-becomes a one-line error naming the flag. The options that choose a backend are declared
-once (`backend_options`) and reach a command as one `BackendSpec`.
+options: a value is checked once, by the model the library uses too, and a bad one becomes a
+one-line error naming the flag. Options reach the same functions `dl.selfchat/mmlu/sweep`
+call (`api.options`), spelt as flags. The options that choose a backend are declared once
+(`backend_options`) and reach a command as one `BackendSpec`.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from driftlab.assets.registry import DEFAULT_MODEL
-from driftlab.errors import DriftlabError
 
 M = TypeVar("M", bound=BaseModel)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -135,44 +135,19 @@ def backend_options(*, span: bool = True, remote: bool = False, ray: bool = Fals
     return decorate
 
 
-def backend_spec(model: str, dtype: str, device: str, span: str = "content", base_url: str | None = None,
-                 api_key_env: str = "OPENAI_API_KEY", concurrency: int = 8, timeout: float = 300.0,
-                 max_retries: int = 5, ray: str | None = None, actors: int | None = None,
-                 device_map: str | None = None, quantize: str | None = None, decode: str = "auto") -> Any:
+def backend_spec(model: str, **options: Any) -> Any:
     """The validated `BackendSpec` of the backend options, with a one-line error naming a bad flag."""
-    from driftlab.chat.spec import BackendSpec, Runtime
+    from driftlab.api.options import FLAGS
+    from driftlab.api.options import backend_spec as spec
 
-    runtime = build(Runtime, base_url=base_url, api_key_env=api_key_env, concurrency=concurrency, timeout=timeout,
-                    max_retries=max_retries, ray=ray, actors=actors)
-    return build(BackendSpec, model=model, dtype=dtype, device=device, span=span, runtime=runtime,
-                 device_map=device_map, quantize=quantize, decode=decode)
+    return spec(model, FLAGS, **options)
 
 
 def build(schema: type[M], flags: dict[str, str] | None = None, /, **values: Any) -> M:
-    """`schema(**values)`, with a validation error turned into one line that names the CLI flag.
+    """`schema(**values)`, with a validation error turned into one line that names the CLI flag
+    (`driftlab.api.options.validated`); `flags` maps a field to its flag where they differ
+    (e.g. {'max_batch_size': '--max-batch'})."""
+    from driftlab.api.options import FLAGS, validated
 
-    `flags` maps a field name to its flag where they differ (e.g. {'pair_ids': '--pair'}).
-    """
-    from driftlab.steering.interventions import did_you_mean, literal_choices
-
-    try:
-        return schema(**values)
-    except ValidationError as err:
-        e = err.errors()[0]
-        names = [str(p) for p in e["loc"] if isinstance(p, str)]
-        field = names[-1] if names else "?"
-        flags = flags or {}
-        flag = flags.get(field) or flags.get(names[0] if names else "?") or "--" + field.replace("_", "-")
-        given = e.get("input")
-        shown = f" {given}" if isinstance(given, (int, float, str)) and not isinstance(given, bool) else ""
-        msg = e["msg"].removeprefix("Value error, ")
-        if len(names) > 1 and field not in flags:  # a key inside an option's value: --judge "colour=red"
-            msg = f"{field}{shown.replace(' ', '=', 1)}: {msg[0].lower() + msg[1:]}"
-            shown = ""
-        if e["type"] == "literal_error":
-            choices = literal_choices(e)
-            msg = f"use one of {', '.join(choices)}{did_you_mean(given, choices)}"
-        what = f"Invalid {flag}{shown}" if field != "?" else "Invalid options"  # a check of several options
-        raise DriftlabError(f"{what}: {msg[0].lower() + msg[1:]}.",
-                            hint="The command's --help lists every option with its valid values.") from None
-
+    renames = {field: flag.removeprefix("--").replace("-", "_") for field, flag in (flags or {}).items()}
+    return validated(schema, FLAGS, renames, **values)

@@ -47,15 +47,15 @@ def profile(
     """
     from rich.console import Console
 
+    from driftlab.api.runs import execute
     from driftlab.pasta.profile import HeadProfiler, ProfileConfig, build_profile
-    from driftlab.protocol.runner import run_protocol
 
     config = build(ProfileConfig, backend=backend, task=task, n=n, alpha=alpha, layers=layers, score=score,
                    prompt=prompt, max_new_tokens=max_new_tokens, data=str(data) if data else None,
                    batch_size=batch_size)
-    rundir = run_protocol(HeadProfiler(config), out)
-    from driftlab.cli.finish import write_results
-    write_results(rundir.path, say=True)
+    rundir = execute(HeadProfiler(config), out)
+    from driftlab.cli.finish import say_results
+    say_results(rundir.path)
     from driftlab.report.pasta import write_pasta_figures  # matplotlib: only once the run is done
     figure = write_pasta_figures(rundir.path)
     result = build_profile(rundir.path)
@@ -117,9 +117,9 @@ def evaluate(
     from rich.console import Console
     from rich.table import Table
 
+    from driftlab.api.runs import execute
     from driftlab.pasta.evaluate import PastaEval, PastaEvalConfig, paired_gains
     from driftlab.pasta.tasks import BASELINES
-    from driftlab.protocol.runner import run_protocol
     from driftlab.steering import Pasta
 
     steer = []
@@ -131,9 +131,9 @@ def evaluate(
                    baselines=baseline or default, steer=steer, n=n, split=split, prompt=prompt,
                    max_new_tokens=max_new_tokens, generate_tokens=generate_tokens,
                    data=str(data) if data else None, batch_size=batch_size)
-    rundir = run_protocol(PastaEval(config), out)
-    from driftlab.cli.finish import write_results
-    write_results(rundir.path, say=True)
+    rundir = execute(PastaEval(config), out)
+    from driftlab.cli.finish import say_results
+    say_results(rundir.path)
     from driftlab.report.pasta import write_pasta_figures  # matplotlib: only once the run is done
     figure = write_pasta_figures(rundir.path)
     from driftlab.pasta.evaluate import RECORDS, metric_intervals
@@ -207,8 +207,8 @@ def tune(
     from rich.console import Console
     from rich.table import Table
 
+    from driftlab.api.runs import execute
     from driftlab.pasta.tune import HeadTuner, TuneConfig, summarize
-    from driftlab.protocol.runner import run_protocol
 
     values = {"backend": backend, "task": task, "profiles": [str(p) for p in profiles], "select": how, "n": n,
               "alpha": alpha, "prompt": prompt, "max_new_tokens": max_new_tokens,
@@ -216,9 +216,9 @@ def tune(
     if topk:
         values["topk"] = topk
     config = build(TuneConfig, {"select": "--select"}, **values)
-    rundir = run_protocol(HeadTuner(config), out)
-    from driftlab.cli.finish import write_results
-    write_results(rundir.path, say=True)
+    rundir = execute(HeadTuner(config), out)
+    from driftlab.cli.finish import say_results
+    say_results(rundir.path)
     from driftlab.report.pasta import write_pasta_figures  # matplotlib: only once the run is done
     figure = write_pasta_figures(rundir.path)
     result = summarize(rundir.path)

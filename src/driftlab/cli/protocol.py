@@ -74,8 +74,8 @@ def run(
     """Run (or resume) any registered protocol from a config file; `driftlab report OUT` reads it."""
     from pydantic import ValidationError
 
+    from driftlab.api.runs import execute
     from driftlab.protocol.registry import protocol_class
-    from driftlab.protocol.runner import run_protocol
 
     cls = protocol_class(name)
     schema = cls.config_type()
@@ -86,7 +86,7 @@ def run(
         where = ".".join(str(p) for p in e["loc"]) or "config"
         raise DriftlabError(f"--config {config}: {where}: {e['msg'].removeprefix('Value error, ')}.",
                             hint=f"{name}'s config fields: {', '.join(schema.model_fields)}.") from None
-    rundir = run_protocol(cls(cfg), out, progress=progress)
-    from driftlab.cli.finish import write_results
-    write_results(rundir.path, say=True)
+    rundir = execute(cls(cfg), out, progress=progress)
+    from driftlab.cli.finish import say_results
+    say_results(rundir.path)
     typer.echo(f"records: {rundir.records_path}")

@@ -228,6 +228,6 @@ def report(
             import webbrowser
 
             webbrowser.open(path.resolve().as_uri())
-    from driftlab.cli.finish import write_results
+    from driftlab.api.runs import write_results
 
     write_results(run_dir)  # after the protocol's own report: an error there is the one to see

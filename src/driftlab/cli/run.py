@@ -17,36 +17,7 @@ from driftlab.cli.options import (
     TemperatureOpt,
     TopPOpt,
     backend_options,
-    build,
 )
-
-
-def _pairs(values: list[str]) -> list[tuple[str, str]]:
-    from driftlab.errors import DriftlabError
-
-    out = []
-    for v in values:
-        agent, sep, user = v.partition(":")
-        if not sep or not agent or not user:
-            raise DriftlabError(f"--pair {v!r} is not AGENT_ID:USER_ID.", hint="See ids with `driftlab personas list`.")
-        out.append((agent.strip(), user.strip()))
-    return out
-
-
-def _own_persona(system: str | None, probe: str | None, measure: str | None, params: str | None) -> dict:
-    """--system/--probe/--measure: one persona of the user's, the agent of every pair."""
-    import json
-
-    from driftlab.api import FLAGS, own_persona
-    from driftlab.errors import DriftlabError
-
-    try:
-        values = json.loads(params) if params else None
-    except ValueError as err:
-        raise DriftlabError(f"--measure-params is not JSON ({err}).",
-                            hint='e.g. \'{"lang": "fr"}\' for the language measure') from None
-    persona = own_persona(system, probe, measure, values, names=FLAGS)
-    return {"personas": [persona], "agents": [persona.id]} if persona is not None else {}
 
 
 @backend_options(remote=True, ray=True)
@@ -54,7 +25,8 @@ def run(
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (created, or resumed if it exists).")],
     backend: BackendSpec,
     user_model: Annotated[str | None, typer.Option(help="Different model for the user LM (default: --model).")] = None,
-    pairs: Annotated[int, typer.Option(help="Random (agent, user) persona pairs.")] = 10,
+    pairs: Annotated[int | None, typer.Option(
+        help="Random (agent, user) persona pairs (default 10; 0 with --pair: only the pairs named).")] = None,
     pair: Annotated[
         list[str] | None, typer.Option("--pair", help="Explicit pair AGENT_ID:USER_ID (repeatable).")
     ] = None,
@@ -103,29 +75,19 @@ def run(
 
     Re-running the same command on the same --out resumes: finished generations are kept.
     """
-    from driftlab.chat import Sampling
-    from driftlab.protocol.runner import run_protocol
-    from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
+    options = {k: v for k, v in locals().items() if k not in ("out", "backend", "report")}  # the run's options
+    from driftlab.api.options import FLAGS, selfchat_config
+    from driftlab.api.runs import execute
+    from driftlab.cli.finish import say_results
+    from driftlab.protocol.selfchat import SelfChat
 
-    sampling = build(Sampling, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy)
-    own = _own_persona(system, probe, measure, measure_params)
-    config = build(
-        SelfChatConfig, {"pair_ids": "--pair", "persona_file": "--persona-file", "judge": "--judge"}, **own,
-        backend=backend, user_model=user_model, pairs=pairs, pair_ids=_pairs(pair or []),
-        categories=[c.strip() for c in categories.split(",")] if categories else None,
-        rounds=rounds, probe_every=probe_every, probe_repeats=probe_repeats, probe_after=probe_after,
-        user_probe=user_probe,
-        user_probe_version=user_probe_version, starters=starters, ablation=ablation, sampling=sampling,
-        probe_tokens=probe_tokens, seed=seed, steer=steer or [], persona_file=str(persona_file) if persona_file else None, batch_size=batch_size,
-        judge=judge,
-    )
-    rundir = run_protocol(SelfChat(config), out)
+    config = selfchat_config(backend, FLAGS, options)
+    rundir = execute(SelfChat(config), out)
     typer.echo(f"records: {rundir.records_path}")
     if report and any(r["kind"] == "probe" for r in rundir.records()):
-        from driftlab.cli.finish import write_results
         from driftlab.cli.report import print_summary
         from driftlab.report.html import write_report
 
         summary = print_summary(rundir.path)
         typer.echo(f"report: {write_report(rundir.path, summary=summary)}")
-        write_results(rundir.path, say=True)
+        say_results(rundir.path)

@@ -17,7 +17,6 @@ from driftlab.cli.options import (
     TiesOpt,
     TurnCountingOpt,
     backend_options,
-    build,
 )
 
 DEFAULT_METHODS = "split-softmax,spr,cfg,instaboost"
@@ -27,7 +26,8 @@ DEFAULT_METHODS = "split-softmax,spr,cfg,instaboost"
 def sweep(
     out: Annotated[Path, typer.Option("--out", "-o", help="Sweep directory (created, or resumed if it exists).")],
     backend: BackendSpec,
-    methods: Annotated[str, typer.Option(help="Comma-separated methods with their default grids.")] = DEFAULT_METHODS,
+    methods: Annotated[str | None, typer.Option(help=f"Comma-separated methods with their default grids (default: "
+                                                     f"{DEFAULT_METHODS}; without spr for --benchmark lm-eval:TASK).")] = None,
     point: Annotated[list[str] | None, typer.Option(
         "--point", help="A grid point as a --steer spec (repeatable); replaces the default grids; more points than a sweep recorded are added to it.")] = None,
     pairs: Annotated[int, typer.Option(help="Use the first N of the 20 ordered pairs of the 5 sweep personas.")] = 20,
@@ -76,48 +76,19 @@ def sweep(
     pairs and questions (Holm over the points); the end says where n is too small and how many
     pairs and questions a stability gain of 0.1 and an MMLU drop of 0.05 would need.
     """
+    options = {k: v for k, v in locals().items() if k not in ("out", "backend", "match_drop")}  # the run's options
     import pandas as pd
     from rich.console import Console
 
-    from driftlab.chat import Sampling
-    from driftlab.errors import DriftlabError
-    from driftlab.protocol.runner import run_protocol
-    from driftlab.protocol.sweep import GRID, Sweep, SweepConfig, paper_pairs
-    from driftlab.steering import Interventions
+    from driftlab.api.options import FLAGS, sweep_config
+    from driftlab.api.runs import execute
+    from driftlab.cli.finish import say_results
+    from driftlab.protocol.sweep import Sweep
 
-    if point:
-        grid: dict[str, list] = {}
-        for spec in point:
-            (item,) = Interventions.parse([spec]).items
-            grid.setdefault(item.kind, []).append(item)
-    else:
-        if benchmark != "mmlu" and methods == DEFAULT_METHODS:  # lm-eval sends raw text: no conversation edits
-            methods = ",".join(m for m in GRID if GRID[m][0].hook != "conversation")
-            Console(stderr=True).print(f"sweep: --benchmark {benchmark}: methods {methods} (spr edits the conversation, "
-                                       "which lm-eval's raw text has not).", highlight=False, markup=False)
-        chosen = [m.strip() for m in methods.split(",") if m.strip()]
-        unknown = [m for m in chosen if m not in GRID]
-        if unknown or not chosen:
-            raise DriftlabError(f"Invalid --methods {methods!r}.", hint=f"Use some of: {', '.join(GRID)}.")
-        grid = {m: GRID[m] for m in chosen}
-    if not 1 <= pairs <= 20:
-        raise DriftlabError(f"Invalid --pairs {pairs}: use 1 to 20.")
-    sampling = build(Sampling, max_new_tokens=max_new_tokens)
-    if personas not in ("table2", "reference"):
-        raise DriftlabError(f"Invalid --personas {personas!r}.", hint="Use 'table2' or 'reference'.")
-    config = build(SweepConfig, {"grid": "--point", "mmlu_histories": "--histories", "mmlu_ties": "--ties"},
-                   backend=backend, grid=grid, personas=personas,
-                   pair_ids=paper_pairs(personas)[:pairs], probe_after=probe_after, rounds=rounds,
-                   starters=starters, sampling=sampling, probe_tokens=probe_tokens, seed=seed, mmlu_n=mmlu_n, mmlu_turn=mmlu_turn,
-                   mmlu_turn_counting=mmlu_turn_counting, mmlu_history=mmlu_history,
-                   mmlu_histories=histories, mmlu_ties=ties,
-                   data=str(data) if data else None, batch_size=batch_size, benchmark=benchmark,
-                   benchmark_include=str(benchmark_include) if benchmark_include else None, benchmark_n=benchmark_n)
-    run_protocol(Sweep(config), out)
+    execute(Sweep(sweep_config(backend, FLAGS, options)), out)
     from driftlab.report.sweep import power_notes, write_sweep_report  # matplotlib: only once the run is done
     page = write_sweep_report(out, match_drop)
-    from driftlab.cli.finish import write_results
-    write_results(Path(out), say=True)
+    say_results(Path(out))
     table = pd.read_csv(Path(out) / "sweep.csv")
     console = Console(stderr=True)
     cost = "mmlu" if "mmlu_drop" in table.columns else "bench"  # an lm-eval sweep's columns: bench_*
