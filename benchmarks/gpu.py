@@ -23,14 +23,22 @@ before tokenising, so every mode sees the same token ids):
   instaboost InstABoost m = 5 (a key bias log 5 on the system span, every layer and head);
   pasta      PASTA alpha = 0.01 on ~56 heads (every 4th head of every L/8-th layer), marked span;
   composed   trace + split + instaboost + pasta together (the key biases add up);
+  bias       the generic key bias (bias:value=2.0 on the system span, every layer and head);
+  cfg        classifier-free guidance alpha = 1.5 (each row decodes beside its system-less twin);
+  spr        system-prompt repetition p = 0.5 (the system prompt repeated in the conversation:
+             a longer prompt, so its prefill ratio includes the extra tokens);
   eager      eager attention with `output_attentions=True`, pi summed from the weights (what a
              user without driftlab does), own greedy loop with a dynamic cache;
   pastalib   the PASTA authors' library (eager + its hooks, `model.generate`), Llama family only,
              when importable: total time only.
-Timing: every variant runs once untimed at every context (warm-up), then `repeats` interleaved
+Timing: every variant runs once untimed at every context with the timed shapes (warm-up: a
+compiled loop compiles there, and RESULT <shape>.graphs_compiled_in_timing says if any compile
+still landed in the timed rounds), then `repeats` interleaved
 rounds (the order rotates); each forward of the backend's decode loop is timed with a device
 synchronize on both sides: prefill = the first forward, decode step = the median of the others;
-the best round is kept. Peak memory above what was allocated before the call (weights excluded):
+the best round is kept. Peak memory above what was allocated before the call (weights excluded;
+a static KV cache kept from an earlier call and reused is added, so the loops compare), judged
+for O(T) as the peak per context token at the largest context over the smallest (<= 1.5x):
 CUDA `torch.cuda.max_memory_allocated`; CPU the process's peak resident set (VmHWM reset through
 /proc/self/clear_refs, as benchmarks/attention.py does): coarse, and allocator-dependent.
 An eager run or pastalib that runs out of memory is reported as "OOM".
@@ -75,7 +83,10 @@ Settings (environment variables; run.py takes no others):
   GPUBENCH_JSON       write every measurement to this JSON file
   GPUBENCH_LOOP       driftlab's decode loop for every driftlab variant (HFChatBackend `decode`):
                       dynamic (default), static or compiled (static cache + torch.compile: CUDA graphs
-                      on a GPU); run once with each to compare them (the stock sdpa variant uses the same)
+                      on a GPU); run once with each to compare them (the stock sdpa variant uses the same).
+                      RESULT <shape>.loop_ran says which loop really decoded (a fallback is also a note:
+                      a model the static cache cannot serve, a step that cannot compile, the recompile
+                      limit) and <shape>.graphs_compiled how many graphs a compiled step compiled.
 """
 
 from __future__ import annotations
@@ -221,6 +232,38 @@ def bandwidth(device: torch.device) -> float:
             times.append(time.perf_counter() - t)
     del src, dst
     return 2 * n / statistics.median(times)
+
+
+def static_cache(backend) -> tuple[int, int] | None:
+    """(identity, bytes) of the static KV cache the backend holds between calls, or None: a call
+    that reuses it allocates nothing for its keys and values, so its peak must add them to be
+    comparable with the dynamic loop's, which allocates its cache inside the call."""
+    static = getattr(backend, "_static", None)
+    cache = None if static is None else static.cache
+    if cache is None:
+        return None
+    tensors = [t for layer in getattr(cache, "layers", []) for t in (getattr(layer, "keys", None),
+                                                                    getattr(layer, "values", None))
+               if isinstance(t, torch.Tensor)]
+    return id(cache), sum(t.numel() * t.element_size() for t in tensors)
+
+
+def memory_growth(shape: str, contexts: list[int], lens: dict[int, int], modes: dict, best: dict, results: dict,
+                  targets: Table) -> None:
+    """Memory O(T), judged: each mode's peak above the weights per token of context, at the
+    largest context over the smallest. O(T) memory keeps it near 1 (fixed costs only lower it);
+    a T x T tensor makes it grow with the context ratio."""
+    if len(contexts) < 2:
+        return
+    small, large = min(contexts), max(contexts)
+    for v in modes:
+        a, b = best.get((v, small), {}), best.get((v, large), {})
+        if not all(math.isfinite(r.get("mb", math.nan)) and r.get("mb", 0) > 0 for r in (a, b)):
+            continue
+        growth = (b["mb"] / lens[large]) / (a["mb"] / lens[small])
+        results[f"{shape}.{v}.memory_per_token_growth"] = f"{growth:.3f}"
+        targets.rows.append([f"{v} peak MiB per context token, {lens[large]} / {lens[small]} tokens", shape, "-",
+                             fmt_x(growth), "<= 1.5x (O(T))", judge(growth <= 1.5, True)])
 
 
 def is_oom(err: BaseException) -> bool:
@@ -433,6 +476,7 @@ def run(quick: bool = False, full: bool = False) -> Result:
         modes: dict[str, list[str]] = {
             "plain": [], "trace": ["trace"], "split": ["split-softmax:k=0.9"], "instaboost": ["instaboost:m=5"],
             "pasta": [pasta], "composed": ["trace", "split-softmax:k=0.9", "instaboost:m=5", pasta],
+            "bias": ["bias:value=2.0"], "cfg": ["cfg:alpha=1.5"], "spr": ["spr:p=0.5"],
         }
         steer = {m: Interventions.parse(s) for m, s in modes.items()}
         marked = {"pasta", "composed", "pastalib"}
@@ -453,6 +497,7 @@ def run(quick: bool = False, full: bool = False) -> Result:
             conv = conv_marked if variant in marked else conv_plain
             timer.calls = []
             rec: dict = {}
+            held = static_cache(backend)  # a static cache the call reuses is its memory too
             try:
                 if variant == "pastalib":
                     t = time.perf_counter()
@@ -474,6 +519,8 @@ def run(quick: bool = False, full: bool = False) -> Result:
                 finally:
                     model.set_attn_implementation(ATTENTION_NAME)
                 assert len(calls) == n_new == len(toks), (variant, len(calls), len(toks), n_new)
+                if held is not None and static_cache(backend) == held:  # allocated before the call
+                    mb += held[1] / 2**20
                 rec.update(prefill=calls[0], step=statistics.median(calls[1:]) if n_new > 1 else math.nan,
                            total=sum(calls), mb=mb, tokens=toks)
             except Exception as err:  # noqa: BLE001 - OOM and unsupported paths are reported, not fatal
@@ -494,14 +541,15 @@ def run(quick: bool = False, full: bool = False) -> Result:
         assert all(len(backend.render(convs[c][1], interventions=steer["pasta"]).ids) == lens[c] for c in contexts)
         best: dict[tuple[str, int], dict] = {}
         slow: set[tuple[str, int]] = set()
-        for c in contexts:  # warm-up, untimed; a variant that fails here is not run again
+        for c in contexts:  # warm-up, untimed, with the timed shapes; a variant that fails here is not run again
             for v in variants:
                 t = time.perf_counter()
-                rec = one(v, *convs[c], 2)
+                rec = one(v, *convs[c], n_decode + 1)
                 if "error" in rec:
                     best[(v, c)] = rec
                 elif time.perf_counter() - t > slow_s:
                     slow.add((v, c))  # timed once only, so that one slow path cannot eat the run
+        warm_graphs = backend.ran()["decode"].get("graphs", 0)
         for r in range(repeats):
             order = variants[r % len(variants):] + variants[: r % len(variants)]
             for c in contexts:
@@ -519,6 +567,18 @@ def run(quick: bool = False, full: bool = False) -> Result:
                         old["mb"] = max(old["mb"], rec["mb"])
                         old["tokens"] = rec["tokens"]
 
+        ran = backend.ran()["decode"]  # the loop that decoded, which a fallback may have changed
+        if "graphs" in ran:  # compiles after the warm-up landed in the timing
+            results[f"{shape}.graphs_compiled_in_timing"] = str(ran["graphs"] - warm_graphs)
+            if ran["graphs"] > warm_graphs:
+                notes.append(f"{shape}: {ran['graphs'] - warm_graphs} graphs compiled during the timed rounds (the "
+                             "warm-up did not cover their shapes): those rounds include compile time.")
+        results[f"{shape}.loop_ran"] = ran["loop"]
+        if "graphs" in ran:
+            results[f"{shape}.graphs_compiled"] = str(ran["graphs"])
+        if ran["loop"] != decode_loop():
+            notes.append(f"{shape}: the {decode_loop()} decode loop was asked for and the {ran['loop']} loop ran: "
+                         f"{ran.get('eager_after') or ran.get('refused')}")
         for c in contexts:
             plain, sdpa = best[("plain", c)], best[("sdpa", c)]
             kv_bytes = 2 * L * KV * head_dim * c * elem
@@ -577,6 +637,8 @@ def run(quick: bool = False, full: bool = False) -> Result:
             fr = plain["step"] / floor
             targets.rows.append(["plain decode / bandwidth floor", shape, lens[c], fmt_x(fr), "<= 2x",
                                  judge(fr <= 2.0, is_llama7, "target is for llama2-7b")])
+
+        memory_growth(shape, contexts, lens, modes, best, results, targets)
 
         # correctness at the smallest context: split vs eager reference, trace vs plain
         c0 = contexts[0]
@@ -698,8 +760,8 @@ def selfchat(backend, pairs: int, rounds: int, tokens: int, modes: dict[str, lis
 
     variants = [("naive loop (batch 1, no prefix reuse, plain)", 1, False, [])] + [
         (f"batched: {m}", 32, True, specs) for m, specs in modes.items()]
-    for _, b, c, specs in variants:  # warm-up
-        once(b, c, specs, pids=pair_ids[:2], n_rounds=1, n_tok=4)
+    for _, b, c, specs in variants:  # warm-up with the timed shapes, so that no compile lands in the timing
+        once(b, c, specs)
     best: dict[str, tuple[float, int, int]] = {}
     for r in range(repeats):
         for name, b, c, specs in variants[r % len(variants):] + variants[: r % len(variants)]:

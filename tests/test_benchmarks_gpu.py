@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ["sdpa", "plain", "trace", "split", "instaboost", "pasta", "composed", "eager"]
+MODES = ["sdpa", "plain", "trace", "split", "instaboost", "pasta", "composed", "bias", "cfg", "spr", "eager"]
 
 pytestmark = pytest.mark.model  # runs a whole (tiny) protocol
 
@@ -65,6 +65,7 @@ def test_every_mode_has_a_finite_positive_time(bench):
             assert math.isfinite(value) and value > 0, (mode, key, value)
         assert float(r[f"tiny.64.{mode}.decode_vs_plain"]) > 0
     assert float(r["tiny.64.plain.decode_vs_plain"]) == 1.0
+    assert r["tiny.loop_ran"] == r["loop"] == "dynamic"  # the loop that decoded, as the backend says
     assert float(r["bandwidth_gb_s"]) > 0 and float(r["tiny.64.floor_ms"]) > 0
     if importlib.util.find_spec("pastalib") is not None:
         assert float(r["tiny.64.pastalib.total_ms"]) > 0
@@ -81,7 +82,7 @@ def test_split_softmax_matches_the_eager_reference(bench):
 
 def test_selfchat_and_targets(bench):
     out, r, data = bench
-    for mode in ["naive", "plain", "trace", "split", "instaboost", "pasta", "composed"]:
+    for mode in ["naive", "plain", "trace", "split", "instaboost", "pasta", "composed", "bias", "cfg", "spr"]:
         assert float(r[f"tiny.selfchat.{mode}.tok_s"]) > 0, mode
     assert "n/a (not a GPU)" in out
     assert not re.search(r"│ (met|missed)\s+│", out)  # no target judged on a CPU

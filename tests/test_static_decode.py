@@ -152,21 +152,62 @@ def test_flex_static_decode_gives_the_dynamic_loops_tokens(backends, flex_kernel
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "flex"])
+def test_the_mask_memo_holds_one_forward_pass_not_one_entry_per_step(backends, kernel: str, request,
+                                                                     monkeypatch) -> None:
+    """The dynamic loop's masks change every step (one more key): the engine's memo of them is
+    per forward pass, so a long decode does not grow it step by step."""
+    from driftlab.attention.state import AttentionState
+
+    if kernel == "flex":
+        request.getfixturevalue("flex_kernel")
+    sizes: list[int] = []
+    forward_kwargs = AttentionState.forward_kwargs
+
+    def spy(self, kv_len: int) -> dict:
+        sizes.append(len(self.mask_memo))  # what the previous pass left
+        return forward_kwargs(self, kv_len)
+
+    monkeypatch.setattr(AttentionState, "forward_kwargs", spy)
+    _run(backends["dynamic"], ["split-softmax:k=0.5", "trace"], sampling=Sampling(greedy=True, max_new_tokens=24,
+                                                                                  ignore_eos=True))
+    assert len(sizes) == 24 and 0 < max(sizes) <= 2, sizes
+
+
+def test_a_dynamic_decode_step_on_flex_builds_no_block_mask_and_checks_no_mask(backends, flex_kernel,
+                                                                               monkeypatch) -> None:
+    """The dynamic loop's decode steps mask from the rows' first slots (a tensor kept per
+    layout), as the static loop's do: block masks and the mask check (a host sync) only at the
+    prefill, however many steps follow; same tokens and pi as the SDPA path."""
+    from driftlab.attention import engine
+
+    flex = engine._flex_module()
+    built, checked = [], []
+    block_mask, matches = flex.block_mask, engine._mask_matches
+    monkeypatch.setattr(flex, "block_mask", lambda mod, B, q, n, device: built.append(q) or block_mask(mod, B, q, n,
+                                                                                                       device))
+    monkeypatch.setattr(engine, "_mask_matches", lambda mask, *a: checked.append(mask.shape[2]) or matches(mask, *a))
+    specs = ["split-softmax:k=0.5", "trace"]
+    sampling = Sampling(greedy=True, max_new_tokens=12, ignore_eos=True)
+    got = _run(backends["dynamic"], specs, sampling=sampling)
+    assert built and all(q > 1 for q in built) and all(q > 1 for q in checked), (built, checked)
+    monkeypatch.setenv(engine.KERNEL_ENV, "sdpa")
+    _assert_same(_run(backends["dynamic"], specs, sampling=sampling), got)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flex"])
 def test_compiled_step_is_one_graph_not_recompiled_per_step_or_call(backends, kernel: str, request) -> None:
     """After the first call of a layout, later calls of that layout and shape compile nothing,
     whatever their prompts, strengths or step count: the state the step reads is static
     (with flex: the query's slot and the rows' padding are tensors, not Python values)."""
-    from torch._dynamo.utils import counters
-
     if kernel == "flex":
         request.getfixturevalue("flex_kernel")
     compiled = backends["compiled"]
     _run(compiled, ["split-softmax:k=0.5", "trace"], sampling=Sampling(greedy=True, max_new_tokens=6))
-    before = dict(counters["stats"])
+    before = compiled.ran()["decode"]["graphs"]  # this backend's own graphs, whatever ran before
     other = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three rivers."}],
              [{"role": "system", "content": "You speak only in questions."}, {"role": "user", "content": "Hi."}]]
     got = _run(compiled, ["split-softmax:k=0.7", "trace"], convs=other, sampling=Sampling(greedy=True, max_new_tokens=9))
-    assert counters["stats"]["unique_graphs"] == before.get("unique_graphs", 0)  # no recompile
+    assert compiled.ran()["decode"]["graphs"] == before  # no recompile
     _assert_same(_run(backends["dynamic"], ["split-softmax:k=0.7", "trace"], convs=other,
                       sampling=Sampling(greedy=True, max_new_tokens=9)), got)
 
@@ -219,6 +260,18 @@ def test_guidance_rows_decode_statically(backends) -> None:
     assert [r.token_ids for r in backends["static"].generate(request)] == [r.token_ids for r in ref]
 
 
+def test_the_log_says_which_loop_decodes_and_why(tiny_dir: Path, caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="driftlab.chat.hf"):
+        for decode in ("auto", "static"):
+            HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0,
+                          decode=decode).close()
+    lines = [r.getMessage() for r in caplog.records if "decodes with" in r.getMessage()]
+    assert len(lines) == 2 and "the dynamic loop (--decode auto: until benchmarks/gpu.py" in lines[0], lines
+    assert "the static loop (--decode static)" in lines[1], lines
+
+
 # -- where a static cache cannot serve the model --------------------------------------------------
 def test_sliding_window_model_falls_back_to_the_dynamic_loop_said_once(tmp_path: Path, capsys) -> None:
     gemma = make_tiny_model("gemma3", tmp_path / "gemma3", sliding_window=8)
@@ -230,6 +283,9 @@ def test_sliding_window_model_falls_back_to_the_dynamic_loop_said_once(tmp_path:
     err = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
     assert err.count("--decode compiled is not available") == 1, err
     assert "sliding_attention" in err and "dynamic cache" in err
+    ran = backend.ran()["decode"]
+    assert (ran["asked"], ran["loop"]) == ("compiled", "dynamic") and "sliding_attention" in ran["refused"]
+    assert dynamic.ran() == {"decode": {"asked": "dynamic", "loop": "dynamic"}}
 
 
 def test_a_step_that_cannot_compile_runs_eagerly_said_once(tiny_dir: Path, backends, monkeypatch, capsys) -> None:
@@ -251,6 +307,54 @@ def test_a_step_that_cannot_compile_runs_eagerly_said_once(tiny_dir: Path, backe
         _assert_same(_run(backends["dynamic"], specs), _run(backend, specs))
     err = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
     assert err.count("cannot be compiled") == 1 and "no capture here" in err, err
+    ran = backend.ran()["decode"]
+    assert ran["loop"] == "static" and "no capture here" in ran["eager_after"] and ran["graphs"] == 0
+
+
+def test_past_the_recompile_limit_steps_run_eagerly_said_once_and_recorded(tiny_dir: Path, backends, monkeypatch,
+                                                                           capsys) -> None:
+    """Past dynamo's recompile limit a fullgraph compile raises (FailOnRecompileLimitHit, not a
+    TorchDynamoException): the run goes on eagerly on the static cache with the same tokens,
+    says so once, and `ran()` (the manifest's `ran`) records the loop that really decoded."""
+    import torch
+
+    import driftlab.chat.static_decode as sd
+
+    torch._dynamo.reset()  # the limit counts per code object: transformers' forward wrapper, shared by every model
+    monkeypatch.setattr(sd, "RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    backend = HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0,
+                            decode="compiled")
+    capsys.readouterr()
+    for convs in (CONVS, CONVS[:1], CONVS):  # a second batch size needs a second graph: past the limit of 1
+        _assert_same(_run(backends["dynamic"], ["trace"], convs=convs), _run(backend, ["trace"], convs=convs))
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.count("recompile limit") == 1, err
+    ran = backend.ran()["decode"]
+    assert (ran["loop"], ran["graphs"]) == ("static", 1) and "recompile limit" in ran["eager_after"]
+
+
+def test_a_compiled_selfchat_compiles_one_graph_per_cache_shape_and_records_it(tiny_dir: Path, tmp_path: Path) -> None:
+    """A self-chat's prompts grow every round; cache lengths are bucketed (cache_length), so the
+    whole run compiles one graph per (batch, cache length) shape it decodes, fewer than its
+    generate calls, and its manifest says which loop ran with how many graphs."""
+    import json
+
+    from driftlab.chat.spec import BackendSpec
+    from driftlab.protocol.runner import run_protocol
+    from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
+
+    backend = HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0,
+                            decode="compiled")
+    calls = []
+    new_cache = backend._static.new_cache
+    backend._static.new_cache = lambda b, n: calls.append((b, n)) or new_cache(b, n)
+    config = SelfChatConfig(backend=BackendSpec(model=str(tiny_dir), dtype="float32"), pairs=2, rounds=3, seed=1,
+                            sampling=Sampling(max_new_tokens=12), probe_tokens=12)
+    run_protocol(SelfChat(config, backend), tmp_path / "run", progress=False)
+    ran = json.loads((tmp_path / "run" / "manifest.json").read_text())["ran"]["agent"]["decode"]
+    assert (ran["asked"], ran["loop"]) == ("compiled", "compiled") and "eager_after" not in ran
+    assert ran["graphs"] == ran["shapes"] == len(set(calls)) < len(calls), (ran, calls)
 
 
 # -- inductor, the compiled path's real backend ----------------------------------------------------

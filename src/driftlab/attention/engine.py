@@ -508,12 +508,16 @@ def _flex_path(state: AttentionState, layer: int, query: torch.Tensor, key: torc
     B, H, q, _ = query.shape
     K = key.shape[2]
     see = see_sys = None
-    if state.static and q == 1:
-        # A decode step on a static cache (compiled, maybe captured in a CUDA graph): no block
-        # mask, which would be rebuilt from Python values every step; the keys this query may
-        # see come from the state's tensors of the rows' first slots and the query's slot.
+    if q == 1 and getattr(state, "pads", None) is not None and len(state.pads) == B:
+        # A decode step: no block mask, which would be rebuilt from Python values every step
+        # (and checked against transformers' mask with a host sync); the keys this query may see
+        # come from the rows' first slots, a tensor kept per layout, and the query's slot: the
+        # last key in the dynamic loop, a tensor of the state on a static cache (compiled,
+        # maybe captured in a CUDA graph), whose keys are every slot.
         full = sys_mask = None
-        first, slot = state.on("first", query.device) - lo, state.on("last_slot", query.device) - lo
+        first = state.first_keys(query.device)
+        first = first - lo if lo else first
+        slot = state.on("last_slot", query.device) - lo if state.static else None
         see = flex.visible_mod(first, q, K, window, shift=slot)
         if sys_range is not None:
             a, b = sys_range

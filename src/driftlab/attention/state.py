@@ -108,6 +108,17 @@ class AttentionState:
             copy = self._copies[(name, device)] = tensor.to(device)
         return copy
 
+    def first_keys(self, device: torch.device) -> torch.Tensor:
+        """[B] each row's first key slot (its left padding) on `device`: the static layout's
+        tensor, or one built once per layout (rows leaving the batch rebuild it), so a decode step
+        masked from it copies nothing from the host."""
+        if self.static:
+            return self.on("first", device)
+        held = self._copies.get(("first", device))
+        if held is None:
+            held = self._copies[("first", device)] = torch.tensor(self.pads, dtype=torch.long, device=device)
+        return held
+
     # -- layout, set by the decode loop ------------------------------------------------------
     def on_layout(self, pads: list[int], prompt_len: int, max_len: int, ends: Sequence[int] | None = None) -> None:
         """Lay the row spans out in padded key slots: row b's token j sits at pads[b] + j.
@@ -215,6 +226,9 @@ class AttentionState:
         """Called by the decode loop before each forward pass: `kv_len` is the number of key slots."""
         self.kv_len = kv_len
         self.prefilling = self._calls == 0
+        # Masks are shared by the layers of one forward pass only (each pass gets its own from
+        # transformers): the memo holds this pass's, so it stays bounded over a long decode.
+        self.mask_memo.clear()
         if self.step is not None:  # outside any compiled region: the graph reads them
             self.step.fill_(self._calls)
             self.last_slot.fill_(self.prompt_len - 1 + self._calls)  # the prefill ends at the prompt's last slot

@@ -9,6 +9,7 @@ step for every unfinished row.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -35,13 +36,22 @@ from driftlab.chat.guidance import guide
 from driftlab.chat.loading import input_device, load_model
 from driftlab.chat.prefix_cache import PrefixCache
 from driftlab.chat.spec import BackendSpec
-from driftlab.chat.static_decode import DECODE_MODES, DecodeMode, StaticDecoder, cache_length, static_refusal
+from driftlab.chat.static_decode import (
+    DECODE_MODES,
+    RECOMPILE_LIMIT,
+    DecodeMode,
+    StaticDecoder,
+    cache_length,
+    static_refusal,
+)
 from driftlab.chat.templates import Renderer
 from driftlab.chat.trace import Trace
 from driftlab.errors import DriftlabError
 from driftlab.steering.emphasis import strip_emphasis
 from driftlab.steering.interventions import KINDS, Interventions
 from driftlab.steering.interventions import Trace as TraceIntervention
+
+logger = logging.getLogger(__name__)
 
 
 class HFChatBackend:
@@ -115,13 +125,19 @@ class HFChatBackend:
         # Rows that are done leave a batch that decodes on (see `_decode`); off only to measure
         # what that saves (benchmarks/generation.py).
         self.compact_rows = True
+        self._static_refused: str | None = None  # why a static loop asked for was not taken
         if decode in ("static", "compiled"):
             why = static_refusal(self.model, device_map=device_map, quantize=quantize)
+            self._static_refused = why
             if why is None:
                 self._static = StaticDecoder(self.model, compiled=decode == "compiled")
             else:
                 self._fallback(f"--decode {decode} is not available for {name}: {why}; "
                                "it decodes with the dynamic cache instead.")
+        loop = self.ran()["decode"]
+        logger.info("%s decodes with the %s loop (--decode %s%s)", name, loop["loop"], decode,
+                    ": until benchmarks/gpu.py has measured the compiled loop on a GPU, auto is dynamic"
+                    if decode == "auto" else f": {loop['refused']}" if "refused" in loop else "")
 
     @classmethod
     def from_model(
@@ -180,6 +196,7 @@ class HFChatBackend:
         backend set on its tokenizer unset). A closed backend refuses to generate. Idempotent."""
         if getattr(self, "_closed", True):
             return
+        self._ran = self.ran()  # what decoded stays known after the decode state is gone
         self._closed = True
         self.prefix_cache.clear()
         self._static = None
@@ -548,19 +565,44 @@ class HFChatBackend:
         static = self._static
         if not static.compiled:
             return self._forward(ids, mask, positions, cache, state, forward=static.step())
-        from torch._dynamo.exc import TorchDynamoException
+        from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
+        from torch._dynamo.utils import counters
 
         calls = state._calls if state is not None else 0
+        graphs = counters["stats"]["unique_graphs"]
         try:
             return self._forward(ids, mask, positions, cache, state, forward=static.step()).clone()
-        except TorchDynamoException as err:
+        except (TorchDynamoException, FailOnRecompileLimitHit) as err:
             if state is not None:
                 state._calls = calls  # the failed pass did not run
             static.compiled = False
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            self._fallback(f"--decode compiled: a decode step of {self.name} cannot be compiled "
-                           f"({type(err).__name__}: {first}); it and the later ones run eagerly on the static cache.")
+            if isinstance(err, FailOnRecompileLimitHit):
+                why = (f"its decode step reached dynamo's recompile limit ({RECOMPILE_LIMIT} compiled variants: "
+                       "batch sizes x cache lengths x intervention layouts)")
+            else:
+                first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                why = f"a decode step cannot be compiled ({type(err).__name__}: {first})"
+            static.eager_reason = why
+            self._fallback(f"--decode compiled: {self.name}: {why}; it and the later steps run eagerly on the "
+                           "static cache (the run's manifest records it under ran.agent.decode).")
             return self._forward(ids, mask, positions, cache, state, forward=static.step())
+        finally:
+            static.graphs += counters["stats"]["unique_graphs"] - graphs
+
+    def ran(self) -> dict[str, Any]:
+        """What decoded, known once the work is done (the run's manifest records it at completion,
+        the GPU benchmark labels its results with it): the loop asked for and the one that ran,
+        with the graphs a compiled step compiled and why a faster loop was not taken."""
+        if getattr(self, "_closed", False):
+            return self._ran
+        facts: dict[str, Any] = {"asked": self.decode_mode}
+        if self._static is not None:
+            facts.update(self._static.ran())
+        else:
+            facts["loop"] = "dynamic"
+            if self._static_refused:
+                facts["refused"] = self._static_refused
+        return {"decode": facts}
 
     def _fallback(self, message: str) -> None:
         """Say once per backend that a faster decode path was not taken, and why."""

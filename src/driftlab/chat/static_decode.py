@@ -27,7 +27,10 @@ from driftlab.chat.spec import DecodeMode
 
 DECODE_MODES: tuple[str, ...] = get_args(DecodeMode)
 # The most compiled variants (cache lengths x batch sizes x intervention layouts) kept per step
-# function; dynamo's default (8) would silently fall back to eager in a long self-chat.
+# function (dynamo's default is 8). Dynamo counts them per code object, and the step's is
+# transformers' forward wrapper, shared by every model in the process. Past the limit a
+# fullgraph compile raises FailOnRecompileLimitHit: the backend then runs the later steps
+# eagerly on the static cache, said once and recorded (`HFChatBackend.ran`).
 RECOMPILE_LIMIT = 64
 # torch.compile settings per device type; tests swap in a cheaper backend.
 COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
@@ -81,12 +84,29 @@ class StaticDecoder:
         self._key: tuple | None = None
         self.cache: Any = None
         self.arena: dict[str, torch.Tensor] = {}
+        # What ran, for the run's manifest and the benchmark's labels (`ran`): graphs dynamo
+        # compiled for the step, the (batch, cache length) shapes decoded, and why compiled
+        # steps stopped (None: they did not).
+        self.graphs = 0
+        self.shapes: set[tuple[int, int]] = set()
+        self.eager_reason: str | None = None
+
+    def ran(self) -> dict[str, Any]:
+        """The loop that decoded: `compiled` (with the graphs compiled), or `static` (eager steps;
+        `eager_after` says why compiled steps stopped, where they were asked for)."""
+        facts: dict[str, Any] = {"loop": "compiled" if self.compiled else "static", "shapes": len(self.shapes)}
+        if self._step is not None or self.eager_reason:
+            facts["graphs"] = self.graphs
+        if self.eager_reason:
+            facts["eager_after"] = self.eager_reason
+        return facts
 
     def new_cache(self, batch: int, length: int) -> Any:
         """An empty `StaticCache` of `length` slots for `batch` rows (the last one, reset, if the same)."""
         from transformers import StaticCache
 
         key = (batch, length)
+        self.shapes.add(key)
         if self._key == key and self.cache is not None:
             self.cache.reset()
             return self.cache

@@ -151,6 +151,14 @@ class Protocol(ABC, Generic[C]):
         """Run facts recorded beside the plan (not drawn from data, so never handed to children)."""
         return {"models": {"agent": self.backend.describe()}}
 
+    def ran(self) -> dict[str, Any]:
+        """Facts known only once the work is done, recorded in the manifest at completion (`ran`):
+        e.g. the decode loop that really ran and the graphs it compiled (`HFChatBackend.ran`).
+        Reflects the session that completed the run."""
+        backend = getattr(self, "backend", None)
+        facts = getattr(backend, "ran", None)
+        return {"agent": facts()} if callable(facts) else {}
+
     @classmethod
     @abstractmethod
     def expected(cls, manifest: dict[str, Any]) -> dict[str, int]:
@@ -196,7 +204,8 @@ def run_protocol(protocol: Protocol, out: str | Path | RunDir, *, plan: dict[str
                 state.add(new)
                 bar.advance(len(new))
         protocol.finish(state)
-        rundir.update_manifest(completed=True)
+        ran = protocol.ran()
+        rundir.update_manifest(completed=True, **({"ran": ran} if ran else {}))
     return rundir
 
 
