@@ -195,6 +195,60 @@ def test_a_dynamic_decode_step_on_flex_builds_no_block_mask_and_checks_no_mask(b
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "flex"])
+def test_a_static_decode_step_never_waits_for_the_device(backends, kernel: str, request, monkeypatch) -> None:
+    """Inside a static decode step (the part a CUDA graph captures) nothing reads a tensor's value
+    on the host: no .item()/bool()/int() (aten._local_scalar_dense, is_nonzero), no torch.equal,
+    no nonzero, no .tolist()/.numpy(), counted through a dispatch mode, with every engine mode on."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if kernel == "flex":
+        request.getfixturevalue("flex_kernel")
+    host = ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "allclose")
+
+    class Syncs(TorchDispatchMode):
+        supports_higher_order_operators = True  # flex_attention passes through
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
+            if name in host:
+                self.seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    backend, per_step = backends["static"], []
+    step, current = backend._static_step, None
+
+    def counted(*args, **kwargs):
+        nonlocal current
+        with Syncs() as syncs:
+            current = syncs.seen
+            out = step(*args, **kwargs)
+        per_step.append(current)
+        current = None
+        return out
+
+    def host_read(method: str):  # host reads that do not go through the dispatcher
+        original = getattr(torch.Tensor, method)
+
+        def read(self, *args, **kwargs):
+            if current is not None:
+                current.append(method)
+            return original(self, *args, **kwargs)
+        return read
+
+    for method in ("tolist", "numpy"):
+        monkeypatch.setattr(torch.Tensor, method, host_read(method))
+    monkeypatch.setattr(backend, "_static_step", counted)
+    _run(backend, ["split-softmax:k=0.5", "trace", "instaboost:m=3"],
+         sampling=Sampling(greedy=True, max_new_tokens=6, ignore_eos=True))
+    assert len(per_step) == 5 and all(not seen for seen in per_step), per_step
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flex"])
 def test_compiled_step_is_one_graph_not_recompiled_per_step_or_call(backends, kernel: str, request) -> None:
     """After the first call of a layout, later calls of that layout and shape compile nothing,
     whatever their prompts, strengths or step count: the state the step reads is static
