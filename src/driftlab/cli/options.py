@@ -135,12 +135,12 @@ def backend_options(*, span: bool = True, remote: bool = False, ray: bool = Fals
     return decorate
 
 
-def backend_spec(model: str, **options: Any) -> Any:
+def backend_spec(model: str, dtype: str = "auto", device: str = "auto", **options: Any) -> Any:
     """The validated `BackendSpec` of the backend options, with a one-line error naming a bad flag."""
     from driftlab.api.options import FLAGS
     from driftlab.api.options import backend_spec as spec
 
-    return spec(model, FLAGS, **options)
+    return spec(model, FLAGS, dtype=dtype, device=device, **options)
 
 
 def build(schema: type[M], flags: dict[str, str] | None = None, /, **values: Any) -> M:
