@@ -44,6 +44,7 @@ def test_the_command_lines_shapes_and_pythons_give_one_config(tmp_path):
                                                    "max_new_tokens": 8, "temperature": 0.5, "top_p": 0.8})
     assert as_flags == as_keywords and as_flags.pairs == 0  # named pairs are the run
     assert as_flags.categories == ["language", "persona"] and as_flags.sampling.top_p == 0.8
+    assert selfchat_config(spec, FLAGS, {"categories": ""}).categories is None  # empty: no filter
 
     own = selfchat_config(spec, FLAGS, {"system": "Answer in one sentence.", "probe": "Tell me about London.",
                                         "measure": "sentence_count", "measure_params": '{"n": 1}', "pairs": 2})
@@ -85,7 +86,10 @@ def test_a_sweeps_grid_and_pairs_from_methods_points_and_counts():
      "unknown keyword for driftlab.selfchat(): roundz=; did you mean rounds=?"),
     (mmlu_config, {"n": 0}, "Invalid --n 0", "Invalid n=0"),
     (sweep_config, {"pairs": 21}, "Invalid --pairs 21: use 1 to 20", "Invalid pairs=21: use 1 to 20"),
-    (sweep_config, {"methods": "cfg,nope"}, "Invalid --methods cfg,nope", "Invalid methods='cfg,nope'"),
+    (sweep_config, {"methods": "cfg,nope"}, "Invalid --methods cfg,nope: unknown method nope",
+     "Invalid methods='cfg,nope': unknown method nope"),
+    (sweep_config, {"methods": ""}, "Invalid --methods : no method named", "Invalid methods='': no method named"),
+    (selfchat_config, {"pair": 5}, "--pair 5 is not AGENT_ID:USER_ID", "pair 5 is not AGENT_ID:USER_ID"),
     (sweep_config, {"histories": 0}, "Invalid --histories 0", "Invalid histories=0"),
     (sweep_config, {"methods": "cfg", "point": ["cfg:alpha=2"]}, "Give one of --methods, --point",
      "Give one of methods=, point="),
@@ -184,3 +188,5 @@ def test_dl_run_runs_any_protocol_object_to_its_results(tiny, tmp_path):
     shutil.rmtree(tmp_path / "m")
     in_memory = dl.run(MMLU(config, tiny), progress=False)
     assert in_memory.path is None and in_memory.records == run.records
+    with pytest.raises(DriftlabError, match="dl.run takes a protocol object, not str 'mmlu'"):
+        dl.run("mmlu")

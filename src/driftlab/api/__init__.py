@@ -221,6 +221,12 @@ def run(protocol: Protocol, *, out: str | Path | None = None, progress: bool = T
     """Any protocol object (a built-in's, or your own `Protocol` subclass) run to completion as the
     verbs above run theirs: resumable into `out`, results.json written, a `Run` returned (its
     summary: the `Results`)."""
+    from driftlab.protocol.runner import Protocol
+
+    if not isinstance(protocol, Protocol):
+        raise DriftlabError(f"dl.run takes a protocol object, not {type(protocol).__name__} {protocol!r}.",
+                            hint="e.g. dl.run(MMLU(MMLUConfig(...), backend)); for a built-in by name use dl.selfchat, "
+                                 "dl.mmlu, dl.sweep or dl.calibrate.")
     return _run(lambda spec, be: protocol, BackendSpec(), out, progress, results)
 
 

@@ -131,8 +131,8 @@ def selfchat_config(backend: BackendSpec, spelling: Spelling, options: dict[str,
     if "pair" in values:
         values["pair_ids"] = [*values.get("pair_ids", []), *(_pair(p, spelling) for p in _listed(values.pop("pair")))]
         values.setdefault("pairs", 0)  # the pairs named are the run, unless random ones are asked for too
-    if isinstance(values.get("categories"), str):
-        values["categories"] = [c.strip() for c in values["categories"].split(",") if c.strip()]
+    if isinstance(values.get("categories"), str):  # "a,b"; an empty one is no filter, as not given
+        values["categories"] = [c.strip() for c in values["categories"].split(",") if c.strip()] or None
     return _config(SelfChatConfig, backend, spelling, values, {"pair_ids": "pair"}, extra=(
         "pair", "system", "probe", "measure", "measure_params"))
 
@@ -241,9 +241,11 @@ def _grid(values: dict[str, Any], spelling: Spelling) -> dict[str, Any]:
               "conversation, which lm-eval's raw text has not).")
     else:
         chosen = [m.strip() for m in methods.split(",") if m.strip()] if isinstance(methods, str) else list(methods)
-        unknown = [m for m in chosen if m not in GRID]
+        unknown = [str(m) for m in chosen if m not in GRID]
         if unknown or not chosen:
-            raise DriftlabError(f"Invalid {spelling.given('methods', methods)}.", hint=f"Use some of: {', '.join(GRID)}.")
+            why = f"unknown method {', '.join(unknown)}" if unknown else "no method named"
+            raise DriftlabError(f"Invalid {spelling.given('methods', methods)}: {why}.",
+                                hint=f"Use some of: {', '.join(GRID)}.")
     return {**values, "grid": {m: list(GRID[m]) for m in chosen}}
 
 
@@ -320,6 +322,6 @@ def _pair(value: Any, spelling: Spelling) -> tuple[str, str]:
 
 def _listed(value: Any) -> list[Any]:
     """One value or several: a string (or an (agent, user) pair of strings) is one."""
-    one = isinstance(value, str) or (isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, str)
-                                                                                            for v in value))
+    one = isinstance(value, str) or not isinstance(value, (list, tuple)) or (
+        isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, str) for v in value))
     return [value] if one else list(value)
