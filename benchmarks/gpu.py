@@ -519,7 +519,7 @@ def run(quick: bool = False, full: bool = False) -> Result:
                 finally:
                     model.set_attn_implementation(ATTENTION_NAME)
                 assert len(calls) == n_new == len(toks), (variant, len(calls), len(toks), n_new)
-                if held is not None and static_cache(backend) == held:  # allocated before the call
+                if variant != "eager" and held is not None and static_cache(backend) == held:  # kept, reused
                     mb += held[1] / 2**20
                 rec.update(prefill=calls[0], step=statistics.median(calls[1:]) if n_new > 1 else math.nan,
                            total=sum(calls), mb=mb, tokens=toks)

@@ -25,6 +25,7 @@ from driftlab.chat import BackendSpec, Sampling  # noqa: E402
 from driftlab.errors import DriftlabError  # noqa: E402
 from driftlab.protocol.runner import run_protocol  # noqa: E402
 from driftlab.protocol.sweep import Sweep, SweepConfig, paper_pairs, point_dir  # noqa: E402
+from driftlab.records.rundir import RunDir  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "lm_eval"
 BENCH = "lm-eval:driftlab_mc"
@@ -67,11 +68,11 @@ def swept(tiny, tmp_path_factory) -> Path:
 
 
 def _manifest(path: Path) -> dict:
-    return json.loads((path / "manifest.json").read_text())
+    return RunDir(path).read_manifest()
 
 
 def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in (path / "records.jsonl").read_text().splitlines()]
+    return RunDir(path).records()
 
 
 @pytest.mark.model
@@ -260,7 +261,6 @@ def test_cli_flags_reach_the_config_and_leave_spr_out(monkeypatch, tmp_path):
 
 
 def test_mmlu_sweeps_and_sweeps_recorded_before_the_option(tmp_path):
-    from driftlab.records.rundir import RunDir
     from driftlab.report.sweep import BENCH_NAMES, COLUMNS
 
     now = SweepConfig(grid={"instaboost": [STEER]}).model_dump(mode="json")

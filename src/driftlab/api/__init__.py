@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from driftlab.api.options import keywords_of
-from driftlab.api.runs import Run, execute
+from driftlab.api.runs import Run, execute, read_results
 from driftlab.assets.registry import DEFAULT_MODEL
 from driftlab.bench import Persona, register_custom
 from driftlab.chat.base import ChatBackend
@@ -227,7 +227,7 @@ def run(protocol: Protocol, *, out: str | Path | None = None, progress: bool = T
         raise DriftlabError(f"dl.run takes a protocol object, not {type(protocol).__name__} {protocol!r}.",
                             hint="e.g. dl.run(MMLU(MMLUConfig(...), backend)); for a built-in by name use dl.selfchat, "
                                  "dl.mmlu, dl.sweep or dl.calibrate.")
-    return _run(lambda spec, be: protocol, BackendSpec(), out, progress, results)
+    return _run(lambda spec, be: protocol, BackendSpec(), out, progress, read_results)
 
 
 def _run(make: Callable[[BackendSpec, ChatBackend | None], Any], backend: ChatBackend | BackendSpec | str | None,
@@ -242,5 +242,6 @@ def _run(make: Callable[[BackendSpec, ChatBackend | None], Any], backend: ChatBa
     protocol = make(spec, backend)
     with tempfile.TemporaryDirectory(prefix="driftlab-") as tmp:
         rundir = execute(protocol, out if out is not None else Path(tmp) / "run", progress=progress)
+        found = read_results(rundir.path)
         return Run(protocol.name, rundir.path if out is not None else None, rundir.read_manifest(),
-                   rundir.records(), summarize(rundir.path), results(rundir.path))
+                   rundir.records(), found if summarize is read_results else summarize(rundir.path), found)

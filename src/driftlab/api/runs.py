@@ -33,16 +33,29 @@ def execute(protocol: Protocol, out: str | Path, *, progress: bool = True) -> Ru
 def write_results(run_dir: str | Path) -> Path | None:
     """results.json / results.csv of a run; None (said in one line on stderr) where its summary
     cannot be made (an incomplete run may lack what it needs; its own report says more)."""
-    from driftlab.report.results import summarize
+    from driftlab.report.results import RESULTS_CSV, RESULTS_JSON, summarize
 
     try:
         return summarize(run_dir).write(run_dir)[0]
     except (DriftlabError, OSError, KeyError, ValueError) as err:
+        for name in (RESULTS_JSON, RESULTS_CSV):  # an earlier completion's would now be stale
+            (Path(run_dir) / name).unlink(missing_ok=True)
         from driftlab.console import err_console
 
         note = f"note: no results.json for {run_dir} ({type(err).__name__}: {err})".splitlines()[0]
         err_console().print(note, highlight=False, markup=False)
         return None
+
+
+def read_results(run_dir: str | Path) -> Results:
+    """The Results `execute` wrote (read back, not summarised again: a sweep's takes a while), or
+    the summary itself where none was written (its error is then the one to see)."""
+    import json
+
+    from driftlab.report.results import RESULTS_JSON, Results, summarize
+
+    path = Path(run_dir) / RESULTS_JSON
+    return Results.from_dict(json.loads(path.read_text())) if path.exists() else summarize(run_dir)
 
 
 @dataclass

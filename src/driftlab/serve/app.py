@@ -68,7 +68,7 @@ from driftlab.serve.wire import (
     cut_at,
     find_stop,
     invalid,
-    parse_json,
+    load_body,
     read_body,
 )
 from driftlab.steering.heads import HeadSources, load_head_source
@@ -561,14 +561,7 @@ class ServerState:
 def _load_request(raw: bytes) -> ChatCompletionRequest:
     """The body as a chat request (400 not JSON, 422 a wrong or unsupported field), before any
     check that depends on this server."""
-    data = parse_json(raw)
-    if (name := unsupported_field(data)) is not None:
-        raise APIError(422, f"{name}: not supported by driftlab serve (it would be ignored, which changes "
-                            "what the reply means); leave it out or send its neutral value.", param=name)
-    try:
-        req = ChatCompletionRequest.model_validate(data)
-    except ValidationError as err:
-        raise invalid(err) from None
+    req = load_body(raw, ChatCompletionRequest, unsupported_field)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true.", param="top_logprobs")
     return req

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from driftlab.chat.base import MAX_SEED, Rendered, Reply, Sampling
 from driftlab.chat.text import SpanError, SystemSpan, TokenScores, encode, from_ids
@@ -38,8 +38,7 @@ from driftlab.serve.wire import (
     TextStream,
     closing,
     cut_at,
-    invalid,
-    parse_json,
+    load_body,
     read_body,
 )
 
@@ -85,17 +84,7 @@ class Completions:
 
     # -- checks ---------------------------------------------------------------------------------
     def _parse(self, raw: bytes) -> CompletionRequest:
-        data = parse_json(raw)
-        name = unsupported_field(data)
-        if name is None and isinstance(data, dict) and data.get("suffix") not in (None, ""):
-            name = "suffix"
-        if name is not None:
-            raise APIError(422, f"{name}: not supported by driftlab serve (it would be ignored, which changes "
-                                "what the reply means); leave it out or send its neutral value.", param=name)
-        try:
-            req = CompletionRequest.model_validate(data)
-        except ValidationError as err:
-            raise invalid(err) from None
+        req = load_body(raw, CompletionRequest, _refused)
         state = self.state
         state.check_model(req.model)
         if len(req.prompts()) > MAX_PROMPTS:
@@ -284,10 +273,7 @@ class Tokenizer:
         return {"prompt": rendered.text if rendered else ""}
 
     async def _body(self, request: Request, schema: type[BaseModel]) -> Any:
-        try:
-            return schema.model_validate(parse_json(await read_body(request, self.state.settings.max_body_bytes)))
-        except ValidationError as err:
-            raise invalid(err) from None
+        return load_body(await read_body(request, self.state.settings.max_body_bytes), schema, lambda data: None)
 
 
 class TokenizeRequest(BaseModel):
@@ -307,3 +293,11 @@ def _usage(prompts: list[Rendered], choices: list[dict[str, Any]]) -> dict[str, 
     prompt = sum(len(p.ids) for p in prompts)
     completion = sum(c.pop("_tokens") for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _refused(data: Any) -> str | None:
+    """What a text completion cannot honour: chat's unsupported fields, and `suffix` (insertion)."""
+    name = unsupported_field(data)
+    if name is None and isinstance(data, dict) and data.get("suffix") not in (None, ""):
+        name = "suffix"
+    return name

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class APIError(Exception):
@@ -124,3 +126,16 @@ async def read_body(request: Any, limit: int) -> bytes:
         if len(body) > limit:
             raise APIError(413, f"The body exceeds this server's limit of {limit} bytes.")
     return bytes(body)
+
+
+def load_body(raw: bytes, schema: type[M], refused: Callable[[Any], str | None]) -> M:
+    """The body as `schema`: 400 when it is not JSON; 422 for a field driftlab would have to
+    ignore although it changes the reply (`refused` names it) or for an invalid one."""
+    data = parse_json(raw)
+    if (name := refused(data)) is not None:
+        raise APIError(422, f"{name}: not supported by driftlab serve (it would be ignored, which changes "
+                            "what the reply means); leave it out or send its neutral value.", param=name)
+    try:
+        return schema.model_validate(data)
+    except ValidationError as err:
+        raise invalid(err) from None
