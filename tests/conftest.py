@@ -18,6 +18,26 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# The suite runs on pytest-xdist workers (`-n auto --dist loadfile`, pyproject's addopts; `-n 0`
+# runs it in one process). Workers share the machine's cores, so each gets its share of torch
+# threads, set before torch is imported in the worker or in a process a test starts (they
+# inherit the environment): more threads than cores let OpenMP barriers wait for descheduled
+# threads (tests/attention_reference.py saw a test file run 8x slower so on a shared 2-core
+# machine). The test models are tiny: one thread per worker loses little (docs/testing.md).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+MAX_WORKERS = 4  # each worker holds its own copies of the test models (a few GB)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """How many workers `-n auto` starts: one per core, at most MAX_WORKERS; none (one process)
+    on a single core, and with `--device cuda`, where the tests share one GPU and its memory."""
+    if config.getoption("--device") != "cpu":
+        return 0
+    workers = min(MAX_WORKERS, os.cpu_count() or 1)
+    return workers if workers > 1 else 0
+
 
 def pytest_addoption(parser):
     parser.addoption(

