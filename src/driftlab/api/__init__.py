@@ -227,12 +227,13 @@ def run(protocol: Protocol, *, out: str | Path | None = None, progress: bool = T
         raise DriftlabError(f"dl.run takes a protocol object, not {type(protocol).__name__} {protocol!r}.",
                             hint="e.g. dl.run(MMLU(MMLUConfig(...), backend)); for a built-in by name use dl.selfchat, "
                                  "dl.mmlu, dl.sweep or dl.calibrate.")
-    return _run(lambda spec, be: protocol, BackendSpec(), out, progress, read_results)
+    return _run(lambda spec, be: protocol, BackendSpec(), out, progress, None)
 
 
 def _run(make: Callable[[BackendSpec, ChatBackend | None], Any], backend: ChatBackend | BackendSpec | str | None,
-         out: str | Path | None, progress: bool, summarize: Callable[[Path], Any]) -> Run:
-    """Build the protocol on the backend, run it into `out` (or a temporary directory) and read it back."""
+         out: str | Path | None, progress: bool, summarize: Callable[[Path], Any] | None) -> Run:
+    """Build the protocol on the backend, run it into `out` (or a temporary directory) and read it back;
+    the Run's summary is `summarize`'s, or (None) its Results."""
     if backend is None or isinstance(backend, str):
         spec, backend = backend_spec(backend or DEFAULT_MODEL), None  # loaded by the protocol, after its checks
     elif isinstance(backend, BackendSpec):
@@ -244,4 +245,4 @@ def _run(make: Callable[[BackendSpec, ChatBackend | None], Any], backend: ChatBa
         rundir = execute(protocol, out if out is not None else Path(tmp) / "run", progress=progress)
         found = read_results(rundir.path)
         return Run(protocol.name, rundir.path if out is not None else None, rundir.read_manifest(),
-                   rundir.records(), found if summarize is read_results else summarize(rundir.path), found)
+                   rundir.records(), found if summarize is None else summarize(rundir.path), found)
