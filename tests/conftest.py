@@ -58,6 +58,21 @@ def pytest_report_header(config):
     return f"driftlab test device: {config.getoption('--device')}"
 
 
+@pytest.fixture(autouse=True)
+def _torch_config_intact():
+    """Fails the test that deleted an entry of a torch config module (tests/config_guard.py), and
+    repairs the entry so that the tests after it in this process still compile."""
+    yield
+    import config_guard
+
+    hidden = config_guard.hidden_entries()
+    if hidden:
+        config_guard.unhide(hidden)
+        names = ", ".join(f"{m.__name__}.{name}" for m, name in hidden)
+        pytest.fail(f"this test deleted {names} (monkeypatch on a torch config module undoes by deleting); "
+                    "change such a config with its own API: torch._dynamo.config.patch(name=value)", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def device():
     """The torch.device the tests run on (`--device`)."""

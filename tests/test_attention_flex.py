@@ -157,10 +157,10 @@ def test_flex_fn_on_a_gpu_is_compiled_once_with_a_raised_recompile_limit(monkeyp
     from torch._dynamo import config
 
     monkeypatch.setattr(flex, "_compiled", None)
-    monkeypatch.setattr(config, "cache_size_limit", 8)
-    fn = flex._flex_fn(torch.device("cuda"))
-    assert fn is flex._flex_fn(torch.device("cuda")) and fn is not flex.flex_attention
-    assert config.cache_size_limit >= 256
+    with config.patch(cache_size_limit=8):  # torch's patch API: monkeypatch would hide the entry on undo
+        fn = flex._flex_fn(torch.device("cuda"))
+        assert fn is flex._flex_fn(torch.device("cuda")) and fn is not flex.flex_attention
+        assert config.cache_size_limit >= 256
     assert flex._flex_fn(torch.device("cpu")) is flex.flex_attention
 
 

@@ -376,12 +376,14 @@ def test_past_the_recompile_limit_steps_run_eagerly_said_once_and_recorded(tiny_
 
     torch._dynamo.reset()  # the limit counts per code object: transformers' forward wrapper, shared by every model
     monkeypatch.setattr(sd, "RECOMPILE_LIMIT", 1)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     backend = HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0,
                             decode="compiled")
     capsys.readouterr()
-    for convs in (CONVS, CONVS[:1], CONVS):  # a second batch size needs a second graph: past the limit of 1
-        _assert_same(_run(backends["dynamic"], ["trace"], convs=convs), _run(backend, ["trace"], convs=convs))
+    # torch's own patch API, never monkeypatch: a config module serves its entries through
+    # __getattr__, so monkeypatch's undo deletes (hides) the entry and every later compile fails.
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for convs in (CONVS, CONVS[:1], CONVS):  # a second batch size needs a second graph: past the limit of 1
+            _assert_same(_run(backends["dynamic"], ["trace"], convs=convs), _run(backend, ["trace"], convs=convs))
     err = " ".join(capsys.readouterr().err.split())
     assert err.count("recompile limit") == 1, err
     ran = backend.ran()["decode"]
