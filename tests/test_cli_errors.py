@@ -350,7 +350,7 @@ def _snapshot(*roots: Path) -> dict[str, tuple]:
 # --------------------------------------------------------------------------- the test
 
 
-@pytest.mark.parametrize("case", _params())
+@pytest.mark.parametrize("case", list(_params()))  # a list: pytest 10 refuses generators
 def test_bad_input_is_one_clean_error(case: Case, tmp_path, request):
     ws = tmp_path / "ws"
     ws.mkdir()

@@ -164,7 +164,7 @@ def test_steer_batch_of_two(smol32, hf, tol) -> None:
     assert got == [r.token_ids for r in replies]
     assert block.n_runs == 1
     for row, reply in zip(block.traces(), replies, strict=True):
-        want = torch.as_tensor(_decode_trace(reply))
+        want = torch.tensor(_decode_trace(reply))  # a copy: the record's array is read-only
         assert torch.allclose(row["decode"][: len(want)], want, atol=tol(1e-5))
     assert got != generated(model, tokenizer, pair, smol32.eos_ids)
 

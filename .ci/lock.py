@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""The locked test environment: `test-lock.txt`, a pip constraints file CI installs with.
+
+    python3 .ci/lock.py check      # is the lock current with pyproject.toml? (CI's first step)
+    python3 .ci/lock.py refresh    # resolve again in a new virtualenv and rewrite the lock
+
+Why a lock: `pip install -e ".[test]"` takes whatever the registries serve on the day, so a
+release of any of ~150 transitive dependencies could break CI with no change here, and no one
+could tell which versions a green run used (pytest 9.2 did: issue "make CI reproducible").
+
+`refresh` installs exactly as the README says (torch==2.13.0 first, then `-e ".[test]"`) into a
+throwaway virtualenv and writes `pip freeze` of it, so the lock is what pip resolves, nothing
+hand-written. torch and driftlab itself are left out: torch is installed first, as the build
+the machine needs (the CPU file here, a CUDA build on a GPU), and the lock constrains the rest.
+The lock's header holds a digest of pyproject's dependency lists; `check` recomputes it, so a
+dependency changed without a refresh fails CI with one line.
+
+Standard library only: `check` runs before anything is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCK = ROOT / "test-lock.txt"
+PYPROJECT = ROOT / "pyproject.toml"
+TORCH = "torch==2.13.0"  # the README's first install step (the CPU build on these machines)
+DIGEST_KEY = "# pyproject-dependencies-sha256: "
+LEFT_OUT = {"torch", "driftlab"}  # installed by their own steps, see the module docstring
+
+
+def _toml(path: Path) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib.loads(path.read_text())
+
+
+def dependency_digest(pyproject: Path) -> str:
+    """sha256 of pyproject's dependencies and optional dependencies, each requirement with its
+    whitespace and case normalised and the lists sorted, so only a real change alters it."""
+    project = _toml(pyproject).get("project", {})
+
+    def norm(reqs: list[str]) -> list[str]:
+        return sorted(re.sub(r"\s+", "", r).lower() for r in reqs)
+
+    data = {"dependencies": norm(project.get("dependencies", [])),
+            "optional": {k: norm(v) for k, v in sorted(project.get("optional-dependencies", {}).items())},
+            "requires-python": project.get("requires-python", "")}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def recorded_digest(lock: Path) -> str | None:
+    """The digest written in the lock's header, or None if the lock has none."""
+    for line in lock.read_text().splitlines():
+        if line.startswith(DIGEST_KEY):
+            return line[len(DIGEST_KEY):].strip()
+    return None
+
+
+def check(pyproject: Path = PYPROJECT, lock: Path = LOCK) -> str | None:
+    """None if the lock is current; else the one-line reason it is not."""
+    refresh = "run `python3 .ci/lock.py refresh` and commit test-lock.txt"
+    if not lock.is_file():
+        return f"{lock.name} is missing: {refresh}"
+    recorded = recorded_digest(lock)
+    if recorded is None:
+        return f"{lock.name} has no '{DIGEST_KEY.strip('# :')}' line: {refresh}"
+    if recorded != dependency_digest(pyproject):
+        return (f"{lock.name} is stale: pyproject.toml's dependencies changed since it was resolved; "
+                f"{refresh}")
+    return None
+
+
+def _pinned(freeze: str) -> list[str]:
+    """`name==version` lines of `pip freeze`, sorted, without torch and driftlab."""
+    pins = []
+    for line in freeze.splitlines():
+        name = re.split(r"[=<>@ ]", line.strip(), maxsplit=1)[0]
+        if line and not line.startswith(("#", "-e")) and re.sub(r"[-_.]+", "-", name.lower()) not in LEFT_OUT:
+            pins.append(line.strip())
+    return sorted(pins, key=str.lower)
+
+
+def refresh(pyproject: Path = PYPROJECT, lock: Path = LOCK) -> None:
+    """Resolve the test extra in a new virtualenv (the README's install) and write the lock."""
+    with tempfile.TemporaryDirectory(prefix="driftlab-lock-") as tmp:
+        py = str(Path(tmp) / "bin" / "python")
+        subprocess.run([sys.executable, "-m", "venv", tmp], check=True)
+        for args in (["install", TORCH], ["install", "-e", f"{pyproject.parent}[test]"]):
+            print(f"pip {' '.join(args)}", file=sys.stderr, flush=True)
+            subprocess.run([py, "-m", "pip", "-q", *args], check=True)
+        freeze = subprocess.run([py, "-m", "pip", "freeze", "--exclude-editable"], check=True,
+                                capture_output=True, text=True).stdout
+        pip_version = subprocess.run([py, "-m", "pip", "--version"], check=True, capture_output=True,
+                                     text=True).stdout.split()[1]
+    pins = _pinned(freeze)
+    header = [
+        "# The test environment CI installs (.ci/run): what `pip install -e \".[test]\"` resolved to",
+        f"# after `pip install {TORCH}`, in a new virtualenv on {datetime.date.today().isoformat()}:",
+        f"# Python {platform.python_version()}, {platform.system()} {platform.machine()}, pip {pip_version}.",
+        "# torch and driftlab are not pinned here (each has its own install step).",
+        "# Use:     pip install -e \".[test]\" -c test-lock.txt",
+        "# Refresh: python3 .ci/lock.py refresh   (after any change to pyproject.toml's dependencies)",
+        f"{DIGEST_KEY}{dependency_digest(pyproject)}",
+    ]
+    lock.write_text("\n".join(header + pins) + "\n")
+    print(f"wrote {lock} ({len(pins)} packages)", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["check", "refresh"])
+    parser.add_argument("--pyproject", type=Path, default=PYPROJECT)
+    parser.add_argument("--lock", type=Path, default=LOCK)
+    args = parser.parse_args(argv)
+    if args.command == "refresh":
+        refresh(args.pyproject, args.lock)
+        return 0
+    reason = check(args.pyproject, args.lock)
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        return 1
+    print(f"{args.lock.name} is current with {args.pyproject.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
