@@ -34,6 +34,7 @@ from attention_reference import both_engines_on_one_thread
 from devices import backend_device, cpu_only, current, exact, tol
 from driftlab.attention import ATTENTION_NAME
 from driftlab.attention import engine as engine_module
+from driftlab.attention import kernels
 from driftlab.attention.config import BiasTerm
 from driftlab.attention.state import AttentionConfig, AttentionState, head_mask, parse_heads
 from driftlab.chat import ChatRequest, Sampling
@@ -368,7 +369,7 @@ def test_chunked_bias_path_matches_unchunked(backend: HFChatBackend, monkeypatch
     cfg = CASES["composed"]
     whole, pi_whole, pads = prefill(backend, cfg)
     calls: list[int] = []
-    real_attend = engine_module._attend
+    real_attend = engine_module.attend_sdpa
 
     def counting_attend(query, *args, **kwargs):
         calls.append(query.shape[2])
@@ -379,7 +380,7 @@ def test_chunked_bias_path_matches_unchunked(backend: HFChatBackend, monkeypatch
     monkeypatch.setattr(engine_module, "_CHUNK_ELEMS", 2 * H * T * 5)  # 5 queries per chunk (B = 2)
     # A causal-plus-padding mask takes the key-mask path (no chunks); hide that to chunk.
     monkeypatch.setattr(engine_module, "_padding_keys", lambda *args: None)
-    monkeypatch.setattr(engine_module, "_attend", counting_attend)
+    monkeypatch.setattr(engine_module, "attend_sdpa", counting_attend)
     chunked, pi_chunked, _ = prefill(backend, cfg)
     # The biased layers really ran in chunks of 5 queries (layer 0 has no bias: one call).
     assert calls.count(5) >= T // 5 and max(c for c in calls if c != T) == 5
@@ -395,13 +396,13 @@ def test_biased_prefill_builds_no_per_query_mask(backend: HFChatBackend, case: s
     calls the kernel with [B, H, 1, K] key masks only: all queries at once, nothing q x K.
     (Gemma3's sliding-window layers need a per-query mask; its global layers do not.)"""
     masks: list[tuple[int, int]] = []
-    real_attend = engine_module._attend
+    real_attend = engine_module.attend_sdpa
 
     def recording_attend(query, key, value, mask, *args, **kwargs):
         masks.append((query.shape[2], 1 if mask is None else mask.shape[2]))
         return real_attend(query, key, value, mask, *args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "_attend", recording_attend)
+    monkeypatch.setattr(engine_module, "attend_sdpa", recording_attend)
     logits, _, pads = prefill(backend, traced(CASES[case]) if case == "composed" else CASES[case])
     T = logits.shape[1]
     whole = [m for q, m in masks if q > 1]
@@ -419,7 +420,7 @@ def test_biased_prefill_builds_no_per_query_mask(backend: HFChatBackend, case: s
 @pytest.mark.parametrize("case", ["trace", "bias_pairs", "composed"])
 def test_channel_path_matches_reference(backend: HFChatBackend, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The extra-V-channel path (used where no kernel reports log-sum-exps, e.g. CUDA), run on CPU."""
-    monkeypatch.setattr(engine_module, "_CPU_FLASH", None)
+    monkeypatch.setattr(kernels, "CPU_FLASH", None)
     cfg = CASES[case]
     got, pi, pads = prefill(backend, cfg)
     want, pi_ref, _ = prefill(backend, cfg, impl=REFERENCE)

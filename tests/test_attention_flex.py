@@ -20,6 +20,7 @@ import torch
 import test_attention_engine as base
 from driftlab.attention import engine as engine_module
 from driftlab.attention import flex
+from driftlab.attention.kernels import system_share
 from driftlab.errors import DriftlabError
 from driftlab.steering import Interventions
 from test_attention_engine import (  # noqa: F401  (fixtures, used by name)
@@ -97,7 +98,7 @@ def test_flex_unit_bias_padding_and_system_lse(q: int, window: int | None, devic
     # a base-2 LSE would be off by a factor ln 2 ~ 0.69, far beyond this tolerance.
     assert (lse_all.double()[finite] - want_lse[finite]).abs().max() < tol(1e-5)
     assert (lse_all.double()[finite] * math.log(2) - want_lse[finite]).abs().max() > 0.1
-    pi, rest = flex.system_share(lse_all, lse_sys)
+    pi, rest = system_share(lse_all, lse_sys)
     weights = torch.softmax(
         (query.double() @ key.repeat_interleave(2, 1).double().transpose(-1, -2) * scale + bias.double()[:, :, None])
         .masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
@@ -111,44 +112,97 @@ def test_flex_unit_bias_padding_and_system_lse(q: int, window: int | None, devic
     assert bool((pi[2] == 0).all()) and bool((rest[2, :, -1] == 1).all())  # row 2 has no system key
 
 
+def _listed(mask, n_keys: int) -> torch.Tensor:
+    """[B, n_keys] bool: the keys inside the key blocks a decode BlockMask lists (its dense form)."""
+    from driftlab.attention.state import DECODE_BLOCK
+
+    dense = mask.to_dense()[:, 0, 0].bool()  # [B, blocks]
+    return dense.repeat_interleave(DECODE_BLOCK, dim=-1)[:, :n_keys]
+
+
 @pytest.mark.parametrize("window", [None, 4])
-def test_flex_unit_static_decode_step_masked_in_the_score(window: int | None, device, tol) -> None:
-    """A decode step on a static cache: one query at slot 7 of 12 (slots 8-11 not yet filled),
-    its position a 0-d tensor, the keys it sees given by `visible` in the score_mod, no block
-    mask. Same hand reference as above; unfilled slots, padding and the window must stay hidden."""
+def test_flex_unit_decode_step_through_block_masks_from_tensors(window: int | None, device, tol) -> None:
+    """A decode step: one query at slot 200 of 300 (the third key block not yet filled), its slot
+    and the system call's key offset 0-d tensors, block masks listing whole key blocks built from
+    tensors (`decode_block_mask`). Same hand reference as above; unfilled slots, padding and the
+    window must stay hidden, and every key the query sees must lie in a listed block (eager flex on
+    a CPU computes densely, so the block lists are checked through their dense form)."""
+    from driftlab.attention.state import DECODE_BLOCK
+
     torch.manual_seed(1)
-    B, H, Hkv, K, d = 3, 4, 2, 12, 16
+    B, H, Hkv, K, d, at = 3, 4, 2, 300, 16, 200
     query, key, value = (torch.randn(B, H, 1, d, device=device), torch.randn(B, Hkv, K, d, device=device),
                          torch.randn(B, Hkv, K, d, device=device))
     bias = torch.randn(B, H, K, device=device) * 2
-    first, slot = torch.tensor([0, 3, 6], device=device), torch.tensor(7, device=device)
-    a, b = 0, 8  # the system-only call covers slots [0, 8); row 2 has no system key
+    first, slot = torch.tensor([0, 3, 150], device=device), torch.tensor(at, device=device)
+    a, b = 0, 140  # the system-only call covers slots [0, 140); row 2 has no system key
     sys_keys = torch.zeros(B, b - a, dtype=torch.bool, device=device)
-    sys_keys[0, 1:4], sys_keys[1, 3:6] = True, True
+    sys_keys[0, 1:4], sys_keys[1, 3:6], sys_keys[1, 130:133] = True, True, True
     pos_k = torch.arange(K, device=device)
-    allowed = (pos_k[None] >= first[:, None]) & (pos_k <= 7)
+    allowed = (pos_k[None] >= first[:, None]) & (pos_k <= at)
     if window is not None:
-        allowed = allowed & (7 - pos_k < window)
+        allowed = allowed & (at - pos_k < window)
     sys_allowed = allowed.clone()
     sys_allowed[:, b:] = False
     sys_allowed[:, a:b] &= sys_keys
     scale = 0.3
 
-    see = flex.visible_mod(first, 1, K, window, shift=slot)
-    see_sys = flex.visible_mod(first, 1, K, window, a, sys_keys, shift=slot)
-    out, lse_all = flex.attend(query, key, value, None, bias, scale, lse=True, visible=see)
-    o_sys, lse_sys = flex.attend(query, key[:, :, a:b], value[:, :, a:b], None, bias[..., a:b], scale, lse=True,
-                                 visible=see_sys)
+    def blocks(n_keys: int, filled: int):
+        n = -(-n_keys // DECODE_BLOCK)
+        order = torch.arange(n, dtype=torch.int32, device=device).view(1, 1, 1, n).expand(B, 1, 1, n)
+        return torch.full((B, 1, 1), filled, dtype=torch.int32, device=device), order
+
+    full = flex.decode_block_mask(*blocks(K, at // DECODE_BLOCK + 1), flex.visible_mod(first, 1, K, window,
+                                                                                         shift=slot), K)
+    offset = torch.tensor(a, device=device)
+    sys_mask = flex.decode_block_mask(*blocks(b - a, 2), flex.visible_mod(first, 1, K, window, offset, sys_keys,
+                                                                          shift=slot), b - a)
+    listed = _listed(full, K)
+    assert bool((listed >= allowed).all()) and not bool(listed[:, 2 * DECODE_BLOCK :].any())  # filled blocks only
+    assert bool((_listed(sys_mask, b - a) >= sys_allowed[:, a:b]).all())
+    out, lse_all = flex.attend(query, key, value, full, bias, scale, lse=True)
+    o_sys, lse_sys = flex.attend(query, key[:, :, a:b], value[:, :, a:b], sys_mask, bias[..., a:b], scale, lse=True)
     want, want_lse = _hand_attention(query, key, value, allowed[:, None, None], bias, scale)
     want_sys, _ = _hand_attention(query, key, value, sys_allowed[:, None, None], bias, scale)
     assert (out.double() - want).abs().max() < tol(1e-5) and (lse_all.double() - want_lse).abs().max() < tol(1e-5)
     assert (o_sys[:2].double() - want_sys[:2]).abs().max() < tol(1e-5)  # row 2's is unused (pi = 0)
-    pi, rest = flex.system_share(lse_all, lse_sys)
+    pi, rest = system_share(lse_all, lse_sys)
     logits = (query.double() @ key.repeat_interleave(2, 1).double().transpose(-1, -2) * scale
               + bias.double()[:, :, None]).masked_fill(~allowed[:, None, None], float("-inf"))
     want_pi = (torch.softmax(logits, -1) * sys_allowed[:, None, None]).sum(-1, keepdim=True)
     assert (pi.double() - want_pi).abs().max() < tol(1e-6) and bool((pi[2] == 0).all()) and bool((rest[2] == 1).all())
     assert not (pi.isnan().any() or rest.isnan().any())
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2), (7, 1), (3, 3)])
+def test_flex_unit_steered_decode_step_folds_odd_query_groups(heads: int, kv_heads: int, device, tol) -> None:
+    """The steered decode step's flex call (`DecodeMods`, `attend_decode`): key-bias slots read
+    per (row, key) and per (row, head), the key pattern from the first-slot and slot tensors. A
+    group of query heads per KV head that is not a power of two (3, 7: Qwen2.5-7B's 28/4) is folded
+    into query rows; the result must equal the hand reference with its heads in their own order."""
+    from driftlab.attention.state import DECODE_BLOCK
+
+    torch.manual_seed(2)
+    B, K, d, at = 2, 260, 16, 140
+    query = torch.randn(B, heads, 1, d, device=device)
+    key, value = torch.randn(B, kv_heads, K, d, device=device), torch.randn(B, kv_heads, K, d, device=device)
+    keys = torch.randn(2, B, K, device=device)  # two bias slots [J, B, K]
+    head_sel = (torch.rand(2, B, heads, device=device) > 0.5).float()  # their heads [J, B, H]
+    first, slot = torch.tensor([0, 9], device=device), torch.tensor(at, device=device)
+    group = flex.fold(query, kv_heads)
+    assert group == (heads // kv_heads if (heads // kv_heads) in (3, 7) else 1)
+    mods = flex.DecodeMods(first, slot, keys, head_sel, group)
+    n = -(-K // DECODE_BLOCK)
+    order = torch.arange(n, dtype=torch.int32, device=device).view(1, 1, 1, n).expand(B, 1, 1, n)
+    filled = torch.full((B, 1, 1), at // DECODE_BLOCK + 1, dtype=torch.int32, device=device)
+    mask = flex.decode_block_mask(filled, order, mods.visible, K, group)
+    out, lse = flex.attend_decode(query, key, value, mask, mods, 0.25)
+    pos = torch.arange(K, device=device)
+    allowed = (pos[None] >= first[:, None]) & (pos[None] <= at)
+    bias = (keys[:, :, None, :] * head_sel[:, :, :, None]).sum(0)  # [B, H, K]
+    want, want_lse = _hand_attention(query, key, value, allowed[:, None, None], bias, 0.25)
+    assert out.shape == (B, heads, 1, d) and lse.shape == (B, heads, 1)
+    assert (out.double() - want).abs().max() < tol(1e-5) and (lse.double() - want_lse).abs().max() < tol(1e-5)
 
 
 def test_flex_fn_on_a_gpu_is_compiled_once_with_a_raised_recompile_limit(monkeypatch: pytest.MonkeyPatch) -> None:

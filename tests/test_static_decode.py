@@ -67,7 +67,7 @@ def backends(tiny_dir: Path) -> dict[str, HFChatBackend]:
 def _cheap_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     import driftlab.chat.static_decode as sd
 
-    monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {"backend": "aot_eager", "fullgraph": True, "dynamic": False})
+    monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {"backend": "aot_eager", "fullgraph": True, "dynamic": True})
 
 
 def _run(backend: HFChatBackend, specs: list[str], convs=CONVS, sampling: Sampling = GREEDY, **kw):
@@ -91,11 +91,19 @@ def _assert_same(ref, got) -> None:
 def test_cache_length_buckets_lengths_and_respects_the_context_window() -> None:
     from driftlab.chat.static_decode import cache_length
 
-    assert cache_length(1) == 64 and cache_length(64) == 64 and cache_length(65) == 128
-    assert cache_length(1000) == 1024 and cache_length(1025) == 1152  # 1/8 of the octave
-    # at most 12.5% more slots, or the next multiple of 64 for short calls
-    assert all(n <= cache_length(n) <= max(-(-n // 64) * 64, n * 1.125) for n in range(1, 5000, 37))
+    assert cache_length(1) == 256 and cache_length(256) == 256 and cache_length(257) == 384
+    assert cache_length(2000) == 2048 and cache_length(2049) == 2304  # 1/8 of the octave
+    # at most 12.5% more slots, or the next multiple of 128 (flex's key block) for short calls, two blocks at least
+    assert all(n <= cache_length(n) <= max(-(-n // 128) * 128, n * 1.125, 256) for n in range(1, 5000, 37))
+    assert all(cache_length(n) % 128 == 0 for n in range(1, 5000, 37))
     assert cache_length(1000, limit=1010) == 1010 and cache_length(1000, limit=900) == 1024
+
+
+def test_batches_round_up_to_power_of_two_buckets_and_bias_slots_to_a_few() -> None:
+    from driftlab.chat.static_decode import batch_bucket, bias_slots
+
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 32]
+    assert [bias_slots(n) for n in (0, 1, 2, 3, 4, 5)] == [2, 2, 2, 4, 4, 8]
 
 
 def test_unknown_decode_mode_is_refused() -> None:
@@ -322,7 +330,9 @@ def test_the_log_says_which_loop_decodes_and_why(tiny_dir: Path, caplog) -> None
             HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0,
                           decode=decode).close()
     lines = [r.getMessage() for r in caplog.records if "decodes with" in r.getMessage()]
-    assert len(lines) == 2 and "the dynamic loop (--decode auto: until benchmarks/gpu.py" in lines[0], lines
+    kind = backend_device().split(":")[0]
+    auto = "compiled" if kind == "cuda" else "dynamic"
+    assert len(lines) == 2 and f"the {auto} loop (--decode auto: {auto} on {kind}, compiled on CUDA)" in lines[0], lines
     assert "the static loop (--decode static)" in lines[1], lines
 
 
@@ -390,10 +400,12 @@ def test_past_the_recompile_limit_steps_run_eagerly_said_once_and_recorded(tiny_
     assert (ran["loop"], ran["graphs"]) == ("static", 1) and "recompile limit" in ran["eager_after"]
 
 
-def test_a_compiled_selfchat_compiles_one_graph_per_cache_shape_and_records_it(tiny_dir: Path, tmp_path: Path) -> None:
-    """A self-chat's prompts grow every round; cache lengths are bucketed (cache_length), so the
-    whole run compiles one graph per (batch, cache length) shape it decodes, fewer than its
-    generate calls, and its manifest says which loop ran with how many graphs."""
+def test_a_compiled_selfchat_stays_within_the_graph_budget_and_records_it(tiny_dir: Path, tmp_path: Path) -> None:
+    """A self-chat's prompts grow every round and its calls have two batch sizes (turns, and the
+    agent's turns with their probes): the cache length is a dynamic dimension, so the whole run
+    compiles one graph per (batch bucket, kind), fewer than the cache shapes it asks for, and its
+    manifest says which loop ran with which graphs, how long compiling took and that nothing
+    went past the budget."""
     import json
 
     from driftlab.chat.spec import BackendSpec
@@ -405,12 +417,15 @@ def test_a_compiled_selfchat_compiles_one_graph_per_cache_shape_and_records_it(t
     calls = []
     new_cache = backend._static.new_cache
     backend._static.new_cache = lambda b, n: calls.append((b, n)) or new_cache(b, n)
-    config = SelfChatConfig(backend=BackendSpec(model=str(tiny_dir), dtype="float32"), pairs=2, rounds=3, seed=1,
-                            sampling=Sampling(max_new_tokens=12), probe_tokens=12)
+    config = SelfChatConfig(backend=BackendSpec(model=str(tiny_dir), dtype="float32"), pairs=2, rounds=4, seed=1,
+                            sampling=Sampling(max_new_tokens=40, ignore_eos=True), probe_tokens=12)
     run_protocol(SelfChat(config, backend), tmp_path / "run", progress=False)
     ran = json.loads((tmp_path / "run" / "manifest.json").read_text())["ran"]["agent"]["decode"]
     assert (ran["asked"], ran["loop"]) == ("compiled", "compiled") and "eager_after" not in ran
-    assert ran["graphs"] == ran["shapes"] == len(set(calls)) < len(calls), (ran, calls)
+    keys = ran["graph_keys"]
+    assert all(k["graphs"] == 1 for k in keys) and "over_budget" not in ran, ran
+    assert ran["graphs"] == len(keys) < len(set(calls)) < len(calls), (ran, calls)
+    assert ran["compile_s"] > 0 and set(ran["compile_cache"]) == {"hits", "misses"}
 
 
 # -- inductor, the compiled path's real backend ----------------------------------------------------

@@ -28,7 +28,9 @@ def tokenizer_dir() -> Path:
 
 
 def tiny_config(family: str, sliding_window: int = 8):
-    """A small config of `family` ('qwen2' or 'gemma3') with grouped-query attention (4 q / 2 kv heads)."""
+    """A small config of `family` with grouped-query attention: 'qwen2', 'llama' and 'gemma3'
+    (4 q / 2 kv heads), or 'qwen2-gqa7' (14 q / 2 kv heads: a group of 7, Qwen2.5-7B's, which is
+    not a power of two)."""
     common = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -44,6 +46,14 @@ def tiny_config(family: str, sliding_window: int = 8):
         from transformers import Qwen2Config
 
         return Qwen2Config(num_hidden_layers=3, **common)
+    if family == "qwen2-gqa7":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(num_hidden_layers=3, **{**common, "num_attention_heads": 14})
+    if family == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(num_hidden_layers=3, **common)
     if family == "gemma3":
         from transformers import Gemma3TextConfig
 

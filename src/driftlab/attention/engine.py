@@ -33,20 +33,16 @@ import os
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
-from driftlab.attention.state import AttentionState
+from driftlab.attention import decode
+from driftlab.attention.kernels import attend_sdpa, flash_ok, split_softmax, system_share
+from driftlab.attention.state import DECODE_BLOCK, AttentionState
 from driftlab.errors import DriftlabError
 
 ATTENTION_NAME = "driftlab"
 logger = logging.getLogger(__name__)
 _CHUNK_ELEMS = 1 << 24  # max elements of a per-head float mask built at once (64 MB in fp32)
 
-# PyTorch's fused CPU attention also returns each query's log-sum-exp. The public SDPA hides
-# it, and extra V channels (dv != d) push CPU SDPA onto its math path, which materialises
-# the weights and is 2-10x slower; so on CPU we call the kernel itself.
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_CPU_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Attention kwargs that change the computation; with any of them set we leave it to transformers.
 _SPECIAL_KWARGS = ("softcap", "position_bias", "cache", "s_aux", "sinks", "is_causal")
 # Of those, the ones the intervention path does not implement: refuse rather than drop them.
@@ -75,44 +71,6 @@ def _causal_mask(q: int, k: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(k, device=device)[None, :] <= rows)[None, None]
 
 
-def _attend(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    n_rep: int,
-    *,
-    causal: bool = False,
-    lse: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """SDPA over grouped-query heads, without copying K/V when decoding one token.
-
-    query [B, H, q, d]; key/value [B, Hkv, k, dv]; mask broadcastable to [B, H, q, k]
-    (bool: True = attend, or float additive; a float mask of the query dtype with `lse`).
-    Returns ([B, H, q, dv], and with `lse` the float32 log-sum-exp of the logits [B, H, q]).
-    """
-    B, H, q, d = query.shape
-    packed = n_rep > 1 and q == 1 and not causal  # packed heads are queries: a causal flag would mask them
-    if packed:
-        # The n_rep query heads sharing a KV head become n_rep queries of that head.
-        query = query.reshape(B, H // n_rep, n_rep, d)
-        if mask is not None and mask.dim() == 4 and mask.shape[1] == H:
-            mask = mask.reshape(B, H // n_rep, n_rep, mask.shape[-1])
-    elif n_rep > 1:
-        key = key.repeat_interleave(n_rep, dim=1)
-        value = value.repeat_interleave(n_rep, dim=1)
-    if lse:
-        out, log_sum = _CPU_FLASH(query, key, value, 0.0, causal, attn_mask=mask, scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scale)
-        log_sum = None
-    if packed:
-        out = out.reshape(B, H, 1, out.shape[-1])
-        log_sum = log_sum.reshape(B, H, 1) if log_sum is not None else None
-    return out, log_sum
-
-
 def _plain(module, query, key, value, attention_mask, scaling, dropout, kwargs):
     """Attention without any driftlab state: transformers' SDPA, except one CPU decode case.
 
@@ -129,7 +87,7 @@ def _plain(module, query, key, value, attention_mask, scaling, dropout, kwargs):
         and all(kwargs.get(name) is None for name in _SPECIAL_KWARGS)
     ):
         scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-        out, _ = _attend(query, key, value, attention_mask, scale, n_rep)
+        out, _ = attend_sdpa(query, key, value, attention_mask, scale, n_rep)
         return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -156,6 +114,11 @@ def driftlab_attention(
             f"{type(module).__name__} has no layer_idx, so driftlab cannot tell which layer it is steering.",
             hint="This architecture is not supported for attention interventions; run it without --steer.",
         )
+    if state.universal and query.shape[2] == 1:  # a static layout's decode step: the steered graph
+        _refuse_unsupported(module, kwargs)
+        scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+        out = decode.steered_step(state, layer, query, key, value, scale, kernel_for(query.device))
+        return out.transpose(1, 2).contiguous(), None
     if not state.acts_on(layer):
         return _plain(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     _refuse_unsupported(module, kwargs)
@@ -168,7 +131,7 @@ def driftlab_attention(
     # Keys of this call are the last K of the absolute key slots (sliding-window layers keep fewer).
     lo, hi = state.kv_len - K, state.kv_len
     bias = state.layer_bias(layer, lo, hi, query.device)  # [B, H, 1, K] or None
-    split_heads = state.split_heads_for(layer, query.device)  # [H] bool or None
+    split_heads = state.split_strength(layer, query.device)  # [H] strength per head or None
     need_pi = state.trace or split_heads is not None
     sys_range = state.system_range(lo, hi) if need_pi else None  # [a, b) of this call's keys
     sys_keys = state.on("system_keys", query.device)[:, lo:hi] if need_pi else None
@@ -177,12 +140,12 @@ def driftlab_attention(
                          lo, kwargs.get("sliding_window"))
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
-    use_lse = need_pi and _flash_ok(query, key, value)
+    use_lse = need_pi and flash_ok(query, key, value)
 
     base = attention_mask
     if base is not None and base.dtype != torch.bool:  # some models hand over an additive float mask
         base = base > neg / 2
-    if (bias is not None or need_pi) and q == K and q > 1 and _flash_ok(query, key, value):
+    if (bias is not None or need_pi) and q == K and q > 1 and flash_ok(query, key, value):
         # A key bias (PASTA, InstABoost), pi or split-softmax on a prefill whose mask is causal
         # plus key padding: the CPU flash kernel takes the causal flag with a [B, H, 1, K] key
         # mask (bias, and the dtype's minimum on padding keys), so no per-query mask is built.
@@ -194,7 +157,7 @@ def driftlab_attention(
             key_bias = None if bias is None else bias.to(dtype)
             if keys is not None:
                 key_bias = torch.where(keys[:, None, None, :], 0.0 if key_bias is None else key_bias, neg).to(dtype)
-            out, lse_all = _attend(query, key, value, key_bias, scale, n_rep, causal=True, lse=True)
+            out, lse_all = attend_sdpa(query, key, value, key_bias, scale, n_rep, causal=True, lse=True)
             if need_pi:
                 out = _pi_of_causal_prefill(state, layer, out, lse_all, query, key, value, key_bias, sys_keys,
                                             sys_range, split_heads, scale, n_rep)
@@ -227,10 +190,10 @@ def driftlab_attention(
                     sys_slots = sys_slots & _causal_mask(q, K, query.device)[:, :, s : s + step, a:b]
                 m_sys = torch.where(sys_slots, 0.0, neg).to(dtype)
         if use_lse:
-            o, lse_all = _attend(qs, key, value, mf, scale, n_rep, causal=causal, lse=True)
+            o, lse_all = attend_sdpa(qs, key, value, mf, scale, n_rep, causal=causal, lse=True)
             if sys_range is not None:
-                o_sys, lse_sys = _attend(qs, key[:, :, a:b], value[:, :, a:b], m_sys, scale, n_rep, lse=True)
-                pi, rest = _mass_from_lse(lse_sys, lse_all)
+                o_sys, lse_sys = attend_sdpa(qs, key[:, :, a:b], value[:, :, a:b], m_sys, scale, n_rep, lse=True)
+                pi, rest = system_share(lse_all, lse_sys)
             else:
                 pi = torch.zeros((B, H, qc, 1), device=query.device)
         elif need_pi:
@@ -242,15 +205,15 @@ def driftlab_attention(
             ind[..., 0] = sys_keys.to(value.dtype)
             ind[..., 1] = (~sys_keys).to(value.dtype)
             ind = ind[:, None].expand(B, value.shape[1], K, n_extra)
-            o_ext, _ = _attend(qs, key, torch.cat([value, ind], dim=-1), mf, scale, n_rep, causal=causal)
+            o_ext, _ = attend_sdpa(qs, key, torch.cat([value, ind], dim=-1), mf, scale, n_rep, causal=causal)
             o, mass = o_ext[..., :dv], o_ext[..., dv : dv + 2].float().clamp(0.0, 1.0)
             pi, rest = mass[..., :1], mass[..., 1:]  # [B, H, q, 1] each
             if split_heads is not None and sys_range is not None:
-                o_sys, _ = _attend(qs, key[:, :, a:b], value[:, :, a:b], m_sys, scale, n_rep)
+                o_sys, _ = attend_sdpa(qs, key[:, :, a:b], value[:, :, a:b], m_sys, scale, n_rep)
         else:
-            o, _ = _attend(qs, key, value, mf, scale, n_rep, causal=causal)
+            o, _ = attend_sdpa(qs, key, value, mf, scale, n_rep, causal=causal)
         if split_heads is not None and o_sys is not None:
-            o = _split_softmax(o, o_sys, pi, rest, state.split_k, split_heads)
+            o = split_softmax(o, o_sys, pi, rest, split_heads)
         outs.append(o)
         if pi is not None:
             pis.append(pi[..., 0])
@@ -258,15 +221,6 @@ def driftlab_attention(
     if state.trace:
         state.record(layer, torch.cat(pis, dim=2) if len(pis) > 1 else pis[0])
     return out.transpose(1, 2).contiguous(), None
-
-
-def _mass_from_lse(lse_sys: torch.Tensor, lse_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """pi and 1 - pi [B, H, q, 1] from the system-only and the all-keys log-sum-exps.
-
-    Both LSEs come from fp32 accumulators; rest = 1 - pi is computed directly (expm1), so it
-    keeps full precision where pi is close to 1."""
-    delta = (lse_sys - lse_all).clamp(max=0.0)[..., None]
-    return delta.exp(), -torch.expm1(delta)
 
 
 def _pi_of_causal_prefill(state: AttentionState, layer: int, out: torch.Tensor, lse_all: torch.Tensor,
@@ -289,16 +243,16 @@ def _pi_of_causal_prefill(state: AttentionState, layer: int, out: torch.Tensor, 
         neg = torch.finfo(query.dtype).min
         visible = 0.0 if key_mask is None else key_mask[..., a:b]
         m_sys = torch.where(sys_keys[:, None, None, a:b], visible, neg).to(query.dtype)
-        o_tail, lse_tail = _attend(query[:, :, a:], key[:, :, a:b], value[:, :, a:b], m_sys, scale, n_rep,
+        o_tail, lse_tail = attend_sdpa(query[:, :, a:], key[:, :, a:b], value[:, :, a:b], m_sys, scale, n_rep,
                                    causal=True, lse=True)
-        pi_tail, rest_tail = _mass_from_lse(lse_tail, lse_all[:, :, a:])
+        pi_tail, rest_tail = system_share(lse_all[:, :, a:], lse_tail)
         pi[:, :, a:] = pi_tail
         if split_heads is not None:
             rest = torch.ones_like(pi)
             rest[:, :, a:] = rest_tail
             o_sys = out.new_zeros((B, H, q, dv))
             o_sys[:, :, a:] = o_tail
-            out = _split_softmax(out, o_sys, pi, rest, state.split_k, split_heads)
+            out = split_softmax(out, o_sys, pi, rest, split_heads)
     if state.trace:
         state.record(layer, pi[..., 0])
     return out
@@ -318,12 +272,6 @@ def _padding_keys(memo: dict, base: torch.Tensor, q: int, K: int, kv_len: int) -
         same = torch.equal(base, keys[:, None, None, :] & _causal_mask(q, K, base.device))
         memo[tag] = keys if same else None
     return memo[tag]
-
-
-def _flash_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Can PyTorch's fused CPU kernel (which reports log-sum-exps) run this call?"""
-    return (_CPU_FLASH is not None and query.device.type == "cpu" and query.dtype in _CPU_FLASH_DTYPES
-            and key.dtype == query.dtype and query.shape[-1] == value.shape[-1])
 
 
 KERNEL_ENV = "DRIFTLAB_ATTENTION_KERNEL"
@@ -495,6 +443,37 @@ def _mask_matches(mask: torch.Tensor, first: torch.Tensor, q: int, K: int, windo
     return bool(torch.equal(got.expand_as(want), want))
 
 
+def _flex_decode_masks(state: AttentionState, B: int, K: int, lo: int, window: int | None,
+                       sys_range: tuple[int, int] | None, device: torch.device):
+    """(all-keys BlockMask, system-only BlockMask or None) of a dynamic loop's decode step, once
+    per forward pass (the layers share them; `state.mask_memo`). Every key block is listed
+    (all are filled), the query's slot and the system call's offset are 0-d tensors, so a
+    compiled flex does not specialise on the step's key count."""
+    tag = ("decode", K, lo, window, sys_range, str(device))
+    if tag in state.mask_memo:
+        return state.mask_memo[tag]
+    flex = _flex_module()
+    first = state.first_keys(device)
+    first = first - lo if lo else first
+    slot = torch.full((), K - 1, dtype=torch.long, device=device)
+
+    def blocks(n_keys: int):
+        n = -(-n_keys // DECODE_BLOCK)
+        order = torch.arange(n, dtype=torch.int32, device=device).view(1, 1, 1, n).expand(B, 1, 1, n)
+        return torch.full((B, 1, 1), n, dtype=torch.int32, device=device), order
+
+    full = flex.decode_block_mask(*blocks(K), flex.visible_mod(first, 1, K, window, shift=slot), K)
+    sys_mask = None
+    if sys_range is not None:
+        a, b = sys_range
+        keys = state.on("system_keys", device)[:, lo + a : lo + b].contiguous()
+        offset = torch.full((), a, dtype=torch.long, device=device)
+        sys_mask = flex.decode_block_mask(*blocks(b - a), flex.visible_mod(first, 1, K, window, offset, keys,
+                                                                          shift=slot), b - a)
+    state.mask_memo[tag] = (full, sys_mask)
+    return full, sys_mask
+
+
 def _flex_path(state: AttentionState, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, scale: float, bias: torch.Tensor | None,
                split_heads: torch.Tensor | None, sys_range: tuple[int, int] | None, lo: int,
@@ -507,22 +486,10 @@ def _flex_path(state: AttentionState, layer: int, query: torch.Tensor, key: torc
     flex = _flex_module()  # not None: kernel_for chose flex
     B, H, q, _ = query.shape
     K = key.shape[2]
-    see = see_sys = None
     if q == 1 and getattr(state, "pads", None) is not None and len(state.pads) == B:
-        # A decode step: no block mask, which would be rebuilt from Python values every step
-        # (and checked against transformers' mask with a host sync); the keys this query may see
-        # come from the rows' first slots, a tensor kept per layout, and the query's slot: the
-        # last key in the dynamic loop, a tensor of the state on a static cache (compiled,
-        # maybe captured in a CUDA graph), whose keys are every slot.
-        full = sys_mask = None
-        first = state.first_keys(query.device)
-        first = first - lo if lo else first
-        slot = state.on("last_slot", query.device) - lo if state.static else None
-        see = flex.visible_mod(first, q, K, window, shift=slot)
-        if sys_range is not None:
-            a, b = sys_range
-            sys_keys = state.on("system_keys", query.device)[:, lo + a : lo + b]
-            see_sys = flex.visible_mod(first, q, K, window, a, sys_keys, shift=slot)
+        # A dynamic loop's decode step: block masks from the rows' first slots (a tensor kept per
+        # layout) and the key count, never checked against transformers' mask (a host sync).
+        full, sys_mask = _flex_decode_masks(state, B, K, lo, window, sys_range, query.device)
     else:
         masks = _flex_masks(state, attention_mask, B, q, K, lo, window, sys_range, query.device)
         if masks is None:
@@ -530,7 +497,7 @@ def _flex_path(state: AttentionState, layer: int, query: torch.Tensor, key: torc
         full, sys_mask = masks
     key_bias = None if bias is None else bias[:, :, 0]  # [B, H, K]
     need_pi = state.trace or split_heads is not None
-    out, lse_all = flex.attend(query, key, value, full, key_bias, scale, lse=need_pi, visible=see)
+    out, lse_all = flex.attend(query, key, value, full, key_bias, scale, lse=need_pi)
     if not need_pi:
         return out
     if sys_range is None:  # no system key among this layer's keys
@@ -538,33 +505,13 @@ def _flex_path(state: AttentionState, layer: int, query: torch.Tensor, key: torc
     else:
         a, b = sys_range
         sys_bias = None if key_bias is None else key_bias[..., a:b]
-        o_sys, lse_sys = flex.attend(query, key[:, :, a:b], value[:, :, a:b], sys_mask, sys_bias, scale, lse=True,
-                                     visible=see_sys)
-        pi, rest = flex.system_share(lse_all, lse_sys)
+        o_sys, lse_sys = flex.attend(query, key[:, :, a:b], value[:, :, a:b], sys_mask, sys_bias, scale, lse=True)
+        pi, rest = system_share(lse_all, lse_sys)
         if split_heads is not None:
-            out = _split_softmax(out, o_sys, pi, rest, state.split_k, split_heads)
+            out = split_softmax(out, o_sys, pi, rest, split_heads)
     if state.trace:
         state.record(layer, pi[..., 0])
     return out
-
-
-def _split_softmax(out, o_sys, pi, rest, k: float | torch.Tensor, heads) -> torch.Tensor:
-    """Reweight attention so the system keys get pi^k of the mass, exactly, in O(T) memory.
-
-    O = pi O_sys + (1 - pi) O_rest, so pi^k O_sys + (1 - pi^k) O_rest
-      = pi^k O_sys + w (O - pi O_sys) with w = (1 - pi^k) / (1 - pi).
-    """
-    pk = pi.pow(k)
-    # w = (1 - (1 - r)^k) / r with r = 1 - pi measured directly; where no rest key is
-    # visible (queries inside the system span) r = 0 and the rest term vanishes anyway.
-    # k = 0 gives (1 - 1) / r = 0, where the formula would give 0 * log(0) = NaN at r = 1: masked,
-    # not branched on, since k is a 0-d tensor in a static decode step (state.static_layout).
-    w = torch.where((rest > 0) & (k != 0), -torch.expm1(k * torch.log1p(-rest)) / rest.clamp_min(1e-30),
-                    torch.zeros_like(rest))
-    o32, s32 = out.float(), o_sys.float()
-    new = pk * s32 + w * (o32 - pi * s32)
-    new = torch.where(pi > 0, new, o32)  # no system key visible: unchanged (o_sys is garbage there)
-    return torch.where(heads[None, :, None, None], new.to(out.dtype), out)
 
 
 def register() -> None:

@@ -33,6 +33,8 @@ from contextlib import contextmanager
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
+from driftlab.attention.state import DECODE_BLOCK
+
 # Dynamo compiles one graph per distinct (shapes, score_mod, mask) combination; past the
 # default limit of 8 it stops compiling and flex silently runs its T x T math fallback
 # (seen on an H100: a 128 GiB allocation at 32k keys). Prefill, decode, biased and
@@ -85,11 +87,11 @@ def _without_dynamo(active: bool) -> Iterator[None]:
         setattr(module, name, old)
 
 
-def visible_mod(first: torch.Tensor, q: int, K: int, window: int | None, key_offset: int = 0,
+def visible_mod(first: torch.Tensor, q: int, K: int, window: int | None, key_offset: int | torch.Tensor = 0,
                 keys: torch.Tensor | None = None, shift: int | torch.Tensor | None = None) -> Callable:
     """mask_mod of the keys a query may see: query i sits at key slot `shift` + i (default
-    K - q: the queries are the last q of K keys; a static cache's decode step passes its
-    query's slot as a 0-d tensor, which a compiled step reads without recompiling).
+    K - q: the queries are the last q of K keys; a decode step passes its query's slot as a 0-d
+    tensor, which a compiled flex reads without specialising on it, and so the key offset).
 
     `first` [B] int: each row's first non-padding key (left padding). `window`: a sliding
     layer's window (a query sees keys less than `window` positions back). `key_offset` and
@@ -117,22 +119,13 @@ def block_mask(mod: Callable, B: int, q: int, n_keys: int, device: torch.device)
     return create_block_mask(mod, B, None, q, n_keys, device=device, _compile=device.type != "cpu")
 
 
-def score_mod(bias: torch.Tensor | None, visible: Callable | None = None) -> Callable | None:
-    """score_mod adding the per-(row, head, key) logit bias `bias` [B, H, n_keys], and with
-    `visible` (a mask_mod) sending the keys it hides to -inf.
-
-    Why `visible` here: a block mask is built outside the kernel from Python values, which a
-    captured decode step cannot rebuild per step; a one-query step reads every cache slot
-    anyway, so masking in the score costs nothing a block mask would have skipped."""
-    if bias is None and visible is None:
+def score_mod(bias: torch.Tensor | None) -> Callable | None:
+    """score_mod adding the per-(row, head, key) logit bias `bias` [B, H, n_keys]."""
+    if bias is None:
         return None
 
     def mod(score, b, h, q_idx, kv_idx):
-        if bias is not None:
-            score = score + bias[b, h, kv_idx]
-        if visible is not None:
-            score = torch.where(visible(b, h, q_idx, kv_idx), score, float("-inf"))
-        return score
+        return score + bias[b, h, kv_idx]
 
     return mod
 
@@ -146,27 +139,15 @@ def attend(
     scale: float,
     *,
     lse: bool = False,
-    visible: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One flex call: ([B, H, q, dv] output, and with `lse` the natural-log LSE [B, H, q]).
 
-    The keys a query sees are given by the block mask `mask`, or with `mask` None by the
-    mask_mod `visible` applied in the score (see `score_mod`). Grouped-query heads go through
-    `enable_gqa` (no K/V copies). A query that sees no key through a block mask gets output 0
-    and LSE -inf (flex's own convention); through `visible`, LSE -inf and an output that
-    callers must not use (`system_share` gives pi = 0 there, which the engine checks).
+    The keys a query sees are given by the block mask `mask`. Grouped-query heads go through
+    `enable_gqa` (no K/V copies). A query that sees no key gets output 0 and LSE -inf (flex's
+    own convention; `system_share` gives pi = 0 there).
     """
-    fn = _flex_fn(query.device)
-    kwargs = dict(score_mod=score_mod(bias, visible), block_mask=mask, scale=scale,
-                  enable_gqa=query.shape[1] != key.shape[1], return_aux=AuxRequest(lse=True) if lse else None)
-    if query.device.type == "cpu" and not torch.compiler.is_compiling():
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        with warnings.catch_warnings(), _without_dynamo(not grad):
-            # Eager is deliberate on CPU (compiled CPU flex cannot return the LSE).
-            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile", category=UserWarning)
-            result = fn(query, key, value, **kwargs)
-    else:
-        result = fn(query, key, value, **kwargs)
+    result = _call(query, key, value, score_mod=score_mod(bias), block_mask=mask, scale=scale,
+                   enable_gqa=query.shape[1] != key.shape[1], return_aux=AuxRequest(lse=True) if lse else None)
     if lse:
         out, aux = result
         # flex reports the natural-log LSE (it rescales its kernels' base-2 statistics).
@@ -174,13 +155,78 @@ def attend(
     return result, None
 
 
-def system_share(lse_all: torch.Tensor, lse_sys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pi, 1 - pi), each [B, H, q, 1] float32, from the two calls' LSEs.
+def _call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs):
+    """flex_attention on the query's device: compiled on GPUs, eager on a CPU (deliberate:
+    compiled CPU flex cannot return the LSE) without its dynamo trace where no gradient is asked."""
+    fn = _flex_fn(query.device)
+    if query.device.type != "cpu" or torch.compiler.is_compiling():
+        return fn(query, key, value, **kwargs)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    with warnings.catch_warnings(), _without_dynamo(not grad):
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile", category=UserWarning)
+        return fn(query, key, value, **kwargs)
 
-    A query that sees no system key has LSE_sys = -inf (pi = 0, rest = 1); a query that sees
-    no key at all (left padding) also has LSE_all = -inf: -inf - -inf would be NaN.
+
+def decode_block_mask(blocks: torch.Tensor, order: torch.Tensor, mask_mod: Callable, n_keys: int,
+                      q_len: int = 1) -> BlockMask:
+    """A decode step's BlockMask from tensors: `blocks` [B, 1, 1] int32 key blocks to visit
+    (the filled ones, or a row's system blocks), `order` [B, 1, 1, n] int32 their indices first.
+
+    Why from tensors: without a block mask flex uses one block of 2^30 keys, so its decoding
+    kernel cannot split the keys over programs (one program per head reads them all) and reads
+    the unfilled slots of a static cache too; `create_block_mask` evaluates `mask_mod` over the
+    whole key range from Python values, per step. Built from a count computed inside the
+    compiled step, the mask lists only the blocks to read, and nothing is rebuilt on the host.
+    Every listed block is partial (`mask_mod` applies in it): the last filled block is always
+    partial, and left padding or a system span rarely fills a block."""
+    return BlockMask.from_kv_blocks(blocks, order, BLOCK_SIZE=DECODE_BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(q_len, n_keys), compute_q_blocks=False)
+
+
+def fold(query: torch.Tensor, n_kv: int) -> int:
+    """How many query heads a decode step folds into query rows per KV head: the group size when
+    it is not a power of two (Qwen2.5-7B's 28/4 = 7), where flex's decoding kernel would not
+    take the grouped heads itself; 1 (no folding: `enable_gqa`) otherwise."""
+    group = query.shape[1] // n_kv
+    return group if group > 1 and group & (group - 1) else 1
+
+
+class DecodeMods:
+    """The score and mask functions of a static layout's steered decode step, over tensors only.
+
+    `first` [B] each row's first real slot, `slot` [] the query's slot, `keys` [J, B, K] and
+    `heads` [J, B, H] the layer's key-bias slots (zeros where unused: inert). With `group` > 1 the
+    query heads of a KV head are folded into query rows (see `fold`): flex's head index h and
+    query index q then name query head h * group + q, which every query row shares the slot of.
     """
-    seen = torch.isfinite(lse_sys)
-    delta = torch.where(seen, (lse_sys - lse_all).clamp(max=0.0), torch.full_like(lse_sys, float("-inf")))
-    delta = delta[..., None]
-    return delta.exp(), -torch.expm1(delta)
+
+    def __init__(self, first: torch.Tensor, slot: torch.Tensor, keys: torch.Tensor, heads: torch.Tensor,
+                 group: int = 1) -> None:
+        self.first, self.slot, self.keys, self.heads, self.group = first, slot, keys, heads, group
+
+    def visible(self, b, h, q_idx, kv_idx):
+        return (kv_idx >= self.first[b]) & (kv_idx <= self.slot)
+
+    def visible_system(self, system: torch.Tensor) -> Callable:
+        def mod(b, h, q_idx, kv_idx):
+            return self.visible(b, h, q_idx, kv_idx) & system[b, kv_idx]
+        return mod
+
+    def score(self, score, b, h, q_idx, kv_idx):
+        head = h * self.group + q_idx if self.group > 1 else h
+        for j in range(self.keys.shape[0]):
+            score = score + self.keys[j, b, kv_idx] * self.heads[j, b, head]
+        return score
+
+
+def attend_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: BlockMask, mods: DecodeMods,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode query per row through `mask` with `mods`' key bias: ([B, H, 1, dv], natural-log
+    LSE [B, H, 1] float32). With `mods.group` > 1 the grouped query heads are query rows."""
+    B, H, _, d = query.shape
+    n_kv = key.shape[1]
+    if mods.group > 1:
+        query = query.reshape(B, n_kv, mods.group, d)
+    out, aux = _call(query, key, value, score_mod=mods.score, block_mask=mask, scale=scale,
+                     enable_gqa=query.shape[1] != n_kv, return_aux=AuxRequest(lse=True))
+    return out.reshape(B, H, 1, out.shape[-1]), aux.lse.float().reshape(B, H, 1)

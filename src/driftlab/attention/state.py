@@ -35,6 +35,23 @@ def head_mask(heads: Heads, n_layers: int, n_heads: int) -> torch.Tensor:
     return mask
 
 
+# Key blocks of a decode step's FlexAttention block masks (flex's default block size).
+DECODE_BLOCK = 128
+
+
+def system_blocks(system_keys: torch.Tensor, block: int = DECODE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block mask rows of a decode step's system-only pass: ([B, 1, 1] int32 number of key
+    blocks holding a system key of the row, [B, 1, 1, n] int32 their indices first, then the
+    others), so the pass reads only those blocks, whatever the cache length."""
+    B, K = system_keys.shape
+    n = -(-K // block)
+    padded = torch.zeros(B, n * block, dtype=torch.bool, device=system_keys.device)
+    padded[:, :K] = system_keys
+    has = padded.view(B, n, block).any(-1)  # [B, n]
+    order = torch.argsort((~has).to(torch.int8), dim=-1, stable=True)  # system blocks first, in order
+    return has.sum(-1).to(torch.int32).view(B, 1, 1), order.to(torch.int32).view(B, 1, 1, n)
+
+
 class AttentionState:
     """Per-call, per-row state handed to the attention function through forward kwargs."""
 
@@ -60,36 +77,46 @@ class AttentionState:
         self.rows = rows
         self.spans = spans
         self.n_layers, self.n_heads, self.device = n_layers, n_heads, device
-        self.split_k = self.config.split_k
         self.trace = self.config.trace
+        # Split-softmax as a strength per (layer, head): k on the selected heads, 1 (unchanged) elsewhere.
         split = head_mask(self.config.split_heads, n_layers, n_heads) if self.config.splits else None
-        # Key biases: term j of row b (zero where a row has fewer terms), heads [J, B, L, H].
-        n_terms = max((len(c.biases) for c in rows), default=0)
-        bias = None
-        if n_terms:
-            bias = torch.zeros(n_terms, len(rows), n_layers, n_heads, dtype=torch.bool)
-            for b, c in enumerate(rows):
-                for j, term in enumerate(c.biases):
-                    bias[j, b] = head_mask(term.heads, n_layers, n_heads)
-        self.split_mask = split.to(device) if split is not None else None
-        self.bias_mask = bias.to(device) if bias is not None else None
+        self.split_table = (torch.where(split, self.config.split_k, 1.0) if split is not None
+                            else torch.ones(n_layers, n_heads)).to(device)
+        # Key biases, grouped per row by head selection: slot j of row b holds the heads its terms
+        # of one selection act on ([J, B, L, H], 0/1) and, once laid out, the sum of their key
+        # biases ([J, B, slots]). Terms sharing a selection (InstABoost and a bias on every head)
+        # share a slot, so a composed steer needs few: the static layout pads J to a fixed count.
+        self._slot_of: list[list[int]] = []
+        groups: list[list] = []
+        for c in rows:
+            heads = list(dict.fromkeys(term.heads for term in c.biases))
+            groups.append(heads)
+            self._slot_of.append([heads.index(term.heads) for term in c.biases])
+        n_slots = max((len(g) for g in groups), default=0)
+        bias_heads = torch.zeros(n_slots, len(rows), n_layers, n_heads)
+        for b, heads in enumerate(groups):
+            for j, selection in enumerate(heads):
+                bias_heads[j, b] = head_mask(selection, n_layers, n_heads).float()
+        self.bias_heads = bias_heads.to(device) if n_slots else None
         # Per-layer flags on the host: asking the device tensors would sync a GPU every layer.
         self._split_layers = split.any(dim=1).tolist() if split is not None else [False] * n_layers
-        self._bias_layers = bias.any(dim=(0, 1, 3)).tolist() if bias is not None else [False] * n_layers
+        self._bias_layers = bias_heads.any(dim=(0, 1, 3)).tolist() if n_slots else [False] * n_layers
         self._acts = [self.trace or sp or bi for sp, bi in zip(self._split_layers, self._bias_layers)]
         self.system_keys: torch.Tensor | None = None
         self.system_slots: tuple[int, int] | None = None  # [first, last + 1) slot of any row's system key
-        self.bias_keys: torch.Tensor | None = None  # [J, B, slots] additive logits per term
+        self.bias_keys: torch.Tensor | None = None  # [J, B, slots] additive logits per head-selection slot
         self.kv_len = 0
         self.records: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
         # Static layout (a static KV cache, see `static_layout`): every call covers all key slots,
-        # and pi goes to `trace_buf` [L, B, H, calls] at the index held in `step`.
+        # every layer runs the steered step (`universal`), and pi goes to `trace_buf` [L, B, H,
+        # slots] at the index held in `step`.
         self.static = False
+        self.universal = False
         self.trace_buf: torch.Tensor | None = None
         self.step: torch.Tensor | None = None
         self.first: torch.Tensor | None = None  # [B] each row's first real slot (its padding)
         self.last_slot: torch.Tensor | None = None  # [] the slot of the current call's last query
-        self.system_end: int | None = None  # system-only calls cover slots [0, system_end)
+        self.system_blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # decode block mask of system keys
         self.prompt_len = 0
         self.prefilling = True  # the current forward pass is the call's first (the prefill)
         self._calls = 0
@@ -99,7 +126,7 @@ class AttentionState:
         self._copies: dict[tuple[str, torch.device], torch.Tensor] = {}
 
     def on(self, name: str, device: torch.device) -> torch.Tensor | None:
-        """The state tensor `name` (system_keys, bias_keys, split_mask, bias_mask) on `device`."""
+        """The state tensor `name` (system_keys, bias_keys, bias_heads, split_table) on `device`."""
         tensor = getattr(self, name)
         if tensor is None or tensor.device == device:
             return tensor
@@ -139,10 +166,10 @@ class AttentionState:
         self.system_keys = system.to(self.device)
         slots = torch.nonzero(system.any(dim=0)).flatten().tolist()
         self.system_slots = (slots[0], slots[-1] + 1) if slots else None
-        if self.bias_mask is not None:
-            keys = torch.zeros(self.bias_mask.shape[0], B, max_len)
+        if self.bias_heads is not None:
+            keys = torch.zeros(self.bias_heads.shape[0], B, max_len)
             for b, (config, spans) in enumerate(zip(self.rows, self.spans, strict=True)):
-                for j, term in enumerate(config.biases):
+                for slot, term in zip(self._slot_of[b], config.biases, strict=True):
                     if not spans.get(term.span):
                         continue  # nothing to emphasise or boost in this row
                     target = torch.zeros(max_len, dtype=torch.bool)
@@ -152,7 +179,7 @@ class AttentionState:
                     if term.invert:
                         target[pads[b] : end] = ~target[pads[b] : end]
                     target[end:] = False
-                    keys[j, b] = target.float() * term.value
+                    keys[slot, b] += target.float() * term.value
             self.bias_keys = keys.to(self.device)
         self.kv_len = self.prompt_len = prompt_len
         self.records = [[] for _ in range(self.n_layers)]
@@ -172,29 +199,27 @@ class AttentionState:
         self.system_keys = self.system_keys[index]
         if self.bias_keys is not None:
             self.bias_keys = self.bias_keys[:, index]
-            self.bias_mask = self.bias_mask[:, index]
+            self.bias_heads = self.bias_heads[:, index]
         self.mask_memo, self._copies = {}, {}
 
-    def static_layout(self, n_calls: int, arena: dict[str, torch.Tensor] | None = None,
-                      system_end: int | None = None) -> None:
+    def static_layout(self, arena: dict[str, torch.Tensor] | None = None, bias_slots: int = 2) -> None:
         """Switch to a static KV cache's layout (after `on_layout`, whose `max_len` is the cache length).
 
         Why: a compiled or CUDA-graph-captured decode step is specialised on every Python value
-        it reads (dynamo guards on them: a changing int or list means a recompile per step), and
-        a captured graph reads tensors at fixed addresses. So here nothing the engine reads
-        changes between steps: each call covers all key slots (`kv_len` is the cache length,
-        lo = 0, hi = K; unfilled slots are hidden by the causal mask), the split-softmax strength
-        is a tensor, and pi is written in place into a preallocated buffer at the step index
-        held in a tensor (a list append would change per step, and a graph's outputs are
-        overwritten by its next replay). `arena` holds the tensors of earlier calls of the same
+        it reads (dynamo guards on them: a changing int or list means a recompile), and a
+        captured graph reads tensors at fixed addresses. So a decode step here reads tensors
+        only, of shapes that do not depend on the steer, and does the same work whatever it is
+        (`universal`: every layer runs `attention.decode.steered_step`): key biases as
+        `bias_slots` head-selection slots (zeros where unused), split-softmax as a strength per
+        (layer, head) (1: unchanged), pi written in place into `trace_buf` [L, B, H, slots] at the
+        step index held in `step` (a list append would change per step, and a graph's outputs are
+        overwritten by its next replay), the query's slot in `last_slot`, the rows' first slots in
+        `first` and each row's system-key blocks in `system_blocks` (the decode block mask of the
+        system-only pass). A new strength, span, head set or kind is new values in the same
+        tensors: nothing compiles again. `arena` holds the tensors of earlier calls of the same
         shapes: the values are copied into them, so a captured graph sees this call's state.
-        `n_calls` bounds the forward passes of the call (prefill + decode steps). `system_end`:
-        the system-only call of pi and split-softmax covers slots [0, system_end) (default: all);
-        the caller rounds it up to a few buckets, since each value compiles its own graph.
-        The query's slot is a tensor too (`last_slot`, with the rows' first slots in `first`):
-        the FlexAttention path masks a decode step with them instead of a block mask per step.
         """
-        self.static = True
+        self.static = self.universal = True
         arena = {} if arena is None else arena
 
         def put(name: str, value: torch.Tensor) -> torch.Tensor:
@@ -206,21 +231,21 @@ class AttentionState:
                 held.copy_(value)
             return held
 
-        for name in ("system_keys", "bias_keys", "split_mask", "bias_mask"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, put(name, value))
-        if self.split_mask is not None:
-            self.split_k = put("split_k", torch.tensor(float(self.split_k), device=self.device))
+        B, K = self.system_keys.shape
+        J = max(bias_slots, 0 if self.bias_heads is None else self.bias_heads.shape[0])
+        keys = torch.zeros(J, B, K, device=self.device)
+        heads = torch.zeros(J, B, self.n_layers, self.n_heads, device=self.device)
+        if self.bias_heads is not None:
+            keys[: self.bias_keys.shape[0]] = self.bias_keys
+            heads[: self.bias_heads.shape[0]] = self.bias_heads
+        self.bias_keys, self.bias_heads = put("bias_keys", keys), put("bias_heads", heads)
+        self.system_keys = put("system_keys", self.system_keys)
+        self.split_table = put("split_table", self.split_table)
+        self.system_blocks = tuple(put(f"system_blocks.{i}", t) for i, t in enumerate(system_blocks(self.system_keys)))
         self.step = put("step", torch.zeros(1, dtype=torch.long, device=self.device))
         self.first = put("first", torch.tensor(self.pads, dtype=torch.long, device=self.device))
         self.last_slot = put("last_slot", torch.zeros((), dtype=torch.long, device=self.device))
-        if self.system_slots is not None:
-            slots = self.system_keys.shape[1]
-            self.system_end = slots if system_end is None else min(max(system_end, self.system_slots[1]), slots)
-        if self.trace:
-            B = self.system_keys.shape[0]
-            self.trace_buf = put("trace", torch.zeros(self.n_layers, B, self.n_heads, n_calls, device=self.device))
+        self.trace_buf = put("trace", torch.zeros(self.n_layers, B, self.n_heads, K, device=self.device))
 
     def forward_kwargs(self, kv_len: int) -> dict:
         """Called by the decode loop before each forward pass: `kv_len` is the number of key slots."""
@@ -239,37 +264,34 @@ class AttentionState:
     def acts_on(self, layer: int) -> bool:
         return self._acts[layer]
 
-    def split_heads_for(self, layer: int, device: torch.device | None = None) -> torch.Tensor | None:
+    def split_strength(self, layer: int, device: torch.device | None = None) -> torch.Tensor | None:
+        """[H] split-softmax strength of each head of `layer` (1: unchanged), or None where no
+        head of the layer splits."""
         if not self._split_layers[layer]:
             return None
-        return self.on("split_mask", device or self.device)[layer]
+        return self.on("split_table", device or self.device)[layer]
 
     def system_range(self, lo: int, hi: int) -> tuple[int, int] | None:
         """[a, b) relative to a call whose keys are absolute slots [lo, hi): the slots that
         may hold system keys (any row's), or None when none of them is among these keys."""
         if self.system_slots is None:
             return None
-        if self.static:  # the same slice every step (the mask hides non-system keys)
-            return (0, min(self.system_end, hi) - lo)
         a, b = max(self.system_slots[0], lo), min(self.system_slots[1], hi)
         return (a - lo, b - lo) if a < b else None
 
     def layer_bias(self, layer: int, lo: int, hi: int, device: torch.device | None = None) -> torch.Tensor | None:
-        """[B, H, 1, K] additive logits for this layer's keys (the sum of the terms), or None."""
+        """[B, H, 1, K] additive logits for this layer's keys (the sum of the slots), or None."""
         if not self._bias_layers[layer]:
             return None
-        out = None
         device = device or self.device
-        for keys, heads in zip(self.on("bias_keys", device)[:, :, lo:hi], self.on("bias_mask", device)[:, :, layer],
-                               strict=True):
-            term = keys[:, None, None, :] * heads[:, :, None, None].to(keys.dtype)
-            out = term if out is None else out + term
-        return out
+        keys = self.on("bias_keys", device)[:, :, lo:hi]  # [J, B, K]
+        heads = self.on("bias_heads", device)[:, :, layer]  # [J, B, H]
+        return (keys[:, :, None, None, :] * heads[:, :, :, None, None]).sum(0)
 
     def record(self, layer: int, pi: torch.Tensor) -> None:
         """Keep pi [B, H, q]: all queries on the prefill if asked, else only the last."""
         if self.trace_buf is not None:  # static layout: in place, at the step index (see static_layout)
-            self.trace_buf[layer].index_copy_(-1, self.step, pi[..., -1:].float())
+            self.trace_buf[layer].index_copy_(-1, self.step, pi[..., -1:].to(self.trace_buf.dtype))
             if self.prefilling and self.config.trace_prefill:
                 self.records[layer].append(pi.float())
             return

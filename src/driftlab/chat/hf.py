@@ -41,6 +41,9 @@ from driftlab.chat.static_decode import (
     RECOMPILE_LIMIT,
     DecodeMode,
     StaticDecoder,
+    auto_decode,
+    batch_bucket,
+    bias_slots,
     cache_length,
     static_refusal,
 )
@@ -79,8 +82,8 @@ class HFChatBackend:
     ) -> None:
         """`decode` picks the decode loop (see driftlab.chat.static_decode): `dynamic` (a
         dynamic KV cache), `static` (a static cache, eager steps), `compiled` (a static cache
-        and torch.compile'd steps: CUDA graphs on a GPU) or `auto` (`dynamic` for now, on every
-        device). Where a static cache cannot serve the model, decoding stays dynamic, said once."""
+        and torch.compile'd steps: CUDA graphs on a GPU) or `auto` (`compiled` on CUDA, `dynamic`
+        elsewhere). Where a static cache cannot serve the model, decoding stays dynamic, said once."""
         _check_decode(decode)
         if attn_implementation is None:
             from driftlab.attention import ATTENTION_NAME, register
@@ -126,18 +129,19 @@ class HFChatBackend:
         # what that saves (benchmarks/generation.py).
         self.compact_rows = True
         self._static_refused: str | None = None  # why a static loop asked for was not taken
-        if decode in ("static", "compiled"):
+        wanted = auto_decode(self.device) if decode == "auto" else decode
+        if wanted in ("static", "compiled"):
             why = static_refusal(self.model, device_map=device_map, quantize=quantize)
             self._static_refused = why
             if why is None:
-                self._static = StaticDecoder(self.model, compiled=decode == "compiled")
-            else:
+                self._static = StaticDecoder(self.model, compiled=wanted == "compiled")
+            elif decode != "auto":  # auto takes the dynamic loop where the static one cannot run, quietly
                 self._fallback(f"--decode {decode} is not available for {name}: {why}; "
                                "it decodes with the dynamic cache instead.")
         loop = self.ran()["decode"]
         logger.info("%s decodes with the %s loop (--decode %s%s)", name, loop["loop"], decode,
-                    ": until benchmarks/gpu.py has measured the compiled loop on a GPU, auto is dynamic"
-                    if decode == "auto" else f": {loop['refused']}" if "refused" in loop else "")
+                    f": {wanted} on {self.device.type}, compiled on CUDA" if decode == "auto" and "refused" not in loop
+                    else f": {loop['refused']}" if "refused" in loop else "")
 
     @classmethod
     def from_model(
@@ -566,12 +570,13 @@ class HFChatBackend:
         if not static.compiled:
             return self._forward(ids, mask, positions, cache, state, forward=static.step())
         from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
-        from torch._dynamo.utils import counters
 
         calls = state._calls if state is not None else 0
-        graphs = counters["stats"]["unique_graphs"]
+        slots = 0 if state is None else state.bias_heads.shape[0]
+        key = (ids.shape[0], state is not None, slots)
         try:
-            return self._forward(ids, mask, positions, cache, state, forward=static.step()).clone()
+            return static.run(lambda: self._forward(ids, mask, positions, cache, state, forward=static.step()).clone(),
+                              key, lambda message: self._fallback(f"--decode compiled: {self.name}: {message}"))
         except (TorchDynamoException, FailOnRecompileLimitHit) as err:
             if state is not None:
                 state._calls = calls  # the failed pass did not run
@@ -586,8 +591,6 @@ class HFChatBackend:
             self._fallback(f"--decode compiled: {self.name}: {why}; it and the later steps run eagerly on the "
                            "static cache (the run's manifest records it under ran.agent.decode).")
             return self._forward(ids, mask, positions, cache, state, forward=static.step())
-        finally:
-            static.graphs += counters["stats"]["unique_graphs"] - graphs
 
     def ran(self) -> dict[str, Any]:
         """What decoded, known once the work is done (the run's manifest records it at completion,
@@ -764,27 +767,33 @@ class _Decoding:
         self.live, self.n_cond = list(range(B)), self.real
         self.n_fed = 0  # decode steps run: sampled[b][:n_fed] have their KV in the cache
         self.logits = backend._forward(self.ids[:, self.S :], self.mask, self.positions[:, self.S :], self.cache,
-                                       self.state)
+                                       self.state)[:B]
 
     def _layout(self, interventions: Sequence[Interventions]) -> None:
         """Pads, the attention state, the cache (from the prefix cache where a prompt starts as a
-        stored one), and the padded ids, mask and positions of the prompts."""
+        stored one), and the padded ids, mask and positions of the prompts.
+
+        A static cache decodes a batch bucket (`batch_bucket`): the rows past the real ones repeat
+        the last real row, their tokens and logits unused, so a batch of 3 or 4 runs one graph."""
         backend, sampling, prompts = self.backend, self.sampling, self.prompts
         B, T = len(prompts), max(len(p) for p in prompts)
         backend._check_context(T, sampling.max_new_tokens)
+        self.static = static = backend._static
+        self.inert = batch_bucket(B) - B if static is not None else 0
+
+        def rows(values: Sequence) -> list:  # the model's rows: the real ones, then the inert ones
+            return [*values, *[values[-1]] * self.inert]
+
         self.pads = pads = [T - len(p) for p in prompts]
         attention = [iv.attention() for iv in interventions]
-        # A static cache has `length` slots from the start: the state's key layout spans all of them.
-        self.static = static = backend._static
-        length = cache_length(T + sampling.max_new_tokens, backend.shape.max_context) if static is not None \
-            else T + sampling.max_new_tokens
-        cache = static.new_cache(B, length) if static is not None else None  # before its arena is used
-        self.state = state = backend._state(attention, self.spans, pads, T, length)
+        length = T + sampling.max_new_tokens
+        cache = None
+        if static is not None:  # a static cache has `length` slots from the start: the state's layout spans them all
+            cache = static.new_cache(B + self.inert, cache_length(length, backend.shape.max_context))
+            length = static.length
+        self.state = state = backend._state(rows(attention), rows(self.spans), rows(pads), T, length)
         if static is not None and state is not None:
-            # The trace buffer's length and the system-only call's key range are bucketed too: a
-            # shape that changed per call would recompile.
-            system_end = cache_length(state.system_slots[1], length) if state.system_slots else None
-            state.static_layout(cache_length(sampling.max_new_tokens), static.arena, system_end=system_end)
+            state.static_layout(static.arena, bias_slots(state.bias_heads.shape[0] if state.bias_heads is not None else 0))
         self.tags = [f"{iv.fingerprint()}|{sorted(sp.items())}" if iv.fingerprint() else ""
                      for iv, sp in zip(interventions, self.spans, strict=True)]
         # Under a prompt-scoped bias a generated token's KV differs from the same token's KV
@@ -795,18 +804,19 @@ class _Decoding:
         else:
             hits = [backend.prefix_cache.lookup(p, tag) for p, tag in zip(prompts, self.tags, strict=True)]
         self.S = min(pads[b] + min(hits[b][0], len(prompts[b]) - 1) for b in range(B))  # slots [0, S) are cached
-        self.cache = backend._cache_from_hits(hits, pads, self.S, cache)
-        ids = torch.full((B, T), backend.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, T), dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, pads[b] :] = torch.from_numpy(p)
-            mask[b, pads[b] :] = 1
+        self.cache = backend._cache_from_hits(rows(hits), rows(pads), self.S, cache)
+        ids = torch.full((B + self.inert, T), backend.pad_id, dtype=torch.long)
+        mask = torch.zeros((B + self.inert, T), dtype=torch.long)
+        for b, p in enumerate(rows(prompts)):
+            ids[b, T - len(p) :] = torch.from_numpy(p)
+            mask[b, T - len(p) :] = 1
         self.ids, mask = ids.to(backend.device), mask.to(backend.device)
         self.positions = (mask.cumsum(-1) - 1).clamp(min=0)
         if static is not None:
             # One mask for every step: the slots after the prompt are visible once filled (and
             # hidden by causality until then), as the dynamic loop's growing mask of ones says.
-            mask = torch.cat([mask, torch.ones((B, length - T), dtype=mask.dtype, device=backend.device)], dim=1)
+            mask = torch.cat([mask, torch.ones((B + self.inert, length - T), dtype=mask.dtype, device=backend.device)],
+                             dim=1)
         self.mask = mask
 
     @property
@@ -896,7 +906,9 @@ class _Decoding:
         """One forward pass of the sampled tokens (the static cache's compiled step, or the dynamic one)."""
         backend = self.backend
         if self.static is not None:
-            self.logits = backend._static_step(nxt[:, None], self.mask, self.positions, self.cache, self.state)
+            fed = torch.cat([nxt, nxt[-1:].expand(self.inert)]) if self.inert else nxt  # inert rows: any token
+            self.logits = backend._static_step(fed[:, None], self.mask, self.positions, self.cache,
+                                               self.state)[: len(nxt)]
         else:
             ones = torch.ones((len(self.live), 1), dtype=self.mask.dtype, device=backend.device)
             self.mask = torch.cat([self.mask, ones], dim=1)

@@ -1,51 +1,115 @@
 """Static-cache decoding for `HFChatBackend`: the pieces a CUDA-graph-ready decode step needs.
 
-Why: the dynamic-cache loop pays Python per layer and per token (a 7B batch-1 step costs
-26-29 ms on an H100 whose weight-bandwidth floor is 4.5 ms; transformers' own static cache +
-torch.compile does 9.8 ms). A decode step becomes capturable when every tensor it reads
-keeps its shape and address from step to step: transformers' `StaticCache` (sized to the
-prompt plus the new tokens, rounded up to a bucket so that few lengths compile) and the
-attention state laid out statically (`AttentionState.static_layout`). The step then runs
-through `torch.compile` (`mode="reduce-overhead"` on CUDA: CUDA graphs; inductor alone on a
-CPU). The prefill stays eager, as in transformers' `generate`.
+Why: the dynamic-cache loop pays Python per layer and per token (a 7B batch-1 step took 22-29 ms
+on an H100 whose weight-bandwidth floor is ~4.6 ms; the compiled loop took 7.7 ms: see
+docs/performance.md). A decode step becomes capturable when every tensor it reads keeps its
+shape and address from step to step: transformers' `StaticCache` and the attention state laid
+out statically (`AttentionState.static_layout`). The step then runs through `torch.compile`
+(`mode="reduce-overhead"` on CUDA: CUDA graphs; inductor alone on a CPU). The prefill stays
+eager, as in transformers' `generate`.
+
+The graph budget, per model and process: one plain graph and one steered graph per batch
+bucket (a batch is padded to a power of two with inert rows, `batch_bucket`), whatever the
+prompt lengths, steers, strengths, spans or head sets:
+* the cache length is a dynamic dimension (`dynamic=True`): a longer prompt gets a longer cache
+  (rounded up by `cache_length`; a shorter one reuses the cache in hand), not a new graph;
+* the steered step reads every knob from tensors (attention.decode): a new steer is new values;
+* key biases come in head-selection slots (`bias_slots`): two hold every kind and InstABoost +
+  PASTA + a bias composed; a steer with more distinct head selections per row takes 4 (or 8),
+  a graph of its own.
+A graph compiled past that budget is said once, naming the guard that failed, and recorded
+(`HFChatBackend.ran`, the manifest's `ran`).
 
 Decode modes (`HFChatBackend(decode=...)`, `--decode`):
 * `dynamic`: the dynamic-cache loop.
 * `static`: a static cache, eager steps (the same numbers as `compiled`, easy to debug).
 * `compiled`: a static cache and compiled steps.
-* `auto`: `dynamic` on every device for now: until the GPU benchmark (benchmarks/gpu.py)
-  has measured the compiled path against the dynamic one on real shapes, it is opt-in.
+* `auto`: `compiled` on CUDA (where the H100 measured it fastest), `dynamic` elsewhere (a CPU
+  gains little from compiling and pays its compile time on every new process).
+
+Compiled code persists between processes: inductor's caches live under driftlab's cache
+(`compile_cache_dir`, one directory per torch/transformers/driftlab versions; inductor keys each
+entry by the graph, which holds the model's shapes, dtype and device). `driftlab models warm`
+fills it ahead of a run; the log and the manifest say how long compiling took and whether the
+cache served.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, get_args
 
 import torch
 
 from driftlab.chat.spec import DecodeMode
 
+logger = logging.getLogger(__name__)
+
 DECODE_MODES: tuple[str, ...] = get_args(DecodeMode)
-# The most compiled variants (cache lengths x batch sizes x intervention layouts) kept per step
-# function (dynamo's default is 8). Dynamo counts them per code object, and the step's is
-# transformers' forward wrapper, shared by every model in the process. Past the limit a
-# fullgraph compile raises FailOnRecompileLimitHit: the backend then runs the later steps
-# eagerly on the static cache, said once and recorded (`HFChatBackend.ran`).
+# The most compiled variants kept per step function (dynamo's default is 8). Dynamo counts them
+# per code object, and the step's is transformers' forward wrapper, shared by every model in the
+# process. Past the limit a fullgraph compile raises FailOnRecompileLimitHit: the backend then
+# runs the later steps eagerly on the static cache, said once and recorded (`HFChatBackend.ran`).
 RECOMPILE_LIMIT = 64
-# torch.compile settings per device type; tests swap in a cheaper backend.
+# torch.compile settings per device type; tests swap in a cheaper backend. `dynamic=True`: the
+# cache length (and the batch) are symbolic, so a new prompt length compiles nothing.
 COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
-    "cuda": {"mode": "reduce-overhead", "fullgraph": True, "dynamic": False},
-    "cpu": {"fullgraph": True, "dynamic": False},
+    "cuda": {"mode": "reduce-overhead", "fullgraph": True, "dynamic": True},
+    "cpu": {"fullgraph": True, "dynamic": True},
 }
+BIAS_SLOTS = 2  # head-selection slots of key biases in a steered graph (see the module docstring)
+
+
+def auto_decode(device: torch.device) -> str:
+    """The loop `--decode auto` means on `device`."""
+    return "compiled" if device.type == "cuda" else "dynamic"
 
 
 def cache_length(n: int, limit: int | None = None) -> int:
-    """The static cache length for `n` slots: `n` rounded up to 1/8 of its power of two (at
-    least 64), so lengths share compiled graphs at a cost of at most 12.5% more key slots;
-    capped at the model's context window when that still holds `n`."""
-    grain = 1 << max(6, n.bit_length() - 4)
-    length = -(-n // grain) * grain
+    """The static cache length for `n` slots: `n` rounded up to 1/8 of its power of two, in
+    whole key blocks of flex (128) and at least two of them (dynamo specialises a dimension of
+    size 1, and the decode block masks have one entry per key block), so a cache serves a few
+    calls of growing prompts before a longer one is needed, at a cost of at most 12.5% more key
+    slots for long ones; capped at the model's context window when that still holds `n`."""
+    grain = 1 << max(7, n.bit_length() - 4)
+    length = max(-(-n // grain) * grain, 256)
     return min(length, limit) if limit and limit >= n else length
+
+
+def batch_bucket(n: int) -> int:
+    """The batch a static decode runs: `n` rounded up to a power of two (inert rows fill it)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def bias_slots(n: int) -> int:
+    """Key-bias slots of a steered graph for `n` distinct head selections in a row: BIAS_SLOTS,
+    or the power of two above it that holds them."""
+    return max(BIAS_SLOTS, batch_bucket(n))
+
+
+def compile_cache_dir() -> Path:
+    """Where compiled code persists: driftlab's cache, one directory per versions of torch,
+    transformers and driftlab (inductor's own keys tell graphs, shapes, dtypes and devices apart)."""
+    from importlib.metadata import version
+
+    from driftlab.assets.store import cache_root
+
+    tag = "-".join(f"{name}{version(name)}" for name in ("torch", "transformers", "driftlab"))
+    return cache_root() / "compile" / tag.replace("+", "_")
+
+
+def use_compile_cache() -> Path:
+    """Point inductor's caches at `compile_cache_dir` (unless the user set TORCHINDUCTOR_CACHE_DIR)."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        path = compile_cache_dir()
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
 def static_refusal(model: Any, *, device_map: str | None, quantize: str | None) -> str | None:
@@ -68,13 +132,28 @@ def static_refusal(model: Any, *, device_map: str | None, quantize: str | None) 
     return None
 
 
+def failed_guard(reasons: list[str]) -> str:
+    """The guard that made dynamo compile again, from its recompile reasons (one line per cached
+    graph it tried, e.g. "0/1: tensor 'kwargs['past_key_values'].layers[0].keys' size mismatch at
+    index 2. expected 256, actual 384"): a tensor's shape or dtype first, since graphs of other
+    models and of the plain step share the code object and fail on their own object or kwargs."""
+    lines = [line.strip().lstrip("- ").strip() for reason in reasons for line in reason.splitlines()]
+    lines = [line for line in lines if re.match(r"\d+/\d+: ", line)]
+    for wanted in ("mismatch", "kwargs['driftlab']", ""):
+        for line in lines:
+            if wanted in line and "len(kwargs)" not in line and "check_obj_id" not in line:
+                return line.split(": ", 1)[1].split("  #")[0].strip()
+    return lines[0].split(": ", 1)[1] if lines else "a guard dynamo did not report"
+
+
 class StaticDecoder:
     """One backend's static-decode resources, kept between calls: the compiled step, the
-    static cache and the attention state's static tensors (`arena`) of the last shape used.
+    static cache and the attention state's static tensors (`arena`), and what compiling cost.
 
-    Reusing them keeps the addresses a captured CUDA graph reads, so a call of the same
-    batch size and cache length replays the graphs of the last one instead of recording new
-    ones; a new shape replaces them (one cache in memory at a time).
+    Reusing them keeps the addresses a captured CUDA graph reads, so a call of the same batch
+    bucket whose prompt fits the cache in hand replays the graphs of the last one instead of
+    recording new ones; a new batch bucket or a longer prompt replaces them (one cache in
+    memory at a time).
     """
 
     def __init__(self, model: Any, compiled: bool) -> None:
@@ -85,35 +164,54 @@ class StaticDecoder:
         self.cache: Any = None
         self.arena: dict[str, torch.Tensor] = {}
         # What ran, for the run's manifest and the benchmark's labels (`ran`): graphs dynamo
-        # compiled for the step, the (batch, cache length) shapes decoded, and why compiled
-        # steps stopped (None: they did not).
+        # compiled for the step, per graph key (batch bucket, steered, bias slots); the (batch,
+        # cache length) shapes decoded; compile seconds and inductor cache hits / misses; the
+        # guards that failed past the budget; and why compiled steps stopped (None: they did not).
         self.graphs = 0
+        self.per_key: dict[tuple[int, bool, int], int] = {}
         self.shapes: set[tuple[int, int]] = set()
+        self.compile_s = 0.0
+        self.cache_hits = self.cache_misses = 0
+        self.over_budget: list[str] = []
         self.eager_reason: str | None = None
 
     def ran(self) -> dict[str, Any]:
-        """The loop that decoded: `compiled` (with the graphs compiled), or `static` (eager steps;
-        `eager_after` says why compiled steps stopped, where they were asked for)."""
+        """The loop that decoded: `compiled` (with the graphs compiled, their keys, compile
+        seconds and cache use), or `static` (eager steps; `eager_after` says why compiled steps
+        stopped, where they were asked for)."""
         facts: dict[str, Any] = {"loop": "compiled" if self.compiled else "static", "shapes": len(self.shapes)}
         if self._step is not None or self.eager_reason:
             facts["graphs"] = self.graphs
+            facts["graph_keys"] = [{"batch": b, "steered": s, "bias_slots": j, "graphs": n}
+                                   for (b, s, j), n in sorted(self.per_key.items())]
+            facts["compile_s"] = round(self.compile_s, 2)
+            facts["compile_cache"] = {"hits": self.cache_hits, "misses": self.cache_misses}
+        if self.over_budget:
+            facts["over_budget"] = list(self.over_budget)
         if self.eager_reason:
             facts["eager_after"] = self.eager_reason
         return facts
 
     def new_cache(self, batch: int, length: int) -> Any:
-        """An empty `StaticCache` of `length` slots for `batch` rows (the last one, reset, if the same)."""
+        """An empty `StaticCache` of at least `length` slots for `batch` rows: the one in hand,
+        reset, when it has the rows and slots enough; else a new one of `cache_length` slots."""
         from transformers import StaticCache
 
-        key = (batch, length)
-        self.shapes.add(key)
-        if self._key == key and self.cache is not None:
+        if self.cache is not None and self._key[0] == batch and self._key[1] >= length:
+            self.shapes.add(self._key)
             self.cache.reset()
             return self.cache
+        key = (batch, length)
+        self.shapes.add(key)
         self._key, self.arena = key, {}
         self.cache = None  # free the old cache before allocating the new one
         self.cache = StaticCache(config=self.model.config, max_cache_len=length)
         return self.cache
+
+    @property
+    def length(self) -> int:
+        """The key slots of the cache in hand."""
+        return self._key[1]
 
     def step(self) -> Any:
         """The forward function of one decode step: `model.forward`, compiled in `compiled` mode."""
@@ -123,6 +221,51 @@ class StaticDecoder:
             limit = getattr(torch._dynamo.config, "recompile_limit", None)
             if limit is not None and limit < RECOMPILE_LIMIT:
                 torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+            use_compile_cache()
             options = COMPILE_OPTIONS.get(self.model.device.type, COMPILE_OPTIONS["cpu"])
             self._step = torch.compile(self.model.forward, **options)
         return self._step
+
+    def run(self, forward: Callable[[], torch.Tensor], key: tuple[int, bool, int],
+            say: Callable[[str], None]) -> torch.Tensor:
+        """Run one compiled step (`forward`), counting what it compiled against the budget:
+        `key` is the step's graph key (batch bucket, steered, bias slots). A graph past one per
+        key is said once through `say`, naming the guard that failed, and kept in `over_budget`."""
+        from torch._dynamo.utils import counters, guard_failures
+
+        graphs = counters["stats"]["unique_graphs"]
+        hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+        failed = {code: len(reasons) for code, reasons in guard_failures.items()}
+        start = time.perf_counter()
+        try:
+            return forward()
+        finally:
+            new = counters["stats"]["unique_graphs"] - graphs
+            if new:
+                seconds = time.perf_counter() - start
+                self._compiled(key, new, seconds, counters["inductor"]["fxgraph_cache_hit"] - hits,
+                               counters["inductor"]["fxgraph_cache_miss"] - misses)
+                if self.per_key[key] > 1:
+                    reasons = [r for code, rs in guard_failures.items() for r in rs[failed.get(code, 0):]]
+                    self._over_budget(key, reasons, say)
+
+    def _compiled(self, key: tuple[int, bool, int], new: int, seconds: float, hits: int, misses: int) -> None:
+        self.graphs += new
+        self.per_key[key] = self.per_key.get(key, 0) + new
+        self.compile_s += seconds
+        self.cache_hits += hits
+        self.cache_misses += misses
+        batch, steered, slots = key
+        served = "served by the compile cache" if hits and not misses else \
+            f"compile cache: {hits} hits, {misses} misses"
+        logger.info("compiled the %s decode step for batch %d%s in %.1f s (%s)", "steered" if steered else "plain",
+                    batch, f", {slots} bias slots" if steered else "", seconds, served)
+
+    def _over_budget(self, key: tuple[int, bool, int], reasons: list[str], say: Callable[[str], None]) -> None:
+        guard = failed_guard(reasons)
+        batch, steered, slots = key
+        self.over_budget.append(f"batch {batch} {'steered' if steered else 'plain'}: {guard}")
+        if len(self.over_budget) == 1:
+            say(f"the {'steered' if steered else 'plain'} decode step for batch {batch} compiled again, past the "
+                f"budget of one graph per batch size and kind, because {guard} (recorded under ran.decode.over_budget; "
+                "said once).")

@@ -1,0 +1,95 @@
+"""The steered decode step of a static layout: every knob is data, one graph for every steer.
+
+Why: a decode step compiled (and on a GPU captured in a CUDA graph) is specialised on every
+Python value it reads, so a step that branched on which layers act, whether pi is traced, how
+many bias terms there are or where the system prompt ends compiled a new graph for each steer,
+strength and prompt. This step branches on nothing a steer sets. Every layer, whatever the
+steer:
+
+* attends over all filled keys with the key bias of the state's tables as a score term
+  (`bias_keys` [J, B, K] times `bias_heads` [J, B, L, H]: zero where no term acts);
+* attends over the system keys only (a block mask of each row's system blocks on flex);
+* takes pi = exp(LSE_sys - LSE_all), writes it into the trace buffer at the step index, and
+  applies split-softmax with the layer's per-head strength (k = 1 leaves a head's output as it
+  is, bit for bit).
+
+So a new strength, span, head set or intervention kind is new values in the same tensors, and
+the compiled step runs on without compiling. The key pattern (causal, left padding) is masked
+from the rows' first slots and the query's slot, both tensors; on FlexAttention the block masks
+list only the filled key blocks (their count is computed from the slot tensor inside the step),
+so the decode kernel splits its work over the filled keys and never reads unfilled slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from driftlab.attention.kernels import attend_sdpa, flash_ok, split_softmax, system_share
+from driftlab.attention.state import DECODE_BLOCK, AttentionState
+
+
+def steered_step(state: AttentionState, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 scale: float, kernel: str) -> torch.Tensor:
+    """One query per row ([B, H, 1, d]) against the static cache's keys ([B, Hkv, K, d]): the
+    layer's output [B, H, 1, dv], steered by the state's tables."""
+    if kernel == "flex":
+        out, o_sys, pi, rest = _flex(state, layer, query, key, value, scale)
+    else:
+        out, o_sys, pi, rest = _sdpa(state, layer, query, key, value, scale)
+    out = split_softmax(out, o_sys, pi, rest, state.split_table[layer])
+    state.trace_buf[layer].index_copy_(-1, state.step, pi[..., 0].to(state.trace_buf.dtype))
+    if state.prefilling and state.config.trace_prefill:  # an eager prefill of one query (the rest was cached)
+        state.records[layer].append(pi[..., 0].float())
+    return out
+
+
+def _visible(state: AttentionState, K: int, device: torch.device) -> torch.Tensor:
+    """[B, K] keys the query may see: from its row's first slot to its own slot."""
+    pos = torch.arange(K, device=device)
+    return (pos[None] >= state.first[:, None]) & (pos[None] <= state.last_slot)
+
+
+def _sdpa(state, layer, query, key, value, scale):
+    """The SDPA kernel family: two calls over every slot, the bias as a [B, H, 1, K] float mask
+    and hidden keys at the dtype's minimum. pi from the calls' LSEs where PyTorch's CPU flash
+    kernel reports them, else from indicator channels appended to V (1 on system keys, 1 on the
+    others: each mass with full relative precision)."""
+    B, H = query.shape[:2]
+    K, dtype, dv = key.shape[2], query.dtype, value.shape[-1]
+    neg = torch.finfo(dtype).min
+    bias = (state.bias_keys[:, :, None, None, :] * state.bias_heads[:, :, layer, :, None, None]).sum(0)
+    visible = _visible(state, K, query.device)[:, None, None, :]
+    n_rep = H // key.shape[1]
+    mask = torch.where(visible, bias, neg).to(dtype)
+    sys_mask = torch.where(visible & state.system_keys[:, None, None, :], bias, neg).to(dtype)
+    if flash_ok(query, key, value):
+        out, lse_all = attend_sdpa(query, key, value, mask, scale, n_rep, lse=True)
+        o_sys, lse_sys = attend_sdpa(query, key, value, sys_mask, scale, n_rep, lse=True)
+        return out, o_sys, *system_share(lse_all, lse_sys)
+    n_extra = 2 + (-(dv + 2)) % 8  # zero channels pad V to a multiple of 8, which fused GPU kernels need
+    ind = torch.zeros((B, K, n_extra), dtype=value.dtype, device=value.device)
+    ind[..., 0] = state.system_keys.to(value.dtype)
+    ind[..., 1] = (~state.system_keys).to(value.dtype)
+    ind = ind[:, None].expand(B, value.shape[1], K, n_extra)
+    o_ext, _ = attend_sdpa(query, key, torch.cat([value, ind], dim=-1), mask, scale, n_rep)
+    mass = o_ext[..., dv : dv + 2].float().clamp(0.0, 1.0)
+    o_sys, _ = attend_sdpa(query, key, value, sys_mask, scale, n_rep)
+    return o_ext[..., :dv], o_sys, mass[..., :1], mass[..., 1:]
+
+
+def _flex(state, layer, query, key, value, scale):
+    """FlexAttention: the bias in the score_mod, the key pattern in block masks built from tensors."""
+    from driftlab.attention import flex
+
+    B, K = query.shape[0], key.shape[2]
+    group = flex.fold(query, key.shape[1])
+    n = -(-K // DECODE_BLOCK)
+    filled = torch.div(state.last_slot, DECODE_BLOCK, rounding_mode="floor").to(torch.int32) + 1
+    every = torch.arange(n, dtype=torch.int32, device=query.device).view(1, 1, 1, n).expand(B, 1, 1, n)
+    mods = flex.DecodeMods(state.first, state.last_slot, state.bias_keys, state.bias_heads[:, :, layer], group)
+    full = flex.decode_block_mask(filled.view(1, 1, 1).expand(B, 1, 1), every, mods.visible, K, group)
+    sys_blocks, sys_order = state.system_blocks
+    sys_mask = flex.decode_block_mask(sys_blocks, sys_order, mods.visible_system(state.system_keys), K, group)
+    out, lse_all = flex.attend_decode(query, key, value, full, mods, scale)
+    o_sys, lse_sys = flex.attend_decode(query, key, value, sys_mask, mods, scale)
+    return out, o_sys, *system_share(lse_all, lse_sys)

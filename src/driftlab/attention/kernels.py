@@ -1,0 +1,99 @@
+"""The attention math the engine's paths share: an SDPA call that reports LSEs, pi from two
+calls' LSEs, and split-softmax from the two calls' outputs.
+
+Why here: the engine (attention/engine.py: prefill, dynamic decode) and the steered decode
+step of a static layout (attention/decode.py) compute the same things; one copy each keeps
+them the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# PyTorch's fused CPU attention also returns each query's log-sum-exp. The public SDPA hides
+# it, and extra V channels (dv != d) push CPU SDPA onto its math path, which materialises
+# the weights and is 2-10x slower; so on CPU we call the kernel itself.
+CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def flash_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Can PyTorch's fused CPU kernel (which reports log-sum-exps) run this call?"""
+    return (CPU_FLASH is not None and query.device.type == "cpu" and query.dtype in _CPU_FLASH_DTYPES
+            and key.dtype == query.dtype and query.shape[-1] == value.shape[-1])
+
+
+def attend_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    n_rep: int,
+    *,
+    causal: bool = False,
+    lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """SDPA over grouped-query heads, without copying K/V when decoding one token.
+
+    query [B, H, q, d]; key/value [B, Hkv, k, dv]; mask broadcastable to [B, H, q, k]
+    (bool: True = attend, or float additive; a float mask of the query dtype with `lse`).
+    Returns ([B, H, q, dv], and with `lse` the float32 log-sum-exp of the logits [B, H, q]).
+    """
+    B, H, q, d = query.shape
+    packed = n_rep > 1 and q == 1 and not causal  # packed heads are queries: a causal flag would mask them
+    if packed:
+        # The n_rep query heads sharing a KV head become n_rep queries of that head.
+        query = query.reshape(B, H // n_rep, n_rep, d)
+        if mask is not None and mask.dim() == 4 and mask.shape[1] == H:
+            mask = mask.reshape(B, H // n_rep, n_rep, mask.shape[-1])
+    elif n_rep > 1:
+        key = key.repeat_interleave(n_rep, dim=1)
+        value = value.repeat_interleave(n_rep, dim=1)
+    if lse:
+        out, log_sum = CPU_FLASH(query, key, value, 0.0, causal, attn_mask=mask, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scale)
+        log_sum = None
+    if packed:
+        out = out.reshape(B, H, 1, out.shape[-1])
+        log_sum = log_sum.reshape(B, H, 1) if log_sum is not None else None
+    return out, log_sum
+
+
+def system_share(lse_all: torch.Tensor, lse_sys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pi, 1 - pi), each [B, H, q, 1] float32, from the all-keys and system-only LSEs.
+
+    Both LSEs come from fp32 accumulators; 1 - pi is computed directly (expm1), so it keeps full
+    precision where pi is close to 1. A query that sees no system key has LSE_sys = -inf (pi = 0,
+    rest = 1); a query that sees no key at all (left padding) also has LSE_all = -inf: -inf - -inf
+    would be NaN.
+    """
+    seen = torch.isfinite(lse_sys)
+    delta = torch.where(seen, (lse_sys - lse_all).clamp(max=0.0), torch.full_like(lse_sys, float("-inf")))
+    delta = delta[..., None]
+    return delta.exp(), -torch.expm1(delta)
+
+
+def split_softmax(out: torch.Tensor, o_sys: torch.Tensor, pi: torch.Tensor, rest: torch.Tensor,
+                  k: torch.Tensor) -> torch.Tensor:
+    """Reweight attention so the system keys get pi^k of the mass, exactly, in O(T) memory.
+
+    O = pi O_sys + (1 - pi) O_rest, so pi^k O_sys + (1 - pi^k) O_rest
+      = pi^k O_sys + w (O - pi O_sys) with w = (1 - pi^k) / (1 - pi).
+    `k` is the strength per head ([H], or [B, H]); a head with k = 1 keeps `out` bit for bit.
+    """
+    k = k.to(torch.float32)
+    k = k[None, :, None, None] if k.dim() == 1 else k[:, :, None, None]
+    pk = pi.pow(k)
+    # w = (1 - (1 - r)^k) / r with r = 1 - pi measured directly; where no rest key is
+    # visible (queries inside the system span) r = 0 and the rest term vanishes anyway.
+    # k = 0 gives (1 - 1) / r = 0, where the formula would give 0 * log(0) = NaN at r = 1: masked,
+    # not branched on, since k is a tensor read by a compiled decode step.
+    w = torch.where((rest > 0) & (k != 0), -torch.expm1(k * torch.log1p(-rest)) / rest.clamp_min(1e-30),
+                    torch.zeros_like(rest))
+    o32, s32 = out.float(), o_sys.float()
+    new = pk * s32 + w * (o32 - pi * s32)
+    new = torch.where(pi > 0, new, o32)  # no system key visible: unchanged (o_sys is garbage there)
+    return torch.where(k != 1, new.to(out.dtype), out)

@@ -1,0 +1,186 @@
+"""Every knob is data: a compiled decode compiles one graph per (batch bucket, plain | steered),
+whatever the steer, its strength, spans or head sets, and however long the prompts grow.
+
+A scripted mini self-chat on a tiny Llama and a tiny model whose query-head group (7) is not a
+power of two, decoded by the compiled static loop on the FlexAttention path (CUDA's kernel;
+dynamo with the aot_eager backend on this CPU): warm-up compiles the plain and one steered graph
+per batch bucket, then under `torch.compiler.set_stance("fail_on_recompile")` (any compile is an
+error) new strengths, spans, head sets, every intervention kind, CFG rows, SPR and longer prompts
+run at batch 1, 3 and 8 with the same greedy tokens and pi as the dynamic loop on the SDPA path.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from devices import backend_device, tol
+from driftlab.chat import ChatRequest
+from driftlab.chat.base import Sampling
+from driftlab.chat.hf import HFChatBackend
+from driftlab.steering.interventions import Interventions
+from tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+SYSTEMS = ["You are a pirate. Always talk like a pirate.", "Answer in French, in one sentence.",
+           "You are a careful science journalist who loves tennis.", "Never say the word blue."]
+EXCHANGES = [("Hello, how are you today?", "Arr, fine as a calm sea."),
+             ("Tell me about your ship and its crew.", "She be fast, and the crew be loyal."),
+             ("Where do you sail next, and why?", "To the islands in the south, for the gold.")]
+QUESTION = "What should I do in London? *Answer as a list.*"
+GREEDY = Sampling(greedy=True, max_new_tokens=6, ignore_eos=True)
+WARM = ["split-softmax:k=0.5", "trace"]
+# Steers the warm-up never saw: each must run on the warmed graphs without compiling.
+NEW = {
+    "strength": ["split-softmax:k=0.2", "trace"],
+    "head set": ["split-softmax:k=0.7,heads=0.1+2", "trace"],
+    "instaboost": ["instaboost:m=7"],
+    "bias on the marked span, inverted": ["bias:value=-1.5,span=marked,invert=true,heads=1"],
+    "pasta": ["pasta:heads=0.0+2.1,alpha=0.05"],
+    "composed": ["split-softmax:k=0.6", "instaboost:m=3", "pasta:heads=1.1,alpha=0.1", "trace"],
+    "cfg": ["cfg:alpha=1.5", "split-softmax:k=0.8"],
+    "spr": ["spr:p=1", "instaboost:m=2", "trace"],
+}
+
+
+def _dialogs(n: int, rounds: int) -> list[list[dict]]:
+    """n conversations of `rounds` exchanges then the question: prompts grow with `rounds`."""
+    out = []
+    for i in range(n):
+        conv = [{"role": "system", "content": SYSTEMS[i % len(SYSTEMS)]}]
+        for user, agent in EXCHANGES[:rounds]:
+            conv += [{"role": "user", "content": user}, {"role": "assistant", "content": agent}]
+        out.append(conv + [{"role": "user", "content": QUESTION if i % 2 == 0 else QUESTION.lower()}])
+    return out
+
+
+@contextmanager
+def _kernel(name: str):
+    from driftlab.attention import engine
+
+    old = os.environ.get(engine.KERNEL_ENV)
+    os.environ[engine.KERNEL_ENV] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(engine.KERNEL_ENV)
+        else:
+            os.environ[engine.KERNEL_ENV] = old
+
+
+@pytest.fixture(autouse=True)
+def _cheap_compile_and_strict_flex(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dynamo with aot_eager (no code generation: seconds per graph here), the production
+    options otherwise; and a call the flex path hands back to SDPA is an error."""
+    import driftlab.chat.static_decode as sd
+    from driftlab.attention import engine
+
+    monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {**sd.COMPILE_OPTIONS["cpu"], "backend": "aot_eager"})
+
+    def declined(reason: str) -> None:
+        raise AssertionError(f"the flex path fell back to SDPA: {reason}")
+
+    monkeypatch.setattr(engine, "_flex_declined", declined)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2-gqa7"])
+def pair(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[HFChatBackend, HFChatBackend]:
+    """(the compiled static loop, the dynamic loop) of one tiny model."""
+    path = make_tiny_model(request.param, tmp_path_factory.mktemp("budget") / request.param)
+
+    def make(decode: str) -> HFChatBackend:
+        return HFChatBackend(str(path), dtype="float32", device=backend_device(), prefix_cache_bytes=0, decode=decode)
+
+    return make("compiled"), make("dynamic")
+
+
+def _generate(backend: HFChatBackend, convs, specs: list[str], kernel: str):
+    with _kernel(kernel):
+        return backend.generate(ChatRequest(convs, GREEDY, interventions=Interventions.parse(specs), logprobs=4))
+
+
+def _logprobs(replies) -> np.ndarray:
+    """[rows, steps, 5]: each generated token's log-probability and its 4 best alternatives'."""
+    return np.array([[[t.logprob, *(lp for _, lp in t.top)] for t in r.logprobs] for r in replies])
+
+
+def _assert_same(ref, got, what: str) -> None:
+    """The same greedy tokens, log-probabilities (the step's whole output, numerically) and pi."""
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref], what
+    np.testing.assert_allclose(_logprobs(got), _logprobs(ref), atol=tol(1e-4), rtol=0, err_msg=what)
+    for a, b in zip(ref, got, strict=True):
+        assert (a.trace is None) == (b.trace is None), what
+        if a.trace is not None:
+            np.testing.assert_allclose(b.trace.decode, a.trace.decode, atol=tol(1e-5), rtol=0, err_msg=what)
+
+
+def test_every_steer_runs_on_the_warmed_graphs(pair) -> None:
+    compiled, dynamic = pair
+    # Warm-up: a plain and a steered call per batch bucket (CFG's twins make batch 1 a batch of 2).
+    for n in (1, 2, 3, 8):
+        for specs in ([], WARM):
+            _generate(compiled, _dialogs(n, 1), specs, "flex")
+    warm = compiled.ran()["decode"]
+    assert warm["loop"] == "compiled" and "over_budget" not in warm, warm
+    assert {(k["batch"], k["steered"]) for k in warm["graph_keys"]} <= {(b, s) for b in (1, 2, 4, 8)
+                                                                          for s in (False, True)}
+    checked = 0
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for rounds in (1, 3):  # longer prompts: longer caches, the same graphs
+            for n in (1, 3, 8):
+                for name, specs in NEW.items():
+                    if name == "cfg" and n == 8:
+                        continue  # 16 rows: a batch bucket the warm-up did not compile
+                    convs = _dialogs(n, rounds)
+                    what = f"{name} at batch {n}, {rounds} rounds"
+                    ref = _generate(dynamic, convs, specs, "sdpa")
+                    plain = _logprobs(_generate(dynamic, convs, [], "sdpa"))
+                    assert np.abs(_logprobs(ref) - plain).max() > 1e-3, what  # the steer acts: the test can fail
+                    _assert_same(ref, _generate(compiled, convs, specs, "flex"), what)
+                    checked += 1
+    ran = compiled.ran()["decode"]
+    assert ran["graphs"] == warm["graphs"] and ran["graph_keys"] == warm["graph_keys"], (warm, ran)
+    assert checked == 2 * 3 * len(NEW) - 2
+
+
+def test_a_graph_past_the_budget_is_said_once_naming_the_guard(tmp_path: Path, monkeypatch, capsys) -> None:
+    """With the cache length static (dynamic=False: what the budget rests on, taken away), a
+    longer prompt compiles a second graph of one key: said once, with the guard that failed, and
+    recorded; the tokens stay those of the dynamic loop."""
+    import driftlab.chat.static_decode as sd
+
+    monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {"backend": "aot_eager", "fullgraph": True, "dynamic": False})
+    path = make_tiny_model("llama", tmp_path / "llama")
+    compiled = HFChatBackend(str(path), dtype="float32", device=backend_device(), prefix_cache_bytes=0,
+                             decode="compiled")
+    dynamic = HFChatBackend(str(path), dtype="float32", device=backend_device(), prefix_cache_bytes=0,
+                            decode="dynamic")
+    capsys.readouterr()
+    long = [[*_dialogs(1, 3)[0][:-1]] + [{"role": "user", "content": " ".join([QUESTION] * 12)}]]
+    for convs in (_dialogs(2, 1), long * 2, _dialogs(2, 1), long * 2):
+        _assert_same(_generate(dynamic, convs, WARM, "sdpa"), _generate(compiled, convs, WARM, "flex"), "over budget")
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.count("past the budget") == 1 and "size mismatch" in err, err
+    ran = compiled.ran()["decode"]
+    assert ran["graphs"] == 2 and ran["graph_keys"] == [{"batch": 2, "steered": True, "bias_slots": 2, "graphs": 2}]
+    assert len(ran["over_budget"]) == 1 and "batch 2 steered" in ran["over_budget"][0], ran
+
+
+def test_the_guard_named_is_the_shape_that_changed_not_another_graphs() -> None:
+    from driftlab.chat.static_decode import failed_guard
+
+    reasons = ["0/0: len(kwargs) == 6                                         # output = func(self, *args, **kwargs)\n"
+               "- 0/1: ___check_obj_id(L['self'], 1400)\n"
+               "- 0/2: tensor 'kwargs['past_key_values'].layers[0].keys' size mismatch at index 2. expected 256, "
+               "actual 384"]
+    assert failed_guard(reasons) == ("tensor 'kwargs['past_key_values'].layers[0].keys' size mismatch at index 2. "
+                                     "expected 256, actual 384")
+    assert failed_guard(["0/0: kwargs['driftlab'].prefilling == False  # x"]) == "kwargs['driftlab'].prefilling == False"
+    assert failed_guard([]) == "a guard dynamo did not report"
