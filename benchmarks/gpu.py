@@ -1,17 +1,20 @@
-"""The attention engine at real model shapes, with no weights: every mode's prefill, decode step and
-memory against plain decoding, stock SDPA, eager `output_attentions` and pastalib, decode against the
-memory-bandwidth floor, and batched self-chat throughput (issue 21, point 4).
+"""The attention engine at real model shapes, with no weights: every mode's prefill, decode step,
+compile time and memory against plain decoding and stock SDPA, decode against the memory-bandwidth
+floor, batched self-chat throughput, the paper's experiment at full scale (`--paper`), and every
+mode's numbers checked against an independent eager reference in float32. One H100 run of it judges
+every GPU target of the steering engine (the targets table; docs/performance.md says how to run it
+inside 10-minute commands).
 
 Models: randomly initialised from real configs, built directly on the device (a model's speed and
 memory do not depend on its weights' values): the Llama-2-7B and Qwen2.5-7B shapes (vocabulary
 49152, SmolLM2's, so its tokenizer and chat template serve), and on a CPU or with `--quick` a tiny
 Llama-family shape with grouped-query attention (4 layers, hidden 128, 8 query / 2 KV heads, init
-std 0.1 so attention is far from uniform). The model goes into driftlab's
-real `HFChatBackend` (its decode loop, prefix cache, renderer and attention engine): the benchmark
-hands the backend the in-memory model in place of `load_model`'s disk load, for the construction
-only (see `_backend`).
+std 0.1 so attention is far from uniform). The model goes into driftlab's real `HFChatBackend` (its
+decode loop, prefix cache, renderer and attention engine): the benchmark hands the backend the
+in-memory model in place of `load_model`'s disk load, for the construction only (see `_backend`).
 
-Dtype: bf16 on CUDA; float32 on a CPU (exact comparisons; set GPUBENCH_DTYPE=bfloat16 to change).
+Dtype: bf16 on CUDA; float32 on a CPU (set GPUBENCH_DTYPE to change). The numeric check always
+runs in float32 (see below).
 
 Per shape and context, batch 1, greedy, EOS ignored, one system prompt + a user turn of real prose
 cut to the context, ending in an instruction (marked `*...*` for PASTA, whose markers are stripped
@@ -28,65 +31,87 @@ before tokenising, so every mode sees the same token ids):
   spr        system-prompt repetition p = 0.5 (the system prompt repeated in the conversation:
              a longer prompt, so its prefill ratio includes the extra tokens);
   eager      eager attention with `output_attentions=True`, pi summed from the weights (what a
-             user without driftlab does), own greedy loop with a dynamic cache;
+             user without driftlab does), own greedy loop with a dynamic cache (CPU default; on CUDA
+             only when GPUBENCH_VARIANTS names it);
   pastalib   the PASTA authors' library (eager + its hooks, `model.generate`), Llama family only,
-             when importable: total time only.
-Timing: every variant runs once untimed at every context with the timed shapes (warm-up: a
-compiled loop compiles there, and RESULT <shape>.graphs_compiled_in_timing says if any compile
-still landed in the timed rounds), then `repeats` interleaved
-rounds (the order rotates); each forward of the backend's decode loop is timed with a device
-synchronize on both sides: prefill = the first forward, decode step = the median of the others;
-the best round is kept. Peak memory above what was allocated before the call (weights excluded;
-a static KV cache kept from an earlier call and reused is added, so the loops compare), judged
-for O(T) as the peak per context token at the largest context over the smallest (<= 1.5x):
-CUDA `torch.cuda.max_memory_allocated`; CPU the process's peak resident set (VmHWM reset through
-/proc/self/clear_refs, as benchmarks/attention.py does): coarse, and allocator-dependent.
-An eager run or pastalib that runs out of memory is reported as "OOM".
+             when importable: total time only (as eager).
+Each variant is first run once untimed at every context with the timed shapes (warm-up: a compiled
+loop compiles there; its compile seconds are printed per variant, and RESULT
+<shape>.graphs_compiled_in_timing says if any compile still landed in the timed rounds), then
+`repeats` interleaved rounds (the order rotates); each forward of the backend's decode loop is
+timed with a device synchronize on both sides: prefill = the first forward, decode step = the
+median of the others; the best round is kept. A progress line per variant goes to stderr. Peak
+memory above what was allocated before the call (weights excluded; a static KV cache kept from an
+earlier call and reused is added, so the loops compare), judged for O(T) as the peak per context
+token at the largest context over the smallest (<= 1.5x): CUDA `torch.cuda.max_memory_allocated`;
+CPU the process's peak resident set (VmHWM reset through /proc/self/clear_refs, as
+benchmarks/attention.py does): coarse, and allocator-dependent. An eager run or pastalib that runs
+out of memory is reported as "OOM".
+
+Compiling (the compiled loop, `auto` on CUDA): before anything else on a shape, a sweep of 11 steers
+(split-softmax k = 0.0 .. 0.9 and InstABoost m = 5, after one plain call) from a cold process: the
+plain call's compile seconds are the model's first compile, and the sweep's graphs must stay within
+one plain and one steered graph per batch bucket. Then a second process builds the same model and
+runs a plain and a steered call with the compile cache the first one filled: its compile seconds.
 
 Floor: bytes one decode step must read (all weights but the input embedding, which is gathered,
 plus the KV cache at that context) / bandwidth, the bandwidth measured in this run by a large
 device-to-device copy (read + write bytes / time).
 
 Self-chat: driftlab's real protocol (`SelfChat` through `run_protocol`), 8 pairs x 3 rounds x 48
-tokens on the Qwen2.5-7B shape (the tiny shape on a CPU), batched with prefix reuse in every
-mode, against a naive loop (batch 1, no prefix cache, plain); probes decode with the turn's
-budget, in the agent's call. Tokens/s = generated tokens / wall.
+tokens on the Qwen2.5-7B shape (the tiny shape on a CPU), batched with prefix reuse in every mode,
+against a naive loop (batch 1, no prefix cache, plain); probes decode with the turn's budget, in the
+agent's call. Tokens/s = generated tokens / wall.
 
-Correctness: at the smallest context the split-softmax mode's greedy tokens are compared with an
-independent eager reference that materialises and reweights the weights (Eq. 7 of the persona-drift
-paper, Li et al. 2024) on the same model; trace's tokens, and those of split k=1, InstABoost m=1 and
-PASTA alpha=1 (strength 0), with plain's (they must change nothing).
+Numeric check (every device, float32): a float32 copy of the shape cut to 2 layers (its real head
+counts, groups and widths; init std 0.1) decodes 8 greedy tokens per mode in the benchmark's loop
+and under an independent eager reference that materialises and reweights the weights
+(tests/attention_reference.py: Eq. 7 of the persona-drift paper for split-softmax, every bias term
+added to the logits, pi summed from the weights). Per mode: the greedy tokens that agree, and the
+largest difference of a generated token's log-probability (and its 4 best alternatives') and of pi
+over the agreeing steps, against a tolerance; the strength-0 modes (split k=1, InstABoost m=1,
+PASTA alpha=1) against plain's log-probabilities.
 
-Targets of issue 21 (H100-class GPU, Llama-2-7B shape; self-chat on the Qwen2.5-7B shape) are
-printed beside the measured ratios; they are judged only on CUDA ("n/a (not a GPU)" elsewhere).
+--paper: the persona-drift paper's experiment at full scale on the Llama-2-7B shape: 100 pairs x 8
+rounds, 200-token turns, 400-token probes, for each mode of GPUBENCH_PAPER_MODES (default
+plain,split; one per 10-minute command if need be), batch GPUBENCH_PAPER_BATCH (default 32; the
+KV cache of MHA 7B at ~3.5k tokens is ~1.8 GB per row); on a CPU the tiny shape at 4 x 2 x 16
+(probes 16), to check the path.
 
-Sizes (`python benchmarks/run.py gpu [--quick | --full]`; each setting below overrides its part):
-  CUDA           the two 7B shapes at 2048, 8192 and 32768 tokens, 32 decode steps, 3 rounds,
-                 self-chat 8x3x48@qwen2.5-7b (best of 2); --full is the same
+Targets (H100-class GPU; "n/a (not a GPU)" elsewhere): every mode's decode <= 1.15x plain and
+prefill <= 1.3x at 2k and 8k (both shapes); plain decode <= 1.6x the floor; the sweep of 11 steers
+compiles at most 2 graphs per batch bucket; a model's first compile <= 90 s, a second process's
+<= 10 s; self-chat on the Qwen2.5-7B shape >= 1071 tok/s plain (3 x the 357 tok/s measured on an
+H100 before this engine) with every mode within 1.2x of plain; the paper's experiment <= 10 minutes
+per mode.
+
+Sizes (`python benchmarks/run.py gpu [--quick | --full | --paper]`; each setting below overrides its part):
+  CUDA           the two 7B shapes at 2048 and 8192 tokens, 32 decode steps, 2 rounds, self-chat
+                 8x3x48@qwen2.5-7b (once); --full adds 32768 tokens and 3 rounds
   CPU (default)  tiny at 256 and 1024 tokens, 16 decode steps, 2 rounds, self-chat 2x2x8@tiny
-                 (best of 2): 1 min 29 s (`time python benchmarks/run.py gpu`) on this
-                 project's 2-core CPU, shared with other jobs (load average ~4, this run
-                 included), float32, 1 torch thread; --quick 1 min 13 s
+                 (best of 2)
   CPU --full     tiny at 1024 and 4096 tokens, 32 decode steps, 3 rounds, self-chat 2x2x8@tiny
   --quick        tiny at 256 and 1024 tokens, 8 decode steps, 2 rounds, self-chat 2x2x8@tiny (once)
 
 Settings (environment variables; run.py takes no others):
-  GPUBENCH_SHAPES     comma list of llama2-7b, qwen2.5-7b, tiny
-  GPUBENCH_CONTEXTS   comma list of prompt lengths
-  GPUBENCH_DECODE     decode steps per call
-  GPUBENCH_REPEATS    timed rounds
-  GPUBENCH_SELFCHAT   PAIRSxROUNDSxTOKENS[@SHAPE], or 0 to skip
-  GPUBENCH_VARIANTS   comma list restricting the per-context variants (plain and sdpa always run)
-  GPUBENCH_SLOW_S     a variant whose warm-up (prefill + 1 step) takes longer is timed once (default 60)
-  GPUBENCH_TOKENIZER  tokenizer directory (default: the provisioned smollm2-135m)
-  GPUBENCH_DTYPE      bfloat16 | float32 | float16 (default bf16 on CUDA, float32 on a CPU)
-  GPUBENCH_JSON       write every measurement to this JSON file
-  GPUBENCH_LOOP       driftlab's decode loop for every driftlab variant (HFChatBackend `decode`):
-                      dynamic (default), static or compiled (static cache + torch.compile: CUDA graphs
-                      on a GPU); run once with each to compare them (the stock sdpa variant uses the same).
-                      RESULT <shape>.loop_ran says which loop really decoded (a fallback is also a note:
-                      a model the static cache cannot serve, a step that cannot compile, the recompile
-                      limit) and <shape>.graphs_compiled how many graphs a compiled step compiled.
+  GPUBENCH_SHAPES       comma list of llama2-7b, qwen2.5-7b, tiny
+  GPUBENCH_CONTEXTS     comma list of prompt lengths
+  GPUBENCH_DECODE       decode steps per call
+  GPUBENCH_REPEATS      timed rounds
+  GPUBENCH_SELFCHAT     PAIRSxROUNDSxTOKENS[@SHAPE], or 0 to skip
+  GPUBENCH_VARIANTS     comma list restricting the per-context variants (plain and sdpa always run)
+  GPUBENCH_PARTS        comma list of the parts to run: modes, compile, check, selfchat (default all)
+  GPUBENCH_SLOW_S       a variant whose warm-up (prefill + 1 step) takes longer is timed once (default 60)
+  GPUBENCH_TOKENIZER    tokenizer directory (default: the provisioned smollm2-135m)
+  GPUBENCH_DTYPE        bfloat16 | float32 | float16 (default bf16 on CUDA, float32 on a CPU)
+  GPUBENCH_JSON         write every measurement to this JSON file
+  GPUBENCH_LOOP         driftlab's decode loop for every driftlab variant (HFChatBackend `decode`):
+                        auto (default: compiled on CUDA, dynamic on a CPU), dynamic, static or
+                        compiled (static cache + torch.compile: CUDA graphs on a GPU). RESULT
+                        <shape>.loop_ran says which loop really decoded (a fallback is also a note)
+                        and <shape>.graphs_compiled how many graphs a compiled step compiled.
+  GPUBENCH_PAPER_MODES  --paper: comma list of modes (default plain,split)
+  GPUBENCH_PAPER_BATCH  --paper: conversations per batch (default 32 on CUDA, 4 on a CPU)
 """
 
 from __future__ import annotations
@@ -96,6 +121,8 @@ import json
 import math
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -108,7 +135,8 @@ CUDA = torch.cuda.is_available()
 SYSTEM = "You are a careful science journalist. Always answer in French, in at most three sentences."
 INSTRUCTION = "Answer the occupation of Mary and generate the answer as json format."
 SELFCHAT_AGENTS = ["reply-in-french", "secret-number-share", "name-alexander", "very-happy"]
-ISSUE_SELFCHAT_TOK_S = 357.0  # driftlab's batched self-chat before issue 21, Qwen2.5-7B shape, H100
+# driftlab's batched self-chat before the steering engine: Qwen2.5-7B shape, H100 (docs/performance.md)
+BEFORE_SELFCHAT_TOK_S = 357.0
 
 
 # -- shapes ------------------------------------------------------------------------------------------
@@ -179,31 +207,44 @@ def _preloaded(model, tokenizer, path: Path):
             mod.load_model = fn
 
 
-def build(shape: str, device: torch.device, dtype: torch.dtype):
-    """(backend, build seconds): a random `shape` model on `device` inside driftlab's HFChatBackend."""
+def build(shape: str, device: torch.device, dtype: torch.dtype, *, config=None, decode: str | None = None,
+          model=None):
+    """(backend, build seconds): a random `shape` model (or `config`'s, or `model` itself) on
+    `device` inside driftlab's HFChatBackend, decoding with `decode` (default: GPUBENCH_LOOP)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from driftlab.chat.hf import HFChatBackend
 
     t = time.perf_counter()
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(shape_config(shape), dtype=dtype)
-    model.eval()
+    if model is None:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config or shape_config(shape), dtype=dtype)
+        model.eval()
     path = tokenizer_dir()
     tokenizer = AutoTokenizer.from_pretrained(path)
     with _preloaded(model, tokenizer, path):
         backend = HFChatBackend(str(path), dtype="auto", device=str(device), prefix_cache_bytes=0,
-                                decode=decode_loop())
+                                decode=decode or decode_loop())
     sync()
     return backend, time.perf_counter() - t
 
 
+def progress(message: str) -> None:
+    """A progress line on stderr (stdout holds the tables and RESULT lines)."""
+    print(f"[gpu] {time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
+
+
+def compile_seconds(backend) -> float:
+    """Seconds the backend's compiled decode step has spent compiling so far (0 for other loops)."""
+    return float(backend.ran()["decode"].get("compile_s", 0.0))
+
+
 def decode_loop() -> str:
     """GPUBENCH_LOOP: the decode loop driftlab's backend runs (see the module docstring)."""
-    loop = os.environ.get("GPUBENCH_LOOP", "dynamic")
-    if loop not in ("dynamic", "static", "compiled"):
-        raise SystemExit(f"GPUBENCH_LOOP={loop!r}: use dynamic, static or compiled.")
+    loop = os.environ.get("GPUBENCH_LOOP", "auto")
+    if loop not in ("auto", "dynamic", "static", "compiled"):
+        raise SystemExit(f"GPUBENCH_LOOP={loop!r}: use auto, dynamic, static or compiled.")
     return loop
 
 
@@ -320,48 +361,226 @@ def eager_greedy(backend, conv, n_new: int, calls: list[float]) -> list[int]:
     return tokens
 
 
-REFERENCE = "gpubench_eager_split_softmax"
+# -- compiling -----------------------------------------------------------------------------------------
+SWEEP = [[f"split-softmax:k={k / 10:.1f}"] for k in range(10)] + [["instaboost:m=5"]]  # 11 steers
 
 
-def split_reference(backend, conv, n_new: int, k: float) -> list[int]:
-    """Greedy tokens under an independent eager split-softmax (Eq. 7 of the persona-drift paper,
-    Li et al. 2024): the weights are materialised in float64, pi summed over the rendered system
-    span, then reweighted (pi^k / pi on system keys, (1 - pi^k) / (1 - pi) on the others) before
-    multiplying V."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+def compile_sweep(backend, conv, shape: str, results: dict, notes: list, targets: Table) -> None:
+    """A plain call, then the 11 steers of SWEEP, from a cold start: the plain call's compile
+    seconds are the model's first compile; the sweep's graphs must stay within the budget (one
+    plain and one steered graph per batch bucket: all of these are batch 1)."""
+    from driftlab.chat import Sampling, chat
+    from driftlab.steering import Interventions
 
-    s, e = backend.render(conv).system_span
+    sampling = Sampling(greedy=True, max_new_tokens=4, ignore_eos=True)
+    t = time.perf_counter()
+    chat(backend, [conv], sampling)
+    first, first_wall = compile_seconds(backend), time.perf_counter() - t
+    graphs0 = backend.ran()["decode"].get("graphs", 0)
+    progress(f"{shape}: first (plain) call {first_wall:.1f} s, {first:.1f} s compiling")
+    t = time.perf_counter()
+    for specs in SWEEP:
+        chat(backend, [conv], sampling, steer=Interventions.parse(specs))
+    ran = backend.ran()["decode"]
+    graphs, seconds = ran.get("graphs", 0) - graphs0, compile_seconds(backend) - first
+    progress(f"{shape}: sweep of {len(SWEEP)} steers {time.perf_counter() - t:.1f} s, {graphs} graphs compiled in "
+             f"{seconds:.1f} s")
+    results.update({f"{shape}.first_compile_s": f"{first:.1f}", f"{shape}.sweep11.graphs": str(graphs),
+                    f"{shape}.sweep11.compile_s": f"{seconds:.1f}",
+                    f"{shape}.sweep11.over_budget": str(len(ran.get("over_budget", [])))})
+    compiled = ran["loop"] == "compiled"
+    why = "the compiled loop did not run" if not compiled else "target is for the 7B shapes"
+    targets.rows.append(["first compile of a model (plain step), s", shape, "-", f"{first:.1f}", "<= 90",
+                         judge(first <= 90, compiled and shape != "tiny", why)])
+    targets.rows.append([f"graphs compiled by a sweep of {len(SWEEP)} steers (batch 1)", shape, "-", str(graphs),
+                         "<= 2", judge(graphs <= 2, compiled and shape != "tiny", why)])
+    notes.append(f"{shape}: first compile {first:.1f} s (plain step); the sweep ({', '.join(x[0] for x in SWEEP)}) "
+                 f"compiled {graphs} graphs in {seconds:.1f} s" + ("" if compiled else f" ({ran['loop']} loop)"))
 
-    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        n_rep = query.shape[1] // key.shape[1]
-        key = key.repeat_interleave(n_rep, 1).double()
-        value = value.repeat_interleave(n_rep, 1).double()
-        q, K = query.shape[2], key.shape[2]
-        logits = query.double() @ key.transpose(-1, -2) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-        if attention_mask is None:
-            allowed = torch.ones(q, K, dtype=torch.bool, device=query.device).tril(K - q)
-        else:
-            allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask > -1e30
-            allowed = allowed[..., :K]
-        w = logits.masked_fill(~allowed, -math.inf).softmax(-1)
-        system = torch.zeros(K, dtype=torch.bool, device=query.device)
-        system[s:e] = True
-        pi = (w * system).sum(-1, keepdim=True)
-        up = torch.where(pi > 0, pi.pow(k) / pi.clamp_min(1e-300), torch.ones_like(pi))
-        down = torch.where(pi < 1, (1 - pi.pow(k)) / (1 - pi).clamp_min(1e-300), torch.zeros_like(pi))
-        w = torch.where(system, w * up, w * down)
-        return (w @ value).to(query.dtype).transpose(1, 2).contiguous(), None
 
-    AttentionInterface.register(REFERENCE, attend)
-    AttentionMaskInterface.register(REFERENCE, sdpa_mask)
-    model = backend.model
-    impl = model.config._attn_implementation
-    model.set_attn_implementation(REFERENCE)
+def second_process(shape: str, dtype: str, results: dict, notes: list, targets: Table) -> None:
+    """A new process builds the same model and runs a plain and a steered call with the compile
+    cache the first process filled: what compiling costs once the cache holds the model."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import gpu; "
+            f"gpu.second_process_main({shape!r}, {dtype!r})")
+    t = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    wall = time.perf_counter() - t
+    lines = [line for line in done.stdout.splitlines() if line.startswith("SECOND ")]
+    if done.returncode != 0 or not lines:
+        notes.append(f"{shape}: the second process failed: {done.stderr.strip()[-500:]}")
+        results[f"{shape}.second_process"] = "failed"
+        return
+    facts = json.loads(lines[-1].removeprefix("SECOND "))
+    progress(f"{shape}: second process {wall:.1f} s, {facts['compile_s']:.1f} s compiling, cache hits "
+             f"{facts['hits']}, misses {facts['misses']}")
+    results.update({f"{shape}.second_process.compile_s": f"{facts['compile_s']:.1f}",
+                    f"{shape}.second_process.cache_hits": str(facts["hits"]),
+                    f"{shape}.second_process.cache_misses": str(facts["misses"])})
+    targets.rows.append(["second process's compile (plain + steered), s", shape, "-", f"{facts['compile_s']:.1f}",
+                         "<= 10", judge(facts["compile_s"] <= 10, facts["loop"] == "compiled" and shape != "tiny",
+                                        "target is for the 7B shapes" if shape == "tiny" else "not compiled")])
+    notes.append(f"{shape}: a second process (model build {facts['build_s']:.1f} s) compiled for "
+                 f"{facts['compile_s']:.1f} s: {facts['hits']} inductor cache hits, {facts['misses']} misses")
+
+
+def second_process_main(shape: str, dtype: str) -> None:
+    """The second process's side: prints `SECOND {json}`."""
+    from driftlab.chat import Sampling, chat
+    from driftlab.steering import Interventions
+
+    device = torch.device("cuda" if CUDA else "cpu")
+    pin_threads()  # as the first process: generated CPU code depends on the thread count
+    backend, build_s = build(shape, device, getattr(torch, dtype))
+    conv = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": INSTRUCTION}]
+    sampling = Sampling(greedy=True, max_new_tokens=4, ignore_eos=True)
+    for steer in (None, Interventions.parse(["split-softmax:k=0.5"])):
+        chat(backend, [conv], sampling, steer=steer)
+    ran = backend.ran()["decode"]
+    cache = ran.get("compile_cache", {"hits": 0, "misses": 0})
+    print("SECOND " + json.dumps({"compile_s": compile_seconds(backend), "build_s": build_s, "loop": ran["loop"],
+                                  "graphs": ran.get("graphs", 0), **cache}), flush=True)
+
+
+# -- the numeric check -----------------------------------------------------------------------------------
+CHECK = {"plain": [], "trace": ["trace"], "split": ["split-softmax:k=0.9", "trace"], "instaboost": ["instaboost:m=5"],
+         "bias": ["bias:value=2.0"], "composed": ["trace", "split-softmax:k=0.9", "instaboost:m=5", "bias:value=-1.0"]}
+NEUTRAL = {"split k=1": ["split-softmax:k=1.0"], "instaboost m=1": ["instaboost:m=1"]}
+CHECK_TOL = {"logprob": 1e-3, "pi": 1e-4}
+
+
+def check_config(shape: str):
+    """The shape cut to 2 layers, init std 0.1 (attention far from uniform): float32 at real widths."""
+    cfg = shape_config(shape)
+    cfg.num_hidden_layers = 2
+    cfg.initializer_range = 0.1
+    return cfg
+
+
+def numeric_check(shape: str, device: torch.device, results: dict, notes: list) -> Table:
+    """Every mode in the benchmark's loop, float32, against tests/attention_reference.py's eager
+    reference on the same model (see the module docstring). Returns the check's table."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import numpy as np
+
+    from attention_reference import NAME, register_reference
+    from driftlab.attention import ATTENTION_NAME
+    from driftlab.chat import ChatRequest, Sampling
+    from driftlab.steering import Interventions
+
+    register_reference()
+    matmul_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32
+    backend, _ = build(shape, device, torch.float32, config=check_config(shape))
+    # The same model in a dynamic loop, switched to the reference's attention for its calls.
+    reference, _ = build(shape, device, torch.float32, model=backend.model, decode="dynamic")
+    cfg = check_config(shape)
+    heads = pasta_heads(cfg.num_hidden_layers, cfg.num_attention_heads)
+    modes = {**CHECK, "pasta": ["pasta:alpha=0.01,heads=" + "+".join(f"{layer}.{h}" for layer, hs in heads.items()
+                                                                      for h in hs)]}
+    conv = [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Tell me about Mary, a nurse in Leeds. *{INSTRUCTION}*"}]
+    sampling = Sampling(greedy=True, max_new_tokens=8, ignore_eos=True)
+
+    def run(be, specs, impl=ATTENTION_NAME):
+        backend.model.set_attn_implementation(impl)
+        try:
+            (reply,) = be.generate(ChatRequest([conv], sampling, interventions=Interventions.parse(specs), logprobs=4))
+        finally:
+            backend.model.set_attn_implementation(ATTENTION_NAME)
+        lp = np.array([[t.logprob, *(x for _, x in t.top)] for t in reply.logprobs])
+        return reply.token_ids, lp, None if reply.trace is None else np.asarray(reply.trace.decode)
+
+    table = Table(title=f"numeric check, {shape} shape cut to 2 layers, float32, 8 greedy tokens: "
+                        f"{backend.ran()['decode']['loop']} loop vs the eager reference",
+                  columns=["mode", "tokens agree", "max |d logprob|", "max |d pi|", "within tolerance?"])
+    plain = run(backend, [])
     try:
-        return eager_greedy(backend, conv, n_new, [])
+        for mode, specs in modes.items():
+            got, want = run(backend, specs), run(reference, specs, NAME)
+            agree = next((i for i, (a, b) in enumerate(zip(got[0], want[0])) if a != b), len(want[0]))
+            d_lp = float(np.abs(got[1][:agree + 1] - want[1][:agree + 1]).max())  # the first differing step too
+            d_pi = None if want[2] is None else float(np.abs(got[2][:agree] - want[2][:agree]).max())
+            ok = agree == len(want[0]) and d_lp <= CHECK_TOL["logprob"] and (d_pi is None or d_pi <= CHECK_TOL["pi"])
+            acts = mode in ("plain", "trace") or float(np.abs(want[1] - plain[1]).max()) > 1e-3
+            table.rows.append([mode, f"{agree}/{len(want[0])}", f"{d_lp:.1e}", "-" if d_pi is None else f"{d_pi:.1e}",
+                               ("yes" if ok else "NO") + ("" if acts else " (the mode changed nothing: no test)")])
+            results.update({f"{shape}.check.{mode}.tokens_agree": f"{agree}/{len(want[0])}",
+                            f"{shape}.check.{mode}.max_logprob_diff": f"{d_lp:.2e}",
+                            f"{shape}.check.{mode}.ok": str(ok and acts).lower()})
+            if d_pi is not None:
+                results[f"{shape}.check.{mode}.max_pi_diff"] = f"{d_pi:.2e}"
+        for mode, specs in NEUTRAL.items():  # strength 0: plain's numbers
+            got = run(backend, specs)
+            d = float(np.abs(got[1] - plain[1]).max())
+            table.rows.append([f"{mode} vs plain", f"{sum(a == b for a, b in zip(got[0], plain[0]))}/8", f"{d:.1e}",
+                               "-", "yes" if d == 0 else "NO"])
+            results[f"{shape}.check.{mode.replace(' ', '_').replace('=', '')}.vs_plain"] = f"{d:.2e}"
     finally:
-        model.set_attn_implementation(impl)
+        torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
+    n_ok = sum(results[f"{shape}.check.{m}.ok"] == "true" for m in modes)
+    results[f"{shape}.check.modes_ok"] = f"{n_ok}/{len(modes)}"
+    notes.append(f"{shape}: numeric check: {n_ok}/{len(modes)} modes agree with the eager reference within "
+                 f"{CHECK_TOL['logprob']:g} in log-probability and {CHECK_TOL['pi']:g} in pi (float32, 2 layers).")
+    return table
+
+
+# -- the paper's experiment --------------------------------------------------------------------------
+# (shape, pairs, rounds, turn tokens, probe tokens, batch): the persona-drift paper's experiment (100
+# pairs x 8 rounds, 200-token turns, 400-token probes) on the Llama-2-7B shape; a tiny check on a CPU.
+PAPER = {"cuda": ("llama2-7b", 100, 8, 200, 400, 16), "cpu": ("tiny", 4, 2, 16, 16, 4)}
+PAPER_MODES = {"plain": [], "split": ["split-softmax:k=0.9"], "trace": ["trace"], "instaboost": ["instaboost:m=5"],
+               "cfg": ["cfg:alpha=1.5"], "spr": ["spr:p=0.5"]}
+
+
+def paper_run(device: torch.device, dtype: torch.dtype, results: dict, notes: list, targets: Table) -> Table:
+    """The paper's self-chat at full scale, per mode: a warm-up run (one batch, one round: it
+    compiles the graphs), then the whole run, timed (see the module docstring)."""
+    from driftlab.chat import Sampling
+    from driftlab.protocol.dialog import RECORDS
+    from driftlab.protocol.runner import run_protocol
+    from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
+
+    shape, pairs, rounds, tokens, probe, batch = PAPER["cuda" if CUDA else "cpu"]
+    batch = int(_positive("GPUBENCH_PAPER_BATCH", os.environ.get("GPUBENCH_PAPER_BATCH", batch)))
+    names = _env_list("GPUBENCH_PAPER_MODES", ["plain", "split"])
+    if unknown := [m for m in names if m not in PAPER_MODES]:
+        raise SystemExit(f"GPUBENCH_PAPER_MODES: unknown mode {unknown[0]!r}; use {', '.join(PAPER_MODES)}.")
+    backend, build_s = build(shape, device, dtype)
+    backend.prefix_cache.max_bytes = (8 << 30) if CUDA else (1 << 30)
+    table = Table(title=f"the persona-drift paper's experiment, {shape} shape: {pairs} pairs x {rounds} rounds, "
+                        f"{tokens}-token turns, {probe}-token probes, batch {batch}, EOS ignored",
+                  columns=["mode", "warm-up s", "wall s", "records", "tokens", "tok/s"])
+
+    def once(specs: list[str], n_pairs: int, n_rounds: int) -> tuple[float, int, int]:
+        cfg = SelfChatConfig(pairs=n_pairs, rounds=n_rounds, batch_size=batch, seed=1, steer=specs,
+                             sampling=Sampling(max_new_tokens=tokens, ignore_eos=True), probe_tokens=probe)
+        backend.prefix_cache.clear()
+        with tempfile.TemporaryDirectory() as out:
+            sync()
+            t = time.perf_counter()
+            rundir = run_protocol(SelfChat(cfg, backend), out, progress=False)
+            sync()
+            seconds = time.perf_counter() - t
+            recs = rundir.records(RECORDS)
+        return seconds, len(recs), sum(r.n_tokens for r in recs)
+
+    for mode in names:
+        specs = PAPER_MODES[mode]
+        warm, _, _ = once(specs, min(batch, pairs), 1)
+        progress(f"paper {mode}: warm-up {warm:.1f} s; the whole run next")
+        seconds, n_rec, n_tok = once(specs, pairs, rounds)
+        progress(f"paper {mode}: {seconds:.1f} s, {n_tok} tokens")
+        table.rows.append([mode, f"{warm:.1f}", f"{seconds:.1f}", n_rec, n_tok, f"{n_tok / seconds:.1f}"])
+        results.update({f"paper.{mode}.s": f"{seconds:.1f}", f"paper.{mode}.warmup_s": f"{warm:.1f}",
+                        f"paper.{mode}.tokens": str(n_tok), f"paper.{mode}.tok_s": f"{n_tok / seconds:.1f}"})
+        targets.rows.append([f"paper's experiment, {mode}, s", shape, "-", f"{seconds:.0f}", "<= 600",
+                             judge(seconds <= 600, shape == "llama2-7b", "target is for llama2-7b")])
+    ran = backend.ran()["decode"]
+    results["paper.loop_ran"] = ran["loop"]
+    notes.append(f"paper: {shape} built in {build_s:.1f} s; {ran['loop']} loop, {ran.get('graphs', 0)} graphs "
+                 f"compiled in {ran.get('compile_s', 0.0):.1f} s over the whole run")
+    return table
 
 
 # -- targets -----------------------------------------------------------------------------------------
@@ -406,20 +625,30 @@ DEFAULTS = {
     "quick": ("tiny", "256,1024", 8, 2, "2x2x8@tiny", 1),
     "cpu": ("tiny", "256,1024", 16, 2, "2x2x8@tiny", 2),
     "cpu-full": ("tiny", "1024,4096", 32, 3, "2x2x8@tiny", 2),
-    "cuda": ("llama2-7b,qwen2.5-7b", "2048,8192,32768", 32, 3, "8x3x48@qwen2.5-7b", 2),
+    "cuda": ("llama2-7b,qwen2.5-7b", "2048,8192", 32, 2, "8x3x48@qwen2.5-7b", 1),
+    "cuda-full": ("llama2-7b,qwen2.5-7b", "2048,8192,32768", 32, 3, "8x3x48@qwen2.5-7b", 2),
 }
 
 
-def run(quick: bool = False, full: bool = False) -> Result:
+PARTS = ("modes", "compile", "check", "selfchat")
+
+
+def run(quick: bool = False, full: bool = False, paper: bool = False) -> Result:
     from driftlab.attention import ATTENTION_NAME
     from driftlab.chat import Sampling, chat
     from driftlab.steering import Interventions
 
-    size = size_of(quick, full)
+    size = "paper" if paper else size_of(quick, full)
     device = torch.device("cuda" if CUDA else "cpu")
     dtype = pick_dtype(device)
+    decode_loop()  # a bad GPUBENCH_LOOP stops here, before any model is built
+    if paper:
+        return paper_result(device, dtype)
+    parts = _env_list("GPUBENCH_PARTS", list(PARTS))
+    if unknown := [x for x in parts if x not in PARTS]:
+        raise SystemExit(f"GPUBENCH_PARTS: unknown part {unknown[0]!r}; use {', '.join(PARTS)}.")
     d_shapes, d_contexts, d_decode, d_repeats, d_selfchat, sc_repeats = DEFAULTS[
-        "quick" if quick else "cuda" if CUDA else "cpu-full" if full else "cpu"]
+        "quick" if quick else ("cuda-full" if full else "cuda") if CUDA else "cpu-full" if full else "cpu"]
     shapes = _env_list("GPUBENCH_SHAPES", d_shapes.split(","))
     if unknown := [s for s in shapes if s not in ("llama2-7b", "qwen2.5-7b", "tiny")]:
         raise SystemExit(f"GPUBENCH_SHAPES: unknown shape {unknown[0]!r}; use llama2-7b, qwen2.5-7b or tiny.")
@@ -428,7 +657,6 @@ def run(quick: bool = False, full: bool = False) -> Result:
     repeats = _positive("GPUBENCH_REPEATS", os.environ.get("GPUBENCH_REPEATS", d_repeats))
     sc = os.environ.get("GPUBENCH_SELFCHAT", d_selfchat)
     slow_s = _positive("GPUBENCH_SLOW_S", os.environ.get("GPUBENCH_SLOW_S", 60), float)
-    decode_loop()  # a bad GPUBENCH_LOOP stops here, before any model is built
     threads = torch.get_num_threads()
     pin_threads()  # on a CPU: 1 thread unless BENCH_THREADS (a shared CPU stalls multi-threaded regions)
     try:
@@ -451,11 +679,12 @@ def run(quick: bool = False, full: bool = False) -> Result:
         columns=["shape", "ctx", "variant", "prefill ms", "vs plain", "vs sdpa", "decode ms/step", "vs plain",
                  "vs sdpa", "total ms", f"peak MiB{' (RSS)' if device.type == 'cpu' else ''}"],
     )
-    targets = Table(title="issue 21 targets (judged only on an H100-class GPU)",
+    targets = Table(title="targets of the steering engine (judged only on an H100-class GPU)",
                     columns=["target", "shape", "ctx", "measured", "limit", "met?"])
     notes = [f"memory bandwidth (device-to-device copy, read + write): {bw / 1e9:.1f} GB/s",
              f"peak memory: {method}"]
     selfchat_table = None
+    check_tables: list[Table] = []
 
     def do_shape(shape: str) -> None:
         nonlocal selfchat_table
@@ -485,6 +714,8 @@ def run(quick: bool = False, full: bool = False) -> Result:
         only = os.environ.get("GPUBENCH_VARIANTS")
         if only:
             variants = [v for v in variants if v in {"plain", "sdpa", *only.split(",")}]
+        elif CUDA:  # what a user without driftlab runs: minutes per call at 8k on a 7B shape, so opt-in
+            variants = [v for v in variants if v not in ("eager", "pastalib")]
         notes.append(
             f"{shape}: {type(model).__name__}, {L} layers, {H} heads / {KV} KV, {weight_bytes / 1e9:.2f} GB of "
             f"weights ({read_bytes / 1e9:.2f} GB read per decode step), built in {build_s:.1f} s; PASTA on "
@@ -539,136 +770,125 @@ def run(quick: bool = False, full: bool = False) -> Result:
         convs = {c: (conversation(backend, c), conversation(backend, c, marked=True)) for c in contexts}
         lens = {c: len(backend.render(convs[c][0]).ids) for c in contexts}
         assert all(len(backend.render(convs[c][1], interventions=steer["pasta"]).ids) == lens[c] for c in contexts)
-        best: dict[tuple[str, int], dict] = {}
-        slow: set[tuple[str, int]] = set()
-        for c in contexts:  # warm-up, untimed, with the timed shapes; a variant that fails here is not run again
-            for v in variants:
-                t = time.perf_counter()
-                rec = one(v, *convs[c], n_decode + 1)
-                if "error" in rec:
-                    best[(v, c)] = rec
-                elif time.perf_counter() - t > slow_s:
-                    slow.add((v, c))  # timed once only, so that one slow path cannot eat the run
-        warm_graphs = backend.ran()["decode"].get("graphs", 0)
-        for r in range(repeats):
-            order = variants[r % len(variants):] + variants[: r % len(variants)]
-            for c in contexts:
-                for v in order:
-                    if (v, c) in best and "error" in best[(v, c)] or (v, c) in slow and r > 0:
-                        continue
+        if "compile" in parts:  # first: from a cold start
+            timer.on = False
+            compile_sweep(backend, convs[contexts[0]][0], shape, results, notes, targets)
+            timer.on = True
+            if backend.ran()["decode"]["loop"] == "compiled":
+                second_process(shape, str(dtype).removeprefix("torch."), results, notes, targets)
+        if "modes" in parts:
+            best: dict[tuple[str, int], dict] = {}
+            slow: set[tuple[str, int]] = set()
+            for c in contexts:  # warm-up, untimed, with the timed shapes; a variant that fails here is not run again
+                for v in variants:
+                    t, compiling = time.perf_counter(), compile_seconds(backend)
                     rec = one(v, *convs[c], n_decode + 1)
-                    old = best.get((v, c))
-                    if old is None or "error" in old:
+                    spent, compiling = time.perf_counter() - t, compile_seconds(backend) - compiling
+                    progress(f"{shape} @ {lens[c]} tokens: {v} warm-up {spent:.1f} s ({compiling:.1f} s compiling)"
+                             + (f": {rec['error']}" if "error" in rec else ""))
+                    results[f"{shape}.{v}.compile_s"] = f"{float(results.get(f'{shape}.{v}.compile_s', 0)) + compiling:.1f}"
+                    if "error" in rec:
                         best[(v, c)] = rec
-                    elif "error" not in rec:
-                        for key in ("prefill", "step", "total"):
-                            if key in rec:
-                                old[key] = min(old[key], rec[key])
-                        old["mb"] = max(old["mb"], rec["mb"])
-                        old["tokens"] = rec["tokens"]
+                    elif spent > slow_s:
+                        slow.add((v, c))  # timed once only, so that one slow path cannot eat the run
+            warm_graphs = backend.ran()["decode"].get("graphs", 0)
+            for r in range(repeats):
+                order = variants[r % len(variants):] + variants[: r % len(variants)]
+                progress(f"{shape}: timed round {r + 1} of {repeats}")
+                for c in contexts:
+                    for v in order:
+                        if (v, c) in best and "error" in best[(v, c)] or (v, c) in slow and r > 0:
+                            continue
+                        rec = one(v, *convs[c], n_decode + 1)
+                        old = best.get((v, c))
+                        if old is None or "error" in old:
+                            best[(v, c)] = rec
+                        elif "error" not in rec:
+                            for key in ("prefill", "step", "total"):
+                                if key in rec:
+                                    old[key] = min(old[key], rec[key])
+                            old["mb"] = max(old["mb"], rec["mb"])
+                            old["tokens"] = rec["tokens"]
 
-        ran = backend.ran()["decode"]  # the loop that decoded, which a fallback may have changed
-        if "graphs" in ran:  # compiles after the warm-up landed in the timing
-            results[f"{shape}.graphs_compiled_in_timing"] = str(ran["graphs"] - warm_graphs)
-            if ran["graphs"] > warm_graphs:
-                notes.append(f"{shape}: {ran['graphs'] - warm_graphs} graphs compiled during the timed rounds (the "
-                             "warm-up did not cover their shapes): those rounds include compile time.")
-        results[f"{shape}.loop_ran"] = ran["loop"]
-        if "graphs" in ran:
-            results[f"{shape}.graphs_compiled"] = str(ran["graphs"])
-        if ran["loop"] != decode_loop():
-            notes.append(f"{shape}: the {decode_loop()} decode loop was asked for and the {ran['loop']} loop ran: "
-                         f"{ran.get('eager_after') or ran.get('refused')}")
-        for c in contexts:
-            plain, sdpa = best[("plain", c)], best[("sdpa", c)]
-            kv_bytes = 2 * L * KV * head_dim * c * elem
-            floor = (read_bytes + kv_bytes) / bw
-            for v in variants:
-                rec = best[(v, c)]
-                pre, step = rec.get("prefill"), rec.get("step")
-                row = [shape, lens[c], v + (" (1 run: slow)" if (v, c) in slow else "")]
-                if "error" in rec:
-                    res.rows.append(row + [rec["error"]] + [""] * 7)
-                    results[f"{shape}.{c}.{v}"] = rec["error"].split(":")[0]
-                    records.append({"shape": shape, "ctx": c, "variant": v, "error": rec["error"]})
+            ran = backend.ran()["decode"]  # the loop that decoded, which a fallback may have changed
+            if "graphs" in ran:  # compiles after the warm-up landed in the timing
+                results[f"{shape}.graphs_compiled_in_timing"] = str(ran["graphs"] - warm_graphs)
+                if ran["graphs"] > warm_graphs:
+                    notes.append(f"{shape}: {ran['graphs'] - warm_graphs} graphs compiled during the timed rounds (the "
+                                 "warm-up did not cover their shapes): those rounds include compile time.")
+            results[f"{shape}.loop_ran"] = ran["loop"]
+            if "graphs" in ran:
+                results[f"{shape}.graphs_compiled"] = str(ran["graphs"])
+            if ran["loop"] != decode_loop():
+                notes.append(f"{shape}: the {decode_loop()} decode loop was asked for and the {ran['loop']} loop ran: "
+                             f"{ran.get('eager_after') or ran.get('refused')}")
+            for c in contexts:
+                plain, sdpa = best[("plain", c)], best[("sdpa", c)]
+                kv_bytes = 2 * L * KV * head_dim * c * elem
+                floor = (read_bytes + kv_bytes) / bw
+                for v in variants:
+                    rec = best[(v, c)]
+                    pre, step = rec.get("prefill"), rec.get("step")
+                    row = [shape, lens[c], v + (" (1 run: slow)" if (v, c) in slow else "")]
+                    if "error" in rec:
+                        res.rows.append(row + [rec["error"]] + [""] * 7)
+                        results[f"{shape}.{c}.{v}"] = rec["error"].split(":")[0]
+                        records.append({"shape": shape, "ctx": c, "variant": v, "error": rec["error"]})
+                        continue
+                    ratios = {
+                        "prefill_vs_plain": pre / plain["prefill"] if pre and "prefill" in plain else None,
+                        "prefill_vs_sdpa": pre / sdpa["prefill"] if pre and "prefill" in sdpa else None,
+                        "decode_vs_plain": step / plain["step"] if step and "step" in plain else None,
+                        "decode_vs_sdpa": step / sdpa["step"] if step and "step" in sdpa else None,
+                    }
+                    res.rows.append(row + [fmt_ms(pre), fmt_x(ratios["prefill_vs_plain"]), fmt_x(ratios["prefill_vs_sdpa"]),
+                                           fmt_ms(step), fmt_x(ratios["decode_vs_plain"]), fmt_x(ratios["decode_vs_sdpa"]),
+                                           fmt_ms(rec["total"]), "n/a" if not math.isfinite(rec["mb"]) else f"{rec['mb']:.0f}"])
+                    key = f"{shape}.{c}.{v}"
+                    results[f"{key}.total_ms"] = f"{1000 * rec['total']:.3f}"
+                    if pre is not None:
+                        results[f"{key}.prefill_ms"] = f"{1000 * pre:.3f}"
+                        results[f"{key}.decode_ms"] = f"{1000 * step:.3f}"
+                        for rk, rv in ratios.items():
+                            results[f"{key}.{rk}"] = "n/a" if rv is None else f"{rv:.3f}"
+                    results[f"{key}.peak_mib"] = f"{rec['mb']:.0f}" if math.isfinite(rec["mb"]) else "n/a"
+                    records.append({"shape": shape, "ctx": c, "prompt_tokens": lens[c], "variant": v,
+                                    **{k: rec[k] for k in ("prefill", "step", "total", "mb") if k in rec},
+                                    **{k: v2 for k, v2 in ratios.items() if v2 is not None}})
+                results[f"{shape}.{c}.floor_ms"] = f"{1000 * floor:.3f}"
+                if "step" not in plain:  # plain ran out of memory: no ratio at this context
                     continue
-                ratios = {
-                    "prefill_vs_plain": pre / plain["prefill"] if pre and "prefill" in plain else None,
-                    "prefill_vs_sdpa": pre / sdpa["prefill"] if pre and "prefill" in sdpa else None,
-                    "decode_vs_plain": step / plain["step"] if step and "step" in plain else None,
-                    "decode_vs_sdpa": step / sdpa["step"] if step and "step" in sdpa else None,
-                }
-                res.rows.append(row + [fmt_ms(pre), fmt_x(ratios["prefill_vs_plain"]), fmt_x(ratios["prefill_vs_sdpa"]),
-                                       fmt_ms(step), fmt_x(ratios["decode_vs_plain"]), fmt_x(ratios["decode_vs_sdpa"]),
-                                       fmt_ms(rec["total"]), "n/a" if not math.isfinite(rec["mb"]) else f"{rec['mb']:.0f}"])
-                key = f"{shape}.{c}.{v}"
-                results[f"{key}.total_ms"] = f"{1000 * rec['total']:.3f}"
-                if pre is not None:
-                    results[f"{key}.prefill_ms"] = f"{1000 * pre:.3f}"
-                    results[f"{key}.decode_ms"] = f"{1000 * step:.3f}"
-                    for rk, rv in ratios.items():
-                        results[f"{key}.{rk}"] = "n/a" if rv is None else f"{rv:.3f}"
-                results[f"{key}.peak_mib"] = f"{rec['mb']:.0f}" if math.isfinite(rec["mb"]) else "n/a"
-                records.append({"shape": shape, "ctx": c, "prompt_tokens": lens[c], "variant": v,
-                                **{k: rec[k] for k in ("prefill", "step", "total", "mb") if k in rec},
-                                **{k: v2 for k, v2 in ratios.items() if v2 is not None}})
-            results[f"{shape}.{c}.floor_ms"] = f"{1000 * floor:.3f}"
-            if "step" not in plain:  # plain ran out of memory: no ratio at this context
-                continue
-            results[f"{shape}.{c}.plain_decode_vs_floor"] = f"{plain['step'] / floor:.3f}"
-            notes.append(f"{shape} @ {lens[c]} tokens: decode floor {1000 * floor:.2f} ms = ({read_bytes / 1e9:.2f} GB "
-                         f"weights + {kv_bytes / 1e9:.2f} GB KV cache) / {bw / 1e9:.0f} GB/s; plain decode "
-                         f"{1000 * plain['step']:.2f} ms = {plain['step'] / floor:.2f}x the floor; weights alone "
-                         f"{1000 * read_bytes / bw:.2f} ms")
+                results[f"{shape}.{c}.plain_decode_vs_floor"] = f"{plain['step'] / floor:.3f}"
+                notes.append(f"{shape} @ {lens[c]} tokens: decode floor {1000 * floor:.2f} ms = ({read_bytes / 1e9:.2f} GB "
+                             f"weights + {kv_bytes / 1e9:.2f} GB KV cache) / {bw / 1e9:.0f} GB/s; plain decode "
+                             f"{1000 * plain['step']:.2f} ms = {plain['step'] / floor:.2f}x the floor; weights alone "
+                             f"{1000 * read_bytes / bw:.2f} ms")
 
-            # targets, per context
-            is_llama7 = shape == "llama2-7b"
-            limit_pre = 1.6 if c > 16384 else 1.3
-            for v in modes:
-                if v == "plain" or (v, c) not in best:
-                    continue
-                rec = best[(v, c)]
-                dr = rec["step"] / plain["step"] if "step" in rec else None
-                pr = rec["prefill"] / plain["prefill"] if "prefill" in rec else None
-                targets.rows.append([f"{v} decode / plain", shape, lens[c], fmt_x(dr), "<= 1.15x",
-                                     judge(dr is not None and dr <= 1.15, is_llama7, "target is for llama2-7b")])
-                targets.rows.append([f"{v} prefill / plain", shape, lens[c], fmt_x(pr), f"<= {limit_pre}x",
-                                     judge(pr is not None and pr <= limit_pre, is_llama7, "target is for llama2-7b")])
-            fr = plain["step"] / floor
-            targets.rows.append(["plain decode / bandwidth floor", shape, lens[c], fmt_x(fr), "<= 2x",
-                                 judge(fr <= 2.0, is_llama7, "target is for llama2-7b")])
+                # targets, per context: the 7B shapes at up to 8k tokens
+                real = shape != "tiny" and c <= 8192
+                why = "target is for the 7B shapes" if shape == "tiny" else "target is for 2k and 8k"
+                for v in modes:
+                    if v == "plain" or (v, c) not in best:
+                        continue
+                    rec = best[(v, c)]
+                    dr = rec["step"] / plain["step"] if "step" in rec else None
+                    pr = rec["prefill"] / plain["prefill"] if "prefill" in rec else None
+                    targets.rows.append([f"{v} decode / plain", shape, lens[c], fmt_x(dr), "<= 1.15x",
+                                         judge(dr is not None and dr <= 1.15, real, why)])
+                    targets.rows.append([f"{v} prefill / plain", shape, lens[c], fmt_x(pr), "<= 1.3x",
+                                         judge(pr is not None and pr <= 1.3, real, why)])
+                fr = plain["step"] / floor
+                targets.rows.append(["plain decode / bandwidth floor", shape, lens[c], fmt_x(fr), "<= 1.6x",
+                                     judge(fr <= 1.6, shape != "tiny", "target is for the 7B shapes")])
 
-        memory_growth(shape, contexts, lens, modes, best, results, targets)
+            memory_growth(shape, contexts, lens, modes, best, results, targets)
 
-        # correctness at the smallest context: split vs eager reference, trace vs plain
-        c0 = contexts[0]
-        n_check = min(n_decode + 1, 16)
-        sampling = Sampling(greedy=True, max_new_tokens=n_check, ignore_eos=True)
-        neutral = {"split k=1": ["split-softmax:k=1.0"], "instaboost m=1": ["instaboost:m=1"],
-                   "pasta alpha=1": [pasta.replace("alpha=0.01", "alpha=1.0")]}
-        timer.on = False
-        got = {m: list(chat(backend, [convs[c0][1] if m.startswith("pasta") else convs[c0][0]], sampling,
-                            steer=steer[m] if m in steer else Interventions.parse(neutral[m]))[0].token_ids)
-               for m in ("plain", "trace", "split", *neutral)}
-        timer.on = True
-        n_neutral = sum(got[m] == got["plain"] for m in neutral)
-        results[f"{shape}.neutral_matches_plain"] = f"{n_neutral}/{len(neutral)}"
-        ref = split_reference(backend, convs[c0][0], n_check, 0.9)
-        same = sum(a == b for a, b in zip(got["split"], ref))
-        first_diff = next((i for i, (a, b) in enumerate(zip(got["split"], ref)) if a != b), None)
-        results[f"{shape}.split_matches_eager_reference"] = f"{same}/{n_check}"
-        results[f"{shape}.split_first_divergence"] = str(first_diff) if first_diff is not None else "none"
-        results[f"{shape}.trace_matches_plain"] = f"{sum(a == b for a, b in zip(got['trace'], got['plain']))}/{n_check}"
-        results[f"{shape}.split_changes_plain"] = str(got["split"] != got["plain"]).lower()
-        notes.append(f"{shape} check @ {lens[c0]} tokens, {n_check} greedy tokens: split-softmax vs independent eager "
-                     f"reference {same}/{n_check} identical (first divergence: {first_diff}); trace vs plain "
-                     f"{results[f'{shape}.trace_matches_plain']}; strength-0 modes ({', '.join(neutral)}) give plain's "
-                     f"tokens: {n_neutral}/{len(neutral)}; split-softmax k=0.9 changes plain's tokens: "
-                     f"{got['split'] != got['plain']}" + (" (bf16: a near-tie may flip a token)"
-                                                          if dtype != torch.float32 else ""))
+        if "check" in parts:
+            progress(f"{shape}: numeric check")
+            check_tables.append(numeric_check(shape, device, results, notes))
 
         # self-chat
-        if sc != "0":
+        if "selfchat" in parts and sc != "0":
             spec, _, sc_shape = sc.partition("@")
             if (sc_shape or shapes[-1]) == shape:
                 p, rd, tk = (int(x) for x in spec.split("x"))
@@ -695,16 +915,39 @@ def run(quick: bool = False, full: bool = False) -> Result:
         "weights; self-chat's pasta emphasises the system prompt (dialogs have no markup).",
     ]
     if not CUDA:
-        res.notes.append("not a GPU: the issue's targets are printed but not judged; these figures are for "
-                         "checking the benchmark, not the GPU path.")
+        res.notes.append(NOT_A_GPU)
     if selfchat_table is not None:
         res.tables.append(selfchat_table)
+    res.tables += check_tables
     res.tables.append(targets)
     res.results = results
+    return finish(res, records)
+
+
+NOT_A_GPU = ("not a GPU: the targets are printed but not judged; these figures are for checking the benchmark, "
+             "not the GPU path.")
+
+
+def finish(res: Result, records: list[dict]) -> Result:
+    """Write GPUBENCH_JSON (every measurement) if asked, and hand the result to run.py."""
     out = os.environ.get("GPUBENCH_JSON")
     if out:
-        Path(out).write_text(json.dumps({"results": results, "records": records, "notes": res.notes}, indent=1))
+        Path(out).write_text(json.dumps({"results": res.results, "records": records, "notes": res.notes}, indent=1))
     return res
+
+
+def paper_result(device: torch.device, dtype: torch.dtype) -> Result:
+    """`--paper`: the paper's experiment alone (see the module docstring)."""
+    pin_threads()
+    results: dict[str, str] = {"size": "paper", "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+                               "loop": decode_loop()}
+    notes: list[str] = []
+    targets = Table(title="targets of the steering engine (judged only on an H100-class GPU)",
+                    columns=["target", "shape", "ctx", "measured", "limit", "met?"])
+    table = paper_run(device, dtype, results, notes, targets)
+    res = Result(title=table.title, columns=table.columns, rows=table.rows, results=results,
+                 notes=notes + ([] if CUDA else [NOT_A_GPU]), tables=[targets])
+    return finish(res, [])
 
 
 def pastalib_run(backend, conv, heads: dict[str, list[int]], n_new: int) -> tuple[int, list[int]]:
@@ -786,8 +1029,8 @@ def selfchat(backend, pairs: int, rounds: int, tokens: int, modes: dict[str, lis
                         "tok_s": tps[name]})
     qwen = shape == "qwen2.5-7b"
     targets.rows.append(["batched self-chat tok/s (plain)", shape, "-", f"{tps[plain_name]:.1f}",
-                         f">= {3 * ISSUE_SELFCHAT_TOK_S:.0f} (3 x {ISSUE_SELFCHAT_TOK_S:.0f})",
-                         judge(tps[plain_name] >= 3 * ISSUE_SELFCHAT_TOK_S, qwen, "target is for qwen2.5-7b")])
+                         f">= {3 * BEFORE_SELFCHAT_TOK_S:.0f} (3 x {BEFORE_SELFCHAT_TOK_S:.0f})",
+                         judge(tps[plain_name] >= 3 * BEFORE_SELFCHAT_TOK_S, qwen, "target is for qwen2.5-7b")])
     for m in modes:
         if m == "plain":
             continue

@@ -33,7 +33,11 @@ def main() -> int:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="smallest settings: a smoke test of the benchmark")
     size.add_argument("--full", action="store_true", help="the long sizes (can take tens of minutes on a CPU)")
+    size.add_argument("--paper", action="store_true",
+                      help="gpu only: the persona-drift paper's experiment at full scale (minutes per mode on an H100)")
     args = parser.parse_args()
+    if args.paper and args.name != "gpu":
+        parser.error("--paper is a size of the gpu benchmark only")
 
     sys.path.insert(0, str(HERE))
     spec = importlib.util.spec_from_file_location(args.name, HERE / f"{args.name}.py")
@@ -56,11 +60,11 @@ def main() -> int:
     console.print(
         f"[dim]{platform.processor() or platform.machine()}, {threads} torch threads (process default {default}), "
         f"torch {torch.__version__}, cuda={torch.cuda.is_available()}, size "
-        f"{'quick' if args.quick else 'full' if args.full else 'default'}[/]"
+        f"{'quick' if args.quick else 'full' if args.full else 'paper' if args.paper else 'default'}[/]"
     )
 
     try:
-        result = module.run(quick=args.quick, full=args.full)
+        result = module.run(quick=args.quick, full=args.full, **({"paper": True} if args.paper else {}))
     except DriftlabError as err:  # bad settings (a model name, an env var): one line, not a traceback
         console.print(f"Error: {err}", markup=False)  # and its "Hint:" line
         return 2

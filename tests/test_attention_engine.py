@@ -32,9 +32,8 @@ import torch
 from attention_reference import NAME as REFERENCE
 from attention_reference import both_engines_on_one_thread
 from devices import backend_device, cpu_only, current, exact, tol
-from driftlab.attention import ATTENTION_NAME
+from driftlab.attention import ATTENTION_NAME, kernels
 from driftlab.attention import engine as engine_module
-from driftlab.attention import kernels
 from driftlab.attention.config import BiasTerm
 from driftlab.attention.state import AttentionConfig, AttentionState, head_mask, parse_heads
 from driftlab.chat import ChatRequest, Sampling

@@ -1,11 +1,13 @@
-"""benchmarks/gpu.py (issue 21 point 4) on the CPU: the tiny shape at a very small context.
+"""benchmarks/gpu.py on the CPU: the tiny shape at a very small context, on the compiled loop.
 
 Runs the benchmark the way a user does (`python benchmarks/run.py gpu --quick`), in its own
 process, with settings that keep it short (64-token prompt, 4 decode steps, one round, a
-one-pair self-chat), then reads its RESULT lines: every variant must have a finite, positive
-time; split-softmax must give the same greedy tokens as the benchmark's independent eager
-reference, and must change plain's tokens (so that comparison has teeth); tracing and the
-strength-0 modes must give plain's tokens; on a CPU no GPU target may be judged.
+one-pair self-chat) and the compiled decode loop (what `auto` means on a GPU), then reads its
+RESULT lines: every variant must have a finite, positive time; the sweep of 11 steers must stay
+within the graph budget and a second process must be served by the compile cache; every mode
+must agree with the independent eager reference in float32 (and change plain's numbers, so the
+comparison has teeth); the strength-0 modes must give plain's numbers exactly; on a CPU no GPU
+target may be judged. `--paper` runs its tiny size.
 """
 
 from __future__ import annotations
@@ -42,10 +44,13 @@ def bench(tmp_path_factory, smol_dir):
         "GPUBENCH_SELFCHAT": "1x1x4@tiny",
         "GPUBENCH_TOKENIZER": str(smol_dir),
         "GPUBENCH_JSON": str(out),
+        "GPUBENCH_LOOP": "compiled",
+        "DRIFTLAB_CACHE": str(out.parent / "cache"),  # the compile cache starts empty
         "CUDA_VISIBLE_DEVICES": "",  # the CPU path, even on a GPU machine
     }
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "gpu", "--quick"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = {}
     for line in proc.stdout.splitlines():
@@ -65,19 +70,30 @@ def test_every_mode_has_a_finite_positive_time(bench):
             assert math.isfinite(value) and value > 0, (mode, key, value)
         assert float(r[f"tiny.64.{mode}.decode_vs_plain"]) > 0
     assert float(r["tiny.64.plain.decode_vs_plain"]) == 1.0
-    assert r["tiny.loop_ran"] == r["loop"] == "dynamic"  # the loop that decoded, as the backend says
+    assert r["tiny.loop_ran"] == r["loop"] == "compiled"  # the loop that decoded, as the backend says
+    assert r["tiny.graphs_compiled_in_timing"] == "0"  # the warm-up compiled everything the timing ran
     assert float(r["bandwidth_gb_s"]) > 0 and float(r["tiny.64.floor_ms"]) > 0
     if importlib.util.find_spec("pastalib") is not None:
         assert float(r["tiny.64.pastalib.total_ms"]) > 0
 
 
-def test_split_softmax_matches_the_eager_reference(bench):
+def test_compiling_stays_within_the_budget_and_a_second_process_reads_the_cache(bench):
     _, r, _ = bench
-    n = 5  # 1 prefill + 4 decode steps
-    assert r["tiny.split_matches_eager_reference"] == f"{n}/{n}", r["tiny.split_first_divergence"]
-    assert r["tiny.split_changes_plain"] == "true"  # else the comparison above could not fail
-    assert r["tiny.trace_matches_plain"] == f"{n}/{n}"
-    assert r["tiny.neutral_matches_plain"] == "3/3"
+    assert float(r["tiny.first_compile_s"]) > 0
+    assert r["tiny.sweep11.graphs"] == "1" and r["tiny.sweep11.over_budget"] == "0"  # the steered graph, once
+    assert r["tiny.second_process.cache_misses"] == "0" and int(r["tiny.second_process.cache_hits"]) == 2
+    assert float(r["tiny.sdpa.compile_s"]) > 0 and float(r["tiny.cfg.compile_s"]) > 0  # their own graphs
+    assert float(r["tiny.trace.compile_s"]) == 0  # the steered graph the sweep compiled
+
+
+def test_every_mode_matches_the_eager_reference(bench):
+    _, r, _ = bench
+    for mode in ("plain", "trace", "split", "instaboost", "bias", "composed", "pasta"):
+        assert r[f"tiny.check.{mode}.ok"] == "true", (mode, r[f"tiny.check.{mode}.max_logprob_diff"])
+        assert r[f"tiny.check.{mode}.tokens_agree"] == "8/8"
+    assert float(r["tiny.check.split.max_pi_diff"]) <= 1e-4
+    assert r["tiny.check.modes_ok"] == "7/7"
+    assert float(r["tiny.check.split_k1.vs_plain"]) == 0 and float(r["tiny.check.instaboost_m1.vs_plain"]) == 0
 
 
 def test_selfchat_and_targets(bench):
@@ -88,6 +104,24 @@ def test_selfchat_and_targets(bench):
     assert not re.search(r"│ (met|missed)\s+│", out)  # no target judged on a CPU
     assert {rec["variant"] for rec in data["records"] if "variant" in rec} >= set(MODES)
     assert data["results"] == r
+
+
+def test_the_paper_size_runs_its_tiny_check_on_a_cpu(tmp_path, smol_dir):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "COLUMNS": "200", "GPUBENCH_TOKENIZER": str(smol_dir), "CUDA_VISIBLE_DEVICES": "",
+           "GPUBENCH_PAPER_MODES": "plain,split", "GPUBENCH_PAPER_BATCH": "2"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "gpu", "--paper"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = dict(line.removeprefix("RESULT ").split("=", 1) for line in proc.stdout.splitlines()
+             if line.startswith("RESULT "))
+    # 4 pairs x (2 rounds x (agent turn + probe) + the user turn of round 2: round 1's is the starter)
+    # x 16 tokens, EOS ignored
+    assert r["paper.plain.tokens"] == r["paper.split.tokens"] == str(4 * (2 * 2 + 1) * 16), r
+    assert float(r["paper.plain.s"]) > 0 and "n/a (not a GPU)" in proc.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "gpu", "--paper"], cwd=ROOT,
+                         env={**env, "GPUBENCH_PAPER_MODES": "plain,fast"}, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "unknown mode 'fast'" in bad.stdout + bad.stderr
 
 
 @pytest.mark.parametrize("model", ["nope", "/no/such/model/dir"])

@@ -68,6 +68,10 @@ CASES = [
     # -- models
     Case("models-list-format", ("models", "list", "--format", "xml"), ("Unknown --format 'xml'",),
          hint="--format json"),
+    Case("warm-batch-not-numbers", ("models", "warm", "--batch", "1,x"), ("--batch '1,x' is not a list of batch sizes",),
+         hint="--batch 1,2,4,8"),
+    Case("warm-batch-zero", ("models", "warm", "--batch", "0,4"), ("--batch '0,4' is not a list of batch sizes",)),
+    Case("warm-batch-empty", ("models", "warm", "--batch", ""), ("--batch '' is not a list of batch sizes",)),
     Case("pull-cache-is-file", ("models", "pull", "smollm2-135m"), ("DRIFTLAB_CACHE={cache_file}", "is a file"),
          env={"DRIFTLAB_CACHE": "{cache_file}"}, hint=CACHE_HINT),
     Case("pull-cache-under-file", ("models", "pull", "smollm2-135m"), ("lies under {cache_file}", "is a file"),

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import config_guard
 import torch
+
+import config_guard
 
 
 def test_a_deleted_config_entry_is_found_and_shown_again() -> None:

@@ -169,7 +169,8 @@ def test_a_graph_past_the_budget_is_said_once_naming_the_guard(tmp_path: Path, m
     err = " ".join(capsys.readouterr().err.split())
     assert err.count("past the budget") == 1 and "size mismatch" in err, err
     ran = compiled.ran()["decode"]
-    assert ran["graphs"] == 2 and ran["graph_keys"] == [{"batch": 2, "steered": True, "bias_slots": 2, "graphs": 2}]
+    assert ran["graphs"] == 2 and ran["graph_keys"] == [{"batch": 2, "steered": True, "bias_slots": 2,
+                                                         "attention": "driftlab", "graphs": 2}]
     assert len(ran["over_budget"]) == 1 and "batch 2 steered" in ran["over_budget"][0], ran
 
 
@@ -184,3 +185,27 @@ def test_the_guard_named_is_the_shape_that_changed_not_another_graphs() -> None:
                                      "expected 256, actual 384")
     assert failed_guard(["0/0: kwargs['driftlab'].prefilling == False  # x"]) == "kwargs['driftlab'].prefilling == False"
     assert failed_guard([]) == "a guard dynamo did not report"
+
+
+def test_a_second_process_loads_the_compiled_steps_from_the_cache(tmp_path: Path) -> None:
+    """`driftlab models warm` compiles a plain and a steered step with inductor (the compiled loop's
+    backend) into driftlab's compile cache; a second process warming the same model compiles
+    nothing new: every graph is an inductor cache hit."""
+    import re
+    import subprocess
+    import sys
+
+    path = make_tiny_model("llama", tmp_path / "llama")
+    env = {**os.environ, "DRIFTLAB_CACHE": str(tmp_path / "cache")}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # inductor sets it in this process once it compiled anything
+    counts = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-m", "driftlab", "models", "warm", str(path), "--batch", "2",
+                               "--dtype", "float32", "--device", "cpu"], capture_output=True, text=True, env=env,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        found = re.search(r"warmed (\d+) graphs .* cache hits (\d+), misses (\d+)", " ".join(done.stdout.split()))
+        assert found, done.stdout
+        counts.append(tuple(int(x) for x in found.groups()))
+    assert counts[0] == (2, 0, 2) and counts[1] == (2, 2, 0), counts
+    assert any((tmp_path / "cache" / "compile").iterdir())

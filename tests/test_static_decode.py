@@ -257,6 +257,59 @@ def test_a_static_decode_step_never_waits_for_the_device(backends, kernel: str, 
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "flex"])
+@pytest.mark.parametrize("specs", [[], ["split-softmax:k=0.5", "trace", "instaboost:m=3"]])
+def test_a_dynamic_decode_step_reads_the_device_once(backends, kernel: str, specs, request, monkeypatch) -> None:
+    """The dynamic loop's step (sample, take, compact, feed) copies one thing to the host, the
+    sampled tokens: which rows are done is kept on the host, and a decode step's mask is built
+    without reading the padding on the host (transformers' causal-skip check)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import driftlab.chat.hf as hf
+
+    if kernel == "flex":
+        request.getfixturevalue("flex_kernel")
+    host = ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "allclose", "item")
+    per_step: list[list[str]] = []
+    inside = []  # a step method is running
+
+    class Syncs(TorchDispatchMode):
+        supports_higher_order_operators = True
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
+            if name in host:
+                per_step[-1].append(name)
+            return func(*args, **(kwargs or {}))
+
+    def host_read(method: str):
+        original = getattr(torch.Tensor, method)
+
+        def read(self, *args, **kwargs):
+            if inside:
+                per_step[-1].append(method)
+            return original(self, *args, **kwargs)
+        return read
+
+    for method in ("tolist", "numpy"):
+        monkeypatch.setattr(torch.Tensor, method, host_read(method))
+    for name in ("sample", "take", "compact", "feed"):
+        def counted(self, *args, _method=getattr(hf._Decoding, name), _name=name, **kwargs):
+            if _name == "sample":
+                per_step.append([])
+            inside.append(_name)
+            try:
+                with Syncs():
+                    return _method(self, *args, **kwargs)
+            finally:
+                inside.pop()
+        monkeypatch.setattr(hf._Decoding, name, counted)
+    convs = CONVS + [[{"role": "user", "content": "Count to ten."}]]
+    _run(backends["dynamic"], specs, convs=convs, sampling=Sampling(greedy=True, max_new_tokens=6, ignore_eos=True))
+    assert len(per_step) == 6 and all(seen == ["tolist"] for seen in per_step), per_step
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flex"])
 def test_compiled_step_is_one_graph_not_recompiled_per_step_or_call(backends, kernel: str, request) -> None:
     """After the first call of a layout, later calls of that layout and shape compile nothing,
     whatever their prompts, strengths or step count: the state the step reads is static
@@ -460,3 +513,82 @@ def test_smollm2_static_decode_gives_the_dynamic_loops_tokens(smol_dir, smol32, 
 
 
 _SMOL: dict[str, HFChatBackend] = {}
+
+
+# -- the compiled graph and the op count of a steered step -------------------------------------------
+def test_the_compiled_steered_step_reads_its_block_counts_from_graph_inputs(tiny_dir: Path, flex_kernel,
+                                                                             monkeypatch) -> None:
+    """The graph dynamo compiles for a steered decode step on the flex path (CUDA's): two flex calls
+    per layer (all keys; system keys), each with a block mask whose KV block count and indices are
+    graph inputs (the state's static tensors, updated before each step), and no `.item()` (a float
+    read as a graph input would keep the step out of CUDA graphs)."""
+    import driftlab.chat.static_decode as sd
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {"backend": capture, "fullgraph": True, "dynamic": True})
+    backend = HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0,
+                            decode="compiled")
+    _run(backend, ["split-softmax:k=0.5", "trace", "instaboost:m=3"], sampling=Sampling(greedy=True, max_new_tokens=4))
+    (gm,) = graphs
+    nodes = list(gm.graph.nodes)
+    inputs = {n for n in nodes if n.op == "placeholder"}
+    flex_calls = [n for n in nodes if n.op == "call_function" and "flex_attention" in str(n.target)]
+    assert len(flex_calls) == 2 * backend.shape.layers, len(flex_calls)
+    for call in flex_calls:
+        block_mask = call.args[4]  # (q_len, kv_len, kv_num_blocks, kv_indices, ...)
+        assert block_mask[2] in inputs and block_mask[3] in inputs, block_mask[:4]
+    assert not [n for n in nodes if n.op == "call_method" and n.target == "item"]
+
+
+# Extra aten ops per layer of a steered decode step over a plain one (eager static steps), for every
+# steer alike: the second attention call, pi from two LSEs, the split-softmax epilogue, pi into the
+# trace buffer; on SDPA the bias and the key pattern are masks built per layer, on flex they are in
+# the kernel. Measured when the steered step became one graph; fewer is fine, more fails.
+OPS_PER_LAYER = {"sdpa": 74, "flex": 52}
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flex"])
+def test_every_steer_adds_the_same_few_ops_per_layer(backends, kernel: str, request) -> None:
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if kernel == "flex":
+        request.getfixturevalue("flex_kernel")
+
+    class Ops(TorchDispatchMode):
+        supports_higher_order_operators = True  # flex_attention counts as one op
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count[str(getattr(func, "overloadpacket", func))] += 1
+            return func(*args, **(kwargs or {}))
+
+    backend = backends["static"]
+    step, last = backend._static_step, []
+
+    def counted(*args, **kwargs):
+        with Ops() as ops:
+            out = step(*args, **kwargs)
+        last[:] = [ops.count]
+        return out
+
+    backend._static_step = counted
+    try:
+        per_mode = {}
+        for case, specs in CASES.items():
+            _run(backend, specs, sampling=Sampling(greedy=True, max_new_tokens=3, ignore_eos=True))
+            per_mode[case] = sum(last[0].values())
+    finally:
+        del backend._static_step
+    extra = {case: (n - per_mode["plain"]) / backend.shape.layers for case, n in per_mode.items() if case != "plain"}
+    assert len(set(extra.values())) == 1, extra  # one graph whatever the steer: the same ops
+    assert 0 < next(iter(extra.values())) <= OPS_PER_LAYER[kernel], extra

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from driftlab.report.results import Results
 
 __all__ = ["Run", "calibrate", "from_model", "load", "measure", "mmlu", "personas", "run", "selfchat", "spec_of",
-           "steer", "sweep", "trace"]
+           "steer", "sweep", "trace", "warm"]
 
 _SPECS: weakref.WeakKeyDictionary[Any, BackendSpec] = weakref.WeakKeyDictionary()  # backend -> how it was loaded
 
@@ -88,6 +88,26 @@ def trace(model: Any, messages: Any, *, steer: Any = None, tokenizer: Any = None
                                  "tokenizer).")
     with from_model(model, tokenizer, prefix_cache_bytes=0) as backend:
         return tracing(backend, messages, steer)
+
+
+def warm(model: str = DEFAULT_MODEL, batches: Iterable[int] = (1, 2, 4, 8), **options: Any) -> list[dict]:
+    """Compile a local model's decode loop ahead of a run (`HFChatBackend.warm`): a plain and a
+    steered graph per batch bucket of `batches`, kept in driftlab's compile cache for later
+    processes. `options`: the backend options of `load` (dtype, device, ...); the decode loop is
+    the compiled one. Returns one row per (bucket, kind): graphs, compile seconds, cache hits/misses."""
+    if options.get("decode", "compiled") != "compiled":
+        raise DriftlabError(f"dl.warm compiles the decode loop; decode={options['decode']!r} has none to compile.",
+                            hint="Leave decode out (warm uses decode='compiled').")
+    backend = load(model, **{**options, "decode": "compiled"})
+    try:
+        if not hasattr(backend, "warm"):
+            raise DriftlabError(f"{model} is not a local model: a server compiles its own decode loop, if any.",
+                                hint="Warm a preset, a local directory or a Hub id.")
+        return backend.warm(tuple(batches))
+    finally:
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
 
 
 def backend_spec(model: str = DEFAULT_MODEL, **options: Any) -> BackendSpec:

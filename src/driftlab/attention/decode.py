@@ -16,8 +16,9 @@ steer:
 So a new strength, span, head set or intervention kind is new values in the same tensors, and
 the compiled step runs on without compiling. The key pattern (causal, left padding) is masked
 from the rows' first slots and the query's slot, both tensors; on FlexAttention the block masks
-list only the filled key blocks (their count is computed from the slot tensor inside the step),
-so the decode kernel splits its work over the filled keys and never reads unfilled slots.
+list only the filled key blocks (their count is a static tensor the decode loop updates before
+each step) and each row's system blocks, so the decode kernel splits its work over the filled
+keys and never reads unfilled slots.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from driftlab.attention.kernels import attend_sdpa, flash_ok, split_softmax, system_share
-from driftlab.attention.state import DECODE_BLOCK, AttentionState
+from driftlab.attention.state import AttentionState
 
 
 def steered_step(state: AttentionState, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -81,15 +82,11 @@ def _flex(state, layer, query, key, value, scale):
     """FlexAttention: the bias in the score_mod, the key pattern in block masks built from tensors."""
     from driftlab.attention import flex
 
-    B, K = query.shape[0], key.shape[2]
+    K = key.shape[2]
     group = flex.fold(query, key.shape[1])
-    n = -(-K // DECODE_BLOCK)
-    filled = torch.div(state.last_slot, DECODE_BLOCK, rounding_mode="floor").to(torch.int32) + 1
-    every = torch.arange(n, dtype=torch.int32, device=query.device).view(1, 1, 1, n).expand(B, 1, 1, n)
     mods = flex.DecodeMods(state.first, state.last_slot, state.bias_keys, state.bias_heads[:, :, layer], group)
-    full = flex.decode_block_mask(filled.view(1, 1, 1).expand(B, 1, 1), every, mods.visible, K, group)
-    sys_blocks, sys_order = state.system_blocks
-    sys_mask = flex.decode_block_mask(sys_blocks, sys_order, mods.visible_system(state.system_keys), K, group)
+    full = flex.decode_block_mask(*state.filled_blocks, mods.visible, K, group)
+    sys_mask = flex.decode_block_mask(*state.system_blocks, mods.visible_system(state.system_keys), K, group)
     out, lse_all = flex.attend_decode(query, key, value, full, mods, scale)
     o_sys, lse_sys = flex.attend_decode(query, key, value, sys_mask, mods, scale)
     return out, o_sys, *system_share(lse_all, lse_sys)

@@ -519,6 +519,12 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    def mask(batch_size, q_length, kv_length, *args, allow_is_causal_skip: bool = True, **kwargs):
+        """SDPA's mask format: a boolean [B, 1, q, k] mask, or None for plain causal. A decode step
+        (q = 1) always gets the mask: deciding to skip it reads the padding mask on the host
+        (`padding_mask.all()`), a device sync every step, for a mask of one row per sequence."""
+        return sdpa_mask(batch_size, q_length, kv_length, *args,
+                         allow_is_causal_skip=allow_is_causal_skip and q_length != 1, **kwargs)
+
     AttentionInterface.register(ATTENTION_NAME, driftlab_attention)
-    # Same mask format as SDPA: a boolean [B, 1, q, k] mask, or None for plain causal.
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, mask)

@@ -117,6 +117,7 @@ class AttentionState:
         self.first: torch.Tensor | None = None  # [B] each row's first real slot (its padding)
         self.last_slot: torch.Tensor | None = None  # [] the slot of the current call's last query
         self.system_blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # decode block mask of system keys
+        self.filled_blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # decode block mask of filled keys
         self.prompt_len = 0
         self.prefilling = True  # the current forward pass is the call's first (the prefill)
         self._calls = 0
@@ -242,6 +243,11 @@ class AttentionState:
         self.system_keys = put("system_keys", self.system_keys)
         self.split_table = put("split_table", self.split_table)
         self.system_blocks = tuple(put(f"system_blocks.{i}", t) for i, t in enumerate(system_blocks(self.system_keys)))
+        n = -(-K // DECODE_BLOCK)
+        every = torch.arange(n, dtype=torch.int32, device=self.device).view(1, 1, 1, n).expand(B, 1, 1, n)
+        # The all-keys block mask of a decode step: its filled blocks, counted in `forward_kwargs`.
+        self.filled_blocks = (put("filled", torch.zeros(B, 1, 1, dtype=torch.int32, device=self.device)),
+                              put("every", every.contiguous()))
         self.step = put("step", torch.zeros(1, dtype=torch.long, device=self.device))
         self.first = put("first", torch.tensor(self.pads, dtype=torch.long, device=self.device))
         self.last_slot = put("last_slot", torch.zeros((), dtype=torch.long, device=self.device))
@@ -255,8 +261,10 @@ class AttentionState:
         # transformers): the memo holds this pass's, so it stays bounded over a long decode.
         self.mask_memo.clear()
         if self.step is not None:  # outside any compiled region: the graph reads them
+            slot = self.prompt_len - 1 + self._calls  # the prefill ends at the prompt's last slot
             self.step.fill_(self._calls)
-            self.last_slot.fill_(self.prompt_len - 1 + self._calls)  # the prefill ends at the prompt's last slot
+            self.last_slot.fill_(slot)
+            self.filled_blocks[0].fill_(slot // DECODE_BLOCK + 1)
         self._calls += 1
         return {"driftlab": self}
 

@@ -573,7 +573,8 @@ class HFChatBackend:
 
         calls = state._calls if state is not None else 0
         slots = 0 if state is None else state.bias_heads.shape[0]
-        key = (ids.shape[0], state is not None, slots)
+        # One graph per key; the attention implementation too (a benchmark runs stock SDPA beside driftlab's).
+        key = (ids.shape[0], state is not None, slots, self.model.config._attn_implementation)
         try:
             return static.run(lambda: self._forward(ids, mask, positions, cache, state, forward=static.step()).clone(),
                               key, lambda message: self._fallback(f"--decode compiled: {self.name}: {message}"))
@@ -591,6 +592,35 @@ class HFChatBackend:
             self._fallback(f"--decode compiled: {self.name}: {why}; it and the later steps run eagerly on the "
                            "static cache (the run's manifest records it under ran.agent.decode).")
             return self._forward(ids, mask, positions, cache, state, forward=static.step())
+
+    def warm(self, batches: Sequence[int] = (1, 2, 4, 8)) -> list[dict[str, Any]]:
+        """Compile the decode step ahead of a run: a plain and a steered call per batch bucket of
+        `batches`, each a few tokens (the cache length is dynamic, so one short prompt serves every
+        length). Compiled code lands in the compile cache (`static_decode.compile_cache_dir`), which
+        later processes read. Returns one row per (bucket, kind): graphs compiled, seconds, inductor
+        cache hits and misses."""
+        static = self._static
+        if static is None or not static.compiled:
+            raise DriftlabError(f"{self.name} does not decode with the compiled loop (--decode {self.decode_mode}"
+                                f"{': ' + self._static_refused if self._static_refused else ''}): nothing to warm.",
+                                hint="Load it with decode='compiled' (--decode compiled).")
+        if not batches or any(not isinstance(n, int) or n < 1 for n in batches):
+            raise DriftlabError(f"Batch sizes to warm must be whole numbers of at least 1, got {list(batches)}.",
+                                hint="E.g. --batch 1,2,4,8.")
+        conversation = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Say hello."}]
+        steered = Interventions.parse(["split-softmax:k=0.9", "trace", "instaboost:m=2"])
+        rows = []
+        for bucket in sorted({batch_bucket(n) for n in batches}):
+            for interventions in (Interventions(), steered):
+                before = (static.graphs, static.compile_s, static.cache_hits, static.cache_misses)
+                self.generate(ChatRequest([conversation] * bucket, Sampling(greedy=True, max_new_tokens=3,
+                                                                             ignore_eos=True),
+                                          interventions=interventions))
+                after = (static.graphs, static.compile_s, static.cache_hits, static.cache_misses)
+                graphs, seconds, hits, misses = (a - b for a, b in zip(after, before, strict=True))
+                rows.append({"batch": bucket, "steered": interventions is steered, "graphs": graphs,
+                             "compile_s": round(seconds, 2), "cache_hits": hits, "cache_misses": misses})
+        return rows
 
     def ran(self) -> dict[str, Any]:
         """What decoded, known once the work is done (the run's manifest records it at completion,
@@ -753,7 +783,11 @@ class _Decoding:
             if sampling.json_schema is not None else None
         self.sampled: list[list[int]] = [[] for _ in range(B)]  # includes the EOS that ended a row
         self.scored: list[list[TokenLogprob]] = [[] for _ in range(B)]
-        self.finished = torch.zeros(B, dtype=torch.bool, device=backend.device)
+        # Which batch positions are done, on the host: the loop decides from it without reading the
+        # device (the step's one device-to-host copy is the sampled tokens, in `take`); a device
+        # copy for `sample` is made again only when a row ends.
+        self.finished = [False] * B
+        self._finished_on_device: torch.Tensor | None = None
         self.reasons = ["length"] * B
         self._layout(interventions)
         # A row's reply is known when it finishes, unless pi traces (built at the end) are asked for.
@@ -821,7 +855,16 @@ class _Decoding:
 
     @property
     def done(self) -> bool:
-        return bool(self.finished.all())
+        return all(self.finished)
+
+    def _end(self, i: int) -> None:
+        self.finished[i] = True
+        self._finished_on_device = None
+
+    def _finished_mask(self) -> torch.Tensor:
+        if self._finished_on_device is None:
+            self._finished_on_device = torch.tensor(self.finished, device=self.backend.device)
+        return self._finished_on_device
 
     def _twin(self, i: int) -> int:
         return i + self.n_cond if self.guidance is not None else i
@@ -829,10 +872,11 @@ class _Decoding:
     def cancel(self, cancelled: Callable[[int], bool]) -> bool:
         """End the (conditional) rows whose request was cancelled, and their guidance twins; True
         when no row is left."""
-        for i in torch.nonzero(~self.finished[: self.n_cond]).flatten().tolist():
+        for i in [i for i in range(self.n_cond) if not self.finished[i]]:
             b = self.live[i]
             if cancelled(b):
-                self.finished[i] = self.finished[self._twin(i)] = True
+                self._end(i)
+                self._end(self._twin(i))
                 self.reasons[b] = "cancelled"
                 if self.early is not None:
                     self.early(b, self.reply(b))
@@ -849,7 +893,8 @@ class _Decoding:
             shaped = self.constraint(shaped, rows, self.sampled)
         drawn = _sample(shaped, self.warpers, [self.gens[b] for b in rows])
         nxt = drawn if self.guidance is None else torch.cat([drawn, drawn])
-        nxt = torch.where(self.finished, torch.full_like(nxt, self.backend.pad_id), nxt)
+        if any(self.finished):
+            nxt = torch.where(self._finished_mask(), torch.full_like(nxt, self.backend.pad_id), nxt)
         self._top = _top_logprobs(mixed, nxt[: self.n_cond], self.logprobs) if self.logprobs is not None else None
         return nxt
 
@@ -859,7 +904,7 @@ class _Decoding:
         """Append each running row's token; end rows at EOS, a stop string or their own limit."""
         backend, ignore_eos = self.backend, self.sampling.ignore_eos
         tokens = nxt.tolist()  # one device-to-host copy per step, not one per row
-        running = torch.nonzero(~self.finished).flatten().tolist()
+        running = [i for i, done in enumerate(self.finished) if not done]
         for i in running:
             b, tok = self.live[i], tokens[i]
             self.sampled[b].append(tok)
@@ -871,11 +916,11 @@ class _Decoding:
                 if on_token is not None:
                     on_token(b, tok)
             if row_max_tokens is not None and len(self.sampled[b]) >= row_max_tokens[b]:
-                self.finished[i] = True
+                self._end(i)
             if ignore_eos:
                 continue
             if tok in backend.eos_ids or (backend.renderer.stop_strings and backend._hit_stop(self.sampled[b])):
-                self.finished[i] = True
+                self._end(i)
                 self.reasons[b] = "stop"
         if self.early is not None:
             for i in running:
@@ -886,21 +931,23 @@ class _Decoding:
         """Drop finished rows from the batch once a quarter of it is done (one copy of the cache);
         their prefixes are stored first. Returns the next tokens of the rows kept."""
         self.positions = self.positions[:, -1:] + 1
-        done = int(self.finished[: self.n_cond].sum())
+        done = sum(self.finished[: self.n_cond])
         if not self.compacting or not done or 4 * done < self.n_cond:
             return nxt
-        keep = torch.nonzero(~self.finished[: self.n_cond]).flatten()
+        keep = [i for i in range(self.n_cond) if not self.finished[i]]
         if self.guidance is not None:
-            keep = torch.cat([keep, keep + self.n_cond])
-        gone = sorted(set(range(len(self.live))) - set(keep.tolist()))
+            keep += [i + self.n_cond for i in keep]
+        gone = sorted(set(range(len(self.live))) - set(keep))
         self._store(at={i: self.live[i] for i in gone})
-        self.cache.batch_select_indices(keep)
+        index = torch.tensor(keep, device=self.backend.device)
+        self.cache.batch_select_indices(index)
         if self.state is not None:
-            self.state.select_rows(keep.tolist())
-        self.live = [self.live[i] for i in keep.tolist()]
+            self.state.select_rows(keep)
+        self.live = [self.live[i] for i in keep]
         self.n_cond = len(self.live) // 2 if self.guidance is not None else len(self.live)
-        self.mask, self.positions, self.finished = self.mask[keep], self.positions[keep], self.finished[keep]
-        return nxt[keep]
+        self.mask, self.positions = self.mask[index], self.positions[index]
+        self.finished, self._finished_on_device = [self.finished[i] for i in keep], None
+        return nxt[index]
 
     def feed(self, nxt: torch.Tensor) -> None:
         """One forward pass of the sampled tokens (the static cache's compiled step, or the dynamic one)."""

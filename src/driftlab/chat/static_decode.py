@@ -103,12 +103,21 @@ def compile_cache_dir() -> Path:
     return cache_root() / "compile" / tag.replace("+", "_")
 
 
+# The user's own inductor cache, if they chose one (read before inductor sets its default there).
+_USER_CACHE_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
 def use_compile_cache() -> Path:
-    """Point inductor's caches at `compile_cache_dir` (unless the user set TORCHINDUCTOR_CACHE_DIR)."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    """Point inductor's caches at `compile_cache_dir`, unless the user set TORCHINDUCTOR_CACHE_DIR.
+    Inductor reads the variable at each use (and writes its /tmp default there on first use)."""
+    if _USER_CACHE_DIR is None:
         path = compile_cache_dir()
-        path.mkdir(parents=True, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(path):
+            path.mkdir(parents=True, exist_ok=True)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+            from torch._inductor.utils import clear_caches
+
+            clear_caches()  # what inductor memoised about the old directory
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
@@ -164,11 +173,11 @@ class StaticDecoder:
         self.cache: Any = None
         self.arena: dict[str, torch.Tensor] = {}
         # What ran, for the run's manifest and the benchmark's labels (`ran`): graphs dynamo
-        # compiled for the step, per graph key (batch bucket, steered, bias slots); the (batch,
+        # compiled for the step, per graph key (batch bucket, steered, bias slots, attention); the (batch,
         # cache length) shapes decoded; compile seconds and inductor cache hits / misses; the
         # guards that failed past the budget; and why compiled steps stopped (None: they did not).
         self.graphs = 0
-        self.per_key: dict[tuple[int, bool, int], int] = {}
+        self.per_key: dict[tuple[int, bool, int, str], int] = {}
         self.shapes: set[tuple[int, int]] = set()
         self.compile_s = 0.0
         self.cache_hits = self.cache_misses = 0
@@ -182,8 +191,8 @@ class StaticDecoder:
         facts: dict[str, Any] = {"loop": "compiled" if self.compiled else "static", "shapes": len(self.shapes)}
         if self._step is not None or self.eager_reason:
             facts["graphs"] = self.graphs
-            facts["graph_keys"] = [{"batch": b, "steered": s, "bias_slots": j, "graphs": n}
-                                   for (b, s, j), n in sorted(self.per_key.items())]
+            facts["graph_keys"] = [{"batch": b, "steered": s, "bias_slots": j, "attention": a, "graphs": n}
+                                   for (b, s, j, a), n in sorted(self.per_key.items())]
             facts["compile_s"] = round(self.compile_s, 2)
             facts["compile_cache"] = {"hits": self.cache_hits, "misses": self.cache_misses}
         if self.over_budget:
@@ -223,14 +232,24 @@ class StaticDecoder:
                 torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
             use_compile_cache()
             options = COMPILE_OPTIONS.get(self.model.device.type, COMPILE_OPTIONS["cpu"])
-            self._step = torch.compile(self.model.forward, **options)
+            compiled = torch.compile(self.model.forward, **options)
+
+            def step(*args, **kwargs):
+                # Python floats (a layer's scaling, a norm's epsilon) as constants: under dynamic=True
+                # dynamo would make them graph inputs read with .item(), CPU scalars that keep a step
+                # out of CUDA graphs. Only shapes are meant to be dynamic.
+                with torch._dynamo.config.patch(specialize_float=True):
+                    return compiled(*args, **kwargs)
+
+            self._step = step
         return self._step
 
-    def run(self, forward: Callable[[], torch.Tensor], key: tuple[int, bool, int],
+    def run(self, forward: Callable[[], torch.Tensor], key: tuple[int, bool, int, str],
             say: Callable[[str], None]) -> torch.Tensor:
         """Run one compiled step (`forward`), counting what it compiled against the budget:
-        `key` is the step's graph key (batch bucket, steered, bias slots). A graph past one per
-        key is said once through `say`, naming the guard that failed, and kept in `over_budget`."""
+        `key` is the step's graph key (batch bucket, steered, bias slots, attention implementation). A
+        graph past one per key is said once through `say`, naming the guard that failed, and kept in
+        `over_budget`."""
         from torch._dynamo.utils import counters, guard_failures
 
         graphs = counters["stats"]["unique_graphs"]
@@ -249,21 +268,21 @@ class StaticDecoder:
                     reasons = [r for code, rs in guard_failures.items() for r in rs[failed.get(code, 0):]]
                     self._over_budget(key, reasons, say)
 
-    def _compiled(self, key: tuple[int, bool, int], new: int, seconds: float, hits: int, misses: int) -> None:
+    def _compiled(self, key: tuple[int, bool, int, str], new: int, seconds: float, hits: int, misses: int) -> None:
         self.graphs += new
         self.per_key[key] = self.per_key.get(key, 0) + new
         self.compile_s += seconds
         self.cache_hits += hits
         self.cache_misses += misses
-        batch, steered, slots = key
+        batch, steered, slots, _ = key
         served = "served by the compile cache" if hits and not misses else \
             f"compile cache: {hits} hits, {misses} misses"
         logger.info("compiled the %s decode step for batch %d%s in %.1f s (%s)", "steered" if steered else "plain",
                     batch, f", {slots} bias slots" if steered else "", seconds, served)
 
-    def _over_budget(self, key: tuple[int, bool, int], reasons: list[str], say: Callable[[str], None]) -> None:
+    def _over_budget(self, key: tuple[int, bool, int, str], reasons: list[str], say: Callable[[str], None]) -> None:
         guard = failed_guard(reasons)
-        batch, steered, slots = key
+        batch, steered, _, _ = key
         self.over_budget.append(f"batch {batch} {'steered' if steered else 'plain'}: {guard}")
         if len(self.over_budget) == 1:
             say(f"the {'steered' if steered else 'plain'} decode step for batch {batch} compiled again, past the "

@@ -127,6 +127,39 @@ def pull_model(
     typer.echo(str(path))
 
 
+@app.command("warm")
+def warm_model(
+    name: str = typer.Argument(DEFAULT_MODEL, help="Preset name, local HF model dir, or Hub id org/name[@revision]."),
+    batch: str = typer.Option("1,2,4,8", help="Batch sizes to compile for, comma-separated (each rounds up to a "
+                                              "power of two: the batch buckets the decode loop runs)."),
+    dtype: str = typer.Option("auto", help="auto, bfloat16, float16 or float32: as the runs will use."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N: as the runs will use."),
+) -> None:
+    """Compile a model's decode loop ahead of a run (--decode compiled): a plain and a steered graph per
+    batch bucket, kept in driftlab's compile cache, so a later run's process loads them instead of
+    compiling. Prints what each compile took and whether the cache served it."""
+    from driftlab.api import warm
+    from driftlab.chat.static_decode import use_compile_cache
+
+    try:
+        batches = [int(x) for x in batch.split(",") if x.strip()]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        raise DriftlabError(f"--batch {batch!r} is not a list of batch sizes.", hint="E.g. --batch 1,2,4,8.")
+    rows = warm(name, batches, dtype=dtype, device=device)
+    table = Table(title=f"decode graphs of {name} (compile cache: {use_compile_cache()})")
+    for column in ("batch", "kind", "graphs compiled", "seconds", "cache hits", "cache misses"):
+        table.add_column(column, no_wrap=True)
+    for r in rows:
+        table.add_row(str(r["batch"]), "steered" if r["steered"] else "plain", str(r["graphs"]), f"{r['compile_s']:.1f}",
+                      str(r["cache_hits"]), str(r["cache_misses"]))
+    console.print(table)
+    total = sum(r["compile_s"] for r in rows)
+    typer.echo(f"warmed {len(rows)} graphs of {name} in {total:.1f} s; cache hits {sum(r['cache_hits'] for r in rows)}, "
+               f"misses {sum(r['cache_misses'] for r in rows)}")
+
+
 @app.command("info")
 def info(name: str = typer.Argument(..., help="Preset name or Hub id org/name.")) -> None:
     """Show what a preset is, its pitfalls, and its local state (for a Hub id: its cached revisions)."""

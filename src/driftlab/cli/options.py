@@ -40,8 +40,9 @@ QuantizeOpt = Annotated[str | None, typer.Option(
     help="Load the weights in 8bit or 4bit (bitsandbytes; needs a CUDA GPU and `pip install bitsandbytes`).")]
 DecodeOpt = Annotated[str, typer.Option(
     help="Decode loop of a local model: 'dynamic' (a dynamic KV cache), 'static' (a static cache), 'compiled' "
-         "(a static cache and torch.compile: CUDA graphs on a GPU; compiles a few times first) or 'auto' (dynamic, "
-         "for now on every device). Where a static cache cannot serve the model, it stays dynamic (said once).")]
+         "(a static cache and torch.compile: CUDA graphs on a GPU; compiles a plain and a steered graph per batch "
+         "size first, kept in driftlab's cache: `driftlab models warm`) or 'auto' (compiled on CUDA, dynamic "
+         "elsewhere). Where a static cache cannot serve the model, it stays dynamic.")]
 SpanOpt = Annotated[str, typer.Option(
     help="Which tokens count as the system prompt: 'content' (its text, as the paper's pi) or 'prefix' "
          "(its whole rendered turn from position 0, with the template header and the attention sink).")]
