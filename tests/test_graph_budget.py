@@ -77,8 +77,9 @@ def _kernel(name: str):
 
 @pytest.fixture(autouse=True)
 def _cheap_compile_and_strict_flex(monkeypatch: pytest.MonkeyPatch) -> None:
-    """dynamo with aot_eager (no code generation: seconds per graph here), the production
-    options otherwise; and a call the flex path hands back to SDPA is an error."""
+    """On a CPU, dynamo with aot_eager (no code generation: seconds per graph here) and the
+    production options otherwise; on a GPU the production compile itself (CUDA graphs). And a call
+    the flex path hands back to SDPA is an error."""
     import driftlab.chat.static_decode as sd
     from driftlab.attention import engine
 
@@ -156,7 +157,8 @@ def test_a_graph_past_the_budget_is_said_once_naming_the_guard(tmp_path: Path, m
     recorded; the tokens stay those of the dynamic loop."""
     import driftlab.chat.static_decode as sd
 
-    monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {"backend": "aot_eager", "fullgraph": True, "dynamic": False})
+    device_type = backend_device().split(":")[0]
+    monkeypatch.setitem(sd.COMPILE_OPTIONS, device_type, {"backend": "aot_eager", "fullgraph": True, "dynamic": False})
     path = make_tiny_model("llama", tmp_path / "llama")
     compiled = HFChatBackend(str(path), dtype="float32", device=backend_device(), prefix_cache_bytes=0,
                              decode="compiled")

@@ -35,7 +35,7 @@ from types import ModuleType
 import torch
 
 from driftlab.attention import decode
-from driftlab.attention.kernels import attend_sdpa, flash_ok, split_softmax, system_share
+from driftlab.attention.kernels import attend_sdpa, flash_ok, merge_fn, split_softmax, system_share
 from driftlab.attention.state import DECODE_BLOCK, AttentionState
 from driftlab.errors import DriftlabError
 
@@ -505,10 +505,10 @@ def _flex_path(state: AttentionState, layer: int, query: torch.Tensor, key: torc
     else:
         a, b = sys_range
         sys_bias = None if key_bias is None else key_bias[..., a:b]
-        o_sys, lse_sys = flex.attend(query, key[:, :, a:b], value[:, :, a:b], sys_mask, sys_bias, scale, lse=True)
-        pi, rest = system_share(lse_all, lse_sys)
-        if split_heads is not None:
-            out = split_softmax(out, o_sys, pi, rest, split_heads)
+        # Tracing alone needs only the system pass's LSE: its output is 16 channels wide, not d.
+        sys_value = value[:, :, a:b] if split_heads is not None or value.shape[-1] <= 16 else value[:, :, a:b, :16]
+        o_sys, lse_sys = flex.attend(query, key[:, :, a:b], sys_value, sys_mask, sys_bias, scale, lse=True)
+        out, pi = merge_fn(query.device)(out, o_sys, lse_all, lse_sys, split_heads)
     if state.trace:
         state.record(layer, pi[..., 0])
     return out

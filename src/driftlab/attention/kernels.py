@@ -97,3 +97,26 @@ def split_softmax(out: torch.Tensor, o_sys: torch.Tensor, pi: torch.Tensor, rest
     new = pk * s32 + w * (o32 - pi * s32)
     new = torch.where(pi > 0, new, o32)  # no system key visible: unchanged (o_sys is garbage there)
     return torch.where(k != 1, new.to(out.dtype), out)
+
+
+def merge(out: torch.Tensor, o_sys: torch.Tensor, lse_all: torch.Tensor, lse_sys: torch.Tensor,
+          k: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The epilogue of the two attention calls: (the output, split-softmax applied with per-head
+    strengths `k` where given; pi [B, H, q, 1])."""
+    pi, rest = system_share(lse_all, lse_sys)
+    return (out if k is None else split_softmax(out, o_sys, pi, rest, k)), pi
+
+
+_merge_compiled = None
+
+
+def merge_fn(device: torch.device):
+    """`merge` as one compiled function on GPUs: eager, a prefill's epilogue is ~20 kernels per
+    layer, half of them over the whole float32 output; compiled it is a few fused ones. Eager on
+    a CPU, and inside a compiled region (a decode step), which fuses it anyway."""
+    global _merge_compiled
+    if device.type == "cpu" or torch.compiler.is_compiling():
+        return merge
+    if _merge_compiled is None:
+        _merge_compiled = torch.compile(merge, dynamic=True)
+    return _merge_compiled
