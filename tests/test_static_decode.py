@@ -368,6 +368,20 @@ def test_prefix_cache_hit_fills_the_static_cache(tiny_dir: Path, backends, mode:
     _assert_same(_run(backends["dynamic"], specs), first)
 
 
+def test_alternating_batch_buckets_keep_their_caches(backends) -> None:
+    """A self-chat alternates batch sizes (CFG's agent turns have twice the rows of the user's): each
+    bucket keeps its own cache, so neither is reallocated (nor its captured graphs recorded again);
+    a third bucket lets the least recently used one go."""
+    static = backends["static"]._static
+    caches = {}
+    for convs in (CONVS, CONVS[:1], CONVS, CONVS[:1]):
+        _run(backends["static"], [], convs=convs)
+        caches.setdefault(len(convs), set()).add(id(static.cache))
+    assert {n: len(ids) for n, ids in caches.items()} == {2: 1, 1: 1}
+    _run(backends["static"], [], convs=CONVS * 2)  # bucket 4: bucket 2 (used before 1) goes
+    assert list(static._held) == [1, 4]
+
+
 def test_guidance_rows_decode_statically(backends) -> None:
     """CFG decodes each conversation beside its unconditional twin, as extra batch rows."""
     request = ChatRequest(CONVS, GREEDY, interventions=_iv(["cfg:alpha=1.5"]))

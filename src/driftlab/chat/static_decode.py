@@ -40,6 +40,7 @@ import logging
 import os
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_args
@@ -156,26 +157,30 @@ def failed_guard(reasons: list[str]) -> str:
 
 
 class StaticDecoder:
-    """One backend's static-decode resources, kept between calls: the compiled step, the
-    static cache and the attention state's static tensors (`arena`), and what compiling cost.
+    """One backend's static-decode resources, kept between calls: the compiled step, a static
+    cache and the attention state's static tensors (`arena`) per batch bucket, the last
+    `KEEP_CACHES` buckets used, and what compiling cost.
 
-    Reusing them keeps the addresses a captured CUDA graph reads, so a call of the same batch
-    bucket whose prompt fits the cache in hand replays the graphs of the last one instead of
-    recording new ones; a new batch bucket or a longer prompt replaces them (one cache in
-    memory at a time).
+    Reusing them keeps the addresses a captured CUDA graph reads, so a call of a bucket in hand
+    whose prompt fits its cache replays the graphs recorded for it instead of recording new ones.
+    Two buckets are kept because a self-chat alternates them (CFG's agent turns have twice the
+    rows of the user's turns): one cache would be reallocated, and its graphs recorded again, at
+    every call. A longer prompt replaces its bucket's cache with a longer one.
     """
+
+    KEEP_CACHES = 2
 
     def __init__(self, model: Any, compiled: bool) -> None:
         self.model = model
         self.compiled = compiled
         self._step: Any = None
-        self._key: tuple | None = None
-        self.cache: Any = None
-        self.arena: dict[str, torch.Tensor] = {}
+        # batch bucket -> (cache length, cache, arena), the most recently used last
+        self._held: OrderedDict[int, tuple[int, Any, dict[str, torch.Tensor]]] = OrderedDict()
+        self._batch: int | None = None  # the bucket of the current call
         # What ran, for the run's manifest and the benchmark's labels (`ran`): graphs dynamo
-        # compiled for the step, per graph key (batch bucket, steered, bias slots, attention); the (batch,
-        # cache length) shapes decoded; compile seconds and inductor cache hits / misses; the
-        # guards that failed past the budget; and why compiled steps stopped (None: they did not).
+        # compiled for the step, per graph key (batch bucket, steered, bias slots, attention); the
+        # (batch, cache length) shapes decoded; compile seconds and inductor cache hits / misses;
+        # the guards that failed past the budget; and why compiled steps stopped (None: they did not).
         self.graphs = 0
         self.per_key: dict[tuple[int, bool, int, str], int] = {}
         self.shapes: set[tuple[int, int]] = set()
@@ -202,25 +207,40 @@ class StaticDecoder:
         return facts
 
     def new_cache(self, batch: int, length: int) -> Any:
-        """An empty `StaticCache` of at least `length` slots for `batch` rows: the one in hand,
-        reset, when it has the rows and slots enough; else a new one of `cache_length` slots."""
+        """An empty `StaticCache` of at least `length` slots for `batch` rows: the bucket's own,
+        reset, when it has slots enough; else a new one of `length` slots (the least recently used
+        bucket's cache is let go past `KEEP_CACHES`)."""
         from transformers import StaticCache
 
-        if self.cache is not None and self._key[0] == batch and self._key[1] >= length:
-            self.shapes.add(self._key)
-            self.cache.reset()
-            return self.cache
-        key = (batch, length)
-        self.shapes.add(key)
-        self._key, self.arena = key, {}
-        self.cache = None  # free the old cache before allocating the new one
-        self.cache = StaticCache(config=self.model.config, max_cache_len=length)
-        return self.cache
+        held = self._held.get(batch)
+        self._batch = batch
+        if held is not None and held[0] >= length:
+            self._held.move_to_end(batch)
+            self.shapes.add((batch, held[0]))
+            held[1].reset()
+            return held[1]
+        self.shapes.add((batch, length))
+        self._held.pop(batch, None)  # free the old caches before allocating the new one
+        while len(self._held) >= self.KEEP_CACHES:
+            self._held.popitem(last=False)
+        cache = StaticCache(config=self.model.config, max_cache_len=length)
+        self._held[batch] = (length, cache, {})
+        return cache
+
+    @property
+    def cache(self) -> Any:
+        """The current call's static cache (None before the first)."""
+        return self._held[self._batch][1] if self._batch in self._held else None
+
+    @property
+    def arena(self) -> dict[str, torch.Tensor]:
+        """The attention state's static tensors of the current call's cache."""
+        return self._held[self._batch][2]
 
     @property
     def length(self) -> int:
-        """The key slots of the cache in hand."""
-        return self._key[1]
+        """The key slots of the current call's cache."""
+        return self._held[self._batch][0]
 
     def step(self) -> Any:
         """The forward function of one decode step: `model.forward`, compiled in `compiled` mode."""
