@@ -15,6 +15,7 @@ records fails the suite.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 from collections.abc import Callable
@@ -148,10 +149,13 @@ def _bold(text: str, p: float) -> str:
     return f"**{text}**" if np.isfinite(p) and p < 0.05 else text
 
 
+@functools.cache
 def _sweep(name: str) -> pd.DataFrame:
+    """The sweep's table recomputed from its points' records (never the committed sweep.csv, which
+    could be stale: tests/test_results_figures.py checks that file against the records too)."""
     from driftlab.report.sweep import sweep_table
 
-    return pd.read_csv(HERE / name / "sweep.csv") if (HERE / name / "sweep.csv").exists() else sweep_table(HERE / name)
+    return sweep_table(HERE / name, write=False)
 
 
 def sweep_stability(name: str = "sweep-ref-20") -> str:

@@ -42,7 +42,7 @@ def run(
         help="p_A for --user-probe: 'own' (each user persona's own probe, as in Li et al. 2024, persona drift) or "
              "'crafted-or-generic' (the rule of the revised paper, Li et al., COLM 2024: a probe crafted to break "
              "the persona where the paper prints one, a generic question drawn from a set where the persona's own "
-             "probe is generic). '000' and '001', their names in earlier versions, are accepted.")] = "own",
+             "probe is generic). Runs recorded under the names earlier versions used resume as these.")] = "own",
     starters: Annotated[str, typer.Option(
         help="Conversation starters a_1: 'reference' (the reference code's 45 topics) or 'driftlab'.")] = "reference",
     ablation: Annotated[bool, typer.Option(help="Also run each pair with an empty user system prompt.")] = False,

@@ -52,8 +52,9 @@ COLORS = {"plain": "0.2", "split-softmax": "tab:blue", "spr": "tab:orange", "cfg
           "instaboost": "tab:purple", "bias": "tab:brown"}
 
 
-def sweep_table(out: str | Path) -> pd.DataFrame:
-    """One row per point of a finished sweep (plain first, then grid order); also RUN/sweep.csv.
+def sweep_table(out: str | Path, *, write: bool = True) -> pd.DataFrame:
+    """One row per point of a finished sweep (plain first, then grid order); also RUN/sweep.csv
+    (unless `write` is False: a reader that only wants the numbers, from the records).
 
     Each steered point is compared with the plain point on the same pairs and questions:
     its stability gain by the Wilcoxon signed-rank test over conversations (`gain_*`), its
@@ -128,7 +129,8 @@ def sweep_table(out: str | Path) -> pd.DataFrame:
         table = table.rename(columns=BENCH_NAMES)
         table.insert(table.columns.get_loc("bench_accuracy"), "benchmark", config["benchmark"])
         table.insert(table.columns.get_loc("bench_accuracy"), "bench_metric", _bench_plan(out)["metric"])
-    table.to_csv(out / "sweep.csv", index=False)
+    if write:
+        table.to_csv(out / "sweep.csv", index=False)
     return table
 
 

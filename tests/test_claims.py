@@ -1,0 +1,49 @@
+"""What a reader meets names nothing they cannot see: no tracker numbers ("issue 21") and no paths
+outside the repository (`../shared`) in README, docs or what the benchmarks print, and no internal
+document numbers of the papers ('000', '001') in the CLI's help."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROSE = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "benchmarks").glob("*.py"))]
+ISSUE = re.compile(r"\bissues?\s+#?\d+", re.IGNORECASE)
+OUTSIDE = re.compile(r"\.\./shared|shared/(?:GPU|DESIGN)\.md|shared/seeds")
+
+
+@pytest.mark.parametrize("path", PROSE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_prose_cites_no_tracker_number_and_no_file_outside_the_repository(path: Path) -> None:
+    text = path.read_text(encoding="utf-8")
+    found = [m.group(0) for m in ISSUE.finditer(text)] + [m.group(0) for m in OUTSIDE.finditer(text)]
+    assert not found, f"{path.relative_to(ROOT)}: {found}"
+
+
+def test_the_scan_finds_what_it_looks_for() -> None:
+    assert ISSUE.search("as issue 21 asks") and ISSUE.search("Issues #4") and OUTSIDE.search("see ../shared/GPU.md")
+    assert not ISSUE.search("a tissue 3 layers thick") and not OUTSIDE.search("shared/ memory")
+
+
+def _commands(group, path=()):
+    """Every (sub)command path of the Typer app, as click sees it."""
+    yield path
+    for name, command in getattr(group, "commands", {}).items():
+        yield from _commands(command, (*path, name))
+
+
+def test_help_names_papers_not_internal_document_numbers() -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    from driftlab.cli import app
+
+    runner = CliRunner()
+    paths = list(_commands(typer.main.get_command(app)))
+    assert ("run",) in paths and ("models", "warm") in paths and len(paths) >= 30
+    for path in paths:
+        result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, (path, result.output)
+        assert not re.search(r"(?<![\d.])00[0-2](?![\d.])", result.output), (path, result.output)
