@@ -211,3 +211,21 @@ def test_a_second_process_loads_the_compiled_steps_from_the_cache(tmp_path: Path
         counts.append(tuple(int(x) for x in found.groups()))
     assert counts[0] == (2, 0, 2) and counts[1] == (2, 2, 0), counts
     assert any((tmp_path / "cache" / "compile").iterdir())
+
+
+def test_warming_a_model_that_does_not_compile_is_a_one_line_error(tmp_path: Path) -> None:
+    import driftlab as dl
+    from driftlab.errors import DriftlabError
+
+    path = make_tiny_model("llama", tmp_path / "llama")
+    backend = HFChatBackend(str(path), dtype="float32", device=backend_device(), prefix_cache_bytes=0,
+                            decode="dynamic")
+    with pytest.raises(DriftlabError, match="does not decode with the compiled loop") as err:
+        backend.warm()
+    assert "decode='compiled'" in err.value.hint
+    with pytest.raises(DriftlabError, match="decode='dynamic' has none to compile"):
+        dl.warm(str(path), decode="dynamic")
+    compiled = HFChatBackend(str(path), dtype="float32", device=backend_device(), prefix_cache_bytes=0,
+                             decode="compiled")
+    with pytest.raises(DriftlabError, match="whole numbers of at least 1"):
+        compiled.warm([0, 2])
