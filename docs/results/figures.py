@@ -229,7 +229,55 @@ def sweep_context(name: str = "sweep-ref-20") -> str:
     return "\n".join(lines)
 
 
+# -- llamacpp-smollm2 ------------------------------------------------------------------------
+def _jsonl(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def llamacpp(name: str = "llamacpp-smollm2") -> str:
+    """driftlab's OpenAI backend on llama.cpp's server vs its local backend, from the committed run
+    directories and check.json (docs/results/llamacpp-smollm2/check.py)."""
+    import json
+
+    out = HERE / name
+    facts = json.loads((out / "check.json").read_text(encoding="utf-8"))
+
+    def keyed(run: str) -> dict:
+        return {(r["pair"], r["round"], r["kind"], r.get("speaker"), r["condition"]): r
+                for r in _jsonl(out / run / "records.jsonl")}
+
+    server, local = keyed("selfchat-server"), keyed("selfchat-local")
+    same = sum(server[k]["text"] == local[k]["text"] for k in server)
+    answers = {run: {r["index"]: r for r in _jsonl(out / run / "records.jsonl") if r["kind"] == "answer"}
+               for run in ("mmlu-server", "mmlu-local")}
+    letters = sum(answers["mmlu-server"][i]["predicted"] == answers["mmlu-local"][i]["predicted"]
+                  for i in answers["mmlu-local"])
+    diff = max(abs(answers["mmlu-server"][i]["logprobs"][x] - r["logprobs"][x])
+               for i, r in answers["mmlu-local"].items() for x in "ABCD")
+    lines = ["| conversation (last message) | prompt tokens: server / driftlab | server as an OpenAI client gets it "
+             "(repeat_penalty 1.1) = its greedy? | server greedy = driftlab greedy? | where they part: server's / "
+             "driftlab's top 2 (log-prob) |", "|---|---|---|---|---|"]
+    for x in facts["prompts"]:
+        last = x["messages"][-1]["content"]
+        parted = "-" if "parted_at_token" not in x else (
+            f"token {x['parted_at_token']}: " + ", ".join(f"`{t!r}` {lp}" for t, lp in x["server_top2"]) + " / "
+            + ", ".join(f"`{t!r}` {lp}" for t, lp in x["driftlab_top2"]))
+        lines.append(f"| {last[:48]}{'...' if len(last) > 48 else ''} | {x['server_prompt_tokens']} / "
+                     f"{x['driftlab_prompt_tokens']} | {'yes' if x['server_reply_as_client'] == x['server_reply'] else 'no'} "
+                     f"| {'yes' if x['server_reply'] == x['driftlab_reply'] else 'no'} | {parted} |")
+    lines += ["", f"Self-chat through driftlab's OpenAI backend ({len(server)} records each way, greedy, 24-token "
+                  f"turns and probes): {same} of {len(server)} replies identical to the local backend's. MMLU, "
+                  f"{len(answers['mmlu-local'])} questions: the same letter {letters} of "
+                  f"{len(answers['mmlu-local'])} times, letter log-probabilities at most {diff:.3f} apart.",
+              f"Checked on {facts['date']} (commit {facts['commit']}, llama-cpp-python {facts['llama_cpp_python']}, "
+              f"{facts['machine']})."]
+    return "\n".join(lines)
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "llamacpp-smollm2": llamacpp,
     "qwen-paper-20-rounds": qwen_paper_rounds,
     "qwen-paper-20-tests": qwen_paper_tests,
     "decay-qwen-20": decay_rounds,
