@@ -35,6 +35,9 @@ def main() -> int:
     size.add_argument("--full", action="store_true", help="the long sizes (can take tens of minutes on a CPU)")
     size.add_argument("--paper", action="store_true",
                       help="gpu only: the persona-drift paper's experiment at full scale (minutes per mode on an H100)")
+    parser.add_argument("--record", type=Path, metavar="FILE",
+                        help="also write everything printed to FILE, after a header of the command, date, commit, "
+                             "machine and versions (docs/results/bench/ holds the committed ones)")
     args = parser.parse_args()
     if args.paper and args.name != "gpu":
         parser.error("--paper is a size of the gpu benchmark only")
@@ -51,7 +54,7 @@ def main() -> int:
 
     from driftlab.errors import DriftlabError
 
-    console = Console()
+    console = Console(record=args.record is not None)
     try:
         threads, default = pin_threads()
     except DriftlabError as err:
@@ -79,7 +82,32 @@ def main() -> int:
         console.print(f"[dim]{note}[/]")
     for key, value in result.results.items():
         print(f"RESULT {key}={value}")
+    if args.record is not None:
+        write_record(args.record, console.export_text(), result.results)
     return 0
+
+
+def write_record(path: Path, printed: str, results: dict[str, str]) -> None:
+    """The run as a reader re-derives a sentence from it: the command and where it ran, then the
+    tables and notes as printed, then the RESULT lines."""
+    import datetime
+    import os
+    import subprocess
+
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else \
+        platform.processor()
+    header = [f"command: python benchmarks/run.py {' '.join(sys.argv[1:])}",
+              f"date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+              f"commit: {commit.strip() or 'unknown'}",
+              f"machine: {os.cpu_count()} cores, {cpu}; torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads, cuda={torch.cuda.is_available()}",
+              "n: one run", ""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(header) + printed + "".join(f"RESULT {k}={v}\n" for k, v in results.items()))
 
 
 if __name__ == "__main__":
