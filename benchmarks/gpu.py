@@ -525,6 +525,22 @@ def numeric_check(shape: str, device: torch.device, results: dict, notes: list) 
     return table
 
 
+def timed_selfchat(backend, cfg) -> tuple[float, int, int]:
+    """(wall seconds, records, generated tokens) of driftlab's self-chat protocol run with `cfg`."""
+    from driftlab.protocol.dialog import RECORDS
+    from driftlab.protocol.runner import run_protocol
+    from driftlab.protocol.selfchat import SelfChat
+
+    with tempfile.TemporaryDirectory() as out:
+        sync()
+        t = time.perf_counter()
+        rundir = run_protocol(SelfChat(cfg, backend), out, progress=False)
+        sync()
+        seconds = time.perf_counter() - t
+        recs = rundir.records(RECORDS)
+    return seconds, len(recs), sum(r.n_tokens for r in recs)
+
+
 # -- the paper's experiment --------------------------------------------------------------------------
 # (shape, pairs, rounds, turn tokens, probe tokens, batch): the persona-drift paper's experiment (100
 # pairs x 8 rounds, 200-token turns, 400-token probes) on the Llama-2-7B shape; a tiny check on a CPU.
@@ -537,9 +553,7 @@ def paper_run(device: torch.device, dtype: torch.dtype, results: dict, notes: li
     """The paper's self-chat at full scale, per mode: a warm-up run (one batch, one round: it
     compiles the graphs), then the whole run, timed (see the module docstring)."""
     from driftlab.chat import Sampling
-    from driftlab.protocol.dialog import RECORDS
-    from driftlab.protocol.runner import run_protocol
-    from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
+    from driftlab.protocol.selfchat import SelfChatConfig
 
     shape, pairs, rounds, tokens, probe, batch = PAPER["cuda" if CUDA else "cpu"]
     batch = int(_positive("GPUBENCH_PAPER_BATCH", os.environ.get("GPUBENCH_PAPER_BATCH", batch)))
@@ -553,17 +567,10 @@ def paper_run(device: torch.device, dtype: torch.dtype, results: dict, notes: li
                   columns=["mode", "warm-up s", "wall s", "records", "tokens", "tok/s"])
 
     def once(specs: list[str], n_pairs: int, n_rounds: int) -> tuple[float, int, int]:
-        cfg = SelfChatConfig(pairs=n_pairs, rounds=n_rounds, batch_size=batch, seed=1, steer=specs,
-                             sampling=Sampling(max_new_tokens=tokens, ignore_eos=True), probe_tokens=probe)
         backend.prefix_cache.clear()
-        with tempfile.TemporaryDirectory() as out:
-            sync()
-            t = time.perf_counter()
-            rundir = run_protocol(SelfChat(cfg, backend), out, progress=False)
-            sync()
-            seconds = time.perf_counter() - t
-            recs = rundir.records(RECORDS)
-        return seconds, len(recs), sum(r.n_tokens for r in recs)
+        return timed_selfchat(backend, SelfChatConfig(
+            pairs=n_pairs, rounds=n_rounds, batch_size=batch, seed=1, steer=specs,
+            sampling=Sampling(max_new_tokens=tokens, ignore_eos=True), probe_tokens=probe))
 
     for mode in names:
         specs = PAPER_MODES[mode]
@@ -980,9 +987,6 @@ def selfchat(backend, pairs: int, rounds: int, tokens: int, modes: dict[str, lis
              results: dict, targets: Table, shape: str, records: list) -> Table:
     """Batched self-chat tokens/s per mode (driftlab's protocol, prefix reuse on) vs a naive loop."""
     from driftlab.chat import Sampling
-    from driftlab.protocol.dialog import RECORDS
-    from driftlab.protocol.runner import run_protocol
-    from driftlab.protocol.selfchat import SelfChat
 
     pair_ids = [(a, u) for a in SELFCHAT_AGENTS for u in SELFCHAT_AGENTS if a != u][:pairs]
     cache_bytes = (8 << 30) if CUDA else (1 << 30)
@@ -990,16 +994,9 @@ def selfchat(backend, pairs: int, rounds: int, tokens: int, modes: dict[str, lis
     def once(batch: int, cache: bool, specs: list[str], pids=pair_ids, n_rounds=rounds, n_tok=tokens):
         backend.prefix_cache.clear()
         backend.prefix_cache.max_bytes = cache_bytes if cache else 0
-        cfg = selfchat_config(pairs=0, pair_ids=pids, rounds=n_rounds, batch_size=batch, seed=1, steer=specs,
-                              sampling=Sampling(max_new_tokens=n_tok, ignore_eos=True))
-        with tempfile.TemporaryDirectory() as out:
-            sync()
-            t = time.perf_counter()
-            rundir = run_protocol(SelfChat(cfg, backend), out, progress=False)
-            sync()
-            s = time.perf_counter() - t
-            recs = rundir.records(RECORDS)
-        return s, len(recs), sum(r.n_tokens for r in recs)
+        return timed_selfchat(backend, selfchat_config(pairs=0, pair_ids=pids, rounds=n_rounds, batch_size=batch,
+                                                       seed=1, steer=specs,
+                                                       sampling=Sampling(max_new_tokens=n_tok, ignore_eos=True)))
 
     variants = [("naive loop (batch 1, no prefix reuse, plain)", 1, False, [])] + [
         (f"batched: {m}", 32, True, specs) for m, specs in modes.items()]

@@ -159,6 +159,18 @@ def test_flex_static_decode_gives_the_dynamic_loops_tokens(backends, flex_kernel
     _assert_same(ref, _run(backends[mode], specs))
 
 
+def test_a_static_step_where_no_kernel_reports_lses_takes_pi_from_mass_channels(backends, monkeypatch) -> None:
+    """The SDPA family without an LSE-reporting kernel (CUDA's, with DRIFTLAB_ATTENTION_KERNEL=sdpa):
+    the steered step gets pi from indicator channels appended to V; same tokens and pi as the
+    dynamic loop with the CPU's flash kernel."""
+    from driftlab.attention import kernels
+
+    specs = CASES["split+trace+bias"]
+    ref = _run(backends["dynamic"], specs)
+    monkeypatch.setattr(kernels, "CPU_FLASH", None)
+    _assert_same(ref, _run(backends["static"], specs))
+
+
 @pytest.mark.parametrize("kernel", ["sdpa", "flex"])
 def test_the_mask_memo_holds_one_forward_pass_not_one_entry_per_step(backends, kernel: str, request,
                                                                      monkeypatch) -> None:

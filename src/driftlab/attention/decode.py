@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from driftlab.attention.kernels import attend_sdpa, flash_ok, split_softmax, system_share
+from driftlab.attention.kernels import attend_sdpa, attend_with_mass, flash_ok, split_softmax, system_share
 from driftlab.attention.state import AttentionState
 
 
@@ -54,9 +54,9 @@ def _sdpa(state, layer, query, key, value, scale):
     """The SDPA kernel family: two calls over every slot, the bias as a [B, H, 1, K] float mask
     and hidden keys at the dtype's minimum. pi from the calls' LSEs where PyTorch's CPU flash
     kernel reports them, else from indicator channels appended to V (1 on system keys, 1 on the
-    others: each mass with full relative precision)."""
-    B, H = query.shape[:2]
-    K, dtype, dv = key.shape[2], query.dtype, value.shape[-1]
+    others: `kernels.attend_with_mass`)."""
+    H = query.shape[1]
+    K, dtype = key.shape[2], query.dtype
     neg = torch.finfo(dtype).min
     bias = (state.bias_keys[:, :, None, None, :] * state.bias_heads[:, :, layer, :, None, None]).sum(0)
     visible = _visible(state, K, query.device)[:, None, None, :]
@@ -67,15 +67,9 @@ def _sdpa(state, layer, query, key, value, scale):
         out, lse_all = attend_sdpa(query, key, value, mask, scale, n_rep, lse=True)
         o_sys, lse_sys = attend_sdpa(query, key, value, sys_mask, scale, n_rep, lse=True)
         return out, o_sys, *system_share(lse_all, lse_sys)
-    n_extra = 2 + (-(dv + 2)) % 8  # zero channels pad V to a multiple of 8, which fused GPU kernels need
-    ind = torch.zeros((B, K, n_extra), dtype=value.dtype, device=value.device)
-    ind[..., 0] = state.system_keys.to(value.dtype)
-    ind[..., 1] = (~state.system_keys).to(value.dtype)
-    ind = ind[:, None].expand(B, value.shape[1], K, n_extra)
-    o_ext, _ = attend_sdpa(query, key, torch.cat([value, ind], dim=-1), mask, scale, n_rep)
-    mass = o_ext[..., dv : dv + 2].float().clamp(0.0, 1.0)
+    out, pi, rest = attend_with_mass(query, key, value, mask, state.system_keys, scale, n_rep)
     o_sys, _ = attend_sdpa(query, key, value, sys_mask, scale, n_rep)
-    return o_ext[..., :dv], o_sys, mass[..., :1], mass[..., 1:]
+    return out, o_sys, pi, rest
 
 
 def _flex(state, layer, query, key, value, scale):

@@ -35,7 +35,14 @@ from types import ModuleType
 import torch
 
 from driftlab.attention import decode
-from driftlab.attention.kernels import attend_sdpa, flash_ok, merge_fn, split_softmax, system_share
+from driftlab.attention.kernels import (
+    attend_sdpa,
+    attend_with_mass,
+    flash_ok,
+    merge_fn,
+    split_softmax,
+    system_share,
+)
 from driftlab.attention.state import DECODE_BLOCK, AttentionState
 from driftlab.errors import DriftlabError
 
@@ -114,7 +121,7 @@ def driftlab_attention(
             f"{type(module).__name__} has no layer_idx, so driftlab cannot tell which layer it is steering.",
             hint="This architecture is not supported for attention interventions; run it without --steer.",
         )
-    if state.universal and query.shape[2] == 1:  # a static layout's decode step: the steered graph
+    if state.static and query.shape[2] == 1:  # a static layout's decode step: the steered graph
         _refuse_unsupported(module, kwargs)
         scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
         out = decode.steered_step(state, layer, query, key, value, scale, kernel_for(query.device))
@@ -124,7 +131,7 @@ def driftlab_attention(
     _refuse_unsupported(module, kwargs)
 
     B, H, q, d = query.shape
-    K, dv = key.shape[2], value.shape[-1]
+    K = key.shape[2]
     n_rep = H // key.shape[1]
     scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
     dtype, neg = query.dtype, torch.finfo(query.dtype).min
@@ -197,17 +204,7 @@ def driftlab_attention(
             else:
                 pi = torch.zeros((B, H, qc, 1), device=query.device)
         elif need_pi:
-            # Indicator channels: mass on system keys (pi) and on the rest (1 - pi), each with
-            # full relative precision even in bf16 where pi is close to 1; zero channels pad
-            # V to a multiple of 8, which fused GPU kernels need.
-            n_extra = 2 + (-(dv + 2)) % 8
-            ind = torch.zeros((B, K, n_extra), dtype=value.dtype, device=value.device)
-            ind[..., 0] = sys_keys.to(value.dtype)
-            ind[..., 1] = (~sys_keys).to(value.dtype)
-            ind = ind[:, None].expand(B, value.shape[1], K, n_extra)
-            o_ext, _ = attend_sdpa(qs, key, torch.cat([value, ind], dim=-1), mf, scale, n_rep, causal=causal)
-            o, mass = o_ext[..., :dv], o_ext[..., dv : dv + 2].float().clamp(0.0, 1.0)
-            pi, rest = mass[..., :1], mass[..., 1:]  # [B, H, q, 1] each
+            o, pi, rest = attend_with_mass(qs, key, value, mf, sys_keys, scale, n_rep, causal=causal)
             if split_heads is not None and sys_range is not None:
                 o_sys, _ = attend_sdpa(qs, key[:, :, a:b], value[:, :, a:b], m_sys, scale, n_rep)
         else:

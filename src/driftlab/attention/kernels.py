@@ -62,6 +62,23 @@ def attend_sdpa(
     return out, log_sum
 
 
+def attend_with_mass(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     system_keys: torch.Tensor, scale: float, n_rep: int, *, causal: bool = False):
+    """SDPA where no kernel reports LSEs (e.g. CUDA's): V gets indicator channels, 1 on the system
+    keys and 1 on the others, so one call returns (O [B, H, q, dv], pi and 1 - pi [B, H, q, 1]), each
+    mass with full relative precision even in bf16 where pi is close to 1. Zero channels pad V to a
+    multiple of 8, which fused GPU kernels need. `system_keys` [B, K] bool."""
+    B, K, dv = value.shape[0], value.shape[2], value.shape[-1]
+    n_extra = 2 + (-(dv + 2)) % 8
+    ind = torch.zeros((B, K, n_extra), dtype=value.dtype, device=value.device)
+    ind[..., 0] = system_keys.to(value.dtype)
+    ind[..., 1] = (~system_keys).to(value.dtype)
+    ind = ind[:, None].expand(B, value.shape[1], K, n_extra)
+    o_ext, _ = attend_sdpa(query, key, torch.cat([value, ind], dim=-1), mask, scale, n_rep, causal=causal)
+    mass = o_ext[..., dv : dv + 2].float().clamp(0.0, 1.0)
+    return o_ext[..., :dv], mass[..., :1], mass[..., 1:]
+
+
 def system_share(lse_all: torch.Tensor, lse_sys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(pi, 1 - pi), each [B, H, q, 1] float32, from the all-keys and system-only LSEs.
 

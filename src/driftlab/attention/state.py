@@ -108,10 +108,9 @@ class AttentionState:
         self.kv_len = 0
         self.records: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
         # Static layout (a static KV cache, see `static_layout`): every call covers all key slots,
-        # every layer runs the steered step (`universal`), and pi goes to `trace_buf` [L, B, H,
+        # every layer of a decode step runs the steered step, and pi goes to `trace_buf` [L, B, H,
         # slots] at the index held in `step`.
         self.static = False
-        self.universal = False
         self.trace_buf: torch.Tensor | None = None
         self.step: torch.Tensor | None = None
         self.first: torch.Tensor | None = None  # [B] each row's first real slot (its padding)
@@ -210,7 +209,7 @@ class AttentionState:
         it reads (dynamo guards on them: a changing int or list means a recompile), and a
         captured graph reads tensors at fixed addresses. So a decode step here reads tensors
         only, of shapes that do not depend on the steer, and does the same work whatever it is
-        (`universal`: every layer runs `attention.decode.steered_step`): key biases as
+        (every layer of a decode step runs `attention.decode.steered_step`): key biases as
         `bias_slots` head-selection slots (zeros where unused), split-softmax as a strength per
         (layer, head) (1: unchanged), pi written in place into `trace_buf` [L, B, H, slots] at the
         step index held in `step` (a list append would change per step, and a graph's outputs are
@@ -220,7 +219,7 @@ class AttentionState:
         tensors: nothing compiles again. `arena` holds the tensors of earlier calls of the same
         shapes: the values are copied into them, so a captured graph sees this call's state.
         """
-        self.static = self.universal = True
+        self.static = True
         arena = {} if arena is None else arena
 
         def put(name: str, value: torch.Tensor) -> torch.Tensor:
