@@ -47,3 +47,20 @@ def test_help_names_papers_not_internal_document_numbers() -> None:
         result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
         assert result.exit_code == 0, (path, result.output)
         assert not re.search(r"(?<![\d.])00[0-2](?![\d.])", result.output), (path, result.output)
+
+
+def test_committed_benchmark_records_say_where_and_when_they_ran() -> None:
+    """docs/results/bench/*.txt (`benchmarks/run.py --record`): the command, date, commit, machine and
+    n first, then RESULT lines a sentence can be checked against."""
+    records = sorted((ROOT / "docs" / "results" / "bench").glob("*.txt"))
+    assert records, "no committed benchmark record"
+    for path in records:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        assert [line.split(":", 1)[0] for line in lines[:5]] == ["command", "date", "commit", "machine", "n"], path
+        assert lines[0].startswith("command: python benchmarks/run.py ")
+        assert re.fullmatch(r"date: \d{4}-\d{2}-\d{2} \d{2}:\d{2} UTC", lines[1]), lines[1]
+        results = dict(line.removeprefix("RESULT ").split("=", 1) for line in lines if line.startswith("RESULT "))
+        assert results, path
+    gpu = dict(line.removeprefix("RESULT ").split("=", 1) for line in
+               (ROOT / "docs/results/bench/gpu-quick-cpu.txt").read_text().splitlines() if line.startswith("RESULT "))
+    assert gpu["device"] == "cpu" and gpu["tiny.check.modes_ok"] == "7/7"  # what docs/performance.md says of it
