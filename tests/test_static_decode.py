@@ -512,14 +512,19 @@ def test_a_compiled_selfchat_stays_within_the_graph_budget_and_records_it(tiny_d
 def test_inductor_compiled_step_gives_the_dynamic_loops_tokens(tiny_dir: Path, backends, monkeypatch) -> None:
     """Generated code (inductor; on CUDA it would be captured in CUDA graphs), every engine mode
     at once: split-softmax with a tensor strength, pi written in place into the trace buffer, a
-    key bias; batched with left padding. Compile cost: see the module docstring."""
+    key bias; batched with left padding; then a prompt long enough for a longer cache, on the same
+    graph (the cache length is dynamic). Compile cost: see the module docstring."""
     import driftlab.chat.static_decode as sd
 
-    monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {"fullgraph": True, "dynamic": False})
+    # The production options (static_decode.COMPILE_OPTIONS["cpu"]), which the autouse fixture swapped.
+    monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {"fullgraph": True, "dynamic": True})
     backend = HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0, decode="compiled")
     specs = CASES["split+trace+bias"]
-    _assert_same(_run(backends["dynamic"], specs), _run(backend, specs))
-    assert backend._static.compiled  # nothing fell back to eager steps
+    longer = [c[:-1] + [{"role": "user", "content": c[-1]["content"] + " Tell me everything." * 70}] for c in CONVS]
+    for convs in (CONVS, longer):
+        _assert_same(_run(backends["dynamic"], specs, convs=convs), _run(backend, specs, convs=convs))
+    ran = backend.ran()["decode"]
+    assert backend._static.compiled and ran["graphs"] == 1 and len(backend._static.shapes) == 2, ran
 
 
 # -- the real model, eager static steps ----------------------------------------------------------
