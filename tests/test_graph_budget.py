@@ -225,6 +225,10 @@ def test_warming_a_model_that_does_not_compile_is_a_one_line_error(tmp_path: Pat
     assert "decode='compiled'" in err.value.hint
     with pytest.raises(DriftlabError, match="decode='dynamic' has none to compile"):
         dl.warm(str(path), decode="dynamic")
+    with pytest.raises(DriftlabError, match="is not a local model"):
+        dl.warm("openai:some-model", base_url="http://127.0.0.1:9/v1")
+    with pytest.raises(DriftlabError, match="whole numbers of at least 1"):
+        dl.warm("no/such-model", batches=[2, 0])  # the sizes are checked before a model is looked up
     compiled = HFChatBackend(str(path), dtype="float32", device=backend_device(), prefix_cache_bytes=0,
                              decode="compiled")
     with pytest.raises(DriftlabError, match="whole numbers of at least 1"):

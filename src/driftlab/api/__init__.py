@@ -98,11 +98,18 @@ def warm(model: str = DEFAULT_MODEL, batches: Iterable[int] = (1, 2, 4, 8), **op
     if options.get("decode", "compiled") != "compiled":
         raise DriftlabError(f"dl.warm compiles the decode loop; decode={options['decode']!r} has none to compile.",
                             hint="Leave decode out (warm uses decode='compiled').")
-    backend = load(model, **{**options, "decode": "compiled"})
+    from driftlab.chat.static_decode import warm_buckets
+
+    warm_buckets(batches)  # bad sizes fail before the model loads
+    options = {**options, "decode": "compiled"}
+    if backend_spec(model, **options).remote:
+        raise DriftlabError(f"{model} is not a local model: a server compiles its own decode loop, if any.",
+                            hint="Warm a preset, a local directory or a Hub id.")
+    backend = load(model, **options)
     try:
         if not hasattr(backend, "warm"):
-            raise DriftlabError(f"{model} is not a local model: a server compiles its own decode loop, if any.",
-                                hint="Warm a preset, a local directory or a Hub id.")
+            raise DriftlabError(f"{model} runs in Ray actors, which compile in their own processes.",
+                                hint="Warm it without --ray on each machine that will run it.")
         return backend.warm(tuple(batches))
     finally:
         close = getattr(backend, "close", None)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from driftlab.attention.kernels import attend_sdpa, attend_with_mass, flash_ok, split_softmax, system_share
-from driftlab.attention.state import AttentionState
+from driftlab.attention.state import AttentionState, bias_logits
 
 
 def steered_step(state: AttentionState, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -58,7 +58,7 @@ def _sdpa(state, layer, query, key, value, scale):
     H = query.shape[1]
     K, dtype = key.shape[2], query.dtype
     neg = torch.finfo(dtype).min
-    bias = (state.bias_keys[:, :, None, None, :] * state.bias_heads[:, :, layer, :, None, None]).sum(0)
+    bias = bias_logits(state.bias_keys, state.bias_heads[:, :, layer])
     visible = _visible(state, K, query.device)[:, None, None, :]
     n_rep = H // key.shape[1]
     mask = torch.where(visible, bias, neg).to(dtype)

@@ -43,7 +43,7 @@ from driftlab.attention.kernels import (
     split_softmax,
     system_share,
 )
-from driftlab.attention.state import DECODE_BLOCK, AttentionState
+from driftlab.attention.state import AttentionState, every_block
 from driftlab.errors import DriftlabError
 
 ATTENTION_NAME = "driftlab"
@@ -453,20 +453,14 @@ def _flex_decode_masks(state: AttentionState, B: int, K: int, lo: int, window: i
     first = state.first_keys(device)
     first = first - lo if lo else first
     slot = torch.full((), K - 1, dtype=torch.long, device=device)
-
-    def blocks(n_keys: int):
-        n = -(-n_keys // DECODE_BLOCK)
-        order = torch.arange(n, dtype=torch.int32, device=device).view(1, 1, 1, n).expand(B, 1, 1, n)
-        return torch.full((B, 1, 1), n, dtype=torch.int32, device=device), order
-
-    full = flex.decode_block_mask(*blocks(K), flex.visible_mod(first, 1, K, window, shift=slot), K)
+    full = flex.decode_block_mask(*every_block(B, K, device), flex.visible_mod(first, 1, K, window, shift=slot), K)
     sys_mask = None
     if sys_range is not None:
         a, b = sys_range
         keys = state.on("system_keys", device)[:, lo + a : lo + b].contiguous()
         offset = torch.full((), a, dtype=torch.long, device=device)
-        sys_mask = flex.decode_block_mask(*blocks(b - a), flex.visible_mod(first, 1, K, window, offset, keys,
-                                                                          shift=slot), b - a)
+        see_sys = flex.visible_mod(first, 1, K, window, offset, keys, shift=slot)
+        sys_mask = flex.decode_block_mask(*every_block(B, b - a, device), see_sys, b - a)
     state.mask_memo[tag] = (full, sys_mask)
     return full, sys_mask
 

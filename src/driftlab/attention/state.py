@@ -52,6 +52,20 @@ def system_blocks(system_keys: torch.Tensor, block: int = DECODE_BLOCK) -> tuple
     return has.sum(-1).to(torch.int32).view(B, 1, 1), order.to(torch.int32).view(B, 1, 1, n)
 
 
+def every_block(B: int, n_keys: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block mask rows of a decode step that visits every key block of `n_keys`: ([B, 1, 1]
+    int32 block count, [B, 1, 1, n] int32 block indices in order)."""
+    n = -(-n_keys // DECODE_BLOCK)
+    order = torch.arange(n, dtype=torch.int32, device=device).view(1, 1, 1, n).expand(B, 1, 1, n)
+    return torch.full((B, 1, 1), n, dtype=torch.int32, device=device), order
+
+
+def bias_logits(keys: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """[B, H, 1, K] additive logits of one layer's key-bias slots: `keys` [J, B, K] per slot,
+    `heads` [J, B, H] the heads each slot acts on, summed over the slots."""
+    return (keys[:, :, None, None, :] * heads[:, :, :, None, None]).sum(0)
+
+
 class AttentionState:
     """Per-call, per-row state handed to the attention function through forward kwargs."""
 
@@ -242,11 +256,9 @@ class AttentionState:
         self.system_keys = put("system_keys", self.system_keys)
         self.split_table = put("split_table", self.split_table)
         self.system_blocks = tuple(put(f"system_blocks.{i}", t) for i, t in enumerate(system_blocks(self.system_keys)))
-        n = -(-K // DECODE_BLOCK)
-        every = torch.arange(n, dtype=torch.int32, device=self.device).view(1, 1, 1, n).expand(B, 1, 1, n)
+        count, every = every_block(B, K, self.device)
         # The all-keys block mask of a decode step: its filled blocks, counted in `forward_kwargs`.
-        self.filled_blocks = (put("filled", torch.zeros(B, 1, 1, dtype=torch.int32, device=self.device)),
-                              put("every", every.contiguous()))
+        self.filled_blocks = (put("filled", torch.zeros_like(count)), put("every", every.contiguous()))
         self.step = put("step", torch.zeros(1, dtype=torch.long, device=self.device))
         self.first = put("first", torch.tensor(self.pads, dtype=torch.long, device=self.device))
         self.last_slot = put("last_slot", torch.zeros((), dtype=torch.long, device=self.device))
@@ -291,9 +303,7 @@ class AttentionState:
         if not self._bias_layers[layer]:
             return None
         device = device or self.device
-        keys = self.on("bias_keys", device)[:, :, lo:hi]  # [J, B, K]
-        heads = self.on("bias_heads", device)[:, :, layer]  # [J, B, H]
-        return (keys[:, :, None, None, :] * heads[:, :, :, None, None]).sum(0)
+        return bias_logits(self.on("bias_keys", device)[:, :, lo:hi], self.on("bias_heads", device)[:, :, layer])
 
     def record(self, layer: int, pi: torch.Tensor) -> None:
         """Keep pi [B, H, q]: all queries on the prefill if asked, else only the last."""

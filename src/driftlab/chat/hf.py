@@ -46,6 +46,7 @@ from driftlab.chat.static_decode import (
     bias_slots,
     cache_length,
     static_refusal,
+    warm_buckets,
 )
 from driftlab.chat.templates import Renderer
 from driftlab.chat.trace import Trace
@@ -604,13 +605,10 @@ class HFChatBackend:
             raise DriftlabError(f"{self.name} does not decode with the compiled loop (--decode {self.decode_mode}"
                                 f"{': ' + self._static_refused if self._static_refused else ''}): nothing to warm.",
                                 hint="Load it with decode='compiled' (--decode compiled).")
-        if not batches or any(not isinstance(n, int) or n < 1 for n in batches):
-            raise DriftlabError(f"Batch sizes to warm must be whole numbers of at least 1, got {list(batches)}.",
-                                hint="E.g. --batch 1,2,4,8.")
         conversation = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Say hello."}]
         steered = Interventions.parse(["split-softmax:k=0.9", "trace", "instaboost:m=2"])
         rows = []
-        for bucket in sorted({batch_bucket(n) for n in batches}):
+        for bucket in warm_buckets(batches):
             for interventions in (Interventions(), steered):
                 before = (static.graphs, static.compile_s, static.cache_hits, static.cache_misses)
                 self.generate(ChatRequest([conversation] * bucket, Sampling(greedy=True, max_new_tokens=3,

@@ -48,6 +48,7 @@ from typing import Any, get_args
 import torch
 
 from driftlab.chat.spec import DecodeMode
+from driftlab.errors import DriftlabError
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,16 @@ def cache_length(n: int, limit: int | None = None) -> int:
 def batch_bucket(n: int) -> int:
     """The batch a static decode runs: `n` rounded up to a power of two (inert rows fill it)."""
     return 1 << max(0, (n - 1).bit_length())
+
+
+def warm_buckets(batches: Any) -> list[int]:
+    """The batch buckets that warming for the batch sizes `batches` compiles, ascending; a clear
+    error for anything but whole numbers of at least 1 (before any model is loaded)."""
+    sizes = list(batches)
+    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        raise DriftlabError(f"Batch sizes to warm must be whole numbers of at least 1, got {sizes}.",
+                            hint="E.g. --batch 1,2,4,8.")
+    return sorted({batch_bucket(n) for n in sizes})
 
 
 def bias_slots(n: int) -> int:
