@@ -39,12 +39,21 @@ DIGEST_KEY = "# pyproject-dependencies-sha256: "
 LEFT_OUT = {"torch", "driftlab"}  # installed by their own steps, see the module docstring
 
 
+class LockError(Exception):
+    """A one-line reason the lock cannot be checked or written."""
+
+
 def _toml(path: Path) -> dict:
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib
-    return tomllib.loads(path.read_text())
+    if not path.is_file():
+        raise LockError(f"{path} is missing: pass the project's pyproject.toml (--pyproject)")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise LockError(f"{path} is not valid TOML ({err}): fix it, then check again") from None
 
 
 def dependency_digest(pyproject: Path) -> str:
@@ -95,12 +104,14 @@ def _pinned(freeze: str) -> list[str]:
 
 def refresh(pyproject: Path = PYPROJECT, lock: Path = LOCK) -> None:
     """Resolve the test extra in a new virtualenv (the README's install) and write the lock."""
+    digest = dependency_digest(pyproject)  # a missing or broken pyproject fails before any install
     with tempfile.TemporaryDirectory(prefix="driftlab-lock-") as tmp:
         py = str(Path(tmp) / "bin" / "python")
         subprocess.run([sys.executable, "-m", "venv", tmp], check=True)
         for args in (["install", TORCH], ["install", "-e", f"{pyproject.parent}[test]"]):
             print(f"pip {' '.join(args)}", file=sys.stderr, flush=True)
-            subprocess.run([py, "-m", "pip", "-q", *args], check=True)
+            if subprocess.run([py, "-m", "pip", "-q", *args]).returncode:
+                raise LockError(f"`pip {' '.join(args)}` failed (its output is above); the lock is unchanged")
         freeze = subprocess.run([py, "-m", "pip", "freeze", "--exclude-editable"], check=True,
                                 capture_output=True, text=True).stdout
         pip_version = subprocess.run([py, "-m", "pip", "--version"], check=True, capture_output=True,
@@ -113,7 +124,7 @@ def refresh(pyproject: Path = PYPROJECT, lock: Path = LOCK) -> None:
         "# torch and driftlab are not pinned here (each has its own install step).",
         "# Use:     pip install -e \".[test]\" -c test-lock.txt",
         "# Refresh: python3 .ci/lock.py refresh   (after any change to pyproject.toml's dependencies)",
-        f"{DIGEST_KEY}{dependency_digest(pyproject)}",
+        f"{DIGEST_KEY}{digest}",
     ]
     lock.write_text("\n".join(header + pins) + "\n")
     print(f"wrote {lock} ({len(pins)} packages)", file=sys.stderr)
@@ -125,10 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pyproject", type=Path, default=PYPROJECT)
     parser.add_argument("--lock", type=Path, default=LOCK)
     args = parser.parse_args(argv)
-    if args.command == "refresh":
-        refresh(args.pyproject, args.lock)
-        return 0
-    reason = check(args.pyproject, args.lock)
+    try:
+        if args.command == "refresh":
+            refresh(args.pyproject, args.lock)
+            return 0
+        reason = check(args.pyproject, args.lock)
+    except LockError as err:
+        reason = str(err)
     if reason:
         print(f"error: {reason}", file=sys.stderr)
         return 1

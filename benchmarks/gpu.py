@@ -98,7 +98,8 @@ Settings (environment variables; run.py takes no others):
   GPUBENCH_CONTEXTS     comma list of prompt lengths
   GPUBENCH_DECODE       decode steps per call
   GPUBENCH_REPEATS      timed rounds
-  GPUBENCH_SELFCHAT     PAIRSxROUNDSxTOKENS[@SHAPE], or 0 to skip
+  GPUBENCH_SELFCHAT     PAIRSxROUNDSxTOKENS[@SHAPE] (SHAPE one of GPUBENCH_SHAPES, default the
+                        last), or 0 to skip; the size's default is skipped where its shape is not run
   GPUBENCH_VARIANTS     comma list restricting the per-context variants (plain and sdpa always run)
   GPUBENCH_PARTS        comma list of the parts to run: modes, compile, check, selfchat (default all)
   GPUBENCH_SLOW_S       a variant whose warm-up (prefill + 1 step) takes longer is timed once (default 60)
@@ -169,6 +170,9 @@ def pasta_heads(n_layers: int, n_heads: int) -> dict[str, list[int]]:
 def tokenizer_dir() -> Path:
     env = os.environ.get("GPUBENCH_TOKENIZER")
     if env:
+        if not (Path(env) / "tokenizer_config.json").is_file():
+            raise SystemExit(f"GPUBENCH_TOKENIZER={env!r} holds no tokenizer (tokenizer_config.json): give a "
+                             "Hugging Face model or tokenizer directory, or leave it unset.")
         return Path(env)
     from driftlab.assets import resolve_model
 
@@ -178,7 +182,10 @@ def tokenizer_dir() -> Path:
 def pick_dtype(device: torch.device) -> torch.dtype:
     name = os.environ.get("GPUBENCH_DTYPE")
     if name:
-        return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
+        dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+        if name not in dtypes:
+            raise SystemExit(f"GPUBENCH_DTYPE={name!r}: use {', '.join(dtypes)}.")
+        return dtypes[name]
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
@@ -626,6 +633,40 @@ def _positive(name: str, text: str | float, kind: type = int) -> float:
     return value
 
 
+def _selfchat_setting(default: str, shapes: list[str]) -> tuple[int, int, int, str] | None:
+    """GPUBENCH_SELFCHAT (else the size's `default`) as (pairs, rounds, tokens, shape); None for 0, or
+    for the default when its shape is not among `shapes`; a one-line exit for a bad setting."""
+    text = os.environ.get("GPUBENCH_SELFCHAT", default)
+    if text == "0":
+        return None
+    spec, _, shape = text.partition("@")
+    shape = shape or shapes[-1]
+    if shape not in shapes and "GPUBENCH_SELFCHAT" not in os.environ:
+        return None  # e.g. GPUBENCH_SHAPES=llama2-7b: the default self-chat runs on qwen2.5-7b
+    sizes = spec.split("x")
+    if len(sizes) != 3 or not all(x.isdigit() and int(x) > 0 for x in sizes) or shape not in shapes:
+        raise SystemExit(f"GPUBENCH_SELFCHAT={text!r}: use PAIRSxROUNDSxTOKENS[@SHAPE], positive whole numbers "
+                         f"and a shape of GPUBENCH_SHAPES ({', '.join(shapes)}), or 0.")
+    p, rd, tk = (int(x) for x in sizes)
+    return p, rd, tk, shape
+
+
+def _json_path() -> Path | None:
+    """GPUBENCH_JSON, checked before the run (a bad path would lose the run's figures at its end)."""
+    out = os.environ.get("GPUBENCH_JSON")
+    if not out:
+        return None
+    path = Path(out)
+    if path.is_dir():
+        raise SystemExit(f"GPUBENCH_JSON={out!r} is a directory: give a file name in it.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    except OSError as err:
+        raise SystemExit(f"GPUBENCH_JSON={out!r}: cannot write there ({err.strerror}).") from None
+    return path
+
+
 # Defaults per size (each GPUBENCH_* variable overrides its part): shapes, contexts, decode steps,
 # timed rounds, self-chat, self-chat rounds. On CUDA the default is the full size.
 DEFAULTS = {
@@ -662,7 +703,8 @@ def run(quick: bool = False, full: bool = False, paper: bool = False) -> Result:
     contexts = [_positive("GPUBENCH_CONTEXTS", x) for x in _env_list("GPUBENCH_CONTEXTS", d_contexts.split(","))]
     n_decode = _positive("GPUBENCH_DECODE", os.environ.get("GPUBENCH_DECODE", d_decode))
     repeats = _positive("GPUBENCH_REPEATS", os.environ.get("GPUBENCH_REPEATS", d_repeats))
-    sc = os.environ.get("GPUBENCH_SELFCHAT", d_selfchat)
+    sc = _selfchat_setting(d_selfchat, shapes)
+    _json_path()
     slow_s = _positive("GPUBENCH_SLOW_S", os.environ.get("GPUBENCH_SLOW_S", 60), float)
     threads = torch.get_num_threads()
     pin_threads()  # on a CPU: 1 thread unless BENCH_THREADS (a shared CPU stalls multi-threaded regions)
@@ -895,10 +937,9 @@ def run(quick: bool = False, full: bool = False, paper: bool = False) -> Result:
             check_tables.append(numeric_check(shape, device, results, notes))
 
         # self-chat
-        if "selfchat" in parts and sc != "0":
-            spec, _, sc_shape = sc.partition("@")
-            if (sc_shape or shapes[-1]) == shape:
-                p, rd, tk = (int(x) for x in spec.split("x"))
+        if "selfchat" in parts and sc is not None:
+            p, rd, tk, sc_shape = sc
+            if sc_shape == shape:
                 timer.on = False
                 sc_modes = {m: [f"{pasta},span=system" if x == pasta else x for x in specs] for m, specs in modes.items()}
                 selfchat_table = selfchat(backend, p, rd, tk, sc_modes,
@@ -937,15 +978,16 @@ NOT_A_GPU = ("not a GPU: the targets are printed but not judged; these figures a
 
 def finish(res: Result, records: list[dict]) -> Result:
     """Write GPUBENCH_JSON (every measurement) if asked, and hand the result to run.py."""
-    out = os.environ.get("GPUBENCH_JSON")
+    out = _json_path()
     if out:
-        Path(out).write_text(json.dumps({"results": res.results, "records": records, "notes": res.notes}, indent=1))
+        out.write_text(json.dumps({"results": res.results, "records": records, "notes": res.notes}, indent=1))
     return res
 
 
 def paper_result(device: torch.device, dtype: torch.dtype) -> Result:
     """`--paper`: the paper's experiment alone (see the module docstring)."""
     pin_threads()
+    _json_path()
     results: dict[str, str] = {"size": "paper", "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                                "loop": decode_loop()}
     notes: list[str] = []

@@ -41,6 +41,14 @@ def main() -> int:
     args = parser.parse_args()
     if args.paper and args.name != "gpu":
         parser.error("--paper is a size of the gpu benchmark only")
+    if args.record is not None:  # a bad path fails now, not after the run
+        if args.record.is_dir():
+            parser.error(f"--record {args.record} is a directory: give a file name in it")
+        try:
+            args.record.parent.mkdir(parents=True, exist_ok=True)
+            args.record.touch()
+        except OSError as err:
+            parser.error(f"--record {args.record}: cannot write there ({err.strerror})")
 
     sys.path.insert(0, str(HERE))
     spec = importlib.util.spec_from_file_location(args.name, HERE / f"{args.name}.py")
@@ -106,7 +114,6 @@ def write_record(path: Path, printed: str, results: dict[str, str]) -> None:
               f"machine: {os.cpu_count()} cores, {cpu}; torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads, cuda={torch.cuda.is_available()}",
               "n: one run", ""]
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(header) + printed + "".join(f"RESULT {k}={v}\n" for k, v in results.items()))
 
 
