@@ -135,3 +135,27 @@ def test_a_bad_benchmark_setting_is_one_error_line(model: str) -> None:
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Error: " in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
     assert "RESULT" not in proc.stdout
+
+
+@pytest.mark.parametrize("setting, says", [
+    ({"GPUBENCH_SELFCHAT": "2x2"}, "GPUBENCH_SELFCHAT='2x2': use PAIRSxROUNDSxTOKENS"),
+    ({"GPUBENCH_SELFCHAT": "2x2x8@llama2-7b"}, "a shape of GPUBENCH_SHAPES (tiny)"),
+    ({"GPUBENCH_DTYPE": "int8"}, "GPUBENCH_DTYPE='int8': use bfloat16"),
+    ({"GPUBENCH_JSON": "."}, "is a directory"),
+    ({"GPUBENCH_TOKENIZER": "/no/such/dir"}, "holds no tokenizer"),
+])
+def test_a_bad_gpu_benchmark_setting_stops_before_any_model_is_built(setting: dict, says: str, tmp_path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "COLUMNS": "200", "CUDA_VISIBLE_DEVICES": "", **setting}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "gpu", "--quick"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and says in out and "Traceback" not in out, out[-2000:]
+    assert "RESULT" not in proc.stdout
+
+
+def test_run_py_refuses_a_record_path_it_cannot_write_before_running(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "measures", "--quick", "--record",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "is a directory: give a file name in it" in proc.stderr, proc.stderr
+    assert "RESULT" not in proc.stdout

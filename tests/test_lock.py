@@ -97,3 +97,13 @@ def test_freeze_lines_become_sorted_pins_without_torch_and_driftlab() -> None:
     freeze = "Torch==2.13.0+cpu\nzeta==1.0\n-e git+https://x/driftlab@abc#egg=driftlab\nAlpha_B==2.0\n" \
              "driftlab @ file:///work/main\n"
     assert lock._pinned(freeze) == ["Alpha_B==2.0", "zeta==1.0"]
+
+
+def test_a_missing_or_broken_pyproject_is_one_line(tmp_path: Path) -> None:
+    done = _check(tmp_path / "pyproject.toml", ROOT / "test-lock.txt")
+    assert done.returncode == 1 and "pyproject.toml is missing" in done.stderr, done
+    assert "Traceback" not in done.stderr
+    broken = tmp_path / "pyproject.toml"
+    broken.write_text("[project\n")
+    done = _check(broken, ROOT / "test-lock.txt")
+    assert done.returncode == 1 and "is not valid TOML" in done.stderr and "Traceback" not in done.stderr, done
