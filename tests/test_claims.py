@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROSE = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "benchmarks").glob("*.py"))]
-ISSUE = re.compile(r"\bissues?\s+#?\d+", re.IGNORECASE)
+ISSUE = re.compile(r"\bissues?[\s-]+#?\d+|\bthe [\w-]+ issue\b|\bits issue\b", re.IGNORECASE)
 OUTSIDE = re.compile(r"\.\./shared|shared/(?:GPU|DESIGN)\.md|shared/seeds")
 
 
@@ -24,7 +24,10 @@ def test_prose_cites_no_tracker_number_and_no_file_outside_the_repository(path: 
 
 def test_the_scan_finds_what_it_looks_for() -> None:
     assert ISSUE.search("as issue 21 asks") and ISSUE.search("Issues #4") and OUTSIDE.search("see ../shared/GPU.md")
+    assert ISSUE.search("the issue-22 drift run") and ISSUE.search("since the seams issue")
+    assert ISSUE.search("as its issue reported them")
     assert not ISSUE.search("a tissue 3 layers thick") and not OUTSIDE.search("shared/ memory")
+    assert not ISSUE.search("the issue is the padding") and not ISSUE.search("a known issue in torch")
 
 
 def _commands(group, path=()):

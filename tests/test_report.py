@@ -97,6 +97,7 @@ def make_run(
     ablation: bool = True,
     completed: bool = True,
     cut_after: int | None = None,
+    probe_after: str | None = None,
 ) -> Path:
     """A run dir as SelfChat writes it; `cut_after` keeps only the first N records (a killed run)."""
     conditions = ["persona", "empty-user"] if ablation else ["persona"]
@@ -117,6 +118,7 @@ def make_run(
             "top_p": 0.9,
             "seed": 0,
             "steer": [],
+            **({"probe_after": probe_after} if probe_after else {}),
         },
         "versions": {"python": "3.11.7", "driftlab": "0.1.0"},
         "pairs": [
@@ -357,6 +359,24 @@ def test_report_escapes_model_text(report_html) -> None:
     assert "user turn 1/persona/2: I visit the Tower of London." in report_html
     assert "WRITE YOUR RESPONSE ENTIRELY IN CAPITAL LETTERS." in report_html  # s_B shown
     assert report_html.count('<details class="conv"') == 3 * 2  # pairs x conditions
+
+
+@pytest.mark.parametrize("probe_after", [None, "user", "agent"])
+def test_transcripts_place_the_probe_where_the_run_asked_it(tmp_path, probe_after) -> None:
+    """A probe after b_i is shown after the round's turns, a probe in place of a_i before them; a
+    manifest from before `probe_after` existed placed it in place of a_i (as it resumes)."""
+    run = make_run(tmp_path / "run", rounds=2, repeats=1, ablation=False, probe_after=probe_after)
+    page = write_report(run).read_text(encoding="utf-8")
+    probe = page.index("probe reply 0/persona/2/0")
+    user_turn, agent_turn = page.index("user turn 0/persona/2:"), page.index("agent turn 0/persona/2:")
+    if probe_after == "agent":
+        assert user_turn < agent_turn < probe
+        assert "the probe follows the agent's turn b_i" in page and "after b_2</span>" in page
+        assert "replaces the user" not in page and "in place of a_" not in page
+    else:
+        assert probe < user_turn < agent_turn
+        assert "the probe replaces the user's turn a_i" in page and "in place of a_2</span>" in page
+        assert "follows the agent" not in page and "after b_" not in page
 
 
 def test_report_shows_probe_scores_colour_coded(report_html) -> None:

@@ -145,6 +145,9 @@ def test_the_interval_rule_picks_by_data_and_n() -> None:
     assert mean_interval([0.3]).method == "none" and math.isnan(mean_interval([0.3]).low)
     assert mean_interval([]).n == 0 and math.isnan(mean_interval([]).estimate)
     assert mean_interval([0.4] * 5).as_tuple() == (0.4, 0.4, 0.4)  # constant graded values
+    # docs/report.md's conventions: a single 0 and three 0s keep their Wilson width.
+    assert mean_interval([0.0]).high == pytest.approx(0.79, abs=5e-3) and mean_interval([0.0]).low == 0.0
+    assert mean_interval([0.0] * 3).high == pytest.approx(0.56, abs=5e-3)
     # Twelve of twelve right is not certainty: Wilson keeps width where a bootstrap has none.
     all_right = mean_interval([1.0] * 12)
     assert all_right.high == 1.0 and all_right.low == pytest.approx(0.7575, abs=1e-4)

@@ -141,6 +141,7 @@ def test_sample_bound_of_prop52() -> None:
     # The proof's variant n >= 4D + log(1/eta) is not enough for small D and eta.
     n = wendel.paper_n_bound(2, 1e-6, log_coef=1.0)
     assert wendel.wendel_hemisphere(1, n) > 1e-6
+    assert wendel.wendel_hemisphere(1, n) == pytest.approx(10.5e-6, rel=5e-3)  # docs/theory.md: 10.5 eta
 
 
 # ---------------------------------------------------------------- Proposition 5.3

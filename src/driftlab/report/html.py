@@ -140,10 +140,12 @@ def _reply(rec: dict[str, Any]) -> dict[str, Any]:
 def transcripts(summary: RunSummary, max_pairs: int | None = None) -> list[dict[str, Any]]:
     """One entry per conversation (pair × condition), in manifest order, ready for the template.
 
-    Within round i the probe comes first: it replaces a_i, so it sees the dialog up to b_{i-1}.
-    `max_pairs` keeps the first pairs only (all their conditions), to bound the page size.
+    Within round i the probe sits where the run asked it (`probe_after`, see `probe_placement`):
+    after b_i by default, before the round's turns where it replaced a_i. `max_pairs` keeps the
+    first pairs only (all their conditions), to bound the page size.
     """
     manifest = summary.manifest
+    after_agent = probe_placement(manifest) == "agent"
     personas = manifest.get("personas") or {}
     turns: dict[tuple, dict[tuple[int, str], dict]] = defaultdict(dict)
     probes: dict[tuple, dict[int, dict[str, list]]] = defaultdict(
@@ -175,10 +177,16 @@ def transcripts(summary: RunSummary, max_pairs: int | None = None) -> list[dict[
                     "user_system": user.get("system_prompt", "") if cond == "persona" else None,
                     "starter": pair.get("starter", ""),
                     "chips": _chips(conv_scores, key),
-                    "rounds": _rounds(pair, turns[key], probes[key], agent, user),
+                    "rounds": _rounds(pair, turns[key], probes[key], agent, user, after_agent),
                 }
             )
     return out
+
+
+def probe_placement(manifest: dict[str, Any]) -> str:
+    """Where the run's probes went: 'agent' (after b_i, today's default) or 'user' (in place of
+    a_i; also every run recorded before `probe_after` existed, as such manifests resume)."""
+    return config_of(manifest).get("probe_after", "user")
 
 
 def _as_asked(user: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
@@ -210,7 +218,8 @@ def _chips(conv_scores: pd.Series, key: tuple) -> list[dict[str, Any]]:
     return groups
 
 
-def _rounds(pair: dict, turns: dict, probes: dict, agent: dict, user: dict) -> list[dict[str, Any]]:
+def _rounds(pair: dict, turns: dict, probes: dict, agent: dict, user: dict,
+            after_agent: bool) -> list[dict[str, Any]]:
     rounds = sorted({r for r, _ in turns} | set(probes))
     out = []
     for i in rounds:
@@ -256,7 +265,9 @@ def _rounds(pair: dict, turns: dict, probes: dict, agent: dict, user: dict) -> l
                         "truncated": rec.get("finish_reason") == "length",
                     }
                 )
-        out.append({"round": i, "probes": probe_blocks, "turns": dialog})
+        out.append({"round": i, "probes": probe_blocks, "turns": dialog,
+                    "probe_place": f"after b_{i}" if after_agent else f"in place of a_{i}",
+                    "probes_first": not after_agent})
     return out
 
 
@@ -343,9 +354,11 @@ def render_html(
             summary.per_round,
             "Every cell (summary.csv)",
             "std: across conversations (ddof=1); CI of the mean by ci_method: t (t-interval, below 30 "
-            "conversations), bca (BCa bootstrap, scipy, from 30), wilson (0/1 values); NaN (–) when n < 2.",
+            "conversations), bca (BCa bootstrap, scipy, from 30), wilson (0/1 values, at any n); NaN (–) for "
+            "graded values when n < 2.",
         ),
         conversations=transcripts(summary, max_pairs),
+        probe_after=probe_placement(summary.manifest),
         n_pairs=len(summary.manifest.get("pairs", [])),
         max_pairs=max_pairs,
     )
