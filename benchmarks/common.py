@@ -6,6 +6,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -69,6 +70,19 @@ class TimedForward:
 
 
 SIZES = ("quick", "default", "full")  # run.py: --quick | (nothing) | --full
+
+
+def unwritable(path: Path) -> str | None:
+    """Why a run's output file cannot be written (checked before the run, which would lose its
+    figures at the end), or None: a directory, or a place the file cannot be created."""
+    if path.is_dir():
+        return "is a directory: give a file name in it"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    except OSError as err:
+        return f"cannot write there ({err.strerror})"
+    return None
 
 
 def size_of(quick: bool, full: bool) -> str:

@@ -130,7 +130,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from common import Result, Table, TimedForward, pin_threads, selfchat_config, size_of, sync
+from common import Result, Table, TimedForward, pin_threads, selfchat_config, size_of, sync, unwritable
 
 CUDA = torch.cuda.is_available()
 SYSTEM = "You are a careful science journalist. Always answer in French, in at most three sentences."
@@ -657,13 +657,8 @@ def _json_path() -> Path | None:
     if not out:
         return None
     path = Path(out)
-    if path.is_dir():
-        raise SystemExit(f"GPUBENCH_JSON={out!r} is a directory: give a file name in it.")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch()
-    except OSError as err:
-        raise SystemExit(f"GPUBENCH_JSON={out!r}: cannot write there ({err.strerror}).") from None
+    if why := unwritable(path):
+        raise SystemExit(f"GPUBENCH_JSON={out!r} {why}.")
     return path
 
 

@@ -41,16 +41,12 @@ def main() -> int:
     args = parser.parse_args()
     if args.paper and args.name != "gpu":
         parser.error("--paper is a size of the gpu benchmark only")
-    if args.record is not None:  # a bad path fails now, not after the run
-        if args.record.is_dir():
-            parser.error(f"--record {args.record} is a directory: give a file name in it")
-        try:
-            args.record.parent.mkdir(parents=True, exist_ok=True)
-            args.record.touch()
-        except OSError as err:
-            parser.error(f"--record {args.record}: cannot write there ({err.strerror})")
-
     sys.path.insert(0, str(HERE))
+    from common import unwritable
+
+    if args.record is not None and (why := unwritable(args.record)):  # a bad path fails now, not after the run
+        parser.error(f"--record {args.record} {why}")
+
     spec = importlib.util.spec_from_file_location(args.name, HERE / f"{args.name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -140,12 +140,10 @@ def _reply(rec: dict[str, Any]) -> dict[str, Any]:
 def transcripts(summary: RunSummary, max_pairs: int | None = None) -> list[dict[str, Any]]:
     """One entry per conversation (pair × condition), in manifest order, ready for the template.
 
-    Within round i the probe sits where the run asked it (`probe_after`, see `probe_placement`):
-    after b_i by default, before the round's turns where it replaced a_i. `max_pairs` keeps the
-    first pairs only (all their conditions), to bound the page size.
+    The template places each round's probes where the run asked them (`probe_placement`).
+    `max_pairs` keeps the first pairs only (all their conditions), to bound the page size.
     """
     manifest = summary.manifest
-    after_agent = probe_placement(manifest) == "agent"
     personas = manifest.get("personas") or {}
     turns: dict[tuple, dict[tuple[int, str], dict]] = defaultdict(dict)
     probes: dict[tuple, dict[int, dict[str, list]]] = defaultdict(
@@ -177,7 +175,7 @@ def transcripts(summary: RunSummary, max_pairs: int | None = None) -> list[dict[
                     "user_system": user.get("system_prompt", "") if cond == "persona" else None,
                     "starter": pair.get("starter", ""),
                     "chips": _chips(conv_scores, key),
-                    "rounds": _rounds(pair, turns[key], probes[key], agent, user, after_agent),
+                    "rounds": _rounds(pair, turns[key], probes[key], agent, user),
                 }
             )
     return out
@@ -218,8 +216,7 @@ def _chips(conv_scores: pd.Series, key: tuple) -> list[dict[str, Any]]:
     return groups
 
 
-def _rounds(pair: dict, turns: dict, probes: dict, agent: dict, user: dict,
-            after_agent: bool) -> list[dict[str, Any]]:
+def _rounds(pair: dict, turns: dict, probes: dict, agent: dict, user: dict) -> list[dict[str, Any]]:
     rounds = sorted({r for r, _ in turns} | set(probes))
     out = []
     for i in rounds:
@@ -265,9 +262,7 @@ def _rounds(pair: dict, turns: dict, probes: dict, agent: dict, user: dict,
                         "truncated": rec.get("finish_reason") == "length",
                     }
                 )
-        out.append({"round": i, "probes": probe_blocks, "turns": dialog,
-                    "probe_place": f"after b_{i}" if after_agent else f"in place of a_{i}",
-                    "probes_first": not after_agent})
+        out.append({"round": i, "probes": probe_blocks, "turns": dialog})
     return out
 
 
