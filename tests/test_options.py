@@ -190,3 +190,20 @@ def test_dl_run_runs_any_protocol_object_to_its_results(tiny, tmp_path):
     assert in_memory.path is None and in_memory.records == run.records
     with pytest.raises(DriftlabError, match="dl.run takes a protocol object, not str 'mmlu'"):
         dl.run("mmlu")
+
+
+def test_personas_given_in_code_are_the_runs_agents():
+    """`dl.selfchat(personas=[p])` runs over p (a user expects that), not p added to a random pool;
+    `agents=` says otherwise."""
+    from driftlab.protocol.selfchat import draw_pairs
+
+    spec = BackendSpec(model="smollm2-135m")
+    terse = dl.Persona(id="terse-x", system_prompt="Answer in one sentence.", probe="Tell me about London.",
+                       measure="sentence_count", params={"n": 1})
+    config = selfchat_config(spec, KEYWORDS, {"personas": [terse], "pairs": 6})
+    assert config.agents == ["terse-x"]
+    pairs = draw_pairs(config)
+    assert len(pairs) == 6 and {p.agent.id for p in pairs} == {"terse-x"}
+    assert all(p.user.id != "terse-x" for p in pairs)  # users from every other persona
+    wider = selfchat_config(spec, KEYWORDS, {"personas": [terse], "agents": [terse, "reply-in-french"], "pairs": 6})
+    assert wider.agents == ["terse-x", "reply-in-french"]

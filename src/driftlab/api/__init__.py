@@ -183,8 +183,8 @@ def selfchat(backend: ChatBackend | str | None = None, *, out: str | Path | None
     Your own system prompt without a persona file: `system=`, `probe=` and `measure=` (a measure
     id, `judge:model=...,rubric=...`, or any function `text -> [0, 1]`; `measure_params=` its
     parameters) make one agent persona, drawn against `pairs` random user personas.
-    `personas=[dl.Persona(...)]` adds several; `agents=[...]` (ids or Personas) restricts the agents
-    drawn. Other keywords are `driftlab run`'s options: pairs, pair ("agent:user", one or a list;
+    `personas=[dl.Persona(...)]` runs over several: they are the agents (users come from every
+    persona); `agents=[...]` (ids or Personas) says which personas are agents instead. Other keywords are `driftlab run`'s options: pairs, pair ("agent:user", one or a list;
     with it, `pairs` defaults to 0 rather than 10), categories, rounds, max_new_tokens,
     probe_tokens, temperature, top_p, greedy, seed, steer, user_probe, ablation, probe_after,
     judge, batch_size, ...

@@ -118,10 +118,15 @@ def backend_spec(model: str, spelling: Spelling = FLAGS, /, **options: Any) -> B
 def selfchat_config(backend: BackendSpec, spelling: Spelling, options: dict[str, Any]) -> Any:
     """`driftlab run` / `dl.selfchat`: fields of SelfChatConfig, sampling options, `pair` ("a:u" or
     (a, u), one or several; with it `pairs` defaults to 0, else 10), `categories` ("a,b" or a list),
-    your own persona (`system`, `probe`, `measure`, `measure_params`) and Persona objects in `agents`."""
+    your own persona (`system`, `probe`, `measure`, `measure_params`) and Persona objects in `agents`.
+    `personas` given without `agents` are the agents of the run."""
     from driftlab.protocol.selfchat import SelfChatConfig
 
     values = _given(options)
+    if values.get("personas") and not values.get("agents"):
+        # `personas=[p]` asks for a run over p: its personas are the agents (users still come from
+        # the whole pool). `agents=` narrows or widens that choice.
+        values["agents"] = [p.id if isinstance(p, Persona) else p for p in values["personas"]]
     own = own_persona(values.pop("system", None), values.pop("probe", None), values.pop("measure", None),
                       _json(values.pop("measure_params", None), "measure_params", spelling), spelling)
     if own is not None:
