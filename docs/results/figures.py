@@ -3,7 +3,8 @@
 Every number of the generated blocks of docs/results/README.md (between `<!-- figures:NAME -->`
 and `<!-- /figures:NAME -->`) is computed here from the run directories committed beside it,
 with the statistics the reports use (`driftlab.report.metrics`, `driftlab.report.sweep`,
-`driftlab.stats`). The prose around them quotes these blocks, never numbers typed by hand.
+`driftlab.stats`). The prose around a block quotes it; the README's opening paragraph names
+the tables that are still typed by hand.
 
     python docs/results/figures.py          # rewrite the blocks in place
     python docs/results/figures.py --check  # exit 1 and name the blocks that differ
@@ -276,6 +277,100 @@ def llamacpp(name: str = "llamacpp-smollm2") -> str:
     return "\n".join(lines)
 
 
+
+# -- PASTA: Table 4's wordings -------------------------------------------------------------------
+PAPER_TABLE4 = {"original": "71.8 -> 96.4", "shortened": "49.2 -> 89.0", "rephrased": "82.3 -> 89.6"}
+
+
+def _p_up(p: float) -> str:
+    """An exact test's p as the PASTA tables print it: 2 significant digits, halves rounded up
+    (0.625 -> 0.63, as the hand-typed PASTA tables beside these blocks have it)."""
+    from decimal import ROUND_HALF_UP, Decimal
+
+    if not np.isfinite(p) or p < 1e-3:
+        return _p(p)
+    d = Decimal(repr(p))
+    q = str(d.quantize(Decimal(10) ** (d.adjusted() - 1), rounding=ROUND_HALF_UP))
+    q = q.rstrip("0") if "." in q else q
+    return q + "0" if q.endswith(".") else q
+
+
+def _examples(run: Path) -> dict[str, dict[str, dict[str, float]]]:
+    """baseline -> example id -> its metrics, from a `driftlab pasta eval` run directory."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for r in _jsonl(run / "records.jsonl"):
+        if r.get("kind") == "example":
+            out.setdefault(r["baseline"], {})[r["id"]] = r["metrics"]
+    return out
+
+
+def pasta_wordings(name: str, original: tuple[str, str]) -> str:
+    """Pronoun changing under the three wordings of the PASTA paper's Table 4: zero-shot and PASTA
+    on the same test bios, each PASTA row tested against zero-shot example by example (exact
+    McNemar for Acc and they_acc, Wilcoxon for tf-idf consistency). `original` names the run
+    directories of the original wording's zero-shot and PASTA rows (the same examples)."""
+    from driftlab.stats import paired_test
+
+    runs = {"original": (original[0], original[1]), "shortened": ("eval-pronouns-shortened",) * 2,
+            "rephrased": ("eval-pronouns-rephrased",) * 2}
+    rows = {w: (_examples(HERE / name / z)["zero-shot"], _examples(HERE / name / p)["pasta"])
+            for w, (z, p) in runs.items()}
+
+    def cell(examples: dict[str, dict[str, float]]) -> str:
+        return " / ".join(f"{np.mean([m[k] for m in examples.values()]):.2f}" for k in ("acc", "they_acc", "fluency"))
+
+    def test(a, b, metric: str) -> str:
+        t = paired_test({i: m[metric] for i, m in a.items()}, {i: m[metric] for i, m in b.items()})
+        return f"{t.better} / {t.worse}, p = {_p_up(t.p)}"
+
+    n = {len(z) for z, _ in rows.values()} | {len(p) for _, p in rows.values()}
+    lines = [f"| wording (n = {'/'.join(map(str, sorted(n)))} bios) | zero-shot: Acc / they_acc / fluency | "
+             "PASTA: Acc / they_acc / fluency | PASTA vs zero-shot, better / worse rows, exact McNemar p | "
+             "paper, LLaMA-7B Acc zero-shot -> PASTA |", "|---|---|---|---|---|"]
+    for w, (z, p) in rows.items():
+        lines.append(f"| {w} | {cell(z)} | {cell(p)} | Acc {test(p, z, 'acc')}; they_acc {test(p, z, 'they_acc')} "
+                     f"| {PAPER_TABLE4[w]} |")
+    consistency, methods = [], set()
+    for w, (z, p) in rows.items():
+        t = paired_test({i: m["consistency"] for i, m in p.items()}, {i: m["consistency"] for i, m in z.items()})
+        methods.add(t.method)
+        consistency.append(f"{w} {np.mean([m['consistency'] for m in z.values()]):.2f} -> "
+                           f"{np.mean([m['consistency'] for m in p.values()]):.2f} ({t.better} / {t.worse}, "
+                           f"p = {_p_up(t.p)})")
+    base = rows["original"][0]
+    shifts = [f"{w} {test(z, base, 'acc')}" for w, (z, _) in rows.items() if w != "original"]
+    lines += ["", f"Consistency with the bio (tf-idf), zero-shot -> PASTA (better / worse rows, "
+                  f"{', '.join(sorted(methods))} p): " + "; ".join(consistency) + ".",
+              "Zero-shot Acc against the original wording's (better / worse rows, exact McNemar p): "
+              + "; ".join(shifts) + "."]
+    return "\n".join(lines)
+
+
+# -- judge-smollm2-qwen-20 --------------------------------------------------------------------
+def judge(name: str = "judge-smollm2-qwen-20") -> str:
+    """The judge against the personas' measures on the same probe replies (`driftlab report`'s
+    `judge_agreement`), and how their pass/fail calls at 0.5 split."""
+    from collections import Counter
+
+    from driftlab.report.metrics import judge_agreement
+
+    records = _jsonl(HERE / name / "records.jsonl")
+    a = judge_agreement(records).iloc[0]
+    both = [r for r in records if r.get("kind") == "probe" and r.get("score") is not None
+            and r.get("judge") is not None]
+    calls = Counter((r["score"] >= 0.5, r["judge"] >= 0.5) for r in both)
+    verdicts = Counter(r["judge"] for r in both)
+    lines = ["| n | measure mean | judge mean | Spearman rho | same side of 0.5 | Cohen's kappa | mean abs. difference |",
+             "|---|---|---|---|---|---|---|",
+             f"| {a.n} | {a.measure_mean:.3f} | {a.judge_mean:.3f} | {a.spearman:.2f} (p = {_p(a.spearman_p)}) | "
+             f"{a.agree:.0%} [{a.agree_low:.0%}, {a.agree_high:.0%}] ({a.agree_method.capitalize()}) | "
+             f"{a.kappa:.2f} | {a.mad:.2f} |", "",
+             "The judge's scores: " + ", ".join(f"{v:.1f} ({k} replies)" for v, k in sorted(verdicts.items())) + ". "
+             f"Pass/fail at 0.5: both fail {calls[(False, False)]}, both pass {calls[(True, True)]}, measure pass / "
+             f"judge fail {calls[(True, False)]}, the reverse {calls[(False, True)]}; judge errors {a.judge_errors}."]
+    return "\n".join(lines)
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
     "llamacpp-smollm2": llamacpp,
     "qwen-paper-20-rounds": qwen_paper_rounds,
@@ -285,6 +380,9 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "sweep-ref-20-stability": sweep_stability,
     "sweep-ref-20-context": sweep_context,
     "sweep-ref-20-mmlu": lambda: sweep_mmlu("sweep-ref-20"),
+    "pasta-qwen-wordings": lambda: pasta_wordings("pasta-qwen", ("eval-pronouns", "eval-pronouns")),
+    "pasta-smollm2-wordings": lambda: pasta_wordings("pasta-smollm2", ("eval-pronouns", "eval-pronouns-tuned")),
+    "judge-smollm2-qwen-20": judge,
 }
 
 
