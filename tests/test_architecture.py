@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
     {"integrations"},
     {"chat"},
     {"steering"},
-    {"attention", "theory"},
+    {"activation", "attention", "theory"},
     {"assets", "bench", "messages", "records", "stats"},
     {"plugins"},
     {"console", "errors"},

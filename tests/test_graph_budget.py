@@ -172,7 +172,7 @@ def test_a_graph_past_the_budget_is_said_once_naming_the_guard(tmp_path: Path, m
     assert err.count("past the budget") == 1 and "size mismatch" in err, err
     ran = compiled.ran()["decode"]
     assert ran["graphs"] == 2 and ran["graph_keys"] == [{"batch": 2, "steered": True, "bias_slots": 2,
-                                                         "attention": "driftlab", "graphs": 2}]
+                                                         "attention": "driftlab", "residual": False, "graphs": 2}]
     assert len(ran["over_budget"]) == 1 and "batch 2 steered" in ran["over_budget"][0], ran
 
 

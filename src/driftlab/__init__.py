@@ -17,7 +17,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "load": "driftlab.api", "from_model": "driftlab.api", "steer": "driftlab.api", "trace": "driftlab.api",
     "selfchat": "driftlab.api", "mmlu": "driftlab.api", "sweep": "driftlab.api", "calibrate": "driftlab.api",
-    "run": "driftlab.api", "measure": "driftlab.api", "warm": "driftlab.api",
+    "run": "driftlab.api", "measure": "driftlab.api", "warm": "driftlab.api", "directions": "driftlab.api",
+    "Directions": "driftlab.activation.directions",
     "Run": "driftlab.api", "Persona": "driftlab.bench", "personas": "driftlab.api",
     "Interventions": "driftlab.steering", "Sampling": "driftlab.chat",
     "results": "driftlab.api", "compare": "driftlab.api", "Results": "driftlab.report.results",

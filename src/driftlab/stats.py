@@ -51,13 +51,15 @@ POWER = 0.8
 BOOTSTRAP_MIN_N = 30  # below this many values a mean gets a t-interval, not a bootstrap
 WILCOXON_EXACT_MAX = 400  # untied pairs up to which the signed-rank null is enumerated exactly
 
-IntervalMethod = Literal["wilson", "exact", "newcombe", "t", "cluster-t", "bca", "constant", "none"]
+IntervalMethod = Literal["wilson", "exact", "newcombe", "t", "cluster-t", "bca", "cluster-bootstrap", "constant",
+                         "none"]
 PairedMethod = Literal["auto", "mcnemar", "wilcoxon", "sign"]
 
 METHOD_LABELS = {
     "wilson": "Wilson score interval", "exact": "Clopper-Pearson exact interval",
     "newcombe": "Newcombe square-and-add (Wilson) interval for paired proportions", "t": "t-interval",
     "cluster-t": "cluster-robust t-interval (one value per cluster)",
+    "cluster-bootstrap": "percentile bootstrap over clusters (whole conversations or prompts resampled)",
     "bca": "BCa bootstrap", "constant": "constant values", "none": "n < 2: no interval",
 }
 
@@ -679,3 +681,71 @@ def agreement(a: Sequence[float], b: Sequence[float], threshold: float = 0.5) ->
 def mean_ci(values: Iterable[float | bool], *, seed: int = 0) -> tuple[float, float, float]:
     """(mean, ci_low, ci_high) by `mean_interval`'s rule (Wilson / t / BCa by data and n)."""
     return mean_interval(values, rng=seed).as_tuple()
+
+
+# -- rank statistics over clustered items -------------------------------------------------------
+def _cluster_bootstrap(statistic, n_items: int, clusters: Sequence[Any] | None, n_resamples: int,
+                       rng: np.random.Generator | int | None, confidence: float) -> tuple[float, float, int]:
+    """Percentile interval of `statistic(index)` over resamples of whole clusters (items are their
+    own clusters without `clusters`); resamples where the statistic is undefined are dropped.
+    Returns (low, high, number of clusters)."""
+    keys = list(range(n_items)) if clusters is None else list(clusters)
+    groups: dict[Any, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    members = [np.asarray(g) for g in groups.values()]
+    gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+    values = []
+    for _ in range(n_resamples):
+        pick = gen.integers(0, len(members), len(members))
+        value = statistic(np.concatenate([members[i] for i in pick]))
+        if math.isfinite(value):
+            values.append(value)
+    if len(values) < n_resamples // 2:
+        return float("nan"), float("nan"), len(members)
+    alpha = (1.0 - confidence) / 2
+    low, high = np.quantile(values, [alpha, 1 - alpha])
+    return float(low), float(high), len(members)
+
+
+def auroc_interval(scores: Sequence[float] | np.ndarray, labels: Sequence[bool] | np.ndarray,
+                   clusters: Sequence[Any] | None = None, *, n_resamples: int = N_RESAMPLES,
+                   rng: np.random.Generator | int | None = 0, confidence: float = CONFIDENCE) -> Interval:
+    """How well `scores` separate `labels` (True above False): scikit-learn's AUROC, with a
+    percentile bootstrap interval over whole `clusters` (e.g. conversations, whose items are not
+    independent), or over items without. NaN where one class is missing."""
+    from sklearn.metrics import roc_auc_score
+
+    x, y = np.asarray(scores, dtype=float), np.asarray(labels, dtype=bool)
+
+    def auc(index: np.ndarray) -> float:
+        yy = y[index]
+        return float(roc_auc_score(yy, x[index])) if 0 < yy.sum() < len(yy) else float("nan")
+
+    estimate = auc(np.arange(len(x)))
+    if not math.isfinite(estimate):
+        return Interval(estimate, float("nan"), float("nan"), len(x), "none", confidence)
+    low, high, _ = _cluster_bootstrap(auc, len(x), clusters, n_resamples, rng, confidence)
+    return Interval(estimate, low, high, len(x), "cluster-bootstrap", confidence)
+
+
+def spearman_interval(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray,
+                      clusters: Sequence[Any] | None = None, *, n_resamples: int = N_RESAMPLES,
+                      rng: np.random.Generator | int | None = 0, confidence: float = CONFIDENCE) -> Interval:
+    """Spearman's rank correlation of x and y (scipy), with a percentile bootstrap interval over
+    whole `clusters`; NaN where either is constant."""
+    from scipy.stats import spearmanr
+
+    a, b = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+
+    def rho(index: np.ndarray) -> float:
+        aa, bb = a[index], b[index]
+        if len(aa) < 3 or np.ptp(aa) == 0 or np.ptp(bb) == 0:
+            return float("nan")
+        return float(spearmanr(aa, bb).statistic)
+
+    estimate = rho(np.arange(len(a)))
+    if not math.isfinite(estimate):
+        return Interval(estimate, float("nan"), float("nan"), len(a), "none", confidence)
+    low, high, _ = _cluster_bootstrap(rho, len(a), clusters, n_resamples, rng, confidence)
+    return Interval(estimate, low, high, len(a), "cluster-bootstrap", confidence)

@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from driftlab.protocol.runner import Protocol
     from driftlab.report.results import Results
 
-__all__ = ["Run", "calibrate", "from_model", "load", "measure", "mmlu", "personas", "run", "selfchat", "spec_of",
-           "steer", "sweep", "trace", "warm"]
+__all__ = ["Run", "calibrate", "directions", "from_model", "load", "measure", "mmlu", "personas", "run", "selfchat",
+           "spec_of", "steer", "sweep", "trace", "warm"]
 
 _SPECS: weakref.WeakKeyDictionary[Any, BackendSpec] = weakref.WeakKeyDictionary()  # backend -> how it was loaded
 
@@ -197,6 +197,20 @@ def selfchat(backend: ChatBackend | str | None = None, *, out: str | Path | None
         return SelfChat(selfchat_config(spec, keywords_of("selfchat"), options), backend, user_backend)
 
     return _run(make, backend, out, progress, summarize_run)
+
+
+def directions(backend: ChatBackend | str | None = None, *, out: str | Path | None = None, progress: bool = True,
+               **options: Any) -> Run:
+    """Persona directions in the residual stream (`driftlab directions`): keywords personas (ids), system
+    (your own prompts), axis (also the Assistant Axis), prompts, starters, max_new_tokens, temperature,
+    top_p, greedy, seed, batch_size. `run.summary` is the `Directions` (per persona a direction per
+    layer, its held-out AUROC and band); give `out` to keep them for `--directions` / `directions=`."""
+    from driftlab.activation.directions import Directions
+    from driftlab.api.options import directions_config
+    from driftlab.protocol.directions import DirectionsProtocol
+
+    return _run(lambda spec, be: DirectionsProtocol(directions_config(spec, keywords_of("directions"), options), be),
+                backend, out, progress, Directions.load)
 
 
 def mmlu(backend: ChatBackend | str | None = None, *, out: str | Path | None = None, progress: bool = True,

@@ -142,6 +142,27 @@ def selfchat_config(backend: BackendSpec, spelling: Spelling, options: dict[str,
         "pair", "system", "probe", "measure", "measure_params"))
 
 
+def directions_config(backend: BackendSpec, spelling: Spelling, options: dict[str, Any]) -> Any:
+    """`driftlab directions` / `dl.directions`: personas ("a,b" or a list of ids), system (one prompt or
+    several), axis, prompts (a list, or a file with one user prompt per line), starters, sampling
+    options, seed, batch_size."""
+    from driftlab.protocol.directions import DirectionsConfig
+
+    values = _given(options)
+    if isinstance(values.get("personas"), str):
+        values["personas"] = [p.strip() for p in values["personas"].split(",") if p.strip()]
+    if "system" in values:
+        values["systems"] = _listed(values.pop("system"))
+    prompts = values.get("prompts")
+    if isinstance(prompts, (str, Path)):
+        path = Path(prompts)
+        if not path.is_file():
+            raise DriftlabError(f"{spelling.name('prompts').rstrip('=')} {prompts}: no such file.",
+                                hint="Give a text file with one user prompt per line.")
+        values["prompts"] = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    return _config(DirectionsConfig, backend, spelling, values, {"systems": "system"}, extra=("system",))
+
+
 def mmlu_config(backend: BackendSpec, spelling: Spelling, options: dict[str, Any]) -> Any:
     """`driftlab mmlu` / `dl.mmlu`: the fields of MMLUConfig (n, steer, turn, turn_counting, histories,
     ties, history_tokens, seed, data, batch_size)."""
@@ -218,7 +239,8 @@ def _what(spelling: Spelling, verb: str) -> str:
 
 
 def _verb(schema: type[BaseModel]) -> str:
-    return {"SelfChatConfig": "selfchat", "MMLUConfig": "mmlu", "SweepConfig": "sweep"}.get(schema.__name__,
+    return {"SelfChatConfig": "selfchat", "MMLUConfig": "mmlu", "SweepConfig": "sweep",
+            "DirectionsConfig": "directions"}.get(schema.__name__,
                                                                                            "calibrate")
 
 

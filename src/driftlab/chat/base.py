@@ -179,6 +179,11 @@ class Reply:
     n_prompt_tokens: int = 0  # tokens the model was shown (0 where unknown)
     logprobs: list[TokenLogprob] | None = None  # per generated token, when ChatRequest.logprobs asked
     end: TokenLogprob | None = None  # the end-of-turn token that ended it (not part of it), when logprobs asked
+    # The reply's projection onto its persona's direction, per layer, normalised (0: like without the
+    # system prompt, 1: like with it): "reply" (mean over the positions that generated it), "prompt"
+    # (the last prompt token), "last" (the last one); with "direction", the persona id. Local backends
+    # given directions only.
+    activation: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,9 @@ def make_backend(
         if spec.decode != "auto":
             raise DriftlabError("--decode picks a local model's decode loop; a remote openai: model decodes on its server.",
                                 hint="Drop --decode.")
+        if spec.directions:
+            raise DriftlabError("--directions reads a local model's residual stream; a remote openai: model shows "
+                                "only text.", hint="Drop --directions, or run the model locally.")
         if spec.runtime.ray:
             raise DriftlabError("--ray shards local models; a remote openai: model needs no Ray.",
                                 hint="Drop --ray, and raise --concurrency instead.")

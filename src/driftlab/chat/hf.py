@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from driftlab.activation.state import ResidualRow, ResidualState
 from driftlab.attention.state import AttentionConfig, AttentionState
 from driftlab.chat.base import (
     Capabilities,
@@ -80,8 +81,10 @@ class HFChatBackend:
         device_map: str | None = None,
         quantize: str | None = None,
         decode: DecodeMode = "auto",
+        directions: str | None = None,
     ) -> None:
-        """`decode` picks the decode loop (see driftlab.chat.static_decode): `dynamic` (a
+        """`directions` (a `driftlab directions` output) records each reply's projection onto its
+        persona's direction and lets vector and cap steers act. `decode` picks the decode loop (see driftlab.chat.static_decode): `dynamic` (a
         dynamic KV cache), `static` (a static cache, eager steps), `compiled` (a static cache
         and torch.compile'd steps: CUDA graphs on a GPU) or `auto` (`compiled` on CUDA, `dynamic`
         elsewhere). Where a static cache cannot serve the model, decoding stays dynamic, said once."""
@@ -95,6 +98,7 @@ class HFChatBackend:
             model, dtype, device, attn_implementation, device_map=device_map, quantize=quantize)
         self._setup(loaded, tokenizer, path, model, span_mode=span_mode, prefix_cache_bytes=prefix_cache_bytes,
                     decode=decode, device_map=device_map, quantize=quantize)
+        self.use_directions(directions)
 
     def _setup(self, model, tokenizer, path, name: str, *, span_mode: str, prefix_cache_bytes: int,
                decode: DecodeMode, device_map: str | None, quantize: str | None, attachment=None) -> None:
@@ -122,6 +126,11 @@ class HFChatBackend:
         self.stop_ids = frozenset(self.eos_ids)
         self.stop_strings = self.renderer.stop_strings
         self.shape = _shape(config_model.config)
+        self.d_model = int(config_model.config.get_text_config(decoder=True).hidden_size)
+        self.directions = None
+        from driftlab.activation import hooks
+
+        hooks.install(self.model)  # inert until a call carries a ResidualState
         self.pad_id = self._pad_id()
         self.prefix_cache = PrefixCache(prefix_cache_bytes if self._cacheable() else 0)
         self.decode_mode = decode
@@ -208,6 +217,9 @@ class HFChatBackend:
         if self._attachment is not None:
             if self._set_template:
                 self.tokenizer.chat_template = None
+            from driftlab.activation import hooks
+
+            hooks.remove(self.model)
             self._attachment.restore()
 
     def __enter__(self) -> HFChatBackend:
@@ -221,7 +233,21 @@ class HFChatBackend:
         """The local model a `BackendSpec` names (its runtime is the caller's business)."""
         return cls(spec.model, dtype=spec.dtype, device=spec.device, span_mode=spec.span,
                    prefix_cache_bytes=prefix_cache_bytes, device_map=spec.device_map, quantize=spec.quantize,
-                   decode=spec.decode)
+                   decode=spec.decode, directions=spec.directions)
+
+    def use_directions(self, directions) -> None:
+        """Take persona directions (a `Directions`, a path to one, or None to drop them): from now on
+        each reply's projection is recorded (`Reply.activation`) and vector and cap steers act. A
+        file of another model's shape is a one-line error."""
+        from driftlab.activation.directions import Directions
+
+        if directions is not None and not isinstance(directions, Directions):
+            directions = Directions.load(directions)
+        if directions is not None:
+            directions.check_model(self.name, self.shape.layers, self.d_model)
+        if directions is not self.directions:
+            self.prefix_cache.clear()  # KV steered along other directions is not this KV
+        self.directions = directions
 
     # -- public API -------------------------------------------------------------------------
     def generate(self, request: ChatRequest) -> list[Reply]:
@@ -244,15 +270,59 @@ class HFChatBackend:
             rendered += [c.without_system() if isinstance(c, Rendered) else
                          replace(self.render(_without_system(c), interventions=iv), system_span=None) for c in convs]
             seeds, store = seeds * 2, (list(store) * 2 if store is not None else None)
+        # CFG's unconditional twins have no system prompt, hence no persona to steer towards.
+        residual = self.residual_rows([_system_of(c) for c in convs], iv) + [None] * (len(rendered) - len(convs))
         replies = self._decode(
             [r.ids for r in rendered], request.sampling, seeds=seeds, interventions=[iv] * len(rendered),
-            spans=[r.spans() for r in rendered], cache_store=store, guidance=alpha,
+            spans=[r.spans() for r in rendered], cache_store=store, guidance=alpha, residual=residual,
             logprobs=request.logprobs, on_token=request.on_token, cancelled=request.cancelled,
             on_logprob=request.on_logprob,
             row_max_tokens=list(request.row_max_tokens) * (2 if alpha is not None else 1)
             if request.row_max_tokens is not None else None, on_finish=request.on_finish,
         )
         return replies[: len(convs)]
+
+    def generate_activations(self, request: ChatRequest) -> tuple[list[Reply], torch.Tensor]:
+        """`generate`, and each row's mean residual activation per layer over the positions that
+        generated its reply (the last prompt token, then each reply token but the last): [B, L, d]
+        float32. The directions protocol's difference of means is taken over these."""
+        iv = request.interventions
+        self.capabilities.require(self.name, iv)
+        if iv.guidance() is not None:
+            raise DriftlabError("cfg mixes two rows per conversation, whose activations are not one reply's.",
+                                hint="Compute activations without --steer cfg.")
+        convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in request.conversations]
+        rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
+        return self._decode([r.ids for r in rendered], request.sampling, seeds=request.row_seeds(),
+                            interventions=[iv] * len(rendered), spans=[r.spans() for r in rendered],
+                            cache_store=request.cache_store, residual=self.residual_rows(
+                                [_system_of(c) for c in convs], iv), capture=True)
+
+    def residual_rows(self, systems: Sequence[str | None], interventions: Interventions) -> list[ResidualRow | None]:
+        """Each row's residual-stream state, from its system prompt: its persona's direction (or the
+        file's axis) under the vector and cap steers asked; None where nothing is recorded or steered.
+        A steer with no directions, or a row whose persona has none, is a one-line error before any work."""
+        config = interventions.residual()
+        if config is not None and config.steers and self.directions is None:
+            kinds = ", ".join(i.kind for i in interventions.by_hook("residual"))
+            raise DriftlabError(f"--steer {kinds} acts along a persona's direction, and {self.name} was given none.",
+                                hint="Compute them with `driftlab directions --model MODEL --out DIR`, then pass "
+                                     "--directions DIR.")
+        if self.directions is None:
+            return [None] * len(systems)
+        if config is not None:
+            self.directions.check_layers(config)
+        rows = []
+        for i, system in enumerate(systems):
+            found = self.directions.for_system(system)
+            if found is None and config is not None and config.steers:
+                shown = "no system prompt" if system is None else f"system prompt {system[:60]!r}"
+                raise DriftlabError(f"Conversation {i} has {shown}, and the directions at {self.directions.path} hold "
+                                    f"none for it (they hold: {', '.join(sorted(self.directions.personas))}).",
+                                    hint="Compute directions for this prompt: driftlab directions --system TEXT, "
+                                         "or --personas ID,...")
+            rows.append(None if found is None else found.row(config))
+        return rows
 
     def describe(self) -> dict[str, Any]:
         if self._attachment is not None:
@@ -265,6 +335,8 @@ class HFChatBackend:
         from driftlab.assets.hub import snapshot_info
 
         meta.update(self._preset_meta())
+        if self.directions is not None:
+            meta["directions"] = self.directions.describe()
         hub = snapshot_info(self.path)
         if hub:  # which weights exactly: a resumed run refuses others (protocol.runner)
             meta["hub"] = {**hub, "requested": self.name}
@@ -445,7 +517,9 @@ class HFChatBackend:
         row_max_tokens: Sequence[int] | None = None,
         on_finish: Callable[[int, Reply], None] | None = None,
         on_logprob: Callable[[int, TokenLogprob], None] | None = None,
-    ) -> list[Reply]:
+        residual: Sequence[ResidualRow | None] | None = None,
+        capture: bool = False,
+    ) -> list[Reply] | tuple[list[Reply], torch.Tensor]:
         """The core decode loop over token prompts, with each row's interventions.
 
         `spans` names token ranges of each prompt ("system", "emphasis", ...) that an
@@ -462,11 +536,14 @@ class HFChatBackend:
         `on_finish(row, reply)` hands over a row's reply as soon as it stops or hits its limit
         (not with pi tracing, whose traces are assembled at the end); `on_logprob(row, entry)`
         each token's log-prob entry, just before `on_token` sees the token.
+        `residual[b]` is row b's residual-stream state (`residual_rows`); `capture` also returns each
+        row's mean hidden state per layer over the positions that generated its reply ([B, L, d]).
         """
         if not prompts:
-            return []
+            return ([], torch.zeros(0)) if capture else []
         run = _Decoding(self, prompts, sampling, seeds=seeds, interventions=interventions, spans=spans,
-                        cache_store=cache_store, guidance=guidance, logprobs=logprobs, on_finish=on_finish)
+                        cache_store=cache_store, guidance=guidance, logprobs=logprobs, on_finish=on_finish,
+                        residual=residual, capture=capture)
         for step in range(sampling.max_new_tokens):
             if cancelled is not None and run.cancel(cancelled):
                 break
@@ -475,7 +552,8 @@ class HFChatBackend:
             if run.done or step == sampling.max_new_tokens - 1:
                 break
             run.feed(run.compact(nxt))
-        return run.finish()
+        replies = run.finish()
+        return (replies, run.residual.mean_activations()[: len(prompts)]) if capture else replies
 
     @torch.inference_mode()
     def trace(self, conversation: Conversation, *, interventions: Interventions | None = None,
@@ -546,10 +624,12 @@ class HFChatBackend:
         return state
 
     def _forward(self, ids, mask, positions, cache, state: AttentionState | None, keep: int = 1,
-                 forward: Callable | None = None) -> torch.Tensor:
+                 forward: Callable | None = None, residual: ResidualState | None = None) -> torch.Tensor:
         if self._closed:  # a model from memory has its own attention back: it would run unsteered
             raise DriftlabError(f"The backend of {self.name} is closed.", hint="Open a new one to generate again.")
         extra = state.forward_kwargs(mask.shape[1]) if state is not None else {}
+        if residual is not None:
+            extra.update(residual.forward_kwargs())
         out = (forward or self.model)(
             input_ids=ids,
             attention_mask=mask,
@@ -561,7 +641,8 @@ class HFChatBackend:
         )
         return out.logits[:, -1, :].float() if keep == 1 else out.logits.float()
 
-    def _static_step(self, ids, mask, positions, cache, state: AttentionState | None) -> torch.Tensor:
+    def _static_step(self, ids, mask, positions, cache, state: AttentionState | None,
+                     residual: ResidualState | None = None) -> torch.Tensor:
         """One decode step on the static cache, compiled in `compiled` mode.
 
         A step that cannot be compiled (dynamo or inductor refuses it, before anything runs)
@@ -569,19 +650,23 @@ class HFChatBackend:
         are copied: a CUDA graph's next replay overwrites its outputs."""
         static = self._static
         if not static.compiled:
-            return self._forward(ids, mask, positions, cache, state, forward=static.step())
+            return self._forward(ids, mask, positions, cache, state, forward=static.step(), residual=residual)
         from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 
         calls = state._calls if state is not None else 0
+        residual_calls = residual._calls if residual is not None else 0
         slots = 0 if state is None else state.bias_heads.shape[0]
         # One graph per key; the attention implementation too (a benchmark runs stock SDPA beside driftlab's).
-        key = (ids.shape[0], state is not None, slots, self.model.config._attn_implementation)
+        key = (ids.shape[0], state is not None, slots, self.model.config._attn_implementation, residual is not None)
         try:
-            return static.run(lambda: self._forward(ids, mask, positions, cache, state, forward=static.step()).clone(),
+            return static.run(lambda: self._forward(ids, mask, positions, cache, state, forward=static.step(),
+                                                    residual=residual).clone(),
                               key, lambda message: self._fallback(f"--decode compiled: {self.name}: {message}"))
         except (TorchDynamoException, FailOnRecompileLimitHit) as err:
             if state is not None:
                 state._calls = calls  # the failed pass did not run
+            if residual is not None:
+                residual._calls = residual_calls
             static.compiled = False
             if isinstance(err, FailOnRecompileLimitHit):
                 why = (f"its decode step reached dynamo's recompile limit ({RECOMPILE_LIMIT} compiled variants: "
@@ -592,7 +677,7 @@ class HFChatBackend:
             static.eager_reason = why
             self._fallback(f"--decode compiled: {self.name}: {why}; it and the later steps run eagerly on the "
                            "static cache (the run's manifest records it under ran.agent.decode).")
-            return self._forward(ids, mask, positions, cache, state, forward=static.step())
+            return self._forward(ids, mask, positions, cache, state, forward=static.step(), residual=residual)
 
     def warm(self, batches: Sequence[int] = (1, 2, 4, 8)) -> list[dict[str, Any]]:
         """Compile the decode step ahead of a run: a plain and a steered call per batch bucket of
@@ -730,6 +815,13 @@ def _shape(config) -> ModelShape:
     )
 
 
+def _system_of(conversation: Conversation | Rendered) -> str | None:
+    """The system prompt a conversation starts with (what picks its persona direction), else None."""
+    if isinstance(conversation, Rendered) or not conversation or conversation[0]["role"] != "system":
+        return None
+    return conversation[0]["content"]
+
+
 def _without_system(conversation: Conversation) -> Conversation:
     """The unconditional conversation of CFG: the system prompt emptied, its repeated copies (SPR) removed.
 
@@ -760,7 +852,8 @@ class _Decoding:
     def __init__(self, backend: HFChatBackend, prompts: Sequence[Sequence[int]], sampling: Sampling, *,
                  seeds: Sequence[int] | None, interventions: Sequence[Interventions],
                  spans: Sequence[dict[str, list[tuple[int, int]]]], cache_store: Sequence[bool] | None,
-                 guidance: float | None, logprobs: int | None, on_finish: Callable[[int, Reply], None] | None) -> None:
+                 guidance: float | None, logprobs: int | None, on_finish: Callable[[int, Reply], None] | None,
+                 residual: Sequence[ResidualRow | None] | None = None, capture: bool = False) -> None:
         if any(len(p) == 0 for p in prompts):
             raise DriftlabError("A prompt rendered to zero tokens.", hint="Give a non-empty conversation.")
         seeds = list(seeds) if seeds is not None else list(range(len(prompts)))
@@ -787,7 +880,7 @@ class _Decoding:
         self.finished = [False] * B
         self._finished_on_device: torch.Tensor | None = None
         self.reasons = ["length"] * B
-        self._layout(interventions)
+        self._layout(interventions, residual, capture)
         # A row's reply is known when it finishes, unless pi traces (built at the end) are asked for.
         self.early = on_finish if self.state is None or not self.state.trace else None
         # Rows that are done leave the batch (dynamic cache only; a static cache keeps its shapes
@@ -799,9 +892,10 @@ class _Decoding:
         self.live, self.n_cond = list(range(B)), self.real
         self.n_fed = 0  # decode steps run: sampled[b][:n_fed] have their KV in the cache
         self.logits = backend._forward(self.ids[:, self.S :], self.mask, self.positions[:, self.S :], self.cache,
-                                       self.state)[:B]
+                                       self.state, residual=self.residual)[:B]
 
-    def _layout(self, interventions: Sequence[Interventions]) -> None:
+    def _layout(self, interventions: Sequence[Interventions], residual: Sequence[ResidualRow | None] | None,
+                capture: bool) -> None:
         """Pads, the attention state, the cache (from the prefix cache where a prompt starts as a
         stored one), and the padded ids, mask and positions of the prompts.
 
@@ -826,6 +920,14 @@ class _Decoding:
         self.state = state = backend._state(rows(attention), rows(self.spans), rows(pads), T, length)
         if static is not None and state is not None:
             state.static_layout(static.arena, bias_slots(state.bias_heads.shape[0] if state.bias_heads is not None else 0))
+        self.residual = None
+        if capture or (residual is not None and any(r is not None for r in residual)):
+            rows_in = list(residual) if residual is not None else [None] * B
+            self.residual = ResidualState(rows(rows_in), backend.shape.layers, backend.d_model, backend.device,
+                                          backend.model.dtype, capture=capture)
+            self.residual.stop(range(B, B + self.inert))  # inert rows generate nothing
+            if static is not None:
+                self.residual.static_layout(static.arena)
         self.tags = [f"{iv.fingerprint()}|{sorted(sp.items())}" if iv.fingerprint() else ""
                      for iv, sp in zip(interventions, self.spans, strict=True)]
         # Under a prompt-scoped bias a generated token's KV differs from the same token's KV
@@ -858,6 +960,8 @@ class _Decoding:
     def _end(self, i: int) -> None:
         self.finished[i] = True
         self._finished_on_device = None
+        if self.residual is not None:
+            self.residual.stop([i])
 
     def _finished_mask(self) -> torch.Tensor:
         if self._finished_on_device is None:
@@ -941,6 +1045,8 @@ class _Decoding:
         self.cache.batch_select_indices(index)
         if self.state is not None:
             self.state.select_rows(keep)
+        if self.residual is not None:
+            self.residual.select_rows(keep)
         self.live = [self.live[i] for i in keep]
         self.n_cond = len(self.live) // 2 if self.guidance is not None else len(self.live)
         self.mask, self.positions = self.mask[index], self.positions[index]
@@ -953,11 +1059,12 @@ class _Decoding:
         if self.static is not None:
             fed = torch.cat([nxt, nxt[-1:].expand(self.inert)]) if self.inert else nxt  # inert rows: any token
             self.logits = backend._static_step(fed[:, None], self.mask, self.positions, self.cache,
-                                               self.state)[: len(nxt)]
+                                               self.state, self.residual)[: len(nxt)]
         else:
             ones = torch.ones((len(self.live), 1), dtype=self.mask.dtype, device=backend.device)
             self.mask = torch.cat([self.mask, ones], dim=1)
-            self.logits = backend._forward(nxt[:, None], self.mask, self.positions, self.cache, self.state)
+            self.logits = backend._forward(nxt[:, None], self.mask, self.positions, self.cache, self.state,
+                                           residual=self.residual)
         self.n_fed += 1
 
     def _store(self, at: dict[int, int]) -> None:
@@ -973,9 +1080,15 @@ class _Decoding:
         if backend.renderer.stop_strings:
             text = backend._cut_stop(text)
         return Reply(text=text.strip(), n_tokens=len(toks), finish_reason=self.reasons[b], token_ids=toks,
-                     trace=trace, n_prompt_tokens=len(self.prompts[b]),
+                     trace=trace, n_prompt_tokens=len(self.prompts[b]), activation=self._activation(b),
                      logprobs=self.scored[b][: len(toks)] if self.logprobs is not None else None,
                      end=self.scored[b][len(toks)] if ended and self.logprobs is not None else None)
+
+    def _activation(self, b: int) -> dict[str, Any] | None:
+        """Row b's projection summary (`Reply.activation`): complete once the row is done."""
+        if self.residual is None or not self.residual.has[b]:
+            return None
+        return self.residual.summaries([b])[0]
 
     def finish(self) -> list[Reply]:
         """Store the prefixes still in the batch and return every row's reply (with its pi trace)."""

@@ -114,11 +114,26 @@ class BackendSpec(BaseModel):
     quantize: Quantize | None = Field(None, description="load the weights in 8 or 4 bits (bitsandbytes, CUDA)")
     decode: DecodeMode = Field(
         "auto", description="decode loop: dynamic cache, static cache, or static cache + torch.compile (CUDA graphs)")
+    directions: str | None = Field(
+        None, description="persona directions (a `driftlab directions` output directory): record each reply's "
+                          "projection onto its persona's direction; vector and cap steers use them")
     runtime: Runtime = Runtime()
 
     @property
     def remote(self) -> bool:
         return self.model.startswith(REMOTE_PREFIX)
+
+    @field_validator("directions")
+    @classmethod
+    def _directions_there(cls, v: str | None) -> str | None:
+        """A directions path that holds none is refused before any model loads."""
+        if v is None:
+            return v
+        folder = Path(v) if Path(v).is_dir() else Path(v).parent
+        if not (folder / "directions.json").is_file() or not (folder / "directions.safetensors").is_file():
+            raise ValueError(f"no directions at {v} (directions.json and directions.safetensors are expected there; "
+                             "make them with `driftlab directions`)")
+        return str(folder)
 
     @field_validator("device")
     @classmethod

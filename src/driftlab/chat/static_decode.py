@@ -16,7 +16,10 @@ prompt lengths, steers, strengths, spans or head sets:
 * the steered step reads every knob from tensors (attention.decode): a new steer is new values;
 * key biases come in head-selection slots (`bias_slots`): two hold every kind and InstABoost +
   PASTA + a bias composed; a steer with more distinct head selections per row takes 4 (or 8),
-  a graph of its own.
+  a graph of its own;
+* the residual stream's state (persona directions: projections recorded, vector and cap steers)
+  is data too (activation.state): a call that carries it runs the plain or steered graph's
+  variant with the layer hooks' tensors, one more graph per bucket and kind, whatever the steer.
 A graph compiled past that budget is said once, naming the guard that failed, and recorded
 (`HFChatBackend.ran`, the manifest's `ran`).
 
@@ -193,7 +196,7 @@ class StaticDecoder:
         # (batch, cache length) shapes decoded; compile seconds and inductor cache hits / misses;
         # the guards that failed past the budget; and why compiled steps stopped (None: they did not).
         self.graphs = 0
-        self.per_key: dict[tuple[int, bool, int, str], int] = {}
+        self.per_key: dict[tuple[int, bool, int, str, bool], int] = {}
         self.shapes: set[tuple[int, int]] = set()
         self.compile_s = 0.0
         self.cache_hits = self.cache_misses = 0
@@ -207,8 +210,8 @@ class StaticDecoder:
         facts: dict[str, Any] = {"loop": "compiled" if self.compiled else "static", "shapes": len(self.shapes)}
         if self._step is not None or self.eager_reason:
             facts["graphs"] = self.graphs
-            facts["graph_keys"] = [{"batch": b, "steered": s, "bias_slots": j, "attention": a, "graphs": n}
-                                   for (b, s, j, a), n in sorted(self.per_key.items())]
+            facts["graph_keys"] = [{"batch": b, "steered": s, "bias_slots": j, "attention": a, "residual": r,
+                                    "graphs": n} for (b, s, j, a, r), n in sorted(self.per_key.items())]
             facts["compile_s"] = round(self.compile_s, 2)
             facts["compile_cache"] = {"hits": self.cache_hits, "misses": self.cache_misses}
         if self.over_budget:
@@ -275,7 +278,7 @@ class StaticDecoder:
             self._step = step
         return self._step
 
-    def run(self, forward: Callable[[], torch.Tensor], key: tuple[int, bool, int, str],
+    def run(self, forward: Callable[[], torch.Tensor], key: tuple[int, bool, int, str, bool],
             say: Callable[[str], None]) -> torch.Tensor:
         """Run one compiled step (`forward`), counting what it compiled against the budget:
         `key` is the step's graph key (batch bucket, steered, bias slots, attention implementation). A
@@ -299,21 +302,22 @@ class StaticDecoder:
                     reasons = [r for code, rs in guard_failures.items() for r in rs[failed.get(code, 0):]]
                     self._over_budget(key, reasons, say)
 
-    def _compiled(self, key: tuple[int, bool, int, str], new: int, seconds: float, hits: int, misses: int) -> None:
+    def _compiled(self, key: tuple[int, bool, int, str, bool], new: int, seconds: float, hits: int, misses: int) -> None:
         self.graphs += new
         self.per_key[key] = self.per_key.get(key, 0) + new
         self.compile_s += seconds
         self.cache_hits += hits
         self.cache_misses += misses
-        batch, steered, slots, _ = key
+        batch, steered, slots, _, residual = key
         served = "served by the compile cache" if hits and not misses else \
             f"compile cache: {hits} hits, {misses} misses"
-        logger.info("compiled the %s decode step for batch %d%s in %.1f s (%s)", "steered" if steered else "plain",
-                    batch, f", {slots} bias slots" if steered else "", seconds, served)
+        logger.info("compiled the %s decode step for batch %d%s%s in %.1f s (%s)", "steered" if steered else "plain",
+                    batch, f", {slots} bias slots" if steered else "", " with the residual state" if residual else "",
+                    seconds, served)
 
-    def _over_budget(self, key: tuple[int, bool, int, str], reasons: list[str], say: Callable[[str], None]) -> None:
+    def _over_budget(self, key: tuple[int, bool, int, str, bool], reasons: list[str], say: Callable[[str], None]) -> None:
         guard = failed_guard(reasons)
-        batch, steered, _, _ = key
+        batch, steered, _, _, _ = key
         self.over_budget.append(f"batch {batch} {'steered' if steered else 'plain'}: {guard}")
         if len(self.over_budget) == 1:
             say(f"the {'steered' if steered else 'plain'} decode step for batch {batch} compiled again, past the "

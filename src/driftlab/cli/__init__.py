@@ -14,6 +14,7 @@ from driftlab.cli import data, models, pasta, personas, protocol
 from driftlab.cli.calibrate import calibrate
 from driftlab.cli.chat import chat
 from driftlab.cli.decay import decay
+from driftlab.cli.directions import directions
 from driftlab.cli.mmlu import mmlu
 from driftlab.cli.report import report
 from driftlab.cli.run import run
@@ -37,6 +38,7 @@ app.command("chat")(chat)
 app.command("run")(run)
 app.command("report")(report)
 app.command("decay")(decay)
+app.command("directions")(directions)
 app.command("mmlu")(mmlu)
 app.command("calibrate")(calibrate)
 app.command("sweep")(sweep)

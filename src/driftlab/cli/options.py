@@ -43,13 +43,17 @@ DecodeOpt = Annotated[str, typer.Option(
          "(a static cache and torch.compile: CUDA graphs on a GPU; compiles a plain and a steered graph per batch "
          "size first, kept in driftlab's cache: `driftlab models warm`) or 'auto' (compiled on CUDA, dynamic "
          "elsewhere). Where a static cache cannot serve the model, it stays dynamic.")]
+DirectionsOpt = Annotated[str | None, typer.Option(
+    help="Persona directions (a `driftlab directions` output directory): record each reply's projection onto its "
+         "persona's direction (0: like without the system prompt, 1: like with it); --steer vector and cap use them.")]
 SpanOpt = Annotated[str, typer.Option(
     help="Which tokens count as the system prompt: 'content' (its text, as the paper's pi) or 'prefix' "
          "(its whole rendered turn from position 0, with the template header and the attention sink).")]
 SteerOpt = Annotated[list[str] | None, typer.Option(
     "--steer",
     help="Intervention, repeatable and composable: 'split-softmax:k=0.9[,heads=0-5]', 'instaboost:m=5', "
-         "'spr:p=0.5', 'cfg:alpha=1.5', 'bias:value=2.0[,heads=3+5.1]', 'trace' (see docs/steering.md).",
+         "'spr:p=0.5', 'cfg:alpha=1.5', 'bias:value=2.0[,heads=3+5.1]', 'trace', 'pi-floor:f=0.8', and with "
+         "--directions 'vector:alpha=1', 'cap:q=0.25' (see docs/steering.md).",
 )]
 MaxNewTokensOpt = Annotated[int, typer.Option(help="Most tokens per reply (1-32768).")]
 TemperatureOpt = Annotated[float, typer.Option(help="Sampling temperature (0 = greedy).")]
@@ -97,7 +101,8 @@ ActorsOpt = Annotated[int | None, typer.Option(help="Ray actors (default: one pe
 
 # name -> (annotation, default) of each option that chooses a backend, by group
 _LOCAL = {"model": (ModelOpt, DEFAULT_MODEL), "dtype": (DtypeOpt, "auto"), "device": (DeviceOpt, "auto"),
-          "device_map": (DeviceMapOpt, None), "quantize": (QuantizeOpt, None), "decode": (DecodeOpt, "auto")}
+          "device_map": (DeviceMapOpt, None), "quantize": (QuantizeOpt, None), "decode": (DecodeOpt, "auto"),
+          "directions": (DirectionsOpt, None)}
 _SPAN = {"span": (SpanOpt, "content")}
 _REMOTE = {"base_url": (BaseUrlOpt, None), "api_key_env": (ApiKeyEnvOpt, "OPENAI_API_KEY"),
            "concurrency": (ConcurrencyOpt, 8), "timeout": (TimeoutOpt, 300.0), "max_retries": (MaxRetriesOpt, 5)}
@@ -107,7 +112,7 @@ _RAY = {"ray": (RayOpt, None), "actors": (ActorsOpt, None)}
 def backend_options(*, span: bool = True, remote: bool = False, ray: bool = False) -> Callable[[F], F]:
     """Give a command the options that choose its backend, as one validated `backend: BackendSpec`.
 
-    --model, --dtype, --device, --device-map, --quantize and --decode always; --span (which tokens are the
+    --model, --dtype, --device, --device-map, --quantize, --decode and --directions always; --span (which tokens are the
     system prompt) unless `span=False`; --base-url, --api-key-env, --concurrency, --timeout and
     --max-retries for commands that may run on an OpenAI-compatible server (`remote`); --ray
     and --actors for those that can shard a local model over Ray (`ray`). The command declares

@@ -31,6 +31,7 @@ MODULES = (
     "driftlab.protocol.calibrate",
     "driftlab.protocol.sweep",
     "driftlab.protocol.decay",
+    "driftlab.protocol.directions",
     "driftlab.pasta.evaluate",
     "driftlab.pasta.profile",
     "driftlab.pasta.tune",

@@ -6,7 +6,9 @@ Each intervention is a small pydantic model that says where it acts (its `hook`)
   on every backend, local or remote;
 * `attention` — changes or reads attention inside the model (split-softmax, key bias,
   InstABoost, tracing); needs a backend with the driftlab attention engine;
-* `logits` — mixes next-token distributions (e.g. classifier-free guidance).
+* `logits` — mixes next-token distributions (e.g. classifier-free guidance);
+* `residual` — adds to or caps the residual stream along a persona's direction (activation
+  steering, capping); needs a local backend given directions (`--directions`).
 
 `Interventions` composes several of them (one per kind), is parsed from the `--steer`
 text grammar with one-line errors, prints back a normalised spec (what manifests store),
@@ -39,13 +41,14 @@ from pydantic import (
     model_validator,
 )
 
+from driftlab.activation.config import Layers, ResidualConfig, layers_spec, parse_layers
 from driftlab.attention.config import AttentionConfig, BiasTerm, Heads, heads_spec, parse_heads
 from driftlab.errors import DriftlabError
 from driftlab.messages import Conversation
 from driftlab.steering.emphasis import DEFAULT_MARKER
 from driftlab.steering.heads import HeadSources
 
-Hook = Literal["conversation", "attention", "logits"]
+Hook = Literal["conversation", "attention", "logits", "residual"]
 # Which keys a bias acts on: the system prompt, or the text a user marked (`*...*`).
 SpanName = Literal["system", "marked"]
 _ENGINE_SPAN = {"system": "system", "marked": "emphasis"}  # the rendered prompt's names of those tokens
@@ -71,6 +74,8 @@ class BaseIntervention(BaseModel):
             value = getattr(self, name)
             if name == "heads":
                 value = heads_spec(value)
+            elif name == "layers":
+                value = layers_spec(value)
             elif isinstance(value, bool):
                 value = str(value).lower()
             parts.append(f"{name}={value}")
@@ -260,14 +265,73 @@ class ClassifierFreeGuidance(BaseIntervention):
         return self.alpha != 1.0
 
 
+class _WithLayers(BaseIntervention):
+    @field_validator("layers", mode="before", check_fields=False)
+    @classmethod
+    def _parse_layers(cls, v):
+        return parse_layers(v) if isinstance(v, str) or v is None else tuple(sorted({int(x) for x in v}))
+
+    def residual_fields(self) -> dict:
+        """The ResidualConfig fields this intervention sets (residual hook only)."""
+        return {}
+
+
+class ActivationVector(_WithLayers):
+    """Activation steering (persona vectors, Chen et al. 2025): at every position, add alpha times
+    the row's persona direction, scaled to the mean difference it was computed from (alpha = 1
+    moves a reply's mean activation from "without the system prompt" to "with it"), at `layers`
+    (default: the directions' band). Needs directions (`--directions`)."""
+
+    kind: Literal["vector"] = "vector"
+    alpha: Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
+    layers: Layers = None
+    hook: ClassVar[Hook] = "residual"
+    form: ClassVar[str] = "vector:alpha=1.0[,layers=10-14]"
+
+    def residual_fields(self) -> dict:
+        return {"alpha": self.alpha, "vector_layers": self.layers}
+
+
+class Cap(_WithLayers):
+    """Activation capping (the Assistant Axis paper, Lu et al. 2026): at `layers` (default: the
+    directions' band), clamp the projection onto the row's persona direction from below at the
+    q-quantile of its with-prompt projections; the part orthogonal to the direction is untouched.
+    Needs directions (`--directions`)."""
+
+    kind: Literal["cap"] = "cap"
+    q: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+    layers: Layers = None
+    hook: ClassVar[Hook] = "residual"
+    form: ClassVar[str] = "cap:q=0.25[,layers=10-14]"
+
+    def residual_fields(self) -> dict:
+        return {"cap_q": self.q, "cap_layers": self.layers}
+
+
+class PiFloor(BaseIntervention):
+    """pi floor: at every layer, head and query after the first turn, the system prompt keeps at
+    least f times the attention mass pi_1 it had at the first turn's last prompt token (by the
+    split-softmax rescaling, exact); where it has more, nothing changes."""
+
+    kind: Literal["pi-floor"] = "pi-floor"
+    f: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+    hook: ClassVar[Hook] = "attention"
+    form: ClassVar[str] = "pi-floor:f=0.8"
+
+    def attention_fields(self) -> dict:
+        return {"pi_floor": self.f}
+
+
 #: The built-in kinds as one type (for annotations); `KINDS` also holds those of plugins.
 Intervention = Annotated[
-    SplitSoftmax | KeyBias | InstABoost | Pasta | Trace | SystemPromptRepetition | ClassifierFreeGuidance,
+    SplitSoftmax | KeyBias | InstABoost | Pasta | Trace | SystemPromptRepetition | ClassifierFreeGuidance
+    | ActivationVector | Cap | PiFloor,
     Field(discriminator="kind"),
 ]
 KINDS: dict[str, type[BaseIntervention]] = {
     c.model_fields["kind"].default: c
-    for c in (SplitSoftmax, KeyBias, InstABoost, Pasta, Trace, SystemPromptRepetition, ClassifierFreeGuidance)
+    for c in (SplitSoftmax, KeyBias, InstABoost, Pasta, Trace, SystemPromptRepetition, ClassifierFreeGuidance,
+              ActivationVector, Cap, PiFloor)
 }
 _BUILTIN = frozenset(KINDS)
 #: Hooks a plugin may act through: `attention` (its `attention_fields`, e.g. key biases, compiled
@@ -383,6 +447,14 @@ class Interventions(BaseModel):
             part["biases"] = fields.get("biases", ()) + part.get("biases", ())
             fields.update(part)
         return AttentionConfig(**fields) if items else None
+
+    def residual(self) -> ResidualConfig | None:
+        """What the residual-stream steers ask (vector, cap), or None when none is set."""
+        items = self.by_hook("residual")
+        fields: dict = {}
+        for item in items:
+            fields.update(item.residual_fields())
+        return ResidualConfig(**fields) if items else None
 
     def get(self, kind: str) -> BaseIntervention | None:
         return next((i for i in self.items if i.kind == kind), None)

@@ -1,0 +1,63 @@
+"""The residual stream's one hook: a forward hook on every decoder layer of a model.
+
+Why forward hooks rather than a wrapped layer: they leave the model's modules as they are
+(a model the user holds gets them back untouched), every architecture whose decoder layers
+sit in one list gets them the same way, and torch.compile traces them inside the layer's call.
+A hook does nothing unless the forward call carries a `ResidualState` (keyword `KWARG`,
+which transformers hands every decoder layer with the other attention keywords).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from driftlab.activation.state import KWARG
+from driftlab.errors import DriftlabError
+
+_HANDLES = "_driftlab_residual_hooks"
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The model's decoder layers, in order (a PEFT wrapper's base model's)."""
+    get = getattr(model, "get_base_model", None)
+    base = get() if callable(get) and hasattr(model, "peft_config") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "model", None)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise DriftlabError(f"{type(base).__name__} keeps no list of decoder layers where driftlab looks "
+                            "(model.get_decoder().layers), so its residual stream cannot be read or steered.",
+                            hint="Run this model without --directions and activation steers (vector, cap).")
+    return list(layers)
+
+
+class _Hook:
+    """Layer `index`'s hook: hands the layer's output to the call's state, if it has one."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __call__(self, module, args, kwargs, output):
+        state = kwargs.get(KWARG)
+        if state is None:
+            return None
+        if isinstance(output, tuple):  # older decoder layers return (hidden, ...)
+            return (state.apply(self.index, output[0]), *output[1:])
+        return state.apply(self.index, output)
+
+
+def install(model: Any) -> None:
+    """Hook every decoder layer of `model` (once: installing twice changes nothing)."""
+    layers = decoder_layers(model)
+    if getattr(layers[0], _HANDLES, None) is not None:
+        return
+    for i, layer in enumerate(layers):
+        setattr(layer, _HANDLES, layer.register_forward_hook(_Hook(i), with_kwargs=True))
+
+
+def remove(model: Any) -> None:
+    """Take the hooks off again (a borrowed model goes back as it came)."""
+    for layer in decoder_layers(model):
+        handle = getattr(layer, _HANDLES, None)
+        if handle is not None:
+            handle.remove()
+            delattr(layer, _HANDLES)
