@@ -9,6 +9,14 @@ bug there shows up as a disagreement. Then it computes the textbook way: logits 
 scale + mask (+ every bias term), softmax, the split-softmax reweighting of the persona-drift paper's Eq. 7 applied to
 the weights themselves, then weights @ V.
 
+pi-floor: the floors as given to `AttentionState.set_floors` (`floor_table` [B, L, H], the
+values themselves, and `floor_queries`, each row's first floor query as a token index of its
+unpadded prompt); the reference places the first floor slot at pads[b] + floor_queries[b]
+itself. At each query from there on, with pi the weight mass on the system keys, t = max(pi^k,
+floor) (k = 1 on heads split-softmax does not select): the system weights are scaled by t / pi,
+the others by (1 - t) / (1 - pi). The queries of a call are the last q of its `kv_len` slots
+(the dynamic layout; a static one is checked against the dynamic loop, tests/test_pi_floor.py).
+
 Every tensor it builds lives on the query's device, so it runs wherever the model does
 (`pytest --device cuda`).
 """
@@ -77,18 +85,42 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
     if state is not None:
         sys4 = sys[:, None, None, :]
         pi = (weights * sys4).sum(-1, keepdim=True)  # [B, H, q, 1]
-        if cfg.split_k != 1.0:
-            k = cfg.split_k
-            heads = torch.tensor(_selected(cfg.split_heads, layer, H), device=query.device)
-            up = torch.where(pi > 0, pi.pow(k) / pi, torch.zeros_like(pi))
-            down = torch.where(pi < 1, (1 - pi.pow(k)) / (1 - pi), torch.zeros_like(pi))
+        floors = _floors(state, layer, B, H, q, query.device)  # [B, H, q, 1] or None
+        if cfg.split_k != 1.0 or floors is not None:
+            split = torch.tensor(_selected(cfg.split_heads, layer, H), device=query.device) & (cfg.split_k != 1.0)
+            k = torch.where(split, cfg.split_k, 1.0)[None, :, None, None]  # [1, H, 1, 1]
+            target = pi.pow(k)
+            rescale = split[None, :, None, None].expand_as(pi)
+            if floors is not None:
+                binds = floors > target
+                target = torch.where(binds, floors, target)
+                rescale = rescale | binds
+            up = torch.where(pi > 0, target / pi, torch.zeros_like(pi))
+            down = torch.where(pi < 1, (1 - target) / (1 - pi), torch.zeros_like(pi))
             new = torch.where(sys4, weights * up, weights * down)
             new = torch.where(pi > 0, new, weights)
-            weights = torch.where(heads[None, :, None, None], new, weights)
+            weights = torch.where(rescale, new, weights)
         if cfg.trace:
             state.record(layer, pi[..., 0])
     out = torch.matmul(weights, value).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _floors(state, layer: int, B: int, H: int, q: int, device: torch.device) -> torch.Tensor | None:
+    """[B, H, q, 1] the pi floor of each query of this call (0 before its row's first floor
+    slot), from the floors as given; None where no floor was set."""
+    table = getattr(state, "floor_table", None)
+    queries = getattr(state, "floor_queries", None)
+    if table is None or queries is None or not bool((table > 0).any()):
+        return None
+    out = torch.zeros(B, H, q, 1, device=device)
+    total = state.kv_len
+    for b in range(B):
+        first = state.pads[b] + queries[b]  # the absolute slot of the row's first floor query
+        for i in range(q):
+            if total - q + i >= first:  # query i sits at slot total - q + i
+                out[b, :, i, 0] = table[b, layer].to(device)
+    return out
 
 
 def register_reference() -> None:

@@ -80,6 +80,10 @@ class AttentionConfig(BaseModel):
       instruction keys everywhere; PASTA adds log(alpha) to the non-emphasised keys on
       profiled heads; `bias` adds any value; several compose.
     * `trace` records pi, the attention mass on the system keys, per layer and head.
+    * `pi_floor` F > 0 turns on pi-floor: from a row's first floor query on, the system keys get
+      at least a floor of the attention (per layer and head; the backend sets it to F times pi at
+      the first turn's generation prompt, `AttentionState.set_floors`), and are left alone where
+      they already get more. It may differ per row.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -89,6 +93,7 @@ class AttentionConfig(BaseModel):
     split_k: float = Field(1.0, ge=0.0, le=1.0, allow_inf_nan=False)
     split_heads: Heads = None
     biases: tuple[BiasTerm, ...] = ()
+    pi_floor: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
 
     @field_validator("split_heads", mode="before")
     @classmethod
@@ -109,6 +114,10 @@ class AttentionConfig(BaseModel):
         return bool(self.biases)
 
     @property
+    def floors(self) -> bool:
+        return self.pi_floor > 0
+
+    @property
     def prompt_scoped(self) -> bool:
         """Some bias spares generated keys: their KV differs from the same tokens' KV as prompt."""
         return any(t.scope == "prompt" for t in self.biases)
@@ -116,14 +125,14 @@ class AttentionConfig(BaseModel):
     @property
     def changes_outputs(self) -> bool:
         """True if hidden states differ from the plain model (tracing alone does not)."""
-        return self.splits or self.biased
+        return self.splits or self.biased or self.floors
 
     @property
     def active(self) -> bool:
         return self.trace or self.changes_outputs
 
     def shared(self) -> tuple:
-        """What every row of one batch must agree on (key biases may differ per row)."""
+        """What every row of one batch must agree on (key biases and the pi floor may differ per row)."""
         return (self.trace, self.trace_prefill, self.split_k, self.split_heads)
 
 

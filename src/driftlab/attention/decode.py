@@ -10,8 +10,9 @@ steer:
   (`bias_keys` [J, B, K] times `bias_heads` [J, B, L, H]: zero where no term acts);
 * attends over the system keys only (a block mask of each row's system blocks on flex);
 * takes pi = exp(LSE_sys - LSE_all), writes it into the trace buffer at the step index, and
-  applies split-softmax with the layer's per-head strength (k = 1 leaves a head's output as it
-  is, bit for bit).
+  applies split-softmax with the layer's per-head strength and pi-floor with the layer's floor
+  where the query's slot has reached its row's first floor slot (k = 1 and a floor that does not
+  bind, a floor of 0 among them, leave a head's output as it is, bit for bit).
 
 So a new strength, span, head set or intervention kind is new values in the same tensors, and
 the compiled step runs on without compiling. The key pattern (causal, left padding) is masked
@@ -37,11 +38,21 @@ def steered_step(state: AttentionState, layer: int, query: torch.Tensor, key: to
         out, o_sys, pi, rest = _flex(state, layer, query, key, value, scale)
     else:
         out, o_sys, pi, rest = _sdpa(state, layer, query, key, value, scale)
-    out = split_softmax(out, o_sys, pi, rest, state.split_table[layer])
-    state.trace_buf[layer].index_copy_(-1, state.step, pi[..., 0].to(state.trace_buf.dtype))
+    out = split_softmax(out, o_sys, pi, rest, state.split_table[layer], _floor(state, layer, query.shape[1]))
+    pi_now = pi[..., 0]
+    state.trace_buf[layer].index_copy_(-1, state.step, pi_now if pi_now.dtype == state.trace_buf.dtype
+                                       else pi_now.to(state.trace_buf.dtype))
     if state.prefilling and state.config.trace_prefill:  # an eager prefill of one query (the rest was cached)
         state.records[layer].append(pi[..., 0].float())
     return out
+
+
+def _floor(state: AttentionState, layer: int, H: int) -> torch.Tensor:
+    """[B, H, 1, 1] the layer's pi floor per row and head, 0 in rows whose first floor slot is
+    past the query's slot."""
+    B = state.floor_first.shape[0]
+    on = (state.last_slot >= state.floor_first).view(B, 1, 1, 1)
+    return torch.where(on, state.floor_table[:, layer].view(B, H, 1, 1), 0.0)
 
 
 def _visible(state: AttentionState, K: int, device: torch.device) -> torch.Tensor:
@@ -61,8 +72,8 @@ def _sdpa(state, layer, query, key, value, scale):
     bias = bias_logits(state.bias_keys, state.bias_heads[:, :, layer])
     visible = _visible(state, K, query.device)[:, None, None, :]
     n_rep = H // key.shape[1]
-    mask = torch.where(visible, bias, neg).to(dtype)
-    sys_mask = torch.where(visible & state.system_keys[:, None, None, :], bias, neg).to(dtype)
+    mask = _as(torch.where(visible, bias, neg), dtype)
+    sys_mask = _as(torch.where(visible & state.system_keys[:, None, None, :], bias, neg), dtype)
     if flash_ok(query, key, value):
         out, lse_all = attend_sdpa(query, key, value, mask, scale, n_rep, lse=True)
         o_sys, lse_sys = attend_sdpa(query, key, value, sys_mask, scale, n_rep, lse=True)
@@ -70,6 +81,11 @@ def _sdpa(state, layer, query, key, value, scale):
     out, pi, rest = attend_with_mass(query, key, value, mask, state.system_keys, scale, n_rep)
     o_sys, _ = attend_sdpa(query, key, value, sys_mask, scale, n_rep)
     return out, o_sys, pi, rest
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` in `dtype` (itself where it is already: no op in the step's graph)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _flex(state, layer, query, key, value, scale):

@@ -6,7 +6,9 @@ SDPA. With an `AttentionState` it composes, per batch row:
 * tracing: pi = attention mass on system-prompt keys, per layer and head;
 * an additive key bias on chosen keys and (layer, head) pairs (PASTA, InstABoost);
 * exact split-softmax (persona-drift paper Eq. 6-7): with O_sys from a second SDPA over only the
-  system keys, the reweighted output is pi^k O_sys + (1-pi^k)/(1-pi) (O - pi O_sys).
+  system keys, the reweighted output is pi^k O_sys + (1-pi^k)/(1-pi) (O - pi O_sys);
+* pi-floor: the same rescaling with t = max(pi^k, floor) in place of pi^k, on the queries from
+  each row's first floor slot on (`AttentionState.set_floors`).
 
 pi comes from log-sum-exps where the fused kernel reports them (PyTorch's CPU flash
 kernel): pi = exp(LSE_sys - LSE_all), with LSE_sys from the same second, system-only call
@@ -139,12 +141,18 @@ def driftlab_attention(
     lo, hi = state.kv_len - K, state.kv_len
     bias = state.layer_bias(layer, lo, hi, query.device)  # [B, H, 1, K] or None
     split_heads = state.split_strength(layer, query.device)  # [H] strength per head or None
+    floor = state.layer_floor(layer, q, query.device)  # [B, H, q, 1] pi floor per query, or None
+    if bias is None and split_heads is None and floor is None and not state.trace:
+        # A floor acts on this layer, but not on these queries (all before their rows' first floor slot).
+        return _plain(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+    if floor is not None and split_heads is None:  # the rescaling's strengths: 1 (no split) on every head
+        split_heads = state.on("split_table", query.device)[layer]
     need_pi = state.trace or split_heads is not None
     sys_range = state.system_range(lo, hi) if need_pi else None  # [a, b) of this call's keys
     sys_keys = state.on("system_keys", query.device)[:, lo:hi] if need_pi else None
     if kernel_for(query.device) == "flex":
-        out = _flex_path(state, layer, query, key, value, attention_mask, scale, bias, split_heads, sys_range,
-                         lo, kwargs.get("sliding_window"))
+        out = _flex_path(state, layer, query, key, value, attention_mask, scale, bias, split_heads, floor,
+                         sys_range, lo, kwargs.get("sliding_window"))
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
     use_lse = need_pi and flash_ok(query, key, value)
@@ -167,7 +175,7 @@ def driftlab_attention(
             out, lse_all = attend_sdpa(query, key, value, key_bias, scale, n_rep, causal=True, lse=True)
             if need_pi:
                 out = _pi_of_causal_prefill(state, layer, out, lse_all, query, key, value, key_bias, sys_keys,
-                                            sys_range, split_heads, scale, n_rep)
+                                            sys_range, split_heads, floor, scale, n_rep)
             return out.transpose(1, 2).contiguous(), None
     # None = every key visible to every query: q == 1, or (q == K) with the causal flag.
     causal = base is None and q == K and q > 1 and bias is None
@@ -210,7 +218,7 @@ def driftlab_attention(
         else:
             o, _ = attend_sdpa(qs, key, value, mf, scale, n_rep, causal=causal)
         if split_heads is not None and o_sys is not None:
-            o = split_softmax(o, o_sys, pi, rest, split_heads)
+            o = split_softmax(o, o_sys, pi, rest, split_heads, floor if floor is None else floor[:, :, s : s + step])
         outs.append(o)
         if pi is not None:
             pis.append(pi[..., 0])
@@ -224,9 +232,10 @@ def _pi_of_causal_prefill(state: AttentionState, layer: int, out: torch.Tensor, 
                           query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           key_mask: torch.Tensor | None,
                           sys_keys: torch.Tensor, sys_range: tuple[int, int] | None,
-                          split_heads: torch.Tensor | None, scale: float, n_rep: int) -> torch.Tensor:
-    """pi (traced) and split-softmax for a causal prefill whose mask is a [B, H|1, 1, K] key
-    mask (or none).
+                          split_heads: torch.Tensor | None, floor: torch.Tensor | None, scale: float,
+                          n_rep: int) -> torch.Tensor:
+    """pi (traced), split-softmax and pi-floor (`floor` [B, H, q, 1] or None) for a causal prefill
+    whose mask is a [B, H|1, 1, K] key mask (or none).
 
     The system-only call needs no per-query mask either: query i sees system key j iff j <= i,
     so the queries from the span's first slot `a` on, against keys [a, b), are causal in the
@@ -249,7 +258,7 @@ def _pi_of_causal_prefill(state: AttentionState, layer: int, out: torch.Tensor, 
             rest[:, :, a:] = rest_tail
             o_sys = out.new_zeros((B, H, q, dv))
             o_sys[:, :, a:] = o_tail
-            out = split_softmax(out, o_sys, pi, rest, split_heads)
+            out = split_softmax(out, o_sys, pi, rest, split_heads, floor)
     if state.trace:
         state.record(layer, pi[..., 0])
     return out
@@ -467,12 +476,12 @@ def _flex_decode_masks(state: AttentionState, B: int, K: int, lo: int, window: i
 
 def _flex_path(state: AttentionState, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, scale: float, bias: torch.Tensor | None,
-               split_heads: torch.Tensor | None, sys_range: tuple[int, int] | None, lo: int,
-               window: int | None) -> torch.Tensor | None:
+               split_heads: torch.Tensor | None, floor: torch.Tensor | None, sys_range: tuple[int, int] | None,
+               lo: int, window: int | None) -> torch.Tensor | None:
     """The intervention path on FlexAttention ([B, H, q, dv]), or None to use the SDPA path.
 
-    Key bias as a score_mod, the mask as block masks; pi and split-softmax from a second
-    call over the system keys only, merged through the two calls' LSEs (see flex.py).
+    Key bias as a score_mod, the mask as block masks; pi, split-softmax and pi-floor from a
+    second call over the system keys only, merged through the two calls' LSEs (see flex.py).
     """
     flex = _flex_module()  # not None: kernel_for chose flex
     B, H, q, _ = query.shape
@@ -499,7 +508,7 @@ def _flex_path(state: AttentionState, layer: int, query: torch.Tensor, key: torc
         # Tracing alone needs only the system pass's LSE: its output is 16 channels wide, not d.
         sys_value = value[:, :, a:b] if split_heads is not None or value.shape[-1] <= 16 else value[:, :, a:b, :16]
         o_sys, lse_sys = flex.attend(query, key[:, :, a:b], sys_value, sys_mask, sys_bias, scale, lse=True)
-        out, pi = merge_fn(query.device)(out, o_sys, lse_all, lse_sys, split_heads)
+        out, pi = merge_fn(query.device)(out, o_sys, lse_all, lse_sys, split_heads, floor)
     if state.trace:
         state.record(layer, pi[..., 0])
     return out

@@ -229,4 +229,5 @@ def attend_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
         query = query.reshape(B, n_kv, mods.group, d)
     out, aux = _call(query, key, value, score_mod=mods.score, block_mask=mask, scale=scale,
                      enable_gqa=query.shape[1] != n_kv, return_aux=AuxRequest(lse=True))
-    return out.reshape(B, H, 1, out.shape[-1]), aux.lse.float().reshape(B, H, 1)
+    lse = aux.lse if aux.lse.dtype == torch.float32 else aux.lse.float()
+    return out.reshape(B, H, 1, out.shape[-1]), lse.reshape(B, H, 1)

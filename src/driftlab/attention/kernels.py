@@ -88,40 +88,62 @@ def system_share(lse_all: torch.Tensor, lse_sys: torch.Tensor) -> tuple[torch.Te
     would be NaN.
     """
     seen = torch.isfinite(lse_sys)
-    delta = torch.where(seen, (lse_sys - lse_all).clamp(max=0.0), torch.full_like(lse_sys, float("-inf")))
+    delta = torch.where(seen, (lse_sys - lse_all).clamp(max=0.0), float("-inf"))
     delta = delta[..., None]
     return delta.exp(), -torch.expm1(delta)
 
 
-def split_softmax(out: torch.Tensor, o_sys: torch.Tensor, pi: torch.Tensor, rest: torch.Tensor,
-                  k: torch.Tensor) -> torch.Tensor:
-    """Reweight attention so the system keys get pi^k of the mass, exactly, in O(T) memory.
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """`x` as float32 (itself where it is already: no op in a decode step's graph)."""
+    return x if x.dtype == torch.float32 else x.float()
 
-    O = pi O_sys + (1 - pi) O_rest, so pi^k O_sys + (1 - pi^k) O_rest
-      = pi^k O_sys + w (O - pi O_sys) with w = (1 - pi^k) / (1 - pi).
-    `k` is the strength per head ([H], or [B, H]); a head with k = 1 keeps `out` bit for bit.
+
+def split_softmax(out: torch.Tensor, o_sys: torch.Tensor, pi: torch.Tensor, rest: torch.Tensor,
+                  k: torch.Tensor, floor: torch.Tensor | None = None) -> torch.Tensor:
+    """Reweight attention so the system keys get t = max(pi^k, floor) of the mass, exactly, in
+    O(T) memory.
+
+    O = pi O_sys + (1 - pi) O_rest, so t O_sys + (1 - t) O_rest = t O_sys + w (O - pi O_sys) with
+    w = (1 - t) / (1 - pi). `k` is the split-softmax strength per head ([H], or [B, H]); `floor`
+    (pi-floor), broadcastable to pi [B, H, q, 1], the least mass the system keys get (0: none).
+    A head with k = 1 whose floor does not bind (pi >= floor) keeps `out` bit for bit, and where
+    the floor does not bind the result is split-softmax's alone, bit for bit.
     """
-    k = k.to(torch.float32)
-    k = k[None, :, None, None] if k.dim() == 1 else k[:, :, None, None]
+    k = _f32(k)
+    k = k.reshape(1, -1, 1, 1) if k.dim() == 1 else k.reshape(*k.shape, 1, 1)
     pk = pi.pow(k)
     # w = (1 - (1 - r)^k) / r with r = 1 - pi measured directly; where no rest key is
     # visible (queries inside the system span) r = 0 and the rest term vanishes anyway.
     # k = 0 gives (1 - 1) / r = 0, where the formula would give 0 * log(0) = NaN at r = 1: masked,
     # not branched on, since k is a tensor read by a compiled decode step.
-    w = torch.where((rest > 0) & (k != 0), -torch.expm1(k * torch.log1p(-rest)) / rest.clamp_min(1e-30),
-                    torch.zeros_like(rest))
-    o32, s32 = out.float(), o_sys.float()
+    # Written over -r ((1 - x) / r = (x - 1) / -r, exactly): one op fewer in the steered decode
+    # step, whose ops per layer tests/test_static_decode.py bounds.
+    seen_rest = rest > 0
+    neg_rest = -rest
+    neg_r = neg_rest.clamp_max(-1e-30)
+    w = torch.where(seen_rest & (k != 0), torch.expm1(k * torch.log1p(neg_rest)) / neg_r, 0.0)
+    change = k != 1
+    if floor is not None:
+        # Where the floor binds: t = floor, w = (1 - floor) / r. Never where no rest key is visible
+        # (all the mass is on the system keys already; a 1 - pi rounded to 0 must not divide).
+        floor = _f32(floor)
+        binds = (floor > pk) & seen_rest
+        pk = torch.where(binds, floor, pk)
+        w = torch.where(binds, (floor - 1.0) / neg_r, w)
+        change = change | binds
+    o32, s32 = _f32(out), _f32(o_sys)
     new = pk * s32 + w * (o32 - pi * s32)
     new = torch.where(pi > 0, new, o32)  # no system key visible: unchanged (o_sys is garbage there)
-    return torch.where(k != 1, new.to(out.dtype), out)
+    return torch.where(change, new if new.dtype == out.dtype else new.to(out.dtype), out)
 
 
 def merge(out: torch.Tensor, o_sys: torch.Tensor, lse_all: torch.Tensor, lse_sys: torch.Tensor,
-          k: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+          k: torch.Tensor | None, floor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The epilogue of the two attention calls: (the output, split-softmax applied with per-head
-    strengths `k` where given; pi [B, H, q, 1])."""
+    strengths `k` where given and pi-floor's `floor` where given (then `k` too: ones where no head
+    splits); pi [B, H, q, 1])."""
     pi, rest = system_share(lse_all, lse_sys)
-    return (out if k is None else split_softmax(out, o_sys, pi, rest, k)), pi
+    return (out if k is None else split_softmax(out, o_sys, pi, rest, k, floor)), pi
 
 
 _merge_compiled = None

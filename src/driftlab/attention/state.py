@@ -115,6 +115,14 @@ class AttentionState:
         # Per-layer flags on the host: asking the device tensors would sync a GPU every layer.
         self._split_layers = split.any(dim=1).tolist() if split is not None else [False] * n_layers
         self._bias_layers = bias_heads.any(dim=(0, 1, 3)).tolist() if n_slots else [False] * n_layers
+        # pi-floor (`set_floors`): the floor per (row, layer, head) and each row's first floor slot;
+        # zeros until set. Host-side: which rows have a floor on which layer, and their first slots.
+        self.floor_table: torch.Tensor | None = None  # [B, L, H] float32
+        self.floor_first: torch.Tensor | None = None  # [B] long: the absolute slot of each row's first floor query
+        self.floor_queries: list[int] | None = None  # first_query as given (token index in the unpadded prompt)
+        self._floor_rows: list[list[bool]] = []  # [B][L]: a floor > 0 on some head of that row and layer
+        self._floor_layers = [False] * n_layers
+        self._floor_from: int | None = None  # the first slot at which any floor acts
         self._acts = [self.trace or sp or bi for sp, bi in zip(self._split_layers, self._bias_layers)]
         self.system_keys: torch.Tensor | None = None
         self.system_slots: tuple[int, int] | None = None  # [first, last + 1) slot of any row's system key
@@ -140,7 +148,8 @@ class AttentionState:
         self._copies: dict[tuple[str, torch.device], torch.Tensor] = {}
 
     def on(self, name: str, device: torch.device) -> torch.Tensor | None:
-        """The state tensor `name` (system_keys, bias_keys, bias_heads, split_table) on `device`."""
+        """The state tensor `name` (system_keys, bias_keys, bias_heads, split_table, floor_table,
+        floor_first) on `device`."""
         tensor = getattr(self, name)
         if tensor is None or tensor.device == device:
             return tensor
@@ -198,6 +207,62 @@ class AttentionState:
         self.kv_len = self.prompt_len = prompt_len
         self.records = [[] for _ in range(self.n_layers)]
         self._copies = {}
+        if self.floor_queries is None or len(self.floor_queries) != B:  # no floor (yet): zeros
+            self.floor_table = torch.zeros(B, self.n_layers, self.n_heads, device=self.device)
+            self.floor_queries = [0] * B
+            self._floor_rows = [[False] * self.n_layers for _ in range(B)]
+        # The same rows laid out again (more slots): their floors stay, at slots of these pads.
+        self.floor_first = torch.tensor([p + f for p, f in zip(self.pads, self.floor_queries, strict=True)],
+                                        dtype=torch.long, device=self.device)
+        self._floor_flags()
+
+    def set_floors(self, values: torch.Tensor, first_query: Sequence[int]) -> None:
+        """pi-floor: `values` [B, L, H] the floor of each row, layer and head (0: none; the backend
+        gives F * pi_1), `first_query[b]` the token index in row b's unpadded prompt of the first
+        query the floor acts on (the queries before it are left alone). From there on, where the
+        system keys get less than the floor (after any key bias and split-softmax's pi^k), they get
+        the floor exactly, the other keys the rest, each part keeping its proportions.
+
+        After `on_layout` (and before `static_layout`; after it, the values go into the static
+        tensors in place). Reads the values on the host once, for the per-layer flags that let
+        layers without a floor skip its work."""
+        if self.system_keys is None:
+            raise DriftlabError("set_floors needs the batch layout: call on_layout first.")
+        B = len(self.pads)
+        values = torch.as_tensor(values)
+        first = [int(f) for f in first_query]
+        if tuple(values.shape) != (B, self.n_layers, self.n_heads) or len(first) != B:
+            raise DriftlabError(
+                f"Floors of shape {tuple(values.shape)} for {len(first)} rows given to a batch of {B} rows "
+                f"on a model of {self.n_layers} layers x {self.n_heads} heads.",
+                hint="Give values [rows, layers, heads] and one first query per row.")
+        host = values.detach().to("cpu", torch.float32)
+        if not bool(torch.isfinite(host).all()) or bool((host < 0).any()) or bool((host > 1).any()):
+            raise DriftlabError("A pi floor is not a finite attention mass in [0, 1].",
+                                hint="Floors are F * pi_1 with 0 <= F <= 1.")
+        if any(f < 0 for f in first):
+            raise DriftlabError(f"First floor queries {first} include a negative token index.")
+        self.floor_queries = first
+        self._floor_rows = (host > 0).any(dim=2).tolist()
+        table = host.to(self.device)
+        first_slots = torch.tensor([p + f for p, f in zip(self.pads, first, strict=True)], dtype=torch.long,
+                                   device=self.device)
+        if self.static:  # the arena's tensors, which a captured step reads at their addresses
+            self.floor_table.copy_(table)
+            self.floor_first.copy_(first_slots)
+        else:
+            self.floor_table, self.floor_first = table, first_slots
+        self._copies = {}
+        self.mask_memo.clear()  # the engine's memo of which queries the floor is on
+        self._floor_flags()
+
+    def _floor_flags(self) -> None:
+        """The host-side flags of the floors: per layer, and the first slot any floor acts at."""
+        rows = [b for b, on in enumerate(self._floor_rows) if any(on)]
+        self._floor_layers = [any(self._floor_rows[b][layer] for b in rows) for layer in range(self.n_layers)]
+        self._floor_from = min((self.pads[b] + self.floor_queries[b] for b in rows), default=None)
+        self._acts = [self.trace or sp or bi or fl
+                      for sp, bi, fl in zip(self._split_layers, self._bias_layers, self._floor_layers, strict=True)]
 
     def select_rows(self, keep: Sequence[int]) -> None:
         """Keep only the batch positions `keep`, in that order (the decode loop drops rows that
@@ -211,6 +276,10 @@ class AttentionState:
         self.pads = [self.pads[i] for i in keep]
         self.ends = [self.ends[i] for i in keep]
         self.system_keys = self.system_keys[index]
+        self.floor_table, self.floor_first = self.floor_table[index], self.floor_first[index]
+        self.floor_queries = [self.floor_queries[i] for i in keep]
+        self._floor_rows = [self._floor_rows[i] for i in keep]
+        self._floor_flags()
         if self.bias_keys is not None:
             self.bias_keys = self.bias_keys[:, index]
             self.bias_heads = self.bias_heads[:, index]
@@ -228,10 +297,12 @@ class AttentionState:
         (layer, head) (1: unchanged), pi written in place into `trace_buf` [L, B, H, slots] at the
         step index held in `step` (a list append would change per step, and a graph's outputs are
         overwritten by its next replay), the query's slot in `last_slot`, the rows' first slots in
-        `first` and each row's system-key blocks in `system_blocks` (the decode block mask of the
-        system-only pass). A new strength, span, head set or kind is new values in the same
-        tensors: nothing compiles again. `arena` holds the tensors of earlier calls of the same
-        shapes: the values are copied into them, so a captured graph sees this call's state.
+        `first`, each row's system-key blocks in `system_blocks` (the decode block mask of the
+        system-only pass), and pi-floor's table [B, L, H] and first slots [B] in `floor_table` and
+        `floor_first` (zeros without a floor: a floor of 0 never binds). A new strength, span, head
+        set, kind or floor is new values in the same tensors: nothing compiles again. `arena` holds
+        the tensors of earlier calls of the same shapes: the values are copied into them, so a
+        captured graph sees this call's state.
         """
         self.static = True
         arena = {} if arena is None else arena
@@ -255,6 +326,8 @@ class AttentionState:
         self.bias_keys, self.bias_heads = put("bias_keys", keys), put("bias_heads", heads)
         self.system_keys = put("system_keys", self.system_keys)
         self.split_table = put("split_table", self.split_table)
+        self.floor_table = put("floor_table", self.floor_table)
+        self.floor_first = put("floor_first", self.floor_first)
         self.system_blocks = tuple(put(f"system_blocks.{i}", t) for i, t in enumerate(system_blocks(self.system_keys)))
         count, every = every_block(B, K, self.device)
         # The all-keys block mask of a decode step: its filled blocks, counted in `forward_kwargs`.
@@ -282,6 +355,24 @@ class AttentionState:
     # -- queried by the attention function ---------------------------------------------------
     def acts_on(self, layer: int) -> bool:
         return self._acts[layer]
+
+    def query_end(self) -> int:
+        """The slot after the current call's last query: its queries are the last q before it (a
+        static layout's calls end at the prompt's end, then one slot further per decode step)."""
+        return self.prompt_len + self._calls - 1 if self.static else self.kv_len
+
+    def layer_floor(self, layer: int, q: int, device: torch.device | None = None) -> torch.Tensor | None:
+        """[B, H, q, 1] float32 pi floor of each head and query of the current call at `layer` (0 on
+        the queries before their row's first floor slot), or None where no floor acts on the call."""
+        if not self._floor_layers[layer] or self.query_end() <= self._floor_from:
+            return None
+        device = device or self.device
+        tag = ("floor", self.query_end(), q, str(device))  # which queries are on: shared by the layers of a pass
+        on = self.mask_memo.get(tag)
+        if on is None:
+            slots = torch.arange(self.query_end() - q, self.query_end(), device=device)
+            on = self.mask_memo[tag] = (slots[None, :] >= self.on("floor_first", device)[:, None])[:, None, :, None]
+        return torch.where(on, self.on("floor_table", device)[:, layer, :, None, None], 0.0)
 
     def split_strength(self, layer: int, device: torch.device | None = None) -> torch.Tensor | None:
         """[H] split-softmax strength of each head of `layer` (1: unchanged), or None where no
