@@ -72,7 +72,8 @@ class PersonaDirection:
         if config is not None and config.cap_q is not None:
             layers = list(config.cap_layers or self.band)
             tau[layers] = self.quantile(config.cap_q)[layers]
-        return ResidualRow(unit=self.unit, add=add, tau=tau, low=self.low, high=self.high)
+        return ResidualRow(unit=self.unit, add=add, tau=tau, low=self.low, high=self.high, direction=self.id,
+                           band=self.band)
 
 
 class Directions:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,13 +33,16 @@ KWARG = "driftlab_residual"  # the forward keyword the state rides on, to every 
 class ResidualRow:
     """One row's direction and knobs: `unit` [L, d] unit vectors (float32); `add` [L] what to add
     along them (0: nothing); `tau` [L] the cap (-inf: none); `low`, `high` [L] the mean projections
-    without and with the system prompt (a recorded projection is normalised against them)."""
+    without and with the system prompt (a recorded projection is normalised against them);
+    `direction` and `band` name the direction and its default layers."""
 
     unit: torch.Tensor
     add: torch.Tensor
     tau: torch.Tensor
     low: torch.Tensor
     high: torch.Tensor
+    direction: str = ""  # whose direction (a persona id, or "axis"): recorded with the projections
+    band: tuple[int, ...] = ()  # the direction's default layers: what a summary's band mean averages
 
 
 class ResidualState:
@@ -59,6 +63,7 @@ class ResidualState:
                 continue
             unit[b], add[b], tau[b], self.low[b], self.high[b] = row.unit, row.add, row.tau, row.low, row.high
         self.has = [row is not None for row in rows]
+        self.named = [(row.direction, list(row.band)) if row is not None else None for row in rows]
         self.unit = unit.to(device)
         self.unit_h = self.unit.to(dtype)  # what is added to h, in its dtype
         self.add = add.to(device=device, dtype=dtype)
@@ -155,7 +160,7 @@ class ResidualState:
             self.positions.index_add_(0, self.index, self.running)
 
     # -- results -------------------------------------------------------------------------------------
-    def summaries(self, rows: Sequence[int] | None = None) -> list[dict[str, list[float]] | None]:
+    def summaries(self, rows: Sequence[int] | None = None) -> list[dict[str, Any] | None]:
         """Per row (of the call as given; all, or `rows`), per layer and normalised (0: like without
         the system prompt, 1: like with it): `reply` the mean over the reply's positions, `prompt` the
         last prompt position's, `last` the last reply position's; None for rows without a direction."""
@@ -166,7 +171,8 @@ class ResidualState:
         pick = {name: getattr(self, name)[index.to(self.device)].cpu() for name in ("proj_sum", "proj_prompt", "proj_last")}
         values = {"reply": (pick["proj_sum"] / n - low) / span, "prompt": (pick["proj_prompt"] - low) / span,
                   "last": (pick["proj_last"] - low) / span}
-        return [{k: _round(v[i]) for k, v in values.items()} if self.has[b] else None for i, b in enumerate(rows)]
+        return [{"direction": self.named[b][0], "band": self.named[b][1], **{k: _round(v[i]) for k, v in values.items()}}
+                if self.has[b] else None for i, b in enumerate(rows)]
 
     def mean_activations(self) -> torch.Tensor:
         """[B, L, d] each row's mean hidden state over its reply positions (`capture`)."""

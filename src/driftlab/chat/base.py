@@ -181,8 +181,8 @@ class Reply:
     end: TokenLogprob | None = None  # the end-of-turn token that ended it (not part of it), when logprobs asked
     # The reply's projection onto its persona's direction, per layer, normalised (0: like without the
     # system prompt, 1: like with it): "reply" (mean over the positions that generated it), "prompt"
-    # (the last prompt token), "last" (the last one); with "direction", the persona id. Local backends
-    # given directions only.
+    # (the last prompt token), "last" (the last one); with "direction" (the persona id) and "band"
+    # (its default layers). Local backends given directions only.
     activation: dict[str, Any] | None = None
 
 
@@ -334,6 +334,7 @@ class Rendered:
     text: str
     system_span: tuple[int, int] | None  # [start, end) token positions, None without system message
     emphasis: tuple[tuple[int, int], ...] = ()  # token ranges a user emphasised (PASTA)
+    first_turn: int | None = None  # token index of the first turn's last prompt token (pi-floor's reference)
 
     def without_system(self) -> Rendered:
         """The prompt without its system span's tokens: classifier-free guidance's other row."""
@@ -342,7 +343,7 @@ class Rendered:
                                 hint="Name it (a character range or a marker), or render a chat prompt with a "
                                      "system message.")
         a, b = self.system_span
-        return Rendered(ids=self.ids[:a] + self.ids[b:], text=self.text, system_span=None)
+        return Rendered(ids=self.ids[:a] + self.ids[b:], text=self.text, system_span=None)  # no first turn either
 
     def spans(self) -> dict[str, list[tuple[int, int]]]:
         """Named token ranges for the attention engine: "system" and "emphasis" where present."""
@@ -351,6 +352,8 @@ class Rendered:
             out["system"] = [self.system_span]
         if self.emphasis:
             out["emphasis"] = list(self.emphasis)
+        if self.first_turn is not None:
+            out["first_turn"] = [(0, self.first_turn + 1)]
         return out
 
 

@@ -133,6 +133,7 @@ class HFChatBackend:
         hooks.install(self.model)  # inert until a call carries a ResidualState
         self.pad_id = self._pad_id()
         self.prefix_cache = PrefixCache(prefix_cache_bytes if self._cacheable() else 0)
+        self._pi_firsts: dict[tuple, torch.Tensor] = {}  # pi-floor's reference pi per first turn and config
         self.decode_mode = decode
         self._static: StaticDecoder | None = None
         # Rows that are done leave a batch that decodes on (see `_decode`); off only to measure
@@ -298,6 +299,38 @@ class HFChatBackend:
                             cache_store=request.cache_store, residual=self.residual_rows(
                                 [_system_of(c) for c in convs], iv), capture=True)
 
+    @torch.inference_mode()
+    def project_prompts(self, prompts: Sequence[Rendered], systems: Sequence[str | None], *,
+                        compute_from: Sequence[int] | None = None,
+                        cache_store: Sequence[bool] | None = None) -> list[tuple[int, torch.Tensor]]:
+        """Teacher-forced projections of rendered prompts onto their personas' directions: per row,
+        (j0, [T - j0, L] float32) with row j of the tensor the normalised projection (0: like without
+        the system prompt, 1: like with it) of the residual stream at token j0 + j, per layer. Tokens
+        before j0 came from the prefix cache (a prompt extending one seen before computes only its
+        new tokens), never past `compute_from[b]` (default 0: every token); the last token is always
+        computed. `systems[b]` picks row b's direction."""
+        if self.directions is None:
+            raise DriftlabError(f"Projections need persona directions, and {self.name} was given none.",
+                                hint="Pass --directions DIR (from driftlab directions).")
+        rows = self.residual_rows(systems, Interventions())
+        missing = [i for i, r in enumerate(rows) if r is None]
+        if missing:
+            raise DriftlabError(f"Prompt {missing[0]} has a system prompt the directions at {self.directions.path} "
+                                "hold no direction for.", hint="Compute directions for it (driftlab directions).")
+        run = _Decoding(self, [p.ids for p in prompts], Sampling(greedy=True, max_new_tokens=1), seeds=None,
+                        interventions=[Interventions()] * len(prompts), spans=[p.spans() for p in prompts],
+                        cache_store=cache_store, guidance=None, logprobs=None, on_finish=None, residual=rows,
+                        keep_prefill=True, compute_from=compute_from or [0] * len(prompts))
+        run._store(at=dict(enumerate(run.live)))
+        state = run.residual
+        per_slot = torch.stack([p[: len(prompts)] for p in state.prefill_proj], dim=-1).cpu()  # [B, T - S, L]
+        out = []
+        for b in range(len(prompts)):
+            first = max(0, run.S - run.pads[b])  # the row's first computed token
+            values = per_slot[b, run.pads[b] + first - run.S :]
+            out.append((first, (values - state.low[b]) / (state.high[b] - state.low[b])))
+        return out
+
     def residual_rows(self, systems: Sequence[str | None], interventions: Interventions) -> list[ResidualRow | None]:
         """Each row's residual-stream state, from its system prompt: its persona's direction (or the
         file's axis) under the vector and cap steers asked; None where nothing is recorded or steered.
@@ -387,9 +420,13 @@ class HFChatBackend:
         markers are removed and become emphasis spans."""
         marker = interventions.emphasis_marker() if interventions is not None else None
         if marker is None:
-            return self.renderer.render(conversation, add_generation_prompt)
-        clean, emphasis = strip_emphasis(conversation, marker)
-        return self.renderer.render(clean, add_generation_prompt, emphasis=emphasis)
+            rendered = self.renderer.render(conversation, add_generation_prompt)
+        else:
+            clean, emphasis = strip_emphasis(conversation, marker)
+            rendered = self.renderer.render(clean, add_generation_prompt, emphasis=emphasis)
+        if interventions is not None and "pi-floor" in interventions.kinds:  # the floor's reference turn
+            rendered = replace(rendered, first_turn=self.renderer.first_turn(conversation, rendered.ids))
+        return rendered
 
     @torch.inference_mode()
     def loglikelihood(
@@ -413,6 +450,9 @@ class HFChatBackend:
         if "trace" in interventions.kinds:
             interventions = interventions.without("trace")  # nothing to return a trace in
         alpha = interventions.guidance()
+        steers = interventions.residual() is not None and interventions.residual().steers
+        # Nothing to record in a score: the residual stream matters here only where it is steered.
+        residual = self.residual_rows([_system_of(c) for c in contexts], interventions) if steers else None
         rows, plain_rows, spans, n_cont = [], [], [], []
         for i, (conv, cont) in enumerate(zip(contexts, continuations, strict=True)):
             validate_conversation(conv, i)
@@ -437,7 +477,8 @@ class HFChatBackend:
             keep = max(n_cont[i] for i in chunk) + 1
             conts = [n_cont[i] for i in chunk]
             logprobs = self._teacher_forced(
-                [rows[i] for i in chunk], [spans[i] for i in chunk], interventions, keep, conts)
+                [rows[i] for i in chunk], [spans[i] for i in chunk], interventions, keep, conts,
+                residual=[residual[i] for i in chunk] if residual is not None else None)
             if alpha is not None:  # rows end with the same continuation, so positions align from the end
                 plain = self._teacher_forced(
                     [plain_rows[i] for i in chunk], [{} for _ in chunk], interventions, keep, conts)
@@ -451,7 +492,8 @@ class HFChatBackend:
                     out[i] = LogLikelihood(float(picked.sum()), n, bool((lp.argmax(-1) == target).all()))
         return [out[i] for i in range(len(rows))]
 
-    def _teacher_forced(self, rows, spans, interventions: Interventions, keep: int, n_cont) -> torch.Tensor:
+    def _teacher_forced(self, rows, spans, interventions: Interventions, keep: int, n_cont,
+                        residual: Sequence[ResidualRow | None] | None = None) -> torch.Tensor:
         """Log-softmax of the last `keep` positions of each left-padded row: [B, keep, V].
 
         The last `n_cont[b]` tokens of row b are its continuation: the attention engine
@@ -466,8 +508,11 @@ class HFChatBackend:
             mask[b, pads[b] :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        state = self._state([interventions.attention()] * len(rows), spans, pads, T, T, ends=[T - n for n in n_cont])
-        logits = self._forward(ids, mask, positions, self._new_cache(), state, keep=keep)
+        state = self._state([interventions.attention()] * len(rows), spans, pads, T, T, ends=[T - n for n in n_cont],
+                            prompts=rows)
+        rstate = ResidualState(residual, self.shape.layers, self.d_model, self.device, self.model.dtype) \
+            if residual is not None else None
+        logits = self._forward(ids, mask, positions, self._new_cache(), state, keep=keep, residual=rstate)
         return torch.log_softmax(logits, dim=-1)
 
     def generate_tokens(
@@ -586,7 +631,7 @@ class HFChatBackend:
         mask = torch.ones_like(ids)
         positions = torch.arange(T, device=self.device)[None]
         spans = rendered.spans()
-        state = self._state([iv.attention()], [spans], [0], T, T)
+        state = self._state([iv.attention()], [spans], [0], T, T, prompts=[rendered.ids])
         self._forward(ids, mask, positions, self._new_cache(), state)
         return self._trace_of(state.row_traces([0], [0])[0], rendered.ids, [], spans)
 
@@ -614,14 +659,52 @@ class HFChatBackend:
             )
 
     def _state(self, attention: Sequence[AttentionConfig | None], spans, pads, prompt_len: int, max_len: int, *,
-               ends=None) -> AttentionState | None:
-        """The engine's per-call state for each row's attention config (None: plain attention)."""
+               ends=None, prompts: Sequence[Sequence[int]] = ()) -> AttentionState | None:
+        """The engine's per-call state for each row's attention config (None: plain attention);
+        with a pi floor, its values from each row's first turn (`prompts`: the rows' tokens)."""
         if not any(a is not None and a.active for a in attention):
             return None
         rows = [a or AttentionConfig() for a in attention]
         state = AttentionState(rows, spans, self.shape.layers, self.shape.heads, self.device)
         state.on_layout(pads, prompt_len, max_len, ends)
+        if any(a.floors for a in rows):
+            state.set_floors(*self._floors(rows, spans, prompts))
         return state
+
+    def _floors(self, rows: Sequence[AttentionConfig], spans, prompts) -> tuple[torch.Tensor, list[int]]:
+        """pi-floor's values [B, L, H] (F times each row's pi_1, the attention mass on its system
+        prompt at its first turn's last prompt token) and first queries (the token after it)."""
+        values = torch.zeros(len(rows), self.shape.layers, self.shape.heads)
+        first = [0] * len(rows)
+        for b, (config, row_spans) in enumerate(zip(rows, spans, strict=True)):
+            if not config.floors:
+                continue
+            turn = row_spans.get("first_turn")
+            if not turn or not row_spans.get("system"):
+                raise DriftlabError("pi-floor raises the system prompt's attention to a share of its first turn's, "
+                                    f"and row {b} has {'no system prompt' if turn else 'no first turn to read it at'}.",
+                                    hint="Give conversations with a system prompt and a user turn, rendered "
+                                         "by a chat template that renders the first turn as a prefix.")
+            end = turn[0][1]
+            values[b] = config.pi_floor * self._pi_first(tuple(prompts[b][:end]), row_spans, config)
+            first[b] = end
+        return values, first
+
+    def _pi_first(self, tokens: tuple[int, ...], spans, config: AttentionConfig) -> torch.Tensor:
+        """[L, H] pi at the last of `tokens` (a first turn), under `config` without its floor; kept
+        per tokens and config (a dialog's later turns ask again)."""
+        key = (tokens, config.model_copy(update={"pi_floor": 0.0}).model_dump_json())
+        held = self._pi_firsts.get(key)
+        if held is None:
+            traced = AttentionConfig(**{**config.model_dump(), "pi_floor": 0.0, "trace": True, "trace_prefill": False})
+            T = len(tokens)
+            state = self._state([traced], [{k: v for k, v in spans.items() if k != "first_turn"}], [0], T, T)
+            ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+            self._forward(ids, torch.ones_like(ids), torch.arange(T, device=self.device)[None], self._new_cache(), state)
+            held = self._pi_firsts[key] = torch.stack([r[-1][0, :, -1] for r in state.records]).float().cpu()
+            while len(self._pi_firsts) > 4096:
+                self._pi_firsts.pop(next(iter(self._pi_firsts)))
+        return held
 
     def _forward(self, ids, mask, positions, cache, state: AttentionState | None, keep: int = 1,
                  forward: Callable | None = None, residual: ResidualState | None = None) -> torch.Tensor:
@@ -853,7 +936,8 @@ class _Decoding:
                  seeds: Sequence[int] | None, interventions: Sequence[Interventions],
                  spans: Sequence[dict[str, list[tuple[int, int]]]], cache_store: Sequence[bool] | None,
                  guidance: float | None, logprobs: int | None, on_finish: Callable[[int, Reply], None] | None,
-                 residual: Sequence[ResidualRow | None] | None = None, capture: bool = False) -> None:
+                 residual: Sequence[ResidualRow | None] | None = None, capture: bool = False,
+                 keep_prefill: bool = False, compute_from: Sequence[int] | None = None) -> None:
         if any(len(p) == 0 for p in prompts):
             raise DriftlabError("A prompt rendered to zero tokens.", hint="Give a non-empty conversation.")
         seeds = list(seeds) if seeds is not None else list(range(len(prompts)))
@@ -880,7 +964,8 @@ class _Decoding:
         self.finished = [False] * B
         self._finished_on_device: torch.Tensor | None = None
         self.reasons = ["length"] * B
-        self._layout(interventions, residual, capture)
+        self.compute_from = compute_from
+        self._layout(interventions, residual, capture, keep_prefill)
         # A row's reply is known when it finishes, unless pi traces (built at the end) are asked for.
         self.early = on_finish if self.state is None or not self.state.trace else None
         # Rows that are done leave the batch (dynamic cache only; a static cache keeps its shapes
@@ -895,7 +980,7 @@ class _Decoding:
                                        self.state, residual=self.residual)[:B]
 
     def _layout(self, interventions: Sequence[Interventions], residual: Sequence[ResidualRow | None] | None,
-                capture: bool) -> None:
+                capture: bool, keep_prefill: bool = False) -> None:
         """Pads, the attention state, the cache (from the prefix cache where a prompt starts as a
         stored one), and the padded ids, mask and positions of the prompts.
 
@@ -917,14 +1002,15 @@ class _Decoding:
         if static is not None:  # a static cache has `length` slots from the start: the state's layout spans them all
             cache = static.new_cache(B + self.inert, cache_length(length, backend.shape.max_context))
             length = static.length
-        self.state = state = backend._state(rows(attention), rows(self.spans), rows(pads), T, length)
+        self.state = state = backend._state(rows(attention), rows(self.spans), rows(pads), T, length,
+                                            prompts=rows(prompts))
         if static is not None and state is not None:
             state.static_layout(static.arena, bias_slots(state.bias_heads.shape[0] if state.bias_heads is not None else 0))
         self.residual = None
         if capture or (residual is not None and any(r is not None for r in residual)):
             rows_in = list(residual) if residual is not None else [None] * B
             self.residual = ResidualState(rows(rows_in), backend.shape.layers, backend.d_model, backend.device,
-                                          backend.model.dtype, capture=capture)
+                                          backend.model.dtype, capture=capture, keep_prefill=keep_prefill)
             self.residual.stop(range(B, B + self.inert))  # inert rows generate nothing
             if static is not None:
                 self.residual.static_layout(static.arena)
@@ -937,6 +1023,8 @@ class _Decoding:
             hits = [(0, None)] * B  # every prompt query must be computed to be traced
         else:
             hits = [backend.prefix_cache.lookup(p, tag) for p, tag in zip(prompts, self.tags, strict=True)]
+        if self.compute_from is not None:  # tokens whose residual stream is wanted are computed, not reused
+            hits = [(min(n, self.compute_from[b]), e) for b, (n, e) in enumerate(hits)]
         self.S = min(pads[b] + min(hits[b][0], len(prompts[b]) - 1) for b in range(B))  # slots [0, S) are cached
         self.cache = backend._cache_from_hits(rows(hits), rows(pads), self.S, cache)
         ids = torch.full((B + self.inert, T), backend.pad_id, dtype=torch.long)

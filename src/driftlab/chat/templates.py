@@ -88,6 +88,16 @@ class Renderer:
             marked = tuple(token_spans(text, [m["content"] for m in conversation], emphasis, offsets, shift))
         return Rendered(ids=ids, text=text, system_span=span, emphasis=marked)
 
+    def first_turn(self, conversation: Sequence[Message], ids: list[int]) -> int | None:
+        """The token index, in `ids` (the conversation's rendering), of the last prompt token of its
+        first turn: what the model read just before its first reply. None without a user message, or
+        where the template does not render the first turn as a prefix of the whole."""
+        k = next((i for i, m in enumerate(conversation) if m["role"] == "user"), None)
+        if k is None:
+            return None
+        head = self.prompt_ids(self.text(conversation[: k + 1], add_generation_prompt=True))
+        return len(head) - 1 if ids[: len(head)] == head else None
+
     def _offsets(self, text: str, ids: list[int]) -> tuple[list[tuple[int, int]], int]:
         """Character offsets of `text`'s tokens, and how many tokens `prompt_ids` put before them."""
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

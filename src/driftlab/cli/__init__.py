@@ -16,6 +16,7 @@ from driftlab.cli.chat import chat
 from driftlab.cli.decay import decay
 from driftlab.cli.directions import directions
 from driftlab.cli.mmlu import mmlu
+from driftlab.cli.project import project
 from driftlab.cli.report import report
 from driftlab.cli.run import run
 from driftlab.cli.serve import serve
@@ -39,6 +40,7 @@ app.command("run")(run)
 app.command("report")(report)
 app.command("decay")(decay)
 app.command("directions")(directions)
+app.command("project")(project)
 app.command("mmlu")(mmlu)
 app.command("calibrate")(calibrate)
 app.command("sweep")(sweep)

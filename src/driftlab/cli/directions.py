@@ -51,18 +51,10 @@ def directions(
         "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "greedy": greedy,
         "seed": seed, "batch_size": batch_size})
     rundir = execute(DirectionsProtocol(config), out)
-    from rich.console import Console
-    from rich.table import Table
-
+    from driftlab.cli.finish import print_text_table
     from driftlab.report.directions import separation_figure, separation_table
 
     figure = separation_figure(rundir.path)
-    found = separation_table(rundir.path)
-    table = Table(title=found.title, caption=found.note)
-    for column in found.columns:
-        table.add_column(column)
-    for row in found.rows:
-        table.add_row(*row)
-    Console(stderr=True).print(table)
+    print_text_table(separation_table(rundir.path))
     typer.echo(str(rundir.path / "directions.safetensors"))
     typer.echo(str(figure))

@@ -16,3 +16,18 @@ def say_results(run_dir: Path) -> None:
     path = Path(run_dir) / RESULTS_JSON
     if path.exists():
         typer.echo(f"results: {path}")
+
+
+def print_text_table(table) -> None:
+    """A report's `TextTable` on stderr, cells as plain text ("[0.31, 0.55]" is no rich style tag)."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    shown = Table(title=table.title, caption=table.note, box=box.SIMPLE_HEAD)
+    for column in table.columns:
+        shown.add_column(Text(column))
+    for row in table.rows:
+        shown.add_row(*(Text(cell) for cell in row))
+    Console(stderr=True).print(shown)

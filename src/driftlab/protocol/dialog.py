@@ -33,6 +33,12 @@ class _Record(BaseModel):
     n_tokens: int = Field(ge=0)
     finish_reason: Literal["stop", "length"]
     seed: int | None = None
+    # The agent's reply, measured two more ways where the run asked (agent side only): pi, the
+    # attention mass on the system prompt per layer (mean over heads and the reply's tokens; with
+    # `--steer trace`), and the reply's projection onto its persona's direction per layer (with
+    # `--directions`; `Reply.activation`: reply, prompt and last, normalised 0 without to 1 with).
+    pi: list[float] | None = None
+    activation: dict[str, Any] | None = None
 
 
 class TurnRecord(_Record):

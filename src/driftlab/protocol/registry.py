@@ -32,6 +32,7 @@ MODULES = (
     "driftlab.protocol.sweep",
     "driftlab.protocol.decay",
     "driftlab.protocol.directions",
+    "driftlab.protocol.project",
     "driftlab.pasta.evaluate",
     "driftlab.pasta.profile",
     "driftlab.pasta.tune",

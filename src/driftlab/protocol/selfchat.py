@@ -171,6 +171,17 @@ class SelfChatConfig(ProtocolConfig):
         return pool, agents
 
 
+def measured(reply: Any) -> dict[str, Any]:
+    """What a reply carries beside its text, as record fields: pi per layer (mean over heads and
+    tokens, from its trace) and its projection summary; absent where not measured."""
+    out: dict[str, Any] = {}
+    if reply.trace is not None and reply.trace.decode.shape[0]:
+        out["pi"] = [round(float(x), 5) for x in reply.trace.decode.astype("float64").mean(axis=(0, 2))]
+    if reply.activation is not None:
+        out["activation"] = reply.activation
+    return out
+
+
 def all_personas(config: SelfChatConfig) -> list[Persona]:
     """The built-in personas, those of `persona_file` and those given in code (ids unique)."""
     pool = load_personas(extra=config.persona_file)
@@ -365,7 +376,8 @@ class SelfChat(Protocol[SelfChatConfig]):
         scores = iter(self._scores([(j, r) for j, r in zip(chunk, replies, strict=True) if j.persona is not None]))
         for job, reply in zip(chunk, replies, strict=True):
             fields = {**job.record, "text": reply.text, "n_tokens": reply.n_tokens,
-                      "finish_reason": reply.finish_reason, "seed": job.seed}
+                      "finish_reason": reply.finish_reason, "seed": job.seed,
+                      **(measured(reply) if agent_side else {})}
             if job.persona is not None:
                 records.append(ProbeRecord(**fields, **next(scores)))
                 continue

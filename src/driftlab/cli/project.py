@@ -1,0 +1,45 @@
+"""`driftlab project`: a recorded self-chat's projections onto persona directions, teacher-forced."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from driftlab.chat.spec import BackendSpec
+from driftlab.cli.options import backend_options, build
+
+
+@backend_options()
+def project(
+    from_run: Annotated[Path, typer.Option(help="The self-chat run directory whose dialogs to project.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory: the projections, the figure.")],
+    backend: BackendSpec,
+    dialogs: Annotated[int | None, typer.Option(help="At most this many dialogs (default: all).")] = None,
+) -> None:
+    """Read a recorded self-chat's dialogs and probes once more, teacher-forced, and record each agent
+    turn's and probe reply's projection onto its persona's direction (--directions): no generation.
+    Prints the projection per round beside the probe score and pi, and whether the projection falls,
+    tracks the probe score, and predicts a passing probe.
+
+    Re-running the same command on the same --out resumes.
+    """
+    from driftlab.api.runs import execute
+    from driftlab.cli.finish import print_text_table
+    from driftlab.protocol.project import Project, ProjectConfig
+    from driftlab.report.activation import (
+        FIGURE,
+        checks,
+        checks_table,
+        measures_frame,
+        round_table,
+        three_ways_figure,
+    )
+
+    config = build(ProjectConfig, backend=backend, from_run=str(from_run), dialogs=dialogs)
+    rundir = execute(Project(config), out)
+    frame = measures_frame(rundir.path)
+    print_text_table(round_table(frame))
+    print_text_table(checks_table(checks(frame)))
+    typer.echo(str(three_ways_figure(frame, rundir.path / FIGURE, title=str(from_run))))
