@@ -14,6 +14,7 @@ from driftlab.cli import data, models, pasta, personas, protocol
 from driftlab.cli.calibrate import calibrate
 from driftlab.cli.chat import chat
 from driftlab.cli.decay import decay
+from driftlab.cli.demo import demo
 from driftlab.cli.directions import directions
 from driftlab.cli.mmlu import mmlu
 from driftlab.cli.project import project
@@ -36,6 +37,7 @@ app.add_typer(data.app, name="data")
 app.add_typer(pasta.app, name="pasta")
 app.add_typer(protocol.app, name="protocol")
 app.command("chat")(chat)
+app.command("demo")(demo)
 app.command("run")(run)
 app.command("report")(report)
 app.command("decay")(decay)

@@ -145,22 +145,29 @@ def checks_table(result: Checks) -> TextTable:
 
 
 def three_ways_figure(frame: pd.DataFrame, path: str | Path, title: str = "") -> Path:
-    """Probe score, pi and projection per round, side by side, each a mean over conversations with a
-    95% interval band: the same dialogs, measured three ways."""
-    panels = [("score", "probe", "stability (probe score)"), ("pi", "turn", "pi: attention on the system prompt"),
-              ("projection", "turn", "projection on the persona direction")]
+    """Probe score, pi and projection per round, side by side: each conversation a thin line, their
+    mean with its 95% interval as a band (clipped to [0, 1] for the score and pi, which live there)."""
+    panels = [("score", "probe", "stability (probe score)", True),
+              ("pi", "turn", "pi: attention on the system prompt", True),
+              ("projection", "turn", "projection on the persona direction", False)]
     panels = [p for p in panels if frame[frame.what == p[1]][p[0]].notna().any()]
     fig = Figure(figsize=(3.3 * len(panels), 3.0), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(panels)))
-    for ax, (value, what, label) in zip(axes, panels, strict=True):
-        part = frame[frame.what == what]
+    for ax, (value, what, label, unit) in zip(axes, panels, strict=True):
+        part = frame[(frame.what == what) & frame[value].notna()]
         rounds = sorted(part["round"].unique())
-        cells = [mean_interval(part[part["round"] == r][value].astype(float).dropna()).as_tuple() for r in rounds]
+        for _, one in part.groupby("pair"):
+            one = one.groupby("round")[value].mean()
+            ax.plot(one.index, one.to_numpy(dtype=float), color="0.75", lw=0.7)
+        cells = [mean_interval(part[part["round"] == r][value].astype(float)).as_tuple() for r in rounds]
         mean, low, high = (np.array(x, dtype=float) for x in zip(*cells, strict=True))
-        ax.plot(rounds, mean, marker="o", color="#1f77b4")
-        ax.fill_between(rounds, low, high, alpha=0.2, color="#1f77b4")
+        if unit:
+            low, high = np.clip(low, 0, 1), np.clip(high, 0, 1)
+        ax.plot(rounds, mean, marker="o", color="#1f77b4", label="mean over conversations")
+        ax.fill_between(rounds, low, high, alpha=0.2, color="#1f77b4", label="95% interval")
         ax.set(title=label, xlabel="round", xticks=rounds)
         ax.title.set_fontsize(9)
+    axes[0].legend(fontsize=7, loc="best")
     if title:
         fig.suptitle(title, fontsize=10)
     return save_png(fig, path)

@@ -315,8 +315,11 @@ def render_html(
     run_dir: Path,
     errors: Errors = "ci",
     max_pairs: int | None = None,
+    measured: list[TextTable] = (),
 ) -> str:
-    """The report page as a string (figures read from `figures` and embedded)."""
+    """The report page as a string (figures read from `figures` and embedded); `measured` are the
+    tables of drift measured three ways (`three_ways`), shown first where the run measured pi or
+    the projection."""
     import jinja2
 
     env = jinja2.Environment(
@@ -333,10 +336,14 @@ def render_html(
         header=header_rows(summary.manifest),
         progress=progress(summary),
         figures=[
+            *([{"title": "Drift three ways: probe score, pi and the projection on the persona's direction",
+                "src": _png_data_uri(figures["three_ways"]), "caption": measured[0].note}]
+              if "three_ways" in figures else []),
             {"title": "Figure 3: drift over rounds", "src": _png_data_uri(figures["drift"]), "caption": note},
             {"title": "By persona category", "src": _png_data_uri(figures["categories"]), "caption": note},
         ],
-        tables=[t for t in (round_table(summary), drift_table(summary), comparison_table(summary)) if t is not None]
+        tables=[*measured,
+                *(t for t in (round_table(summary), drift_table(summary), comparison_table(summary)) if t is not None)]
         + [category_table(summary), _frame_table(
             summary.truncation,
             "Replies cut at --max-new-tokens, per round",
@@ -359,6 +366,22 @@ def render_html(
     )
 
 
+def three_ways(run_dir: Path, figures: dict[str, Path]) -> list[TextTable]:
+    """Where the run measured pi (`--steer trace`) or projections (`--directions`): the three-ways
+    figure (added to `figures`), its per-round table and, with projections, the projection's checks."""
+    from driftlab.report.activation import FIGURE, checks, checks_table, measures_frame, three_ways_figure
+    from driftlab.report.activation import round_table as measured_rounds
+
+    frame = measures_frame(run_dir)
+    if frame.empty or not frame[["pi", "projection"]].notna().any().any():
+        return []
+    figures["three_ways"] = three_ways_figure(frame, run_dir / FIGURE)
+    tables = [measured_rounds(frame)]
+    if frame.projection.notna().any():
+        tables.append(checks_table(checks(frame)))
+    return tables
+
+
 def write_report(
     run_dir: str | Path,
     errors: Errors = "ci",
@@ -378,7 +401,8 @@ def write_report(
     summary.per_round.to_csv(run_dir / SUMMARY_CSV, index=False, columns=SUMMARY_COLUMNS)
     summary.overall.to_csv(run_dir / OVERALL_CSV, index=False)
     figures = write_figures(summary, run_dir, errors)
-    page = render_html(summary, figures, run_dir, errors, max_pairs)
+    measured = three_ways(run_dir, figures)
+    page = render_html(summary, figures, run_dir, errors, max_pairs, measured)
     path = run_dir / REPORT
     tmp = path.with_suffix(".html.tmp")
     tmp.write_text(page, encoding="utf-8")
