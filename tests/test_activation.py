@@ -1,0 +1,266 @@
+"""The residual stream: vector and cap steers against independent references, projections
+recorded during generation against teacher-forced ones, the compiled step's graph budget, and
+one-line errors for directions that do not fit.
+
+The directions here are synthetic (random unit vectors with made-up statistics): what is checked
+is the arithmetic and the plumbing, which hold for any direction. Directions computed from a
+model are tested in test_directions.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from driftlab.activation import hooks
+from driftlab.activation.directions import Directions, PersonaDirection
+from driftlab.activation.state import ResidualRow, ResidualState
+from driftlab.chat import ChatRequest
+from driftlab.chat.base import Rendered, Sampling
+from driftlab.errors import DriftlabError
+from driftlab.steering.interventions import Interventions
+
+FRENCH = "Always reply in French."
+PIRATE = "You are a pirate. Always talk like a pirate."
+GREEDY = Sampling(greedy=True, max_new_tokens=12)
+
+
+def synthetic(n_layers: int, d_model: int, systems: list[str], seed: int = 0, model: str = "test") -> Directions:
+    """Random unit directions for `systems`, with with/without projection samples around 1 and 0
+    (so the normalisation and the cap's quantiles mean something) and a band in the middle."""
+    gen = torch.Generator().manual_seed(seed)
+    found = []
+    for i, system in enumerate(systems):
+        unit = torch.nn.functional.normalize(torch.randn(n_layers, d_model, generator=gen), dim=-1)
+        found.append(PersonaDirection(
+            id=f"p{i}", system_prompt=system, unit=unit, norm=torch.full((n_layers,), 4.0),
+            with_proj=2.0 + torch.randn(16, n_layers, generator=gen), without_proj=torch.randn(16, n_layers, generator=gen),
+            auroc=torch.ones(3, n_layers), band=tuple(range(n_layers // 3, n_layers // 3 + 2))))
+    return Directions({"model": model, "n_layers": n_layers, "d_model": d_model}, found)
+
+
+@pytest.fixture
+def smol_dirs(smol32):
+    """smol32 with synthetic directions for FRENCH and PIRATE (taken off again after the test)."""
+    directions = synthetic(smol32.shape.layers, smol32.d_model, [FRENCH, PIRATE])
+    smol32.use_directions(directions)
+    yield smol32, directions
+    smol32.use_directions(None)
+
+
+def _conv(system: str, user: str = "What do you do in London as a tourist?") -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+# -- the arithmetic, against references written here ------------------------------------------------------
+def test_vector_steering_equals_a_plain_forward_hook_on_the_real_model(smol_dirs) -> None:
+    """`vector:alpha=A,layers=...` adds A * norm * v at every position of those layers: the same greedy
+    tokens and logits as transformers' own generate with a forward hook that adds exactly that."""
+    backend, directions = smol_dirs
+    layers, alpha = (3, 11), 4.0
+    spec = f"vector:alpha={alpha},layers={layers[0]}+{layers[1]}"
+    (steered,) = backend.generate(ChatRequest([_conv(FRENCH)], GREEDY, interventions=Interventions.parse([spec]),
+                                              logprobs=1))
+    (plain,) = backend.generate(ChatRequest([_conv(FRENCH)], GREEDY, logprobs=1))
+    # The steer acts (so the comparison below can fail).
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(steered.logprobs, plain.logprobs, strict=False)) > 0.05
+
+    p = directions.personas["p0"]
+    model, handles = backend.model, []
+    for layer in layers:
+        delta = (alpha * p.norm[layer] * p.unit[layer]).to(model.dtype)
+        handles.append(model.model.layers[layer].register_forward_hook(lambda m, a, out, d=delta: out + d))
+    try:
+        ids = torch.tensor([backend.render(_conv(FRENCH)).ids])
+        ref = model.generate(ids, max_new_tokens=GREEDY.max_new_tokens, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=backend.pad_id)
+    finally:
+        for h in handles:
+            h.remove()
+    tokens = ref.sequences[0, ids.shape[1]:].tolist()
+    n = len(steered.token_ids)
+    assert tokens[:n] == steered.token_ids
+    ref_lp = [float(torch.log_softmax(ref.logits[i][0].float(), -1)[t]) for i, t in enumerate(tokens[:n])]
+    np.testing.assert_allclose([t.logprob for t in steered.logprobs], ref_lp, atol=2e-4)
+
+
+def test_capping_lifts_the_projection_to_tau_and_leaves_the_orthogonal_part_unchanged() -> None:
+    L, d, B, q = 4, 32, 3, 5
+    gen = torch.Generator().manual_seed(1)
+    unit = torch.nn.functional.normalize(torch.randn(L, d, generator=gen), dim=-1)
+    tau = torch.tensor([float("-inf"), 0.5, 3.0, float("-inf")])
+    row = ResidualRow(unit=unit, add=torch.zeros(L), tau=tau, low=torch.zeros(L), high=torch.ones(L))
+    state = ResidualState([row, None, row], L, d, torch.device("cpu"), torch.float32)
+    state.forward_kwargs()
+    for layer in range(L):
+        h = 2 * torch.randn(B, q, d, generator=gen)
+        out = state.apply(layer, h)
+        v = unit[layer]
+        before, after = h @ v, out @ v
+        torch.testing.assert_close(out - after[..., None] * v, h - before[..., None] * v, atol=1e-5, rtol=0)
+        assert torch.equal(out[1], h[1])  # a row without a direction is untouched
+        for b in (0, 2):
+            if torch.isfinite(tau[layer]):
+                assert (after[b] >= tau[layer] - 1e-5).all()
+                above = before[b] >= tau[layer]
+                assert torch.equal(out[b][above], h[b][above])  # nothing changes where it was already above
+                assert not above.all()  # (the check can fail: some positions were lifted)
+            else:
+                assert torch.equal(out[b], h[b])
+
+
+def test_a_cap_from_the_quantiles_of_the_with_prompt_projections(smol_dirs) -> None:
+    """cap:q=Q clamps at the Q-quantile of the direction's with-prompt projections, on the band by
+    default; the recorded projection of a capped layer is then at least that."""
+    backend, directions = smol_dirs
+    p = directions.personas["p0"]
+    (reply,) = backend.generate(ChatRequest([_conv(FRENCH)], GREEDY, interventions=Interventions.parse(["cap:q=0.9"])))
+    tau = p.quantile(0.9)
+    normalised = (tau - p.low) / (p.high - p.low)
+    for layer in p.band:
+        assert reply.activation["reply"][layer] >= float(normalised[layer]) - 1e-4
+        assert reply.activation["prompt"][layer] >= float(normalised[layer]) - 1e-4
+    assert reply.activation["band"] == list(p.band) and reply.activation["direction"] == "p0"
+
+
+# -- what is recorded ----------------------------------------------------------------------------------------
+def test_monitoring_changes_no_token_and_records_only_rows_with_a_direction(smol_dirs) -> None:
+    backend, _ = smol_dirs
+    convs = [_conv(FRENCH), _conv("Answer briefly."), _conv(PIRATE, "Hi there.")]
+    watched = backend.generate(ChatRequest(convs, GREEDY))
+    backend.use_directions(None)
+    plain = backend.generate(ChatRequest(convs, GREEDY))
+    assert [r.token_ids for r in watched] == [r.token_ids for r in plain]
+    assert [r.activation is None for r in watched] == [False, True, False]
+    assert all(r.activation is None for r in plain)
+
+
+def test_recorded_projections_equal_the_teacher_forced_ones(smol_dirs) -> None:
+    """The projection a reply records while it is generated (its positions: the last prompt token,
+    then each reply token but the last) equals a teacher-forced pass over the prompt and the reply."""
+    backend, _ = smol_dirs
+    convs = [_conv(FRENCH), _conv(PIRATE, "What is 2+2?")]
+    replies = backend.generate(ChatRequest(convs, Sampling(greedy=True, max_new_tokens=40)))
+    assert {r.finish_reason for r in replies} == {"stop", "length"}  # both ends are covered
+    for conv, reply in zip(convs, replies, strict=True):
+        prompt = backend.render(conv)
+        ended = reply.finish_reason == "stop"
+        ids = prompt.ids + reply.token_ids + ([min(backend.stop_ids)] if ended else [])
+        (first, proj), = backend.project_prompts([Rendered(ids, "", prompt.system_span)], [conv[0]["content"]])
+        assert first == 0
+        at = len(prompt.ids) - 1
+        positions = proj[at : at + reply.n_tokens + int(ended)]
+        np.testing.assert_allclose(reply.activation["reply"], positions.mean(0), atol=1e-4)
+        np.testing.assert_allclose(reply.activation["prompt"], proj[at], atol=1e-4)
+        np.testing.assert_allclose(reply.activation["last"], positions[-1], atol=1e-4)
+
+
+def test_rows_leaving_the_batch_keep_what_they_recorded(smol_dirs) -> None:
+    """A dynamic batch drops finished rows; each row's projection is the one it gets alone."""
+    backend, _ = smol_dirs
+    convs = [_conv(FRENCH, "Say yes."), _conv(PIRATE, "Tell me a long story about your ship."), _conv(FRENCH)]
+    together = backend.generate(ChatRequest(convs, Sampling(greedy=True, max_new_tokens=30)))
+    for conv, reply in zip(convs, together, strict=True):
+        (alone,) = backend.generate(ChatRequest([conv], Sampling(greedy=True, max_new_tokens=30)))
+        assert alone.token_ids == reply.token_ids
+        np.testing.assert_allclose(reply.activation["reply"], alone.activation["reply"], atol=1e-4)
+
+
+# -- the compiled step ----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_residual_steers_run_on_one_compiled_graph_per_bucket(tmp_path, monkeypatch) -> None:
+    """Vector and cap knobs are tensors: after a warm-up call per kind, new strengths, layers, caps and
+    their composition with attention steers compile nothing, and give the dynamic loop's tokens."""
+    import driftlab.chat.static_decode as sd
+    from driftlab.chat.hf import HFChatBackend
+    from tiny_models import make_tiny_model
+
+    monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {**sd.COMPILE_OPTIONS["cpu"], "backend": "aot_eager"})
+    path = make_tiny_model("llama", tmp_path / "llama")
+    compiled = HFChatBackend(str(path), dtype="float32", prefix_cache_bytes=0, decode="compiled")
+    dynamic = HFChatBackend(str(path), dtype="float32", prefix_cache_bytes=0, decode="dynamic")
+    directions = synthetic(compiled.shape.layers, compiled.d_model, [FRENCH, PIRATE])
+    for backend in (compiled, dynamic):
+        backend.use_directions(directions)
+    convs = [_conv(FRENCH), _conv(PIRATE, "Hi!")]
+    greedy = Sampling(greedy=True, max_new_tokens=5, ignore_eos=True)
+
+    def run(backend, specs):
+        return backend.generate(ChatRequest(convs, greedy, interventions=Interventions.parse(specs)))
+
+    for specs in (["vector:alpha=1"], ["vector:alpha=1", "split-softmax:k=0.5"]):  # warm: plain and steered
+        run(compiled, specs)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for specs in (["vector:alpha=-2,layers=0+2"], ["cap:q=0.3"], ["cap:q=0.8,layers=1", "vector:alpha=0.5"],
+                      [], ["cap:q=0.5", "instaboost:m=3"], ["vector:alpha=2", "split-softmax:k=0.3", "trace"]):
+            got, ref = run(compiled, specs), run(dynamic, specs)
+            assert [r.token_ids for r in got] == [r.token_ids for r in ref], specs
+            for a, b in zip(got, ref, strict=True):
+                np.testing.assert_allclose(a.activation["reply"], b.activation["reply"], atol=1e-4)
+    keys = compiled.ran()["decode"]["graph_keys"]
+    assert {(k["steered"], k["residual"]) for k in keys} == {(False, True), (True, True)}
+    assert all(k["graphs"] == 1 for k in keys), keys
+
+
+# -- errors ---------------------------------------------------------------------------------------------------
+def test_directions_that_do_not_fit_are_one_line_errors_before_any_work(smol_dirs, tmp_path) -> None:
+    backend, directions = smol_dirs
+    with pytest.raises(DriftlabError, match="hold none for it"):
+        backend.generate(ChatRequest([_conv("Be terse.")], GREEDY, interventions=Interventions.parse(["vector:alpha=1"])))
+    with pytest.raises(DriftlabError, match="Layer 99 is outside"):
+        backend.generate(ChatRequest([_conv(FRENCH)], GREEDY, interventions=Interventions.parse(["cap:q=0.5,layers=99"])))
+    other = synthetic(backend.shape.layers + 1, backend.d_model, [FRENCH], model="another")
+    with pytest.raises(DriftlabError, match="are for another"):
+        backend.use_directions(other)
+    backend.use_directions(None)
+    with pytest.raises(DriftlabError, match="was given none"):
+        backend.generate(ChatRequest([_conv(FRENCH)], GREEDY, interventions=Interventions.parse(["vector:alpha=1"])))
+    with pytest.raises(DriftlabError, match="No directions at"):
+        Directions.load(tmp_path)
+
+
+def test_steer_specs_and_paths_are_checked_before_a_model_loads(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from driftlab.chat.factory import make_backend
+    from driftlab.chat.spec import BackendSpec
+    from driftlab.cli import app
+
+    for spec, message in (("vector:alpha=nan", "alpha"), ("cap:q=2", "q=2"), ("vector:alpha=1,layers=3.1", "layers"),
+                          ("pi-floor:f=0", "f=0"), ("cap:q=0.5,layers=all", "layers")):
+        with pytest.raises(DriftlabError, match=message):
+            Interventions.parse([spec])
+    result = CliRunner().invoke(app, ["chat", "--directions", str(tmp_path / "nope"), "Hi"])
+    assert result.exit_code != 0 and "no directions at" in str(result.exception).splitlines()[0]
+    synthetic(3, 8, [FRENCH]).save(tmp_path / "d")
+    with pytest.raises(DriftlabError, match="remote openai: model"):
+        make_backend(BackendSpec(model="openai:x", directions=str(tmp_path / "d")))
+
+
+def test_directions_round_trip_through_their_files(tmp_path) -> None:
+    directions = synthetic(5, 16, [FRENCH, PIRATE])
+    directions.save(tmp_path)
+    back = Directions.load(tmp_path / "directions.safetensors")
+    assert back.digest and json.loads((tmp_path / "directions.json").read_text())["n_layers"] == 5
+    for pid, p in directions.personas.items():
+        q = back.personas[pid]
+        assert q.system_prompt == p.system_prompt and q.band == p.band
+        for name in ("unit", "norm", "with_proj", "without_proj", "auroc"):
+            assert torch.equal(getattr(q, name), getattr(p, name)), name
+    assert back.for_system(PIRATE).id == "p1" and back.for_system("other") is None
+
+
+def test_hooks_install_once_and_come_off(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import make_tiny_model
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model("qwen2", tmp_path / "q"))
+    hooks.install(model)
+    hooks.install(model)
+    assert all(len(layer._forward_hooks) == 1 for layer in model.model.layers)
+    hooks.remove(model)
+    assert all(not layer._forward_hooks for layer in model.model.layers)
