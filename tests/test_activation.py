@@ -264,3 +264,60 @@ def test_hooks_install_once_and_come_off(tmp_path) -> None:
     assert all(len(layer._forward_hooks) == 1 for layer in model.model.layers)
     hooks.remove(model)
     assert all(not layer._forward_hooks for layer in model.model.layers)
+
+
+def test_steer_applies_vector_and_cap_to_your_own_generate_as_the_backend_does(smol_dirs, smol_dir) -> None:
+    """`dl.steer(model, "vector:...", system=TEXT, directions=D)` around transformers' generate gives
+    driftlab's own tokens; after the block the model is plain again; pi-floor is refused by name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import driftlab as dl
+
+    backend, directions = smol_dirs
+    model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    ids = torch.tensor([backend.render(_conv(FRENCH)).ids])
+
+    def generate() -> list[int]:
+        out = model.generate(ids, max_new_tokens=GREEDY.max_new_tokens, do_sample=False, pad_token_id=backend.pad_id)
+        return out[0, ids.shape[1]:].tolist()
+
+    plain = generate()
+    for spec in ("vector:alpha=4,layers=3+11", "cap:q=0.95"):
+        (want,) = backend.generate(ChatRequest([_conv(FRENCH)], GREEDY, interventions=Interventions.parse([spec])))
+        with dl.steer(model, spec, system=FRENCH, tokenizer=tokenizer, directions=directions):
+            got = generate()
+        assert got[: len(want.token_ids)] == want.token_ids, spec
+    assert generate() == plain and all(not layer._forward_hooks for layer in model.model.layers)
+    with pytest.raises(DriftlabError, match="cannot apply pi-floor"):
+        dl.steer(model, "pi-floor:f=0.8", system=FRENCH, tokenizer=tokenizer)
+    with pytest.raises(DriftlabError, match="given no directions"):
+        dl.steer(model, "vector:alpha=1", system=FRENCH, tokenizer=tokenizer)
+
+
+def test_serve_takes_residual_steers_and_refuses_each_bad_request_alone(smol_dirs) -> None:
+    """`driftlab serve` with directions: a vector steer per request as the local backend gives it; a
+    request whose system prompt has no direction, or a text completion asking a pi floor, gets a 422
+    of its own."""
+    import httpx
+
+    from driftlab.serve import ServeSettings, create_app
+    from driftlab.serve.background import background as serving
+
+    backend, _ = smol_dirs
+    conv = _conv(FRENCH)
+    req = {"model": backend.name, "messages": conv, "max_tokens": 12, "temperature": 0}
+    (local,) = backend.generate(ChatRequest([conv], GREEDY, interventions=Interventions.parse(["vector:alpha=4"])))
+    with serving(create_app(backend, ServeSettings(max_wait_ms=20))) as url:
+        post = lambda path, body: httpx.post(f"{url}{path}", json=body, timeout=300)  # noqa: E731
+        steered = post("/v1/chat/completions", {**req, "driftlab": {"steer": "vector:alpha=4"}})
+        assert steered.status_code == 200, steered.text
+        assert steered.json()["choices"][0]["message"]["content"] == local.text
+        floored = post("/v1/chat/completions", {**req, "driftlab": {"steer": "pi-floor:f=0.9"}})
+        assert floored.status_code == 200, floored.text
+        stranger = post("/v1/chat/completions", {**req, "messages": _conv("Be terse."),
+                                                 "driftlab": {"steer": "cap:q=0.5"}})
+        assert stranger.status_code == 422 and "hold none for it" in stranger.text
+        text = post("/v1/completions", {"model": backend.name, "prompt": "Hello", "max_tokens": 4,
+                                        "driftlab": {"steer": "pi-floor:f=0.9"}})
+        assert text.status_code == 422 and "first turn" in text.text

@@ -45,13 +45,14 @@ class _Hook:
         return state.apply(self.index, output)
 
 
-def install(model: Any) -> None:
-    """Hook every decoder layer of `model` (once: installing twice changes nothing)."""
+def install(model: Any) -> bool:
+    """Hook every decoder layer of `model`; False where they were hooked already (nothing changes)."""
     layers = decoder_layers(model)
     if getattr(layers[0], _HANDLES, None) is not None:
-        return
+        return False
     for i, layer in enumerate(layers):
         setattr(layer, _HANDLES, layer.register_forward_hook(_Hook(i), with_kwargs=True))
+    return True
 
 
 def remove(model: Any) -> None:

@@ -62,15 +62,17 @@ def from_model(model: Any, tokenizer: Any, **options: Any) -> ChatBackend:
     return HFChatBackend.from_model(model, tokenizer, **options)
 
 
-def steer(model: Any, interventions: Any, *, system: str | tuple[int, int], tokenizer: Any = None) -> Any:
+def steer(model: Any, interventions: Any, *, system: str | tuple[int, int], tokenizer: Any = None,
+          directions: Any = None) -> Any:
     """`with dl.steer(model, "split-softmax:k=0.8", system=prompt): model.generate(...)`: your own
     generate and forward run under driftlab's attention interventions (split-softmax, InstABoost,
-    key biases, PASTA, trace) inside the block, and exactly as before after it. `system` is the
-    system prompt's text (found in each row) or its token range. CFG and SPR need driftlab's own
-    decode loop and are refused: use `dl.from_model` and a protocol or `chat` instead."""
+    key biases, PASTA, trace) inside the block, and exactly as before after it; with `directions`
+    also `vector:` and `cap:`. `system` is the system prompt's text (found in each row) or its token
+    range. CFG, SPR and pi-floor need driftlab's own decode loop and are refused: use
+    `dl.from_model` and a protocol or `chat` instead."""
     from driftlab.chat.steer import steer as steering
 
-    return steering(model, interventions, system=system, tokenizer=tokenizer)
+    return steering(model, interventions, system=system, tokenizer=tokenizer, directions=directions)
 
 
 def trace(model: Any, messages: Any, *, steer: Any = None, tokenizer: Any = None) -> Any:

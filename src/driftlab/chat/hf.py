@@ -331,6 +331,15 @@ class HFChatBackend:
             out.append((first, (values - state.low[b]) / (state.high[b] - state.low[b])))
         return out
 
+    def check_steer(self, conversation: Conversation, interventions: Interventions) -> None:
+        """One-line errors, before any work, for a conversation a steer cannot act on: a vector or cap
+        steer without a direction for its system prompt, a pi floor without a system prompt or first
+        turn. What a server asks of each request, so that one request never fails a batch."""
+        self.residual_rows([_system_of(conversation)], interventions)
+        if "pi-floor" in interventions.kinds:
+            rendered = self.render(interventions.model_view(conversation), interventions=interventions)
+            self._floors([interventions.attention()], [rendered.spans()], [rendered.ids], check_only=True)
+
     def residual_rows(self, systems: Sequence[str | None], interventions: Interventions) -> list[ResidualRow | None]:
         """Each row's residual-stream state, from its system prompt: its persona's direction (or the
         file's axis) under the vector and cap steers asked; None where nothing is recorded or steered.
@@ -541,9 +550,11 @@ class HFChatBackend:
             if iv.guidance() is not None:
                 raise DriftlabError("cfg decodes each conversation beside a copy without its system prompt, "
                                     "which token prompts do not carry.", hint="Use generate() for cfg.")
+        # A token prompt names no system message: a residual steer takes the directions' axis, if any.
+        residual = [self.residual_rows([None], iv)[0] for iv in rows]
         return self._decode([p.ids for p in prompts], sampling, seeds=seeds, interventions=rows,
                             spans=[p.spans() for p in prompts], cache_store=cache_store, logprobs=logprobs,
-                            on_token=on_token, cancelled=cancelled)
+                            on_token=on_token, cancelled=cancelled, residual=residual)
 
     @torch.inference_mode()
     def _decode(
@@ -671,9 +682,11 @@ class HFChatBackend:
             state.set_floors(*self._floors(rows, spans, prompts))
         return state
 
-    def _floors(self, rows: Sequence[AttentionConfig], spans, prompts) -> tuple[torch.Tensor, list[int]]:
+    def _floors(self, rows: Sequence[AttentionConfig], spans, prompts,
+                check_only: bool = False) -> tuple[torch.Tensor, list[int]]:
         """pi-floor's values [B, L, H] (F times each row's pi_1, the attention mass on its system
-        prompt at its first turn's last prompt token) and first queries (the token after it)."""
+        prompt at its first turn's last prompt token) and first queries (the token after it);
+        `check_only`: only the one-line errors, no pass."""
         values = torch.zeros(len(rows), self.shape.layers, self.shape.heads)
         first = [0] * len(rows)
         for b, (config, row_spans) in enumerate(zip(rows, spans, strict=True)):
@@ -686,7 +699,8 @@ class HFChatBackend:
                                     hint="Give conversations with a system prompt and a user turn, rendered "
                                          "by a chat template that renders the first turn as a prefix.")
             end = turn[0][1]
-            values[b] = config.pi_floor * self._pi_first(tuple(prompts[b][:end]), row_spans, config)
+            if not check_only:
+                values[b] = config.pi_floor * self._pi_first(tuple(prompts[b][:end]), row_spans, config)
             first[b] = end
         return values, first
 

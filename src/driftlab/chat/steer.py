@@ -14,9 +14,14 @@ itself, as driftlab's own loop (`HFChatBackend._decode`) lays it out:
 * a pass on a cache of exactly the keys the sequence has so far continues it (a decode step,
   or more tokens fed at once); its keys are the cache's length plus the query's.
 
+With `directions`, the residual-stream steers act too (`vector:`, `cap:`): the decoder layers
+get driftlab's hooks for the block, and each pass the row's state (`driftlab_residual`), the
+direction that of the system prompt's text (or the file's axis).
+
 Interventions that need driftlab's own decode loop are refused by name: system-prompt
 repetition edits the conversation, classifier-free guidance mixes the logits of a second
-batch (use `HFChatBackend.from_model(model, tokenizer)` and its generate for those).
+batch, a pi floor reads the first turn of a conversation, which token ids do not mark (use
+`HFChatBackend.from_model(model, tokenizer)` and its generate for those).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import Any
 
 import torch
 
+from driftlab.activation import hooks
+from driftlab.activation.state import ResidualRow, ResidualState
 from driftlab.attention.config import AttentionConfig
 from driftlab.attention.state import AttentionState
 from driftlab.chat.attach import Attachment, describe_name
@@ -40,12 +47,14 @@ __all__ = ["Steering", "steer"]
 _HEADROOM = 512  # key slots laid out past the prompt at first; more are added as a sequence grows
 _MISSING = object()
 _OWN_LOOP = {"conversation": "it edits the conversation the model is shown",
-             "logits": "it mixes the next-token distributions of a second batch without the system prompt"}
+             "logits": "it mixes the next-token distributions of a second batch without the system prompt",
+             "pi-floor": "it reads the attention of the conversation's first turn, which token ids do not mark"}
 _OWN_LOOP_HINT = ("Use driftlab's own decoding for it: HFChatBackend.from_model(model, tokenizer) (or dl.load(...)), "
                   "then its generate/chat.")
 
 
-def steer(model: Any, steer: Any, *, system: str | tuple[int, int], tokenizer: Any = None) -> Steering:
+def steer(model: Any, steer: Any, *, system: str | tuple[int, int], tokenizer: Any = None,
+          directions: Any = None) -> Steering:
     """A context manager under which `model.generate(...)` and `model(...)` run with driftlab's
     attention interventions; on leaving it (also by an exception) the model is as before.
 
@@ -63,29 +72,34 @@ def steer(model: Any, steer: Any, *, system: str | tuple[int, int], tokenizer: A
     each row of the first forward's tokens, the content's tokens as driftlab's renderer finds
     them with span mode `content`; needs `tokenizer`), or a `(start, end)` token range of the
     unpadded prompt, the same for every row. Left padding comes from the 2-D attention mask.
-    With `trace`, `.traces()` gives pi per row after (or during) the block.
+    With `trace`, `.traces()` gives pi per row after (or during) the block. `directions` (a
+    `Directions` or its directory) lets `vector:` and `cap:` act, along the direction of the system
+    prompt's text (or the file's axis).
 
     The model is borrowed: a second `steer()` or an `HFChatBackend.from_model` on it while
     the block runs is refused, and so is a model driftlab's attention cannot steer.
     """
-    return Steering(model, steer, system=system, tokenizer=tokenizer)
+    return Steering(model, steer, system=system, tokenizer=tokenizer, directions=directions)
 
 
 class Steering:
     """The `steer()` block: installs driftlab's attention and the per-call state on enter,
     gives the model back on exit, and keeps each sequence's pi traces (`traces()`)."""
 
-    def __init__(self, model: Any, steer: Any, *, system: str | tuple[int, int], tokenizer: Any = None) -> None:
+    def __init__(self, model: Any, steer: Any, *, system: str | tuple[int, int], tokenizer: Any = None,
+                 directions: Any = None) -> None:
         self.model = model
         self.interventions = _interventions(steer)
         self.attention: AttentionConfig | None = self.interventions.attention()
         self.system = _system(system, tokenizer)
+        self.residual = _residual_row(self.interventions, directions, self.system)
         self.tokenizer = tokenizer
         self.name = describe_name(model, None)
         self._attachment: Attachment | None = None
         self._own_forward: Any = _MISSING
         self._runs: list[_Run] = []
         self._used = False
+        self._hooked = False
 
     # -- the block ------------------------------------------------------------------------------
     def __enter__(self) -> Steering:
@@ -98,6 +112,12 @@ class Steering:
             text = base.config.get_text_config()
             self._shape = ModelShape(layers=text.num_hidden_layers, heads=text.num_attention_heads,
                                      kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+            if self.residual is not None:
+                if self.residual.unit.shape != (text.num_hidden_layers, text.hidden_size):
+                    raise DriftlabError(f"The directions are for a model of {self.residual.unit.shape[0]} layers x "
+                                        f"{self.residual.unit.shape[1]}, not {self.name} ({text.num_hidden_layers} x "
+                                        f"{text.hidden_size}).", hint="Compute them for this model: driftlab directions.")
+                self._hooked = hooks.install(base)  # False: its owner's hooks, left in place on exit
             self._wrap(base)
         except BaseException:
             self._attachment.restore()
@@ -110,6 +130,8 @@ class Steering:
             return
         try:
             self._unwrap(attachment.base)
+            if self._hooked:
+                hooks.remove(attachment.base)
         finally:
             attachment.restore()
 
@@ -152,7 +174,7 @@ class Steering:
         self._own_forward = _MISSING
 
     def _with_state(self, names: list[str], args: tuple, kwargs: dict) -> dict:
-        if self.attention is None or "driftlab" in kwargs:  # nothing to do, or a caller's own state
+        if (self.attention is None and self.residual is None) or "driftlab" in kwargs:  # nothing to do, or a caller's
             return kwargs
         call = _Call.read(names, args, kwargs)
         run = self._runs[-1] if self._runs else None
@@ -163,12 +185,16 @@ class Steering:
                 f"A forward pass inside steer() continues a cache of {call.past} keys that this block did not build "
                 f"(its last sequence has {run.kv_len if run else 0} keys, batch {len(run.pads) if run else 0}).",
                 hint="Start each sequence inside the block (a generate call, or a first forward without a cache).")
-        return {**kwargs, "driftlab": run.step(call.past + call.q)}
+        return {**kwargs, **run.step(call.past + call.q)}
 
     def _start(self, call: _Call) -> _Run:
         pads = call.pads()
-        spans = [{"system": [self._system_span(call, b, pads[b])]} for b in range(call.batch)]
-        run = _Run(self.attention, spans, pads, call.q, self._shape, call.device)
+        spans = [{"system": [self._system_span(call, b, pads[b])]} for b in range(call.batch)] \
+            if self.attention is not None else []
+        dtype = self._attachment.base.dtype
+        residual = ResidualState([self.residual] * call.batch, self._shape.layers, self.residual.unit.shape[1],
+                                 call.device, dtype) if self.residual is not None else None
+        run = _Run(self.attention, spans, pads, call.q, self._shape, call.device, residual)
         self._runs.append(run)
         return run
 
@@ -257,25 +283,29 @@ class _Run:
     """One sequence of forward passes over the same rows: a prefill and the passes that extend
     its cache. Holds the AttentionState driftlab's decode loop would build for it."""
 
-    def __init__(self, attention: AttentionConfig, spans: list[dict], pads: list[int], prompt_len: int,
-                 shape: ModelShape, device: torch.device) -> None:
+    def __init__(self, attention: AttentionConfig | None, spans: list[dict], pads: list[int], prompt_len: int,
+                 shape: ModelShape, device: torch.device, residual: ResidualState | None = None) -> None:
         self.pads, self.prompt_len = pads, prompt_len
         self.slots = prompt_len + _HEADROOM
-        self.state = AttentionState(attention, spans, shape.layers, shape.heads, device)
-        self.state.on_layout(pads, prompt_len, self.slots)
+        self.state = AttentionState(attention, spans, shape.layers, shape.heads, device) if attention else None
+        if self.state is not None:
+            self.state.on_layout(pads, prompt_len, self.slots)
+        self.residual = residual
         self.kv_len = 0
         self.calls = 0
 
     def extends(self, call: _Call) -> bool:
         return call.past == self.kv_len and call.batch == len(self.pads)
 
-    def step(self, kv_len: int) -> AttentionState:
-        """The state for the next pass, whose keys are slots [0, kv_len)."""
-        if kv_len > self.slots:
+    def step(self, kv_len: int) -> dict[str, Any]:
+        """The forward keywords of the next pass, whose keys are slots [0, kv_len): the attention
+        state and the residual stream's, where the block steers them."""
+        if self.state is not None and kv_len > self.slots:
             self._grow(kv_len)
         self.kv_len = kv_len
         self.calls += 1
-        return self.state.forward_kwargs(kv_len)["driftlab"]
+        out = self.state.forward_kwargs(kv_len) if self.state is not None else {}
+        return {**out, **(self.residual.forward_kwargs() if self.residual is not None else {})}
 
     def _grow(self, kv_len: int) -> None:
         """Lay the same rows out over more key slots, keeping the pi collected so far (the slots
@@ -286,6 +316,8 @@ class _Run:
         self.state.records = records
 
     def traces(self) -> list[dict[str, torch.Tensor]]:
+        if self.state is None:
+            return []
         return self.state.row_traces([self.calls] * len(self.pads), self.pads)
 
 
@@ -300,14 +332,36 @@ def _interventions(value: Any) -> Interventions:
         parsed = [Interventions.parse([i]).items[0] if isinstance(i, str) else i for i in items]
         iv = Interventions.of(*parsed)
     for item in iv.items:
-        if item.hook != "attention":
-            raise DriftlabError(f"steer() cannot apply {item.kind}: {_OWN_LOOP[item.hook]}, which needs driftlab's "
+        why = _OWN_LOOP.get(item.kind) or (_OWN_LOOP.get(item.hook) if item.hook not in ("attention", "residual") else None)
+        if why:
+            raise DriftlabError(f"steer() cannot apply {item.kind}: {why}, which needs driftlab's "
                                 "own decode loop.", hint=_OWN_LOOP_HINT)
         if getattr(item, "span", None) == "marked":
             raise DriftlabError(f"steer() cannot apply {item.kind} with span=marked: marked text (*...*) has no "
                                 "markup left in the token ids of your own generate.",
                                 hint=f"Use {item.kind}:...,span=system, or driftlab's backend (which reads *markup*).")
     return iv
+
+
+def _residual_row(iv: Interventions, directions: Any, system: str | tuple[int, int]) -> ResidualRow | None:
+    """The residual stream's row for a block's steers (None: it steers none), its direction the system
+    prompt's (or the file's axis); one-line errors where there is none to steer along."""
+    config = iv.residual()
+    if config is None:
+        return None
+    if directions is None:
+        raise DriftlabError(f"steer() applies {', '.join(i.kind for i in iv.by_hook('residual'))} along a persona's "
+                            "direction, and was given no directions.", hint="Pass directions=DIR (driftlab directions).")
+    from driftlab.activation.directions import Directions
+
+    found = directions if isinstance(directions, Directions) else Directions.load(directions)
+    found.check_layers(config)
+    direction = found.for_system(system if isinstance(system, str) else None)
+    if direction is None:
+        raise DriftlabError("The directions hold none for this system prompt" +
+                            (" (given as a token range, not its text)." if not isinstance(system, str) else "."),
+                            hint="Give system= as the text the directions were computed for, or directions with an axis.")
+    return direction.row(config)
 
 
 def _system(system: Any, tokenizer: Any) -> str | tuple[int, int]:

@@ -343,6 +343,7 @@ class ServerState:
         backend = self.backend
 
         def render() -> int:
+            backend.check_steer(conversation, steer)  # a direction for it, a first turn for a floor
             return len(backend.render(steer.model_view(conversation), interventions=steer).ids)
 
         try:

@@ -60,6 +60,7 @@ class Completions:
         arrived = time.monotonic()
         req = self._parse(await read_body(request, state.settings.max_body_bytes))
         steer = state.steer_of(req)
+        _text_can_take(state.backend, steer)
         prompts = await asyncio.to_thread(self._encode, req)
         rows = [await self._jobs(req, prompt, i, steer) for i, prompt in enumerate(prompts)]
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -301,3 +302,15 @@ def _refused(data: Any) -> str | None:
     if name is None and isinstance(data, dict) and data.get("suffix") not in (None, ""):
         name = "suffix"
     return name
+
+
+def _text_can_take(backend, steer) -> None:
+    """A raw text has no system message and no first turn: a vector or cap steer needs the directions'
+    axis, and a pi floor cannot act (422 for this request alone)."""
+    try:
+        backend.residual_rows([None], steer)
+        if "pi-floor" in steer.kinds:
+            raise DriftlabError("pi-floor reads the attention of a conversation's first turn; a text completion "
+                                "has none.", hint="Use /v1/chat/completions.")
+    except DriftlabError as err:
+        raise APIError(422, f"driftlab.steer: {err}", param="driftlab.steer") from None
