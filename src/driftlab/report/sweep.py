@@ -49,7 +49,8 @@ from driftlab.stats import PairedTest, paired_test, pairs_needed_means, pairs_ne
 POWER_GAIN = 0.1  # the stability gain whose needed pairs the sweep states
 POWER_DROP = 0.05  # the MMLU drop whose needed questions the sweep states
 COLORS = {"plain": "0.2", "split-softmax": "tab:blue", "spr": "tab:orange", "cfg": "tab:green",
-          "instaboost": "tab:purple", "bias": "tab:brown"}
+          "instaboost": "tab:purple", "bias": "tab:brown", "vector": "tab:red", "cap": "tab:olive",
+          "pi-floor": "tab:cyan"}
 
 
 def sweep_table(out: str | Path, *, write: bool = True) -> pd.DataFrame:
