@@ -321,3 +321,23 @@ def test_serve_takes_residual_steers_and_refuses_each_bad_request_alone(smol_dir
         text = post("/v1/completions", {"model": backend.name, "prompt": "Hello", "max_tokens": 4,
                                         "driftlab": {"steer": "pi-floor:f=0.9"}})
         assert text.status_code == 422 and "first turn" in text.text
+
+
+def test_pi_floor_takes_pi_1_from_the_first_turn_and_a_floor_below_pi_changes_nothing(smol32) -> None:
+    """The floor's reference is pi at the first turn's last prompt token (what `trace` of that turn
+    says); a floor that never binds (f tiny) gives plain decoding's tokens, and f = 1 changes them."""
+    from driftlab.attention.config import AttentionConfig
+
+    conv = [{"role": "system", "content": FRENCH}, {"role": "user", "content": "Tell me about London."},
+            {"role": "assistant", "content": "London is big."},
+            {"role": "user", "content": "What else? Tell me about its museums, parks and food."}]
+    rendered = smol32.render(conv, interventions=Interventions.parse(["pi-floor:f=0.5"]))
+    first = smol32.trace(conv[:2])  # the first turn, read with its generation prompt
+    assert rendered.first_turn == first.prefill.shape[0] - 1
+    values, starts = smol32._floors([AttentionConfig(pi_floor=0.5)], [rendered.spans()], [rendered.ids])
+    np.testing.assert_allclose(values[0].numpy(), 0.5 * first.prefill[-1], atol=1e-5)
+    assert starts == [rendered.first_turn + 1]
+    greedy = Sampling(greedy=True, max_new_tokens=16)
+    plain, tiny, full = (smol32.generate(ChatRequest([conv], greedy, interventions=Interventions.parse(s)))[0]
+                         for s in ([], ["pi-floor:f=0.0001"], ["pi-floor:f=1"]))
+    assert tiny.token_ids == plain.token_ids and full.token_ids != plain.token_ids
