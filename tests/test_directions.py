@@ -53,6 +53,7 @@ def test_directions_resume_after_a_kill_with_the_tensors_of_an_uninterrupted_run
         for name in ("unit", "norm", "with_proj", "without_proj", "auroc"):
             assert torch.equal(getattr(p, name), getattr(b.personas[pid], name)), (pid, name)
     assert a.axis.system_prompt is None and a.for_system("anything at all") is a.axis
+    assert a.for_system("Answer like a pirate.").id.startswith("system-")  # a row's own direction first
     manifest = json.loads((tmp_path / "ref" / "directions.json").read_text())
     assert manifest["n_layers"] == 3 and manifest["personas"][0]["n_held_out"] == 1  # 4 prompts: every third held out
 

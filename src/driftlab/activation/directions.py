@@ -7,7 +7,8 @@ difference (so `vector:alpha=1` adds exactly the mean difference) and the projec
 replies it came from (so a projection can be normalised, 0 = like without the prompt, 1 = like
 with it, and capping can take a quantile of the with-prompt distribution). The Assistant Axis
 (Lu et al. 2026) is the same construction with the default assistant as "with" and the many
-role prompts as "without"; it has no system prompt of its own and applies to every row.
+role prompts as "without"; it has no system prompt of its own and applies to every row without a
+direction of its own.
 
 On disk: `directions.safetensors` (tensors `p<i>.unit` [L, d], `p<i>.norm` [L], `p<i>.with` and
 `p<i>.without` [n, L] projections, `p<i>.auroc` [3, L] held-out AUROC with its interval) beside
@@ -31,7 +32,7 @@ from driftlab.errors import DriftlabError
 
 TENSORS = "directions.safetensors"
 MANIFEST = "directions.json"
-AXIS = "axis"  # the id of a direction that applies to every row (the Assistant Axis)
+AXIS = "axis"  # the id of the Assistant Axis: the direction of every row without one of its own
 
 
 @dataclass(frozen=True)
@@ -97,11 +98,10 @@ class Directions:
         return self.personas.get(AXIS)
 
     def for_system(self, system: str | None) -> PersonaDirection | None:
-        """The direction of a row whose system prompt is `system`: the axis where the file holds one
-        (it applies to every row), else the persona computed for exactly that prompt, else None."""
-        if self.axis is not None:
-            return self.axis
-        return self._by_system.get(system) if system is not None else None
+        """The direction of a row whose system prompt is `system`: the persona computed for exactly
+        that prompt, else the file's axis (it applies to every other row), else None."""
+        own = self._by_system.get(system) if system is not None else None
+        return own if own is not None else self.axis
 
     def check_model(self, name: str, n_layers: int, d_model: int) -> None:
         """A one-line error when these directions were computed on another model's shape."""

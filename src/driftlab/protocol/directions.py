@@ -9,7 +9,7 @@ and the same for a shuffled control (labels permuted before the direction is tak
 should sit near chance. The default layer band is the adjacent layers that separate best on
 held-out prompts. With `axis`, one more direction is taken the Assistant Axis way (Lu et al.
 2026): every reply without a system prompt (the default assistant) against every reply with
-one (the roles); it applies to every row.
+one (the roles); it applies to every row without a direction of its own.
 
 A unit is one persona: its replies are records, its activations a shard (`acts/<i>.safetensors`,
 written before its records, so a killed run resumes without losing or mixing any). `finish`
