@@ -371,6 +371,29 @@ def judge(name: str = "judge-smollm2-qwen-20") -> str:
     return "\n".join(lines)
 
 
+# -- drift three ways: the demo, the projection study, directions ----------------------------------
+def _markdown(table) -> str:
+    """A report's TextTable as a markdown table."""
+    lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in table.rows])
+
+
+def three_ways(name: str) -> str:
+    """Probe score, pi and projection per round, and the projection's three checks, of a run that
+    measured them (a self-chat with --directions and --steer trace, or a `driftlab project` run)."""
+    from driftlab.report.activation import checks, checks_table, measures_frame, round_table
+
+    frame = measures_frame(HERE / name)
+    return _markdown(round_table(frame)) + "\n\n" + _markdown(checks_table(checks(frame)))
+
+
+def separation(name: str) -> str:
+    """Each direction's band, held-out AUROC and shuffled control (`driftlab directions`)."""
+    from driftlab.report.directions import separation_table
+
+    return _markdown(separation_table(HERE / name))
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
     "llamacpp-smollm2": llamacpp,
     "qwen-paper-20-rounds": qwen_paper_rounds,
@@ -394,7 +417,14 @@ def finished(name: str) -> bool:
     return path.exists() and json.loads(path.read_text()).get("completed") is True
 
 
-SWEEPS = [name for name in ("sweep-ref-20", "sweep-ref-20-h20") if finished(name)]
+for run, block in (("demo-smollm2", three_ways), ("project-qwen-paper-20", three_ways),
+                   ("directions-qwen-sweep", separation), ("directions-qwen-paper", separation)):
+    if finished(run):
+        BLOCKS[run] = functools.partial(block, run)
+if finished("sweep-activation-20"):
+    BLOCKS["sweep-activation-20-stability"] = lambda: sweep_stability("sweep-activation-20")
+    BLOCKS["sweep-activation-20-mmlu"] = lambda: sweep_mmlu("sweep-activation-20")
+SWEEPS = [name for name in ("sweep-ref-20", "sweep-ref-20-h20", "sweep-activation-20") if finished(name)]
 if finished("sweep-ref-20-h20"):
     BLOCKS["sweep-ref-20-h20-mmlu"] = lambda: sweep_mmlu("sweep-ref-20-h20")
 BLOCK = re.compile(r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(\n<!-- /figures:(?P=name) -->)", re.S)
