@@ -56,3 +56,10 @@ def chat(
             f"[dim]pi (attention mass on the system prompt), mean over layers and heads, per token: "
             f"{' '.join(f'{v:.2f}' for v in reply.trace.mean().tolist())}[/]"
         )
+    if reply.activation is not None:
+        act = reply.activation
+        band = lambda key: sum(act[key][i] for i in act["band"]) / len(act["band"])  # noqa: E731
+        Console(stderr=True).print(
+            f"[dim]projection on {act['direction']}'s direction (0: like without the system prompt, 1: like with "
+            f"it), mean over layers {act['band'][0]}-{act['band'][-1]}: reply {band('reply'):.2f}, last prompt "
+            f"token {band('prompt'):.2f}[/]")
