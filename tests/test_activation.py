@@ -235,6 +235,11 @@ def test_steer_specs_and_paths_are_checked_before_a_model_loads(tmp_path) -> Non
             Interventions.parse([spec])
     result = CliRunner().invoke(app, ["chat", "--directions", str(tmp_path / "nope"), "Hi"])
     assert result.exit_code != 0 and "no directions at" in str(result.exception).splitlines()[0]
+    for command in (["sweep", "--point", "vector:alpha=1"], ["run", "--steer", "cap:q=0.5"],
+                    ["mmlu", "--steer", "vector:alpha=1"]):  # no model is loaded: the config refuses
+        result = CliRunner().invoke(app, [*command, "--out", str(tmp_path / "x")])
+        assert result.exit_code != 0 and "none were given" in str(result.exception), command
+    assert not (tmp_path / "x").exists()
     synthetic(3, 8, [FRENCH]).save(tmp_path / "d")
     with pytest.raises(DriftlabError, match="remote openai: model"):
         make_backend(BackendSpec(model="openai:x", directions=str(tmp_path / "d")))

@@ -71,7 +71,7 @@ from driftlab.errors import DriftlabError
 from driftlab.protocol.dialog import RECORDS as DIALOG_RECORDS
 from driftlab.protocol.dialog import Dialog, pairs_from_manifest
 from driftlab.protocol.registry import register
-from driftlab.protocol.runner import Protocol, ProtocolConfig, RunState, run_protocol
+from driftlab.protocol.runner import Protocol, ProtocolConfig, RunState, directions_given, run_protocol
 from driftlab.protocol.selfchat import SelfChat, SelfChatConfig, item_seed
 from driftlab.records.rundir import RunDir
 from driftlab.stats import (
@@ -217,6 +217,7 @@ class MMLUConfig(ProtocolConfig):
             raise ValueError("nothing to measure: no baseline (plain=False) and no --steer")
         if self.history == "dialog" and len(self.conditions) != 1:
             raise ValueError("a given dialog was made under one condition: measure plain or steered, not both")
+        directions_given(self.backend, self.steer.items)
         return self
 
     @property

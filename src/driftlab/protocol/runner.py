@@ -57,6 +57,15 @@ class ProtocolConfig(BaseModel):
     LEGACY: ClassVar[dict[str, Any]] = {}
 
 
+def directions_given(backend: BackendSpec, steers: Iterable[Any]) -> None:
+    """A config's check: residual-stream steers (vector, cap) need the backend's persona directions.
+    Raised in a config validator, so a run without them stops in one line before anything loads."""
+    kinds = sorted({s.kind for s in steers if getattr(s, "hook", None) == "residual"})
+    if kinds and not backend.directions:
+        raise ValueError(f"{', '.join(kinds)} steers along persona directions, and none were given: compute them "
+                         "with `driftlab directions --out DIR`, then pass --directions DIR")
+
+
 #: Choices renamed since runs recorded them: top-level setting -> {recorded name: today's name}.
 #: `config_of` reads a recorded config with today's names and a resume compares them so, so a run
 #: recorded under an old name resumes (and a sweep's old points compare equal to new ones).

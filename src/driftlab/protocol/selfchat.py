@@ -48,7 +48,7 @@ from driftlab.errors import DriftlabError
 from driftlab.protocol.dialog import RECORDS, Dialog, Pair, ProbeRecord, TurnRecord, pairs_from_manifest
 from driftlab.protocol.judge import Ask, Judges
 from driftlab.protocol.registry import register
-from driftlab.protocol.runner import Protocol, ProtocolConfig, RunState
+from driftlab.protocol.runner import Protocol, ProtocolConfig, RunState, directions_given
 from driftlab.steering.interventions import DialogSteer, Interventions
 
 PAPER_TOKENS = 400  # new tokens per turn and per probe in the reference code (run.py: max_new_tokens=400 in both calls)
@@ -119,6 +119,7 @@ class SelfChatConfig(ProtocolConfig):
         recorded before --probe-tokens, whose probes had the turn's budget, resumes as it was)."""
         if self.probe_tokens == self.sampling.max_new_tokens:
             object.__setattr__(self, "probe_tokens", "turn")
+        directions_given(self.backend, self.steer.items)
         return self
 
     @field_validator("categories")

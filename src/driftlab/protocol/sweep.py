@@ -71,6 +71,7 @@ from driftlab.protocol.runner import (
     ProtocolConfig,
     RunState,
     config_of,
+    directions_given,
     recorded_dtype,
     run_protocol,
 )
@@ -183,6 +184,7 @@ class SweepConfig(ProtocolConfig):
         """As SelfChatConfig: a probe budget equal to the turn's is recorded as "turn"."""
         if self.probe_tokens == self.sampling.max_new_tokens:
             object.__setattr__(self, "probe_tokens", "turn")
+        directions_given(self.backend, [p for points in self.grid.values() for p in points])
         return self
 
     @field_validator("mmlu_turn")
