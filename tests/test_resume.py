@@ -10,8 +10,8 @@ original data: state the test process carries from earlier tests (torch threads,
 kernels) cannot reach it. All three are forked, one per command, from one server process
 that imported torch, transformers and driftlab once and ran nothing (`_Commands`): each is
 still its own process, killed and exiting on its own, without the ~5 s of imports a new
-interpreter pays (24 processes: two minutes of a 2-core CPU). The server starts after the
-data is written and never reads it.
+interpreter pays (24 processes: two minutes of a 2-core CPU). The server reads no data: a
+child meets the data as it is on disk when the child starts.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class _Commands:
     def __init__(self, workdir: Path, env: dict[str, str]) -> None:
         self.workdir, self.n = workdir, 0
         self.server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       text=True, env=env)
+                                       text=True, env=env, start_new_session=True)
         assert self.server.stdout.readline() == "ready\n", "the command server did not start"
 
     def run(self, args: list[str], kill_after: int = 0, env: dict[str, str] | None = None) -> Ran:
@@ -142,7 +142,11 @@ class _Commands:
 
     def close(self) -> None:
         self.server.stdin.close()
-        self.server.wait(timeout=60)
+        try:
+            self.server.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # a command hung (its test failed on the timeout): end it too
+            os.killpg(self.server.pid, signal.SIGKILL)
+            self.server.wait()
 
 
 @dataclass
@@ -266,24 +270,26 @@ def _all_records(out: Path) -> dict[str, list[str]]:
             for m in sorted(out.rglob("manifest.json"))}
 
 
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory, smol_dir):
+    # tests/ for fakes; the caller's PYTHONPATH kept, so every process imports the same driftlab.
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    server = _Commands(tmp_path_factory.mktemp("commands"), {**os.environ, "PYTHONPATH": path})
+    yield server
+    server.close()
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_killed_run_resumes_from_its_recorded_plan(name, tmp_path, smol_dir) -> None:
+def test_killed_run_resumes_from_its_recorded_plan(name, tmp_path, commands) -> None:
     case = CASES[name]
     data = tmp_path / "data"
     data.mkdir()
     case.prepare(data)
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    # tests/ for fakes; the caller's PYTHONPATH kept, so every process imports the same driftlab.
-    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
-    # The reference runs in a fresh process too, as the killed and resumed runs do: state this
-    # test process carries from earlier tests (torch threads, compiled kernels) cannot reach it.
-    ref = subprocess.run([sys.executable, "-m", "driftlab", *case.args(data), *F32, "--out", str(reference)],
-                         env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
+    ref = commands.run([*case.args(data), *F32, "--out", str(reference)])
     assert ref.returncode == 0, ref.stderr[-2000:]
 
-    env = {**os.environ, "KILL_AFTER_APPENDS": str(case.kill_after), "PYTHONPATH": path}
-    killed = subprocess.run([sys.executable, "-c", KILLER, *case.args(data), *F32, "--out", str(resumed)],
-                            env=env, capture_output=True, text=True)
+    killed = commands.run([*case.args(data), *F32, "--out", str(resumed)], kill_after=case.kill_after)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     manifest = RunDir(resumed).read_manifest()
     assert manifest.get("protocol") == name and "completed" not in manifest, "the kill did not land mid-run"
@@ -292,8 +298,7 @@ def test_killed_run_resumes_from_its_recorded_plan(name, tmp_path, smol_dir) -> 
     assert any(kept.values())
 
     case.change(data)  # the data the plan was drawn from is not what it was
-    done = subprocess.run([sys.executable, "-m", "driftlab", *case.args(data), *F32, "--out", str(resumed)],
-                          capture_output=True, text=True)
+    done = commands.run([*case.args(data), *F32, "--out", str(resumed)])
     assert done.returncode == 0, done.stderr[-2000:]
     case.finished(resumed, done.stdout)
 
