@@ -145,7 +145,7 @@ def test_the_demo_measures_drift_three_ways_into_one_report(tmp_path) -> None:
     done = _cli(["demo", "--model", str(model), "--dtype", "float32", "--out", str(tmp_path / "demo")])
     assert done.returncode == 0, done.stderr[-3000:]
     page = (tmp_path / "demo" / "report.html").read_text()
-    assert "Drift three ways" in page and "the projection as a drift signal" in page
+    assert "Drift three ways" in page and "drift signals, tested per conversation" in page
     assert (tmp_path / "demo" / "three_ways.png").is_file()
     assert Directions.load(tmp_path / "demo" / "directions").meta["n_layers"] == 3
     records = RunDir(tmp_path / "demo").records()

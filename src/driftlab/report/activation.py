@@ -7,8 +7,8 @@ projection of a record is its band mean: the mean over the direction's default l
 normalised projection (0: like without the system prompt, 1: like with it).
 
 The tests, per conversation (the unit; turns and probes of one dialog are not independent):
-* does the projection fall? round 1's agent turn against the last round's (exact Wilcoxon
-  signed-rank over conversations, mean difference with its t-interval);
+* does the projection fall (and pi, where traced)? round 1's agent turn against the last round's
+  (exact Wilcoxon signed-rank over conversations, mean difference with its t-interval);
 * does it track the probe score? Spearman's rho of each agent probe reply's projection and its
   score (interval: bootstrap over conversations);
 * does the last prompt token predict the probe? AUROC of the projection at the probe prompt's
@@ -29,7 +29,7 @@ from driftlab.protocol.dialog import RECORDS as DIALOG_RECORDS
 from driftlab.protocol.runner import config_of
 from driftlab.records.rundir import RunDir
 from driftlab.report.figures import save_png
-from driftlab.report.tables import TextTable, fmt, fmt_cell
+from driftlab.report.tables import TextTable, fmt_cell
 from driftlab.stats import Interval, PairedTest, auroc_interval, mean_interval, paired_test, spearman_interval
 
 PASS = 0.5  # a probe passes with a score at least this
@@ -86,6 +86,7 @@ class Checks:
     fall: PairedTest | None  # round 1 vs the last round, agent turns
     first_round: int
     last_round: int
+    pi_fall: PairedTest | None  # the same for pi, where traced
     track: Interval  # Spearman of probe projection and probe score
     predict: Interval  # AUROC of the probe prompt's last-token projection for a pass
     n_conversations: int
@@ -93,19 +94,26 @@ class Checks:
 
 def checks(frame: pd.DataFrame) -> Checks:
     """The three tests on a measures frame (needs projections)."""
-    turns = frame[(frame.what == "turn") & frame.projection.notna()]
     probes = frame[(frame.what == "probe") & frame.projection.notna() & frame.score.notna()]
-    fall, first, last = None, 1, 1
-    if not turns.empty:
-        per = turns.pivot_table(index="pair", columns="round", values="projection")
-        first, last = int(per.columns.min()), int(per.columns.max())
-        both = per[[first, last]].dropna()
-        if last > first and len(both):
-            fall = paired_test(both[first].to_dict(), both[last].to_dict(), method="wilcoxon")
+    fall, first, last = _fall(frame, "projection")
+    pi_fall, _, _ = _fall(frame, "pi")
     scores = probes.score.astype(float).to_numpy()
     track = spearman_interval(probes.projection.to_numpy(), scores, probes.pair.to_numpy())
     predict = auroc_interval(probes.prompt_projection.to_numpy(), scores >= PASS, probes.pair.to_numpy())
-    return Checks(fall, first, last, track, predict, int(frame.pair.nunique()))
+    return Checks(fall, first, last, pi_fall, track, predict, int(frame.pair.nunique()))
+
+
+def _fall(frame: pd.DataFrame, value: str) -> tuple[PairedTest | None, int, int]:
+    """`value` of the agent turns at the first round against the last, per conversation (Wilcoxon)."""
+    turns = frame[(frame.what == "turn") & frame[value].notna()]
+    if turns.empty:
+        return None, 1, 1
+    per = turns.pivot_table(index="pair", columns="round", values=value)
+    first, last = int(per.columns.min()), int(per.columns.max())
+    both = per[[first, last]].dropna()
+    if last == first or not len(both):
+        return None, first, last
+    return paired_test(both[first].to_dict(), both[last].to_dict(), method="wilcoxon"), first, last
 
 
 def round_table(frame: pd.DataFrame) -> TextTable:
@@ -128,20 +136,24 @@ def round_table(frame: pd.DataFrame) -> TextTable:
 
 
 def checks_table(result: Checks) -> TextTable:
-    fall = result.fall
-    rows = [
-        [f"does the projection fall from round {result.first_round} to {result.last_round}?",
-         "-" if fall is None else f"{fall.diff.cell(2, sign=True)} (round {result.first_round} minus "
-                                  f"{result.last_round}; {fall.better} fell / {fall.worse} rose)",
-         "-" if fall is None else f"p = {fall.p:.3g} ({fall.method}, n = {fall.n})"],
-        ["does it track the probe score?", f"Spearman {result.track.cell(2)}",
+    rows = [_fall_row("the projection", result.fall, result),
+            *([_fall_row("pi", result.pi_fall, result)] if result.pi_fall is not None else []),
+        ["does the projection track the probe score?", f"Spearman {result.track.cell(2)}",
          f"n = {result.track.n} probes in {result.n_conversations} conversations"],
-        ["does the last prompt token predict a passing probe?", f"AUROC {result.predict.cell(2)}",
+        ["does the last prompt token's projection predict a passing probe?", f"AUROC {result.predict.cell(2)}",
          f"n = {result.predict.n}; 0.5 is chance"],
     ]
-    return TextTable("the projection as a drift signal", ["question", "estimate [95% CI]", "test"], rows,
+    return TextTable("drift signals, tested per conversation", ["question", "estimate [95% CI]", "test"], rows,
                      "Intervals and tests count conversations as the unit (bootstrap over conversations for rho "
                      "and AUROC).")
+
+
+def _fall_row(what: str, fall: PairedTest | None, result: Checks) -> list[str]:
+    digits = 3 if what == "pi" else 2
+    return [f"does {what} fall from round {result.first_round} to {result.last_round}?",
+            "-" if fall is None else f"{fall.diff.cell(digits, sign=True)} (round {result.first_round} minus "
+                                     f"{result.last_round}; {fall.better} fell / {fall.worse} rose)",
+            "-" if fall is None else f"p = {fall.p:.3g} ({fall.method}, n = {fall.n})"]
 
 
 def three_ways_figure(frame: pd.DataFrame, path: str | Path, title: str = "") -> Path:
@@ -171,11 +183,3 @@ def three_ways_figure(frame: pd.DataFrame, path: str | Path, title: str = "") ->
     if title:
         fig.suptitle(title, fontsize=10)
     return save_png(fig, path)
-
-
-def summary_line(result: Checks) -> str:
-    """One line for a terminal."""
-    fall = result.fall
-    falls = "-" if fall is None else f"{fmt(fall.diff.estimate)} (p = {fall.p:.2g})"
-    return (f"projection: round {result.first_round} minus {result.last_round} {falls}; Spearman with the probe "
-            f"score {result.track.cell(2)}; AUROC of the prompt token for a pass {result.predict.cell(2)}")
