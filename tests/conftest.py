@@ -150,16 +150,24 @@ def linked_copy(src: Path, dst: Path, leave_out: str) -> Path:
 
 
 MODEL_FIXTURES = {"smol_dir", "smol32", "smol_bf16", "smol"}
+# Marks of tests that are slow on a CPU: `slow` (over ~20 s) and `compile` (torch.compile: dynamo
+# and inductor take seconds to minutes per graph there).
+CPU_SLOW_MARKS = ("slow", "compile")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test that loads the real model is marked `model`, whether or not it says so.
+    """Every test that loads the real model is marked `model`, whether or not it says so; on the
+    CPU, so is every `slow` or `compile` test.
 
     A test uses the real model through these fixtures (or a `smollm2` parameter); marking by
     fixture means a new test cannot forget the marker and slip into the fast suite
-    (`-m "not model and not network"`).
+    (`-m "not model and not network"`, the README's). With `--device cuda` a `slow` or `compile`
+    test keeps its own marks only: `-m "not model"` there runs the compiled paths, which is what
+    a GPU run is for (docs/performance.md).
     """
+    cpu = config.getoption("--device") == "cpu"
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if MODEL_FIXTURES & set(item.fixturenames) or "smollm2" in params.values():
+        if (MODEL_FIXTURES & set(item.fixturenames) or "smollm2" in params.values()
+                or cpu and any(item.get_closest_marker(name) for name in CPU_SLOW_MARKS)):
             item.add_marker(pytest.mark.model)

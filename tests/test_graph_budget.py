@@ -26,8 +26,6 @@ from driftlab.chat.hf import HFChatBackend
 from driftlab.steering.interventions import Interventions
 from tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.slow
-
 SYSTEMS = ["You are a pirate. Always talk like a pirate.", "Answer in French, in one sentence.",
            "You are a careful science journalist who loves tennis.", "Never say the word blue."]
 EXCHANGES = [("Hello, how are you today?", "Arr, fine as a calm sea."),
@@ -122,6 +120,8 @@ def _assert_same(ref, got, what: str) -> None:
             np.testing.assert_allclose(b.trace.decode, a.trace.decode, atol=tol(1e-5), rtol=0, err_msg=what)
 
 
+@pytest.mark.slow
+@pytest.mark.compile
 def test_every_steer_runs_on_the_warmed_graphs(pair) -> None:
     compiled, dynamic = pair
     # Warm-up: a plain and a steered call per batch bucket (CFG's twins make batch 1 a batch of 2).
@@ -151,6 +151,8 @@ def test_every_steer_runs_on_the_warmed_graphs(pair) -> None:
     assert checked == 2 * 3 * len(NEW) - 2
 
 
+@pytest.mark.slow
+@pytest.mark.compile
 def test_a_graph_past_the_budget_is_said_once_naming_the_guard(tmp_path: Path, monkeypatch, capsys) -> None:
     """With the cache length static (dynamic=False: what the budget rests on, taken away), a
     longer prompt compiles a second graph of one key: said once, with the guard that failed, and
@@ -189,6 +191,8 @@ def test_the_guard_named_is_the_shape_that_changed_not_another_graphs() -> None:
     assert failed_guard([]) == "a guard dynamo did not report"
 
 
+@pytest.mark.slow
+@pytest.mark.compile
 def test_a_second_process_loads_the_compiled_steps_from_the_cache(tmp_path: Path) -> None:
     """`driftlab models warm` compiles a plain and a steered step with inductor (the compiled loop's
     backend) into driftlab's compile cache; a second process warming the same model compiles

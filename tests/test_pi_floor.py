@@ -563,6 +563,7 @@ def test_static_decode_with_floors_equals_the_dynamic_loop(static_backends, case
     assert np.abs(wrong[1].trace.decode - ref[1].trace.decode).max() > 1e-4
 
 
+@pytest.mark.compile  # on the CPU out of the fast part (tests/conftest.py)
 def test_compiled_step_compiles_no_second_graph_when_the_floor_changes(static_backends, cheap_compile) -> None:
     compiled, dynamic = static_backends["compiled"], static_backends["dynamic"]
     specs = STATIC_CASES["floor+split+instaboost"]

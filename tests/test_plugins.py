@@ -146,6 +146,7 @@ def test_the_plugins_measure_is_listed(site):
     assert "echo-lengths" in listed.stdout and "plugin (driftlab_demo_plugin)" in listed.stdout
 
 
+@pytest.mark.model  # a whole protocol on a tiny model, in driftlab processes
 def test_the_plugins_measure_and_intervention_run_a_selfchat(site, tiny, tmp_path):
     """The plugin's bias is InstABoost's under another name: its run equals instaboost:m=3 token for
     token, differs from the plain run, and every probe is scored by the plugin's measure."""
@@ -173,6 +174,7 @@ def test_the_plugins_measure_and_intervention_run_a_selfchat(site, tiny, tmp_pat
     assert again.returncode == 0, again.stderr
 
 
+@pytest.mark.model  # a whole protocol on a tiny model, in driftlab processes
 def test_the_plugins_protocol_runs_from_a_config_file_and_reports(site, tiny, tmp_path):
     config = tmp_path / "echo.toml"
     config.write_text(f'prompts = ["Hi!", "Name a colour."]\nmax_new_tokens = 5\n'

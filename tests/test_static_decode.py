@@ -10,7 +10,8 @@ step; and a model a static cache cannot serve falling back to the dynamic loop, 
 Compile cost: dynamo with the `aot_eager` backend (functionalised graph, no code generation,
 ~5 s per intervention layout on a tiny model) checks capture, guards and in-place state for
 every case; one test (`slow`) runs inductor, the backend of the real compiled path, which
-costs 1-3 min on a cold 2-core CPU (seconds once inductor's cache under /tmp is warm).
+costs 1-3 min on a cold 2-core CPU (seconds once inductor's cache under /tmp is warm). Every test
+that compiles is marked `compile`, out of the fast part on the CPU (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -131,9 +132,14 @@ def flex_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine, "_flex_declined", declined)
 
 
+# A test that compiles (dynamo with aot_eager, or inductor) is marked `compile`: on the CPU that also
+# marks it `model`, out of the fast part (tests/conftest.py).
+COMPILED = pytest.param("compiled", marks=pytest.mark.compile)
+
+
 # -- the same tokens as the dynamic loop ------------------------------------------------------------
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("mode", ["static", "compiled"])
+@pytest.mark.parametrize("mode", ["static", COMPILED])
 def test_static_decode_gives_the_dynamic_loops_tokens(backends, case: str, mode: str) -> None:
     specs = CASES[case]
     ref = _run(backends["dynamic"], specs)
@@ -143,7 +149,7 @@ def test_static_decode_gives_the_dynamic_loops_tokens(backends, case: str, mode:
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "plain"])
-@pytest.mark.parametrize("mode", ["static", "compiled"])
+@pytest.mark.parametrize("mode", ["static", COMPILED])
 def test_flex_static_decode_gives_the_dynamic_loops_tokens(backends, flex_kernel, case: str, mode: str) -> None:
     """The FlexAttention path in the static layout (the CUDA kernel of `--decode compiled`): the
     prefill through block masks shifted to the prompt's slots, each decode step masked in the
@@ -321,6 +327,7 @@ def test_a_dynamic_decode_step_reads_the_device_once(backends, kernel: str, spec
     assert len(per_step) == 6 and all(seen == ["tolist"] for seen in per_step), per_step
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("kernel", ["sdpa", "flex"])
 def test_compiled_step_is_one_graph_not_recompiled_per_step_or_call(backends, kernel: str, request) -> None:
     """After the first call of a layout, later calls of that layout and shape compile nothing,
@@ -339,7 +346,7 @@ def test_compiled_step_is_one_graph_not_recompiled_per_step_or_call(backends, ke
                       sampling=Sampling(greedy=True, max_new_tokens=9)), got)
 
 
-@pytest.mark.parametrize("mode", ["static", "compiled"])
+@pytest.mark.parametrize("mode", ["static", COMPILED])
 def test_row_limits_cancellation_and_early_handover(backends, mode: str) -> None:
     convs = [[{"role": "user", "content": f"Count from {i} to one hundred."}] for i in (1, 5, 9)]
     sampling = Sampling(max_new_tokens=10, temperature=0, ignore_eos=True)
@@ -363,7 +370,7 @@ def test_row_limits_cancellation_and_early_handover(backends, mode: str) -> None
     assert [r.token_ids for r in got] == [r.token_ids for r in ref] and finished == ref_finished
 
 
-@pytest.mark.parametrize("mode", ["static", "compiled"])
+@pytest.mark.parametrize("mode", ["static", COMPILED])
 def test_prefix_cache_hit_fills_the_static_cache(tiny_dir: Path, backends, mode: str) -> None:
     """The second call reuses the first's KV (prompt and fed-back reply) from the prefix cache:
     `_cache_from_hits` writes it into the static cache's first slots, `_store_prefixes` reads
@@ -454,6 +461,7 @@ def test_a_step_that_cannot_compile_runs_eagerly_said_once(tiny_dir: Path, backe
     assert ran["loop"] == "static" and "no capture here" in ran["eager_after"] and ran["graphs"] == 0
 
 
+@pytest.mark.compile
 def test_past_the_recompile_limit_steps_run_eagerly_said_once_and_recorded(tiny_dir: Path, backends, monkeypatch,
                                                                            capsys) -> None:
     """Past dynamo's recompile limit a fullgraph compile raises (FailOnRecompileLimitHit, not a
@@ -479,6 +487,7 @@ def test_past_the_recompile_limit_steps_run_eagerly_said_once_and_recorded(tiny_
     assert (ran["loop"], ran["graphs"]) == ("static", 1) and "recompile limit" in ran["eager_after"]
 
 
+@pytest.mark.compile
 def test_a_compiled_selfchat_stays_within_the_graph_budget_and_records_it(tiny_dir: Path, tmp_path: Path) -> None:
     """A self-chat's prompts grow every round and its calls have two batch sizes (turns, and the
     agent's turns with their probes): the cache length is a dynamic dimension, so the whole run
@@ -509,6 +518,7 @@ def test_a_compiled_selfchat_stays_within_the_graph_budget_and_records_it(tiny_d
 
 # -- inductor, the compiled path's real backend ----------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.compile
 def test_inductor_compiled_step_gives_the_dynamic_loops_tokens(tiny_dir: Path, backends, monkeypatch) -> None:
     """Generated code (inductor; on CUDA it would be captured in CUDA graphs), every engine mode
     at once: split-softmax with a tensor strength, pi written in place into the trace buffer, a
@@ -547,6 +557,7 @@ _SMOL: dict[str, HFChatBackend] = {}
 
 
 # -- the compiled graph and the op count of a steered step -------------------------------------------
+@pytest.mark.compile
 def test_the_compiled_steered_step_reads_its_block_counts_from_graph_inputs(tiny_dir: Path, flex_kernel,
                                                                              monkeypatch) -> None:
     """The graph dynamo compiles for a steered decode step on the flex path (CUDA's): two flex calls
