@@ -30,6 +30,28 @@ if _WORKERS > 1:
 MAX_WORKERS = 4  # each worker holds its own copies of the test models (a few GB)
 
 
+# Seconds (and tests) of the test files that take longest, whole (one recorded run on a shared 2-core
+# CPU: its ratios are what counts, not its seconds); every other file is costed at LIGHT_TEST_S a test.
+# Workers take whole files (`--dist loadfile`) in the order of the collection, which
+# `pytest_collection_modifyitems` below makes longest first, so that no long file starts last
+# while the other worker has run dry: xdist's own order (most tests first) put the few-test,
+# long files (kill-and-resume, compile cache, tutorial) at the end. To refresh the table from a
+# run's `--junitxml`: sum each file's testcase times.
+FILE_SECONDS = {
+    "test_graph_budget.py": (619, 6), "test_resume.py": (440, 8), "test_benchmarks_gpu.py": (296, 13),
+    "test_serve_faults.py": (186, 11), "test_cli_errors.py": (142, 126), "test_ray.py": (140, 5),
+    "test_pasta_tasks.py": (134, 25), "test_static_decode.py": (124, 55), "test_harnesses.py": (121, 4),
+    "test_openai_backend.py": (112, 9), "test_hub.py": (108, 40), "test_tutorial.py": (102, 2),
+    "test_lm_eval_adapter.py": (90, 8), "test_backend.py": (89, 23), "test_cli.py": (85, 19),
+    "test_plugins.py": (84, 4), "test_attention_engine.py": (72, 98), "test_pasta_tune.py": (70, 5),
+    "test_attention_flex.py": (68, 67), "test_readme.py": (63, 4), "test_mitigations.py": (61, 4),
+    "test_serve.py": (59, 21), "test_flex_guard.py": (59, 5), "test_assets.py": (56, 20),
+    "test_from_model.py": (51, 19), "test_sweep_benchmark.py": (41, 7), "test_pasta_steering.py": (35, 56),
+    "test_response_format.py": (35, 8),
+}
+LIGHT_TEST_S = 0.3
+
+
 def pytest_xdist_auto_num_workers(config):
     """How many workers `-n auto` starts: one per core, at most MAX_WORKERS; none (one process)
     on a single core, and with `--device cuda`, where the tests share one GPU and its memory."""
@@ -47,6 +69,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.7: keep the collection's order
+        config.option.loadscopereorder = False  # (longest files first: pytest_collection_modifyitems)
     spec = config.getoption("--device")
     if spec != "cpu":  # the default needs nothing (and no torch import before collection)
         import devices
@@ -155,9 +179,11 @@ MODEL_FIXTURES = {"smol_dir", "smol32", "smol_bf16", "smol"}
 CPU_SLOW_MARKS = ("slow", "compile")
 
 
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
     """Every test that loads the real model is marked `model`, whether or not it says so; on the
-    CPU, so is every `slow` or `compile` test.
+    CPU, so is every `slow` or `compile` test. Then, once -m/-k have deselected, the longest
+    files go first.
 
     A test uses the real model through these fixtures (or a `smollm2` parameter); marking by
     fixture means a new test cannot forget the marker and slip into the fast suite
@@ -171,3 +197,19 @@ def pytest_collection_modifyitems(config, items):
         if (MODEL_FIXTURES & set(item.fixturenames) or "smollm2" in params.values()
                 or cpu and any(item.get_closest_marker(name) for name in CPU_SLOW_MARKS)):
             item.add_marker(pytest.mark.model)
+    yield  # the other implementations: -m and -k deselect here
+    _longest_files_first(items)
+
+
+def _longest_files_first(items) -> None:
+    """The longest files first (FILE_SECONDS), each file's tests in their own order."""
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def cost(path: str) -> float:
+        n = len(files[path])
+        seconds, tests = FILE_SECONDS.get(path.rsplit("/", 1)[-1], (LIGHT_TEST_S * n, n))
+        return seconds * n / max(tests, n)  # a file's share of its time where -m/-k left part of it
+
+    items[:] = [item for path in sorted(files, key=cost, reverse=True) for item in files[path]]
