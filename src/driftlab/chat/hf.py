@@ -83,11 +83,12 @@ class HFChatBackend:
         decode: DecodeMode = "auto",
         directions: str | None = None,
     ) -> None:
-        """`directions` (a `driftlab directions` output) records each reply's projection onto its
-        persona's direction and lets vector and cap steers act. `decode` picks the decode loop (see driftlab.chat.static_decode): `dynamic` (a
-        dynamic KV cache), `static` (a static cache, eager steps), `compiled` (a static cache
-        and torch.compile'd steps: CUDA graphs on a GPU) or `auto` (`compiled` on CUDA, `dynamic`
-        elsewhere). Where a static cache cannot serve the model, decoding stays dynamic, said once."""
+        """`decode` picks the decode loop (see driftlab.chat.static_decode): `dynamic` (a dynamic
+        KV cache), `static` (a static cache, eager steps), `compiled` (a static cache and
+        torch.compile'd steps: CUDA graphs on a GPU) or `auto` (`compiled` on CUDA, `dynamic`
+        elsewhere). Where a static cache cannot serve the model, decoding stays dynamic, said once.
+        `directions` (a `driftlab directions` output) records each reply's projection onto its
+        persona's direction and lets vector and cap steers act (`use_directions`)."""
         _check_decode(decode)
         if attn_implementation is None:
             from driftlab.attention import ATTENTION_NAME, register
