@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,41 +15,45 @@ import torch
 
 import driftlab as dl
 from driftlab.activation.directions import Directions
+from driftlab.api import spec_of
 from driftlab.protocol.directions import HELD_OUT_EVERY
 from driftlab.records.rundir import RunDir
-from test_resume import KILLER
+from test_resume import _Commands
 
 TESTS = Path(__file__).parent
 
 
-def _cli(args: list[str], env: dict | None = None, killer: bool = False) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    """`driftlab` commands, each its own process, forked from one server that imported torch once."""
     path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
-    head = ["-c", KILLER] if killer else ["-m", "driftlab"]
-    return subprocess.run([sys.executable, *head, *args], env={**os.environ, "PYTHONPATH": path, **(env or {})},
-                          capture_output=True, text=True)
+    server = _Commands(tmp_path_factory.mktemp("commands"), {**os.environ, "PYTHONPATH": path})
+    yield server
+    server.close()
 
 
 @pytest.mark.slow
-def test_directions_resume_after_a_kill_with_the_tensors_of_an_uninterrupted_run(tmp_path) -> None:
+def test_directions_resume_after_a_kill_with_the_tensors_of_an_uninterrupted_run(commands, tmp_path) -> None:
     from tiny_models import make_tiny_model
 
     model = make_tiny_model("llama", tmp_path / "llama")
     args = ["directions", "--model", str(model), "--dtype", "float32", "--personas", "reply-in-french",
             "--system", "Answer like a pirate.", "--axis", "--starters", "3", "--max-new-tokens", "6"]
-    ref = _cli([*args, "--out", str(tmp_path / "ref")])
+    ref = commands.run([*args, "--out", str(tmp_path / "ref")])
     assert ref.returncode == 0, ref.stderr[-2000:]
-    killed = _cli([*args, "--out", str(tmp_path / "resumed")], {"KILL_AFTER_APPENDS": "1"}, killer=True)
+    killed = commands.run([*args, "--out", str(tmp_path / "resumed")], kill_after=1)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert "completed" not in RunDir(tmp_path / "resumed").read_manifest()
     kept = (tmp_path / "resumed" / "records.jsonl").read_bytes()
-    done = _cli([*args, "--out", str(tmp_path / "resumed")])
+    done = commands.run([*args, "--out", str(tmp_path / "resumed")])
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "resumed" / "records.jsonl").read_bytes().startswith(kept)
     a, b = Directions.load(tmp_path / "ref"), Directions.load(tmp_path / "resumed")
     assert sorted(a.personas) == sorted(b.personas) == ["axis", "reply-in-french", "system-" + _hex("Answer like a pirate.")]
     for pid, p in a.personas.items():
-        for name in ("unit", "norm", "with_proj", "without_proj", "auroc"):
-            assert torch.equal(getattr(p, name), getattr(b.personas[pid], name)), (pid, name)
+        for name in ("unit", "norm", "with_proj", "without_proj", "auroc"):  # (an interval of one prompt is NaN)
+            torch.testing.assert_close(getattr(p, name), getattr(b.personas[pid], name), rtol=0, atol=0,
+                                       equal_nan=True, msg=f"{pid} {name}")
     assert a.axis.system_prompt is None and a.for_system("anything at all") is a.axis
     assert a.for_system("Answer like a pirate.").id.startswith("system-")  # a row's own direction first
     manifest = json.loads((tmp_path / "ref" / "directions.json").read_text())
@@ -110,7 +112,7 @@ def test_a_recorded_run_projected_teacher_forced_equals_what_it_recorded(smol32,
         live = dl.selfchat(smol32, pair=["reply-in-french:very-happy", "secret-number-share:teen-slang"], rounds=2,
                            max_new_tokens=16, probe_tokens=16, greedy=True, steer="trace", out=tmp_path / "run",
                            progress=False)
-        spec = dl.spec_of(smol32).model_copy(update={"directions": str(tmp_path / "dirs")})
+        spec = spec_of(smol32).model_copy(update={"directions": str(tmp_path / "dirs")})
         projected = dl.run(Project(ProjectConfig(backend=spec, from_run=str(tmp_path / "run")), smol32),
                            out=tmp_path / "projected", progress=False)
     finally:
@@ -138,11 +140,11 @@ def _directions(backend, tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_the_demo_measures_drift_three_ways_into_one_report(tmp_path) -> None:
+def test_the_demo_measures_drift_three_ways_into_one_report(commands, tmp_path) -> None:
     from tiny_models import make_tiny_model
 
     model = make_tiny_model("llama", tmp_path / "llama")
-    done = _cli(["demo", "--model", str(model), "--dtype", "float32", "--out", str(tmp_path / "demo")])
+    done = commands.run(["demo", "--model", str(model), "--dtype", "float32", "--out", str(tmp_path / "demo")])
     assert done.returncode == 0, done.stderr[-3000:]
     page = (tmp_path / "demo" / "report.html").read_text()
     assert "Drift three ways" in page and "drift signals, tested per conversation" in page
