@@ -31,11 +31,12 @@ def demo(
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write it (created, or resumed).")] = Path(
         "runs/demo"),
 ) -> None:
-    """Measure instruction drift three ways on the default model: the persona directions of three
-    agents (OUT/directions), then their self-chats of four rounds, probed every round, with the
-    attention on the system prompt (pi) and the projection on each persona's direction recorded.
-    Writes OUT/report.html. The same as `driftlab directions` and `driftlab run` with the settings
-    in docs/results/demo-smollm2; re-running resumes.
+    """Measure instruction drift three ways on the default model, in one command.
+
+    First the persona directions of three agents (OUT/directions), then their self-chats of four
+    rounds, probed every round, with the attention on the system prompt (pi) and the projection on
+    each persona's direction recorded. Writes OUT/report.html. The same as `driftlab directions`
+    and `driftlab run` with the settings in docs/results/demo-smollm2; re-running resumes.
     """
     from driftlab.api.options import FLAGS, directions_config, selfchat_config
     from driftlab.api.runs import execute

@@ -36,9 +36,11 @@ def directions(
     seed: SeedOpt = 0,
     batch_size: Annotated[int, typer.Option(help="Most conversations per generate call.")] = 32,
 ) -> None:
-    """Compute each system prompt's direction in the residual stream: the mean activation of replies
-    with it minus without it, per layer. Prints each layer band's held-out separation (AUROC) and a
-    shuffled control's; use the output with --directions (monitoring) and --steer vector/cap.
+    """Compute each system prompt's direction in the residual stream, per layer.
+
+    A direction is the mean activation of replies with the prompt minus without it. Prints each
+    band's held-out separation (AUROC) and a shuffled control's; use the output with --directions
+    (monitoring) and --steer vector/cap.
 
     Re-running the same command on the same --out resumes.
     """

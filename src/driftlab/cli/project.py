@@ -18,10 +18,11 @@ def project(
     backend: BackendSpec,
     dialogs: Annotated[int | None, typer.Option(help="At most this many dialogs (default: all).")] = None,
 ) -> None:
-    """Read a recorded self-chat's dialogs and probes once more, teacher-forced, and record each agent
-    turn's and probe reply's projection onto its persona's direction (--directions): no generation.
-    Prints the projection per round beside the probe score and pi, and whether the projection falls,
-    tracks the probe score, and predicts a passing probe.
+    """Project a recorded self-chat onto persona directions, teacher-forced: no generation.
+
+    Each agent turn and probe reply is read once more, and its projection onto its persona's
+    direction (--directions) recorded. Prints the projection per round beside the probe score and
+    pi, and whether the projection falls, tracks the probe score, and predicts a passing probe.
 
     Re-running the same command on the same --out resumes.
     """
