@@ -346,3 +346,29 @@ def test_pi_floor_takes_pi_1_from_the_first_turn_and_a_floor_below_pi_changes_no
     plain, tiny, full = (smol32.generate(ChatRequest([conv], greedy, interventions=Interventions.parse(s)))[0]
                          for s in ([], ["pi-floor:f=0.0001"], ["pi-floor:f=1"]))
     assert tiny.token_ids == plain.token_ids and full.token_ids != plain.token_ids
+
+
+def test_auroc_and_spearman_intervals_against_scikit_learn_and_scipy() -> None:
+    """The AUROC of `stats.auroc_interval` is scikit-learn's, and its resamples' rank form equals it
+    (ties included); Spearman's rho is scipy's; clusters resample whole conversations."""
+    from scipy.stats import spearmanr
+    from sklearn.metrics import roc_auc_score
+
+    from driftlab.stats import auroc_interval, rank_auroc, spearman_interval
+
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        n = int(rng.integers(4, 40))
+        x, y = rng.integers(0, 4, n).astype(float), rng.random(n) < 0.5
+        if 0 < y.sum() < n:
+            assert rank_auroc(x, y) == pytest.approx(roc_auc_score(y, x), abs=1e-12)
+    x, y = rng.normal(size=60), rng.random(60) < 0.5
+    clusters = np.repeat(np.arange(12), 5)
+    got = auroc_interval(x + 2 * y, y, clusters)
+    assert got.estimate == pytest.approx(roc_auc_score(y, x + 2 * y)) and got.low <= got.estimate <= got.high
+    assert got.method == "cluster-bootstrap" and 0.5 < got.low
+    assert np.isnan(auroc_interval(x, np.ones(60, bool)).estimate)  # one class: no AUROC
+    noisy = x + rng.normal(size=60)
+    rho = spearman_interval(x, noisy, clusters)
+    assert rho.estimate == pytest.approx(spearmanr(x, noisy).statistic) and rho.low < rho.estimate < rho.high
+    assert np.isnan(spearman_interval(x, np.ones(60)).estimate)  # a constant: no rank correlation

@@ -713,20 +713,30 @@ def auroc_interval(scores: Sequence[float] | np.ndarray, labels: Sequence[bool] 
                    rng: np.random.Generator | int | None = 0, confidence: float = CONFIDENCE) -> Interval:
     """How well `scores` separate `labels` (True above False): scikit-learn's AUROC, with a
     percentile bootstrap interval over whole `clusters` (e.g. conversations, whose items are not
-    independent), or over items without. NaN where one class is missing."""
+    independent), or over items without. NaN where one class is missing. The resamples use the
+    rank form of the same statistic (`rank_auroc`, equal to scikit-learn's, ties and all), a
+    hundred times cheaper per call: a directions run takes thousands of intervals."""
     from sklearn.metrics import roc_auc_score
 
     x, y = np.asarray(scores, dtype=float), np.asarray(labels, dtype=bool)
-
-    def auc(index: np.ndarray) -> float:
-        yy = y[index]
-        return float(roc_auc_score(yy, x[index])) if 0 < yy.sum() < len(yy) else float("nan")
-
-    estimate = auc(np.arange(len(x)))
-    if not math.isfinite(estimate):
-        return Interval(estimate, float("nan"), float("nan"), len(x), "none", confidence)
-    low, high, _ = _cluster_bootstrap(auc, len(x), clusters, n_resamples, rng, confidence)
+    if not 0 < y.sum() < len(y):
+        return Interval(float("nan"), float("nan"), float("nan"), len(x), "none", confidence)
+    estimate = float(roc_auc_score(y, x))
+    low, high, _ = _cluster_bootstrap(lambda index: rank_auroc(x[index], y[index]), len(x), clusters,
+                                      n_resamples, rng, confidence)
     return Interval(estimate, low, high, len(x), "cluster-bootstrap", confidence)
+
+
+def rank_auroc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """AUROC as the Mann-Whitney U of the positives over n1 * n0 (mid-ranks for ties): the statistic
+    scikit-learn's roc_auc_score computes, NaN where one class is missing."""
+    from scipy.stats import rankdata
+
+    n1 = int(labels.sum())
+    n0 = len(labels) - n1
+    if not n1 or not n0:
+        return float("nan")
+    return float((rankdata(scores)[labels].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
 
 
 def spearman_interval(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray,
