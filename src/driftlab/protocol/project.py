@@ -60,7 +60,7 @@ class ProjectionRecord(BaseModel):
 class Project(Protocol[ProjectConfig]):
     name = "project"
     records = TypeAdapter(ProjectionRecord)
-    unit = "dialogs"
+    unit = "projections"
 
     def check(self) -> None:
         if not self.config.backend.directions:
