@@ -26,11 +26,18 @@ def _config(smol_dir) -> SelfChatConfig:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    import builtins
+
     import ray
 
+    print_ = builtins.print
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     yield ray
     ray.shutdown()
+    # Ray's progress bars replace builtins.print for the whole process (ray.experimental.tqdm_ray,
+    # RAY_TQDM_PATCH_PRINT) and shutdown leaves it so: a later test on this worker that pickles
+    # print (test_pasta_data.py's refused pickle) would meet Ray's function instead.
+    builtins.print = print_
 
 
 @pytest.fixture(scope="module")
