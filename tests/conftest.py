@@ -11,7 +11,11 @@ tests/devices.py holds the device and the per-device tolerances (docs/testing.md
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,6 +166,122 @@ def _can_write(directory: Path) -> bool:
     os.close(fd)
     os.unlink(probe)
     return True
+
+
+# -- driftlab commands, each a process forked from one server ---------------------------------------
+# The server (python -c) imports what the commands need once (`preload`) and runs nothing (no thread
+# pool exists when it forks), says "ready", then forks one child per job line on its stdin: the child
+# takes the job's environment, working directory, stdin and output files, and is what `driftlab ARGS`
+# would be (driftlab.cli.main: exit code 0, 2 with a DriftlabError's two lines, or a traceback), less
+# the seconds of imports a new interpreter pays (torch and transformers: ~5 s of a CPU). With
+# kill_after it sends itself SIGKILL right after its Nth durable append to any run directory.
+# Differences from a new interpreter: modules are imported before the job's environment is set
+# (only a variable read at import, e.g. huggingface_hub's HF_HOME, would be missed: such a job
+# needs its own interpreter), their import-time output goes to the server (`import_output`), and a
+# usage line names the program `driftlab` (its console script), not `python -m driftlab`.
+_COMMAND_SERVER = r"""
+import atexit, json, os, signal, sys, traceback
+
+for name in json.loads(sys.argv[1]):
+    __import__(name)
+from driftlab.cli import main
+from driftlab.records import rundir
+
+
+def child(job):
+    os.dup2(os.open(job["stdin"] or os.devnull, os.O_RDONLY), 0)
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        os.dup2(os.open(job[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    sys.stdin = open(0, closefd=False)  # not the server's reader of job lines
+    if job["env"] is not None:
+        os.environ.clear()
+        os.environ.update(job["env"])
+    if job["cwd"]:
+        os.chdir(job["cwd"])
+    if job["kill_after"]:
+        calls, append = [0], rundir.RunDir.append
+
+        def append_then_maybe_die(self, records):
+            append(self, records)
+            calls[0] += bool(records)
+            if calls[0] >= job["kill_after"]:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        rundir.RunDir.append = append_then_maybe_die
+    sys.argv = ["driftlab", *job["args"]]
+    code = 0
+    try:
+        main()
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+print("ready", flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        child(job)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
+"""
+
+
+class CommandServer:
+    """`driftlab` commands, each in its own process forked from one server (_COMMAND_SERVER)."""
+
+    def __init__(self, workdir: Path, preload: list[str], env: dict[str, str] | None = None) -> None:
+        self.workdir, self.n = workdir, 0
+        self._err = (workdir / "server.err").open("w+")
+        self.server = subprocess.Popen([sys.executable, "-c", _COMMAND_SERVER, json.dumps(preload)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
+                                       env=env, start_new_session=True)
+        said = []
+        for line in self.server.stdout:
+            if line == "ready\n":
+                break
+            said.append(line)
+        else:
+            self._err.seek(0)
+            raise RuntimeError(f"the command server did not start: {self._err.read()[-3000:]}")
+        self._err.seek(0)
+        self.import_output = "".join(said) + self._err.read()  # what importing `preload` printed
+
+    def run(self, args: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None,
+            stdin: bytes | None = None, kill_after: int = 0) -> subprocess.CompletedProcess:
+        """Like subprocess.run([driftlab, *args], capture_output=True): env (the whole environment,
+        as subprocess.run's) or the server's; the output as text (decoded, errors replaced)."""
+        self.n += 1
+        out, err, given = (self.workdir / f"{self.n}.{part}" for part in ("out", "err", "in"))
+        if stdin is not None:
+            given.write_bytes(stdin)
+        job = {"args": [str(a) for a in args], "stdout": str(out), "stderr": str(err),
+               "stdin": str(given) if stdin is not None else None, "env": None if env is None else dict(env),
+               "cwd": None if cwd is None else str(cwd), "kill_after": kill_after}
+        self.server.stdin.write(json.dumps(job) + "\n")
+        self.server.stdin.flush()
+        status = self.server.stdout.readline()
+        assert status, f"the command server died running {args}"
+        read = lambda path: path.read_bytes().decode("utf-8", "replace")  # noqa: E731
+        return subprocess.CompletedProcess(["driftlab", *args], json.loads(status), read(out), read(err))
+
+    def close(self) -> None:
+        self.server.stdin.close()
+        try:
+            self.server.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # a command hung (its test failed on the timeout): end it too
+            os.killpg(self.server.pid, signal.SIGKILL)
+            self.server.wait()
+        self._err.close()
 
 
 def linked_copy(src: Path, dst: Path, leave_out: str) -> Path:

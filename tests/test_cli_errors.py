@@ -1,4 +1,5 @@
-"""Bad input as a user meets it, through the real `driftlab` entry point.
+"""Bad input as a user meets it, through the real `driftlab` entry point (`driftlab.cli.main`,
+in a process of its own: see the `commands` fixture).
 
 Every case must: exit with code 2, print one "Error: ..." line (and at most one "Hint: ..."
 line) on stderr and nothing on stdout, show no traceback, and change nothing on disk (the
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import linked_copy, unwritable_dir
+from conftest import CommandServer, linked_copy, unwritable_dir
 
 
 @dataclass(frozen=True)
@@ -354,6 +355,19 @@ def _snapshot(*roots: Path) -> dict[str, tuple]:
 # --------------------------------------------------------------------------- the test
 
 
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    """Each case's `driftlab` is a process forked from one server that imported driftlab's entry
+    point (driftlab.cli) and torch once (tests/conftest.py's CommandServer; no case sets a
+    variable they read at import), instead of a new interpreter paying those imports: ~0.5 s of
+    a CPU per case, ~2 s for the cases that reach torch. What those imports print would be in
+    every case's output: it must be nothing."""
+    server = CommandServer(tmp_path_factory.mktemp("commands"), ["torch"])
+    assert server.import_output == "", server.import_output
+    yield server
+    server.close()
+
+
 @pytest.mark.parametrize("case", list(_params()))  # a list: pytest 10 refuses generators
 def test_bad_input_is_one_clean_error(case: Case, tmp_path, request):
     ws = tmp_path / "ws"
@@ -377,13 +391,9 @@ def test_bad_input_is_one_clean_error(case: Case, tmp_path, request):
         watched.append(cache)  # the real model cache, for model cases
 
     before = _snapshot(*watched)
-    proc = subprocess.run(
-        [sys.executable, "-m", "driftlab", *map(fill, case.argv)],
-        input=case.stdin if case.stdin is not None else b"",
-        capture_output=True, cwd=ws, env=env, timeout=600,
-    )  # fmt: skip
-    stderr = proc.stderr.decode("utf-8", "replace")
-    stdout = proc.stdout.decode("utf-8", "replace")
+    commands = request.getfixturevalue("commands")
+    proc = commands.run(list(map(fill, case.argv)), env=env, cwd=ws, stdin=case.stdin or b"")
+    stderr, stdout = proc.stderr, proc.stdout
 
     assert "Traceback" not in stderr, stderr
     assert proc.returncode == 2, stderr

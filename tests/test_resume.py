@@ -8,10 +8,11 @@ known point between units of work. The resume is a new process too (as a user's 
 no cache of the old data survives), and so is the reference, the uninterrupted run on the
 original data: state the test process carries from earlier tests (torch threads, compiled
 kernels) cannot reach it. All three are forked, one per command, from one server process
-that imported torch, transformers and driftlab once and ran nothing (`_Commands`): each is
-still its own process, killed and exiting on its own, without the ~5 s of imports a new
-interpreter pays (24 processes: two minutes of a 2-core CPU). The server reads no data: a
-child meets the data as it is on disk when the child starts.
+that imported torch, transformers and driftlab once and ran nothing (tests/conftest.py's
+CommandServer): each is still its own process, killed and exiting on its own, without the ~5 s
+of imports a new interpreter pays (24 processes: two minutes of a 2-core CPU). The server reads
+no data: a child meets the data as it is on disk when the child starts. (KILLER is the same
+kill for a command run as its own interpreter: tests/test_directions.py.)
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import CommandServer
 from driftlab.protocol.registry import protocol_of
 from driftlab.records.rundir import RunDir
 
@@ -55,99 +55,6 @@ KILLER = textwrap.dedent("""
     from driftlab.cli import app
     app(sys.argv[1:], prog_name="driftlab")
 """)
-
-# The server `_Commands` runs (python -c): heavy imports once, then one forked child per command.
-# A child is what `python -m driftlab ARGS` would be (driftlab.cli.main: exit code 0, 2 with a
-# DriftlabError's two lines, or a traceback), its stdout and stderr in files, after the env
-# changes the request asks for; with kill_after, KILLER's SIGKILL after that many appends.
-SERVER = textwrap.dedent("""
-    import atexit, json, os, signal, sys, traceback
-
-    # What every command imports (imported here, nothing run: no thread pool exists to fork).
-    import matplotlib.pyplot, pandas, scipy.stats, torch, transformers  # noqa: F401
-    from transformers import masking_utils  # noqa: F401
-    from transformers.models.llama import modeling_llama  # noqa: F401
-    import driftlab.chat.hf, driftlab.protocol.runner  # noqa: F401
-    from driftlab.cli import main
-    from driftlab.records import rundir
-
-    def child(job):
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        for fd, name in ((1, "stdout"), (2, "stderr")):
-            os.dup2(os.open(job[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-        os.environ.update(job["env"])
-        if job["kill_after"]:
-            calls, append = [0], rundir.RunDir.append
-
-            def append_then_maybe_die(self, records):
-                append(self, records)
-                calls[0] += bool(records)
-                if calls[0] >= job["kill_after"]:
-                    os.kill(os.getpid(), signal.SIGKILL)
-
-            rundir.RunDir.append = append_then_maybe_die
-        sys.argv = ["driftlab", *job["args"]]
-        code = 0
-        try:
-            main()
-        except SystemExit as done:
-            code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        try:
-            atexit._run_exitfuncs()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-
-    print("ready", flush=True)
-    for line in sys.stdin:
-        job = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            child(job)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
-""")
-
-
-@dataclass
-class Ran:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-class _Commands:
-    """`driftlab` commands, each in its own process forked from one server (SERVER)."""
-
-    def __init__(self, workdir: Path, env: dict[str, str]) -> None:
-        self.workdir, self.n = workdir, 0
-        self.server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       text=True, env=env, start_new_session=True)
-        assert self.server.stdout.readline() == "ready\n", "the command server did not start"
-
-    def run(self, args: list[str], kill_after: int = 0, env: dict[str, str] | None = None) -> Ran:
-        self.n += 1
-        out, err = self.workdir / f"{self.n}.out", self.workdir / f"{self.n}.err"
-        job = {"args": args, "stdout": str(out), "stderr": str(err), "env": env or {}, "kill_after": kill_after}
-        self.server.stdin.write(json.dumps(job) + "\n")
-        self.server.stdin.flush()
-        status = self.server.stdout.readline()
-        assert status, f"the command server died running {args}"
-        return Ran(json.loads(status), out.read_text(), err.read_text())
-
-    def close(self) -> None:
-        self.server.stdin.close()
-        try:
-            self.server.wait(timeout=60)
-        except subprocess.TimeoutExpired:  # a command hung (its test failed on the timeout): end it too
-            os.killpg(self.server.pid, signal.SIGKILL)
-            self.server.wait()
-
 
 @dataclass
 class Case:
@@ -270,11 +177,16 @@ def _all_records(out: Path) -> dict[str, list[str]]:
             for m in sorted(out.rglob("manifest.json"))}
 
 
+# What every command imports, once, in the server (each command still imports the rest itself).
+PRELOAD = ["matplotlib.pyplot", "pandas", "scipy.stats", "torch", "transformers", "transformers.masking_utils",
+           "transformers.models.llama.modeling_llama", "driftlab.chat.hf", "driftlab.protocol.runner"]
+
+
 @pytest.fixture(scope="module")
 def commands(tmp_path_factory, smol_dir):
     # tests/ for fakes; the caller's PYTHONPATH kept, so every process imports the same driftlab.
     path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
-    server = _Commands(tmp_path_factory.mktemp("commands"), {**os.environ, "PYTHONPATH": path})
+    server = CommandServer(tmp_path_factory.mktemp("commands"), PRELOAD, {**os.environ, "PYTHONPATH": path})
     yield server
     server.close()
 
