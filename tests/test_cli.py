@@ -3,19 +3,34 @@
 from __future__ import annotations
 
 import subprocess
-import sys
+from collections.abc import Callable
 
 import pytest
+
+from conftest import CommandServer
 
 QUESTION = "What do you do in London as a tourist?"
 
 
-def driftlab(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "driftlab", *args], capture_output=True, text=True)
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    """Each `driftlab` here is a process forked from one server that imported driftlab's entry point,
+    torch and transformers once (tests/conftest.py's CommandServer), not a new interpreter paying
+    those imports (~5 s of a CPU each). What the imports print would be in every command's
+    output: it must be nothing."""
+    server = CommandServer(tmp_path_factory.mktemp("commands"), ["torch", "transformers"])
+    assert server.import_output == "", server.import_output
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def driftlab(commands) -> Callable[..., subprocess.CompletedProcess]:
+    return lambda *args: commands.run(list(args))
 
 
 @pytest.mark.model
-def test_chat_prints_only_the_reply(smol_dir):
+def test_chat_prints_only_the_reply(smol_dir, driftlab):
     from driftlab.chat import Sampling, chat
     from driftlab.chat.hf import HFChatBackend
 
@@ -29,7 +44,7 @@ def test_chat_prints_only_the_reply(smol_dir):
 
 
 @pytest.mark.model
-def test_chat_split_softmax_matches_the_eager_reference(smol_dir):
+def test_chat_split_softmax_matches_the_eager_reference(smol_dir, driftlab):
     """`--steer split-softmax:k=0.9` gives the greedy text of the slow weight-materialising reference."""
     from attention_reference import NAME, register_reference
     from driftlab.chat import Sampling, chat
@@ -63,7 +78,7 @@ def test_chat_split_softmax_matches_the_eager_reference(smol_dir):
         (["run", "--out", "/tmp/x", "--categories", "poetry"], "Invalid --categories: unknown categories"),
     ],
 )
-def test_errors_are_two_lines_without_traceback(args, message):
+def test_errors_are_two_lines_without_traceback(args, message, driftlab):
     proc = driftlab(*args)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
@@ -117,7 +132,7 @@ def test_help_names_papers_not_internal_numbers():
     assert "'own'" in run_help and "'crafted-or-generic'" in run_help and "COLM 2024" in run_help
 
 
-def test_models_list_json():
+def test_models_list_json(driftlab):
     import json
 
     proc = driftlab("models", "list", "--format", "json")
