@@ -182,11 +182,18 @@ PRELOAD = ["matplotlib.pyplot", "pandas", "scipy.stats", "torch", "transformers"
            "transformers.models.llama.modeling_llama", "driftlab.chat.hf", "driftlab.protocol.runner"]
 
 
+class _Commands(CommandServer):
+    """A command server preloading PRELOAD (tests/test_directions.py starts its own by this name)."""
+
+    def __init__(self, workdir: Path, env: dict[str, str]) -> None:
+        super().__init__(workdir, PRELOAD, env)
+
+
 @pytest.fixture(scope="module")
 def commands(tmp_path_factory, smol_dir):
     # tests/ for fakes; the caller's PYTHONPATH kept, so every process imports the same driftlab.
     path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
-    server = CommandServer(tmp_path_factory.mktemp("commands"), PRELOAD, {**os.environ, "PYTHONPATH": path})
+    server = _Commands(tmp_path_factory.mktemp("commands"), {**os.environ, "PYTHONPATH": path})
     yield server
     server.close()
 
