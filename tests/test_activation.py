@@ -170,7 +170,7 @@ def test_rows_leaving_the_batch_keep_what_they_recorded(smol_dirs) -> None:
 
 
 # -- the compiled step ----------------------------------------------------------------------------------------
-@pytest.mark.slow
+@pytest.mark.compile  # on the CPU out of the fast part (tests/conftest.py)
 def test_residual_steers_run_on_one_compiled_graph_per_bucket(tmp_path, monkeypatch) -> None:
     """Vector and cap knobs are tensors: after a warm-up call per kind, new strengths, layers, caps and
     their composition with attention steers compile nothing, and give the dynamic loop's tokens."""
@@ -193,6 +193,10 @@ def test_residual_steers_run_on_one_compiled_graph_per_bucket(tmp_path, monkeypa
 
     for specs in (["vector:alpha=1"], ["vector:alpha=1", "split-softmax:k=0.5"]):  # warm: plain and steered
         run(compiled, specs)
+    # A call asking for hidden states (pastalib's generate, an eager trace) makes transformers hook the
+    # layers; those hooks were put on with driftlab's, so the graphs' guards still hold.
+    with torch.inference_mode():
+        compiled.model(torch.tensor([[1, 2, 3]]), output_hidden_states=True, output_attentions=True)
     with torch.compiler.set_stance("fail_on_recompile"):
         for specs in (["vector:alpha=-2,layers=0+2"], ["cap:q=0.3"], ["cap:q=0.8,layers=1", "vector:alpha=0.5"],
                       [], ["cap:q=0.5", "instaboost:m=3"], ["vector:alpha=2", "split-softmax:k=0.3", "trace"]):
@@ -206,6 +210,26 @@ def test_residual_steers_run_on_one_compiled_graph_per_bucket(tmp_path, monkeypa
 
 
 # -- errors ---------------------------------------------------------------------------------------------------
+def test_directions_held_in_memory_pass_a_runs_checks_and_are_refused_by_name(smol_dirs) -> None:
+    """Directions given to a live backend (`use_directions` of computed ones) are the run's: a vector
+    steer passes the config check, the manifest says `memory:`, and loading that spec by name is a
+    one-line error rather than a missing-file crash."""
+    import driftlab as dl
+    from driftlab.api import spec_of
+    from driftlab.chat.factory import make_backend
+    from driftlab.chat.spec import BackendSpec
+
+    backend, _ = smol_dirs
+    spec = spec_of(backend)
+    assert spec.directions is not None and spec.directions.startswith("memory:")
+    french = next(p for p in dl.personas() if p.id == "reply-in-french").model_copy(update={"id": "french-short", "system_prompt": FRENCH})
+    run = dl.selfchat(backend, personas=[french], pairs=1, rounds=1, max_new_tokens=4, probe_tokens=4,
+                      steer="vector:alpha=1", progress=False)
+    assert run.manifest["config"]["backend"]["directions"] == spec.directions
+    with pytest.raises(DriftlabError, match="held in memory"):
+        make_backend(BackendSpec(model="smollm2-135m", directions=spec.directions))
+
+
 def test_directions_that_do_not_fit_are_one_line_errors_before_any_work(smol_dirs, tmp_path) -> None:
     backend, directions = smol_dirs
     with pytest.raises(DriftlabError, match="hold none for it"):

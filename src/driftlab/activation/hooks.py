@@ -46,13 +46,32 @@ class _Hook:
 
 
 def install(model: Any) -> bool:
-    """Hook every decoder layer of `model`; False where they were hooked already (nothing changes)."""
+    """Hook every decoder layer of `model`; False where they were hooked already (nothing changes).
+
+    transformers adds its own output-capturing hooks to the same layers the first time a call asks
+    for hidden states or attentions (pastalib's generate, an eager trace). A compiled decode step
+    guards on each layer's hook count, so that late addition would compile every graph again: they
+    go on here, first, and the layers' hooks never change after this."""
     layers = decoder_layers(model)
     if getattr(layers[0], _HANDLES, None) is not None:
         return False
+    _capturing_hooks(model)
     for i, layer in enumerate(layers):
         setattr(layer, _HANDLES, layer.register_forward_hook(_Hook(i), with_kwargs=True))
     return True
+
+
+def _capturing_hooks(model: Any) -> None:
+    """transformers' output-capturing hooks, installed now rather than at the first call that asks."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # a transformers without them adds none later either
+        return
+    get = getattr(model, "get_base_model", None)
+    base = get() if callable(get) and hasattr(model, "peft_config") else model
+    if isinstance(base, PreTrainedModel):
+        maybe_install_capturing_hooks(base)
 
 
 def remove(model: Any) -> None:

@@ -130,12 +130,24 @@ def spec_of(backend: ChatBackend) -> BackendSpec:
     """What a run's manifest records about a backend: how `load` made it; for a backend built
     otherwise, its name (`memory:NAME` for a model handed over with `from_model`) and the dtype it
     computes in."""
-    if backend in _SPECS:
-        return _SPECS[backend]
+    if backend in _SPECS:  # as loaded, with the directions it holds now (use_directions may have changed them)
+        return _SPECS[backend].model_copy(update={"directions": _directions_of(backend)})
     facts = backend.describe()
     dtype = facts.get("dtype") if facts.get("dtype") in ("bfloat16", "float16", "float32") else "auto"
     memory = facts.get("source") == "memory"
-    return BackendSpec(model=(MEMORY_PREFIX if memory else "") + str(backend.name), dtype=dtype)
+    return BackendSpec(model=(MEMORY_PREFIX if memory else "") + str(backend.name), dtype=dtype,
+                       directions=_directions_of(backend))
+
+
+def _directions_of(backend: ChatBackend) -> str | None:
+    """The spec's record of the directions a live backend holds: their folder, or `memory:` and
+    their digest for directions without one (computed into a temporary run that is gone)."""
+    held = getattr(backend, "directions", None)
+    if held is None:
+        return None
+    if held.path is not None and (Path(held.path) / "directions.json").is_file():
+        return str(held.path)
+    return f"{MEMORY_PREFIX}{(held.digest or 'computed')[:16]}"
 
 
 def personas(category: str | None = None, extra: str | Path | None = None) -> list[Persona]:

@@ -29,6 +29,11 @@ def make_backend(
                             "it cannot be loaded by name.",
                             hint="Pass the backend itself: driftlab.from_model(model, tokenizer), then e.g. "
                                  "driftlab.selfchat(backend, out=...) to resume.")
+    if spec.directions and spec.directions.startswith(MEMORY_PREFIX):
+        raise DriftlabError("The run's persona directions were held in memory by the Python process that ran it; "
+                            "they cannot be loaded by name.",
+                            hint="Save them (driftlab.directions(..., out=DIR)) and pass directions=DIR, or pass "
+                                 "the backend that holds them.")
     if spec.remote:
         if spec.device_map or spec.quantize:
             flag = "--device-map" if spec.device_map else "--quantize"

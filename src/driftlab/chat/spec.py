@@ -126,8 +126,9 @@ class BackendSpec(BaseModel):
     @field_validator("directions")
     @classmethod
     def _directions_there(cls, v: str | None) -> str | None:
-        """A directions path that holds none is refused before any model loads."""
-        if v is None:
+        """A directions path that holds none is refused before any model loads. `memory:` names
+        directions a live backend holds (`use_directions` of a computed `Directions`)."""
+        if v is None or v.startswith(MEMORY_PREFIX):
             return v
         folder = Path(v) if Path(v).is_dir() else Path(v).parent
         if not (folder / "directions.json").is_file() or not (folder / "directions.safetensors").is_file():
