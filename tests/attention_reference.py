@@ -151,3 +151,17 @@ def both_engines_on_one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def left_padded(backend, convs) -> tuple[torch.Tensor, torch.Tensor, list[int], list]:
+    """The conversations rendered and left-padded into one batch on the backend's device: (ids,
+    mask, pads, rendered), as the backend batches them."""
+    rendered = [backend.render(c) for c in convs]
+    T = max(len(r.ids) for r in rendered)
+    pads = [T - len(r.ids) for r in rendered]
+    ids = torch.full((len(convs), T), backend.pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(rendered):
+        ids[b, pads[b]:] = torch.tensor(r.ids)
+        mask[b, pads[b]:] = 1
+    return ids.to(backend.device), mask.to(backend.device), pads, rendered

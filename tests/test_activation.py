@@ -172,8 +172,8 @@ def test_rows_leaving_the_batch_keep_what_they_recorded(smol_dirs) -> None:
 # -- the compiled step ----------------------------------------------------------------------------------------
 @pytest.mark.compile  # on the CPU out of the fast part (tests/conftest.py)
 def test_residual_steers_run_on_one_compiled_graph_per_bucket(tmp_path, monkeypatch) -> None:
-    """Vector and cap knobs are tensors: after a warm-up call per kind, new strengths, layers, caps and
-    their composition with attention steers compile nothing, and give the dynamic loop's tokens."""
+    """Vector and cap knobs are tensors: after `warm`, new strengths, layers, caps and their
+    composition with attention steers compile nothing, and give the dynamic loop's tokens."""
     import driftlab.chat.static_decode as sd
     from driftlab.chat.hf import HFChatBackend
     from tiny_models import make_tiny_model
@@ -191,8 +191,7 @@ def test_residual_steers_run_on_one_compiled_graph_per_bucket(tmp_path, monkeypa
     def run(backend, specs):
         return backend.generate(ChatRequest(convs, greedy, interventions=Interventions.parse(specs)))
 
-    for specs in (["vector:alpha=1"], ["vector:alpha=1", "split-softmax:k=0.5"]):  # warm: plain and steered
-        run(compiled, specs)
+    compiled.warm(batches=(2,))  # with directions: the graphs that carry the residual state
     # A call asking for hidden states (pastalib's generate, an eager trace) makes transformers hook the
     # layers; those hooks were put on with driftlab's, so the graphs' guards still hold.
     with torch.inference_mode():

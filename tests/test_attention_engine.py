@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from attention_reference import NAME as REFERENCE
-from attention_reference import both_engines_on_one_thread
+from attention_reference import both_engines_on_one_thread, left_padded
 from devices import backend_device, cpu_only, current, exact, tol
 from driftlab.attention import ATTENTION_NAME, kernels
 from driftlab.attention import engine as engine_module
@@ -158,15 +158,8 @@ def prefill(
 
     With a config, the state traces every query (trace_prefill) so pi can be compared too.
     """
-    rendered = [backend.render(c) for c in convs]
-    T = max(len(r.ids) for r in rendered)
-    pads = [T - len(r.ids) for r in rendered]
-    ids = torch.full((len(convs), T), backend.pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, r in enumerate(rendered):
-        ids[b, pads[b] :] = torch.tensor(r.ids)
-        mask[b, pads[b] :] = 1
-    ids, mask = ids.to(backend.device), mask.to(backend.device)
+    ids, mask, pads, rendered = left_padded(backend, convs)
+    T = ids.shape[1]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     extra, state = {}, None
     cfg = iv.attention() if iv is not None else None

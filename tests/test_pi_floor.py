@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from attention_reference import NAME as REFERENCE
-from attention_reference import _key_slots, both_engines_on_one_thread
+from attention_reference import _key_slots, both_engines_on_one_thread, left_padded
 from devices import backend_device, cpu_only, current, exact, tol
 from driftlab.attention import ATTENTION_NAME, kernels
 from driftlab.attention import engine as engine_module
@@ -179,15 +179,8 @@ def prefill(backend: HFChatBackend, specs: list[str] | None, floors=None, impl: 
     """Full-logit forward of the left-padded batch: (logits [B, T, V], pi [B, L, H, T] or None,
     pads, first floor slots). `specs` None: no state at all (the plain model); `floors` the
     `conv_floors` table (None: no floor)."""
-    rendered = [backend.render(c) for c in convs]
-    T = max(len(r.ids) for r in rendered)
-    pads = [T - len(r.ids) for r in rendered]
-    ids = torch.full((len(convs), T), backend.pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, r in enumerate(rendered):
-        ids[b, pads[b]:] = torch.tensor(r.ids)
-        mask[b, pads[b]:] = 1
-    ids, mask = ids.to(backend.device), mask.to(backend.device)
+    ids, mask, pads, rendered = left_padded(backend, convs)
+    T = ids.shape[1]
     extra, state, firsts = {}, None, None
     if specs is not None:
         iv = Interventions.parse([*specs, "trace"] if trace else specs) if specs or trace else Interventions()

@@ -363,3 +363,19 @@ def test_a_finished_sweep_is_repriced_over_several_dialogs_without_new_dialogs(s
     table = sweep_table(out)
     row = table[table.method != "plain"].iloc[0]
     assert row.mmlu_dialogs == 2 and row.mmlu_method.startswith("cluster sign-flip")
+
+
+@pytest.mark.model
+def test_finished_points_copied_into_a_new_sweep_directory_are_kept(swept, tiny, tmp_path):
+    """A new sweep directory holding finished points (self-chat and MMLU) copied from another run of
+    the same plan runs nothing again: the first run compares the copies to its plan as recorded on
+    disk, as a resume does (it once compared them to the plan in memory and moved them to stale/)."""
+    import shutil
+
+    out = tmp_path / "copied"
+    for spec in _manifest(swept)["points"]:
+        shutil.copytree(point_dir(swept, spec), point_dir(out, spec))
+    before = {p: p.read_bytes() for p in out.rglob("records.jsonl")}
+    run_protocol(Sweep(_tiny_config(tiny), tiny), out, progress=False)
+    assert not (out / "stale").exists()
+    assert {p: p.read_bytes() for p in out.rglob("records.jsonl") if p.parent.parent != out} == before

@@ -788,7 +788,10 @@ class HFChatBackend:
             raise DriftlabError(f"{self.name} does not decode with the compiled loop (--decode {self.decode_mode}"
                                 f"{': ' + self._static_refused if self._static_refused else ''}): nothing to warm.",
                                 hint="Load it with decode='compiled' (--decode compiled).")
-        conversation = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Say hello."}]
+        # With directions, a persona's rows carry the residual state (its projection is recorded): the
+        # run's graphs are those, so warm on a persona the directions hold.
+        system = next(iter(self.directions.personas.values())).system_prompt if self.directions else "You are brief."
+        conversation = [{"role": "system", "content": system}, {"role": "user", "content": "Say hello."}]
         steered = Interventions.parse(["split-softmax:k=0.9", "trace", "instaboost:m=2"])
         rows = []
         for bucket in warm_buckets(batches):

@@ -134,6 +134,8 @@ def warm_model(
                                               "power of two: the batch buckets the decode loop runs)."),
     dtype: str = typer.Option("auto", help="auto, bfloat16, float16 or float32: as the runs will use."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N: as the runs will use."),
+    directions: str = typer.Option(None, help="Persona directions (a `driftlab directions` output), as the runs "
+                                              "will use: their graphs carry the residual stream's state."),
 ) -> None:
     """Compile a model's decode loop ahead of a run (--decode compiled): a plain and a steered graph per
     batch bucket, kept in driftlab's compile cache, so a later run's process loads them instead of
@@ -147,7 +149,7 @@ def warm_model(
         batches = []
     if not batches or min(batches) < 1:
         raise DriftlabError(f"--batch {batch!r} is not a list of batch sizes.", hint="E.g. --batch 1,2,4,8.")
-    rows = warm(name, batches, dtype=dtype, device=device)
+    rows = warm(name, batches, dtype=dtype, device=device, directions=directions)
     table = Table(title=f"decode graphs of {name} (compile cache: {use_compile_cache()})")
     for column in ("batch", "kind", "graphs compiled", "seconds", "cache hits", "cache misses"):
         table.add_column(column, no_wrap=True)

@@ -334,7 +334,9 @@ class Sweep(Protocol[SweepConfig]):
 
     def units(self, state: RunState) -> Iterator[tuple[int, BaseIntervention | None]]:
         self._add_points(state)
-        self._plan = state.manifest
+        # The plan as recorded (JSON), not as built in memory: points copied from another run of the same
+        # plan compare equal to it on a first run as on a resume (the built one holds tuples where JSON keeps lists: an MMLU question's choices).
+        self._plan = state.rundir.read_manifest()
         for i, (_, point) in enumerate(self.config.points()):
             yield i, point
 
