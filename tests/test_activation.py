@@ -28,6 +28,11 @@ PIRATE = "You are a pirate. Always talk like a pirate."
 GREEDY = Sampling(greedy=True, max_new_tokens=12)
 
 
+def _ours(layer) -> list:
+    """driftlab's hooks on a layer (transformers' own output-capturing hooks are there too)."""
+    return [h for h in layer._forward_hooks.values() if isinstance(h, hooks._Hook)]
+
+
 def synthetic(n_layers: int, d_model: int, systems: list[str], seed: int = 0, model: str = "test") -> Directions:
     """Random unit directions for `systems`, with with/without projection samples around 1 and 0
     (so the normalisation and the cap's quantiles mean something) and a band in the middle."""
@@ -289,9 +294,10 @@ def test_hooks_install_once_and_come_off(tmp_path) -> None:
     model = AutoModelForCausalLM.from_pretrained(make_tiny_model("qwen2", tmp_path / "q"))
     hooks.install(model)
     hooks.install(model)
-    assert all(len(layer._forward_hooks) == 1 for layer in model.model.layers)
+    assert all(len(_ours(layer)) == 1 for layer in model.model.layers)
+    assert model.model._output_capturing_hooks_installed  # transformers' too, now: the hook count never changes
     hooks.remove(model)
-    assert all(not layer._forward_hooks for layer in model.model.layers)
+    assert all(not _ours(layer) for layer in model.model.layers)
 
 
 def test_steer_applies_vector_and_cap_to_your_own_generate_as_the_backend_does(smol_dirs, smol_dir) -> None:
@@ -316,7 +322,7 @@ def test_steer_applies_vector_and_cap_to_your_own_generate_as_the_backend_does(s
         with dl.steer(model, spec, system=FRENCH, tokenizer=tokenizer, directions=directions):
             got = generate()
         assert got[: len(want.token_ids)] == want.token_ids, spec
-    assert generate() == plain and all(not layer._forward_hooks for layer in model.model.layers)
+    assert generate() == plain and all(not _ours(layer) for layer in model.model.layers)
     with pytest.raises(DriftlabError, match="cannot apply pi-floor"):
         dl.steer(model, "pi-floor:f=0.8", system=FRENCH, tokenizer=tokenizer)
     with pytest.raises(DriftlabError, match="given no directions"):
