@@ -34,24 +34,29 @@ if _WORKERS > 1:
 MAX_WORKERS = 4  # each worker holds its own copies of the test models (a few GB)
 
 
-# Seconds (and tests) of the test files that take longest, whole (one recorded run on a shared 2-core
-# CPU: its ratios are what counts, not its seconds); every other file is costed at LIGHT_TEST_S a test.
+# Seconds (and tests) of the test files that take 10 s or more, whole, and of two many-test light ones (one recorded run, 2026-11-25, 2-core
+# AMD EPYC, unloaded: docs/testing.md; its ratios are what counts); every other file is costed at
+# LIGHT_TEST_S a test.
 # Workers take whole files (`--dist loadfile`) in the order of the collection, which
 # `pytest_collection_modifyitems` below makes longest first, so that no long file starts last
 # while the other worker has run dry: xdist's own order (most tests first) put the few-test,
 # long files (kill-and-resume, compile cache, tutorial) at the end. To refresh the table from a
 # run's `--junitxml`: sum each file's testcase times.
 FILE_SECONDS = {
-    "test_graph_budget.py": (619, 6), "test_resume.py": (440, 8), "test_benchmarks_gpu.py": (296, 13),
-    "test_serve_faults.py": (186, 11), "test_cli_errors.py": (142, 126), "test_ray.py": (140, 5),
-    "test_pasta_tasks.py": (134, 25), "test_static_decode.py": (124, 55), "test_harnesses.py": (121, 4),
-    "test_openai_backend.py": (112, 9), "test_hub.py": (108, 40), "test_tutorial.py": (102, 2),
-    "test_lm_eval_adapter.py": (90, 8), "test_backend.py": (89, 23), "test_cli.py": (85, 19),
-    "test_plugins.py": (84, 4), "test_attention_engine.py": (72, 98), "test_pasta_tune.py": (70, 5),
-    "test_attention_flex.py": (68, 67), "test_readme.py": (63, 4), "test_mitigations.py": (61, 4),
-    "test_serve.py": (59, 21), "test_flex_guard.py": (59, 5), "test_assets.py": (56, 20),
-    "test_from_model.py": (51, 19), "test_sweep_benchmark.py": (41, 7), "test_pasta_steering.py": (35, 56),
-    "test_response_format.py": (35, 8),
+    "test_resume.py": (122, 8), "test_serve_faults.py": (108, 11), "test_pasta_tasks.py": (108, 25),
+    "test_graph_budget.py": (96, 6), "test_benchmarks_gpu.py": (94, 13), "test_directions.py": (75, 5),
+    "test_attention_flex.py": (75, 67), "test_attention_engine.py": (68, 98), "test_static_decode.py": (67, 55),
+    "test_backend.py": (66, 23), "test_hub.py": (65, 40), "test_harnesses.py": (58, 4), "test_tutorial.py": (53, 2),
+    "test_ray.py": (51, 5), "test_cli_errors.py": (45, 126), "test_activation.py": (45, 16),
+    "test_plugins.py": (42, 4), "test_openai_backend.py": (40, 9), "test_serve.py": (39, 21),
+    "test_assets.py": (33, 20), "test_mitigations.py": (33, 4), "test_lm_eval_adapter.py": (32, 8),
+    "test_pasta_steering.py": (30, 56), "test_readme.py": (28, 4), "test_cli.py": (27, 19),
+    "test_pasta_tune.py": (25, 5), "test_from_model.py": (22, 19), "test_stats.py": (20, 64),
+    "test_pi_floor.py": (19, 63), "test_serve_completions.py": (19, 19), "test_bench_measures.py": (17, 50),
+    "test_sweep_benchmark.py": (15, 7), "test_sampling_fields.py": (15, 47), "test_judge.py": (13, 23),
+    "test_response_format.py": (13, 8), "test_results_contract.py": (13, 12), "test_flex_guard.py": (12, 5),
+    "test_report.py": (11, 30), "test_results_figures.py": (10, 4),
+    "test_bench_personas.py": (9, 358), "test_claims.py": (2, 76),  # many tests, each far under LIGHT_TEST_S
 }
 LIGHT_TEST_S = 0.3
 

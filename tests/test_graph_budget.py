@@ -193,10 +193,11 @@ def test_the_guard_named_is_the_shape_that_changed_not_another_graphs() -> None:
 
 @pytest.mark.slow
 @pytest.mark.compile
-def test_a_second_process_loads_the_compiled_steps_from_the_cache(tmp_path: Path) -> None:
+def test_models_warm_compiles_into_the_compile_cache(tmp_path: Path) -> None:
     """`driftlab models warm` compiles a plain and a steered step with inductor (the compiled loop's
-    backend) into driftlab's compile cache; a second process warming the same model compiles
-    nothing new: every graph is an inductor cache hit."""
+    backend) into driftlab's compile cache, and says so: 2 graphs, 2 cache misses. That a second
+    process then compiles nothing new (every graph a cache hit) is checked once, on the GPU
+    benchmark's CPU run (tests/test_benchmarks_gpu.py), which compiles the same way."""
     import re
     import subprocess
     import sys
@@ -204,16 +205,13 @@ def test_a_second_process_loads_the_compiled_steps_from_the_cache(tmp_path: Path
     path = make_tiny_model("llama", tmp_path / "llama")
     env = {**os.environ, "DRIFTLAB_CACHE": str(tmp_path / "cache")}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # inductor sets it in this process once it compiled anything
-    counts = []
-    for _ in range(2):
-        done = subprocess.run([sys.executable, "-m", "driftlab", "models", "warm", str(path), "--batch", "2",
-                               "--dtype", "float32", "--device", "cpu"], capture_output=True, text=True, env=env,
-                              timeout=600)
-        assert done.returncode == 0, done.stderr[-2000:]
-        found = re.search(r"warmed (\d+) graphs .* cache hits (\d+), misses (\d+)", " ".join(done.stdout.split()))
-        assert found, done.stdout
-        counts.append(tuple(int(x) for x in found.groups()))
-    assert counts[0] == (2, 0, 2) and counts[1] == (2, 2, 0), counts
+    done = subprocess.run([sys.executable, "-m", "driftlab", "models", "warm", str(path), "--batch", "2",
+                           "--dtype", "float32", "--device", "cpu"], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = re.search(r"warmed (\d+) graphs .* cache hits (\d+), misses (\d+)", " ".join(done.stdout.split()))
+    assert found, done.stdout
+    assert tuple(int(x) for x in found.groups()) == (2, 0, 2)
     assert any((tmp_path / "cache" / "compile").iterdir())
 
 

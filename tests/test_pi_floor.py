@@ -562,8 +562,11 @@ def test_compiled_step_compiles_no_second_graph_when_the_floor_changes(static_ba
     specs = STATIC_CASES["floor+split+instaboost"]
     zeros = _tokens_run(compiled, specs, None)  # floors of zeros: the steered graph
     assert_same_decode(zeros, _tokens_run(dynamic, specs, None))
-    graphs = compiled.ran()["decode"]["graphs"]
-    assert graphs >= 1
+    ran = compiled.ran()["decode"]
+    # The compiled step ran (no eager fallback); its graph may be one this worker compiled before for an
+    # identical tiny model (dynamo keys graphs by code and guards, not by model instance): graphs may be 0.
+    assert ran["loop"] == "compiled" and "eager_after" not in ran
+    graphs = ran["graphs"]
     floors = conv_floors(dynamic, convs=CONVS[:2], low_high=STATIC_RANGES["floor+split+instaboost"])
     with torch.compiler.set_stance("fail_on_recompile"):
         got = _tokens_run(compiled, specs, floors)
