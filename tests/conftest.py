@@ -43,7 +43,7 @@ MAX_WORKERS = 4  # each worker holds its own copies of the test models (a few GB
 # long files (kill-and-resume, compile cache, tutorial) at the end. To refresh the table from a
 # run's `--junitxml`: sum each file's testcase times.
 FILE_SECONDS = {
-    "test_resume.py": (122, 8), "test_serve_faults.py": (108, 11), "test_pasta_tasks.py": (108, 25),
+    "test_resume.py": (122, 8), "test_serve_faults.py": (108, 11), "test_pasta_tasks.py": (80, 24),
     "test_graph_budget.py": (96, 6), "test_benchmarks_gpu.py": (94, 13), "test_directions.py": (75, 5),
     "test_attention_flex.py": (75, 67), "test_attention_engine.py": (68, 98), "test_static_decode.py": (67, 55),
     "test_backend.py": (66, 23), "test_hub.py": (65, 40), "test_harnesses.py": (58, 4), "test_tutorial.py": (53, 2),

@@ -76,6 +76,25 @@ def _swept(out: Path, stdout: str) -> None:
     assert json.loads((out / "manifest.json").read_text())["points"] == ["", "split-softmax:k=0.5,heads=all"]
 
 
+def _profiled(out: Path, stdout: str) -> None:
+    """What a finished profile leaves: its ranking (the 9 heads of layer 0, best first, with the
+    baseline), its heatmap, and a profile `driftlab pasta select` takes."""
+    from typer.testing import CliRunner
+
+    from driftlab.cli import app
+
+    profile = json.loads((out / "profile.json").read_text())
+    assert len(profile["scores"]) == 9 and profile["baseline"] is not None
+    scores = [s for _, _, s in profile["scores"]]
+    assert scores == sorted(scores, reverse=True)
+    assert (out / "profile.png").stat().st_size > 5000
+    selected = CliRunner().invoke(app, ["pasta", "select", str(out / "profile.json"), "--select", "task-specific",
+                                        "--topk", "3", "--out", str(out / "heads.json")])
+    assert selected.exit_code == 0, selected.output
+    heads = json.loads((out / "heads.json").read_text())
+    assert sum(len(v) for v in heads.values()) == 3 and set(heads) == {"0"}
+
+
 def _mmlu_data(d: Path) -> None:
     shutil.copy(RAW_MMLU, d / "mmlu.jsonl")
 
@@ -161,7 +180,7 @@ CASES = {
                        _bios, _bios_change, 2),
     "pasta-profile": Case(lambda d: ["pasta", "profile", "--task", "json", "--n", "2", "--layers", "0",
                                      "--max-new-tokens", "4", "--batch-size", "4", "--data", str(d / "bios.jsonl")],
-                          _bios, _bios_change, 2),
+                          _bios, _bios_change, 2, _profiled),
     "pasta-tune": Case(lambda d: ["pasta", "tune", str(d / "profile.json"), "--task", "json", "--select",
                                   "task-specific", "--topk", "2", "--topk", "9", "--n", "2", "--max-new-tokens", "4",
                                   "--batch-size", "1", "--data", str(d / "bios.jsonl")],
