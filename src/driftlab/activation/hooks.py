@@ -75,7 +75,8 @@ def _capturing_hooks(model: Any) -> None:
 
 
 def remove(model: Any) -> None:
-    """Take the hooks off again (a borrowed model goes back as it came)."""
+    """Take driftlab's hooks off again (a borrowed model goes back as it came, but for transformers'
+    own capturing hooks, which it would have put on at its first call asking for hidden states)."""
     for layer in decoder_layers(model):
         handle = getattr(layer, _HANDLES, None)
         if handle is not None:
