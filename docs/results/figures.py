@@ -143,7 +143,9 @@ LABELS = {"plain": "plain", "split-softmax:k=0.8,heads=all": "split-softmax k=0.
           "split-softmax:k=0.3,heads=all": "split-softmax k=0.3", "split-softmax:k=0.1,heads=all": "split-softmax k=0.1",
           "spr:p=0.5,seed=0": "SPR p=0.5", "spr:p=1.0,seed=0": "SPR p=1", "instaboost:m=3.0": "InstABoost m=3",
           "instaboost:m=10.0": "InstABoost m=10", "instaboost:m=100.0": "InstABoost m=100",
-          "cfg:alpha=1.5": "CFG alpha=1.5", "cfg:alpha=3.0": "CFG alpha=3"}
+          "cfg:alpha=1.5": "CFG alpha=1.5", "cfg:alpha=3.0": "CFG alpha=3",
+          "pi-floor:f=0.8": "pi-floor f=0.8", "cap:q=0.25,layers=band": "cap q=0.25",
+          "vector:alpha=0.5,layers=band": "vector alpha=0.5"}
 
 
 def _bold(text: str, p: float) -> str:
@@ -194,7 +196,7 @@ def sweep_mmlu(name: str) -> str:
                      f"{collapsed} | {r.mmlu_tied} | {drop} |")
     test = ("exact McNemar over the 200 questions, all asked after one dialog" if k == 1 else
             f"exact sign-flip test over the {k} dialogs (10 questions each), the dialog as the unit")
-    lines += ["", f"Test: {test}; Holm over the 10 steered points."]
+    lines += ["", f"Test: {test}; Holm over the {int((t.method != 'plain').sum())} steered points."]
     return "\n".join(lines)
 
 
