@@ -17,10 +17,15 @@ from driftlab.errors import DriftlabError
 _HANDLES = "_driftlab_residual_hooks"
 
 
+def _base(model: Any) -> Any:
+    """The model itself, or a PEFT wrapper's base model."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) and hasattr(model, "peft_config") else model
+
+
 def decoder_layers(model: Any) -> list[Any]:
     """The model's decoder layers, in order (a PEFT wrapper's base model's)."""
-    get = getattr(model, "get_base_model", None)
-    base = get() if callable(get) and hasattr(model, "peft_config") else model
+    base = _base(model)
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "model", None)
     layers = getattr(decoder, "layers", None)
     if layers is None:
@@ -68,8 +73,7 @@ def _capturing_hooks(model: Any) -> None:
         from transformers.utils.output_capturing import maybe_install_capturing_hooks
     except ImportError:  # a transformers without them adds none later either
         return
-    get = getattr(model, "get_base_model", None)
-    base = get() if callable(get) and hasattr(model, "peft_config") else model
+    base = _base(model)
     if isinstance(base, PreTrainedModel):
         maybe_install_capturing_hooks(base)
 

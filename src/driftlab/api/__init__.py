@@ -25,7 +25,7 @@ from driftlab.api.runs import Run, execute, read_results
 from driftlab.assets.registry import DEFAULT_MODEL
 from driftlab.bench import Persona, register_custom
 from driftlab.chat.base import ChatBackend
-from driftlab.chat.spec import MEMORY_PREFIX, BackendSpec
+from driftlab.chat.spec import MEMORY_PREFIX, BackendSpec, directions_there
 from driftlab.errors import DriftlabError
 
 if TYPE_CHECKING:
@@ -145,7 +145,7 @@ def _directions_of(backend: ChatBackend) -> str | None:
     held = getattr(backend, "directions", None)
     if held is None:
         return None
-    if held.path is not None and (Path(held.path) / "directions.json").is_file():
+    if held.path is not None and directions_there(Path(held.path)):
         return str(held.path)
     return f"{MEMORY_PREFIX}{(held.digest or 'computed')[:16]}"
 

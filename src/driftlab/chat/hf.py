@@ -789,8 +789,9 @@ class HFChatBackend:
                                 f"{': ' + self._static_refused if self._static_refused else ''}): nothing to warm.",
                                 hint="Load it with decode='compiled' (--decode compiled).")
         # With directions, a persona's rows carry the residual state (its projection is recorded): the
-        # run's graphs are those, so warm on a persona the directions hold.
-        system = next(iter(self.directions.personas.values())).system_prompt if self.directions else "You are brief."
+        # run's graphs are those, so warm on a persona the directions hold (an axis serves any prompt).
+        held = [p.system_prompt for p in self.directions.personas.values()] if self.directions else []
+        system = next((s for s in held if s is not None), "You are brief.")
         conversation = [{"role": "system", "content": system}, {"role": "user", "content": "Say hello."}]
         steered = Interventions.parse(["split-softmax:k=0.9", "trace", "instaboost:m=2"])
         rows = []

@@ -99,6 +99,11 @@ class Runtime(BaseModel):
         return v.rstrip("/") if v else v
 
 
+def directions_there(folder: Path) -> bool:
+    """Whether `folder` holds a `driftlab directions` output (its manifest and its tensors)."""
+    return (folder / "directions.json").is_file() and (folder / "directions.safetensors").is_file()
+
+
 class BackendSpec(BaseModel):
     """Which model to run and how (recorded in manifests)."""
 
@@ -131,7 +136,7 @@ class BackendSpec(BaseModel):
         if v is None or v.startswith(MEMORY_PREFIX):
             return v
         folder = Path(v) if Path(v).is_dir() else Path(v).parent
-        if not (folder / "directions.json").is_file() or not (folder / "directions.safetensors").is_file():
+        if not directions_there(folder):
             raise ValueError(f"no directions at {v} (directions.json and directions.safetensors are expected there; "
                              "make them with `driftlab directions`)")
         return str(folder)
