@@ -36,6 +36,7 @@ from driftlab.chat.constrain import JsonConstraint
 from driftlab.chat.guidance import guide
 from driftlab.chat.loading import input_device, load_model
 from driftlab.chat.prefix_cache import PrefixCache
+from driftlab.chat.sampling import sample, warpers
 from driftlab.chat.spec import BackendSpec
 from driftlab.chat.static_decode import (
     DECODE_MODES,
@@ -970,7 +971,7 @@ class _Decoding:
         B = len(self.prompts)
         self.real = B // 2 if guidance is not None else B  # rows whose replies are returned
         self.gens = [torch.Generator(device=backend.device).manual_seed(int(s)) for s in seeds]
-        self.warpers = _warpers(sampling)
+        self.warpers = warpers(sampling)
         sampling.check_vocab(backend.shape.vocab_size)
         self.penalties = _Penalties(sampling, self.prompts[: self.real]) if sampling.penalized else None
         self.constraint = JsonConstraint(backend.tokenizer, backend.eos_ids, sampling.json_schema, self.real) \
@@ -1100,7 +1101,7 @@ class _Decoding:
         shaped = mixed if self.penalties is None else self.penalties(mixed, rows, self.sampled)
         if self.constraint is not None:  # JSON: the tokens its grammar does not allow next get -inf
             shaped = self.constraint(shaped, rows, self.sampled)
-        drawn = _sample(shaped, self.warpers, [self.gens[b] for b in rows])
+        drawn = sample(shaped, self.warpers, [self.gens[b] for b in rows])
         nxt = drawn if self.guidance is None else torch.cat([drawn, drawn])
         if any(self.finished):
             nxt = torch.where(self._finished_mask(), torch.full_like(nxt, self.backend.pad_id), nxt)
@@ -1277,36 +1278,3 @@ class _Penalties:
         if sampling.presence_penalty:
             logits = logits - sampling.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
-
-
-def _warpers(sampling: Sampling):
-    """transformers' temperature, top-k, nucleus and min-p warpers, in that order (None for
-    greedy decoding, which they would not change)."""
-    if sampling.greedy:
-        return None
-    from transformers import (
-        LogitsProcessorList,
-        MinPLogitsWarper,
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
-    warpers = LogitsProcessorList()
-    if sampling.temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(sampling.temperature))
-    if sampling.top_k > 0:
-        warpers.append(TopKLogitsWarper(sampling.top_k))
-    if sampling.top_p < 1.0:
-        warpers.append(TopPLogitsWarper(sampling.top_p))
-    if sampling.min_p > 0.0:
-        warpers.append(MinPLogitsWarper(sampling.min_p))
-    return warpers
-
-
-def _sample(logits: torch.Tensor, warpers, gens: list[torch.Generator]) -> torch.Tensor:
-    """Greedy (warpers None) or one draw per row from that row's own generator."""
-    if warpers is None:
-        return logits.argmax(-1)
-    probs = torch.softmax(warpers(None, logits), dim=-1)
-    return torch.stack([torch.multinomial(probs[b], 1, generator=gens[b])[0] for b in range(probs.shape[0])])
