@@ -3,7 +3,7 @@ vocabulary, and one draw per row from that row's own generator.
 
 Why a nucleus filter of our own: transformers' `TopPLogitsWarper` sorts every row's whole
 vocabulary at every step: on a CPU, at batch 8, about as long as a small model's own decode
-step (benchmarks/sampling.py: 11x slower than `Nucleus` on SmolLM2's logits). The nucleus of a chat model's next-token distribution is almost always a few
+step (benchmarks/sampling.py: 9x slower than `Nucleus` on SmolLM2's logits). The nucleus of a chat model's next-token distribution is almost always a few
 tokens, so `Nucleus` takes the top k (a partial selection, ~1 ms) and widens k only while the
 nucleus might reach past it. It keeps the same tokens as the warper's definition: a token
 stays iff the probability mass of the tokens strictly more likely than it is below top_p
