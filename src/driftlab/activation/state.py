@@ -108,6 +108,23 @@ class ResidualState:
         self.add, self.tau, self.running = self.add[index], self.tau[index], self.running[index]
         self.index = self.index[index]
 
+    def extend(self, other: ResidualState) -> None:
+        """Take `other`'s rows after these (continuous batching: rows joined the batch): what each
+        row summed stays with it; other's rows become rows len(has), ... here."""
+        if self.static or other.static or self.capture or other.capture or self.keep_prefill or other.keep_prefill:
+            raise RuntimeError("rows join only a dynamic, uncaptured residual state")
+        R = len(self.has)
+        self.has, self.named = self.has + other.has, self.named + other.named
+        self.low, self.high = torch.cat([self.low, other.low]), torch.cat([self.high, other.high])
+        for name in ("proj_sum", "proj_prompt", "proj_last", "positions"):  # per row
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        for name in ("unit", "unit_h", "add", "tau", "running"):  # per batch position
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        self.index = torch.cat([self.index, other.index + R])
+        self._adds = [a or b for a, b in zip(self._adds, other._adds, strict=True)]
+        self._caps = [a or b for a, b in zip(self._caps, other._caps, strict=True)]
+        self._reads = self._reads or other._reads
+
     def static_layout(self, arena: dict[str, torch.Tensor]) -> None:
         """Hold every tensor a decode step reads at a fixed address (`arena`: those of earlier calls
         of the same shapes, refilled in place), so a compiled or captured step reads this call's."""

@@ -337,6 +337,10 @@ class AttentionState:
         self.last_slot = put("last_slot", torch.zeros((), dtype=torch.long, device=self.device))
         self.trace_buf = put("trace", torch.zeros(self.n_layers, B, self.n_heads, K, device=self.device))
 
+    def resume(self) -> None:
+        """This state takes over a running batch (rows joined it): its next pass is a decode step."""
+        self._calls = max(self._calls, 1)
+
     def forward_kwargs(self, kv_len: int) -> dict:
         """Called by the decode loop before each forward pass: `kv_len` is the number of key slots."""
         self.kv_len = kv_len

@@ -206,7 +206,11 @@ class ChatRequest:
     reply)` receives a row's reply as soon as that row is done, while longer rows of its
     batch still decode (local backends, without pi tracing; the returned list has it too). `on_logprob(row, entry)` receives each
     generated token's log-prob entry (with `logprobs`) just before `on_token` sees the token
-    (streamed log-probs; local backends only).
+    (streamed log-probs; local backends only). `admit()`, asked between decode steps, returns
+    more rows to decode in the running batch (continuous batching; local backends, dynamic
+    cache only, where the batch allows it: see `HFChatBackend.generate`): a request of the same
+    sampling (but for its token limits), interventions and log-probs, whose rows are numbered
+    after those before it in every callback above; None or an empty request when none wait.
     """
 
     conversations: Sequence[Conversation | Rendered]
@@ -220,6 +224,7 @@ class ChatRequest:
     row_max_tokens: Sequence[int] | None = None
     on_finish: Callable[[int, Reply], None] | None = None
     on_logprob: Callable[[int, TokenLogprob], None] | None = None
+    admit: Callable[[], ChatRequest | None] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.conversations)
@@ -241,7 +246,7 @@ class ChatRequest:
 
     def local_only(self) -> list[str]:
         """The fields set here that only a local backend honours (streaming and serving hooks)."""
-        fields = [n for n in ("on_token", "cancelled", "on_finish", "row_max_tokens", "on_logprob")
+        fields = [n for n in ("on_token", "cancelled", "on_finish", "row_max_tokens", "on_logprob", "admit")
                   if getattr(self, n) is not None]
         return fields + (["rendered prompts"] if any(isinstance(c, Rendered) for c in self.conversations) else [])
 

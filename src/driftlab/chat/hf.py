@@ -282,8 +282,28 @@ class HFChatBackend:
             on_logprob=request.on_logprob,
             row_max_tokens=list(request.row_max_tokens) * (2 if alpha is not None else 1)
             if request.row_max_tokens is not None else None, on_finish=request.on_finish,
+            admit=(lambda: self._joining(request)) if request.admit is not None and alpha is None else None,
         )
-        return replies[: len(convs)]
+        return replies if request.admit is not None else replies[: len(convs)]
+
+    def _joining(self, first: ChatRequest) -> _Decoding | None:
+        """The rows `first.admit()` gives, prefilled, to join `first`'s running batch (None: none wait)."""
+        more = first.admit()
+        if more is None or not more.conversations:
+            return None
+        iv = first.interventions
+        if more.interventions != iv or more.logprobs != first.logprobs or \
+                more.sampling.model_copy(update={"max_new_tokens": 1}) != \
+                first.sampling.model_copy(update={"max_new_tokens": 1}):
+            raise DriftlabError("Rows joining a running batch must share its sampling (but for token limits), "
+                                "interventions and log-probs.")
+        convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in more.conversations]
+        rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
+        return _Decoding(self, [r.ids for r in rendered], more.sampling, seeds=more.row_seeds(),
+                         interventions=[iv] * len(rendered), spans=[r.spans() for r in rendered],
+                         cache_store=more.cache_store, guidance=None, logprobs=more.logprobs, on_finish=None,
+                         residual=self.residual_rows([_system_of(c) for c in convs], iv),
+                         row_max_tokens=more.row_max_tokens)
 
     def generate_activations(self, request: ChatRequest) -> tuple[list[Reply], torch.Tensor]:
         """`generate`, and each row's mean residual activation per layer over the positions that
@@ -577,6 +597,7 @@ class HFChatBackend:
         on_logprob: Callable[[int, TokenLogprob], None] | None = None,
         residual: Sequence[ResidualRow | None] | None = None,
         capture: bool = False,
+        admit: Callable[[], _Decoding | None] | None = None,
     ) -> list[Reply] | tuple[list[Reply], torch.Tensor]:
         """The core decode loop over token prompts, with each row's interventions.
 
@@ -596,20 +617,24 @@ class HFChatBackend:
         each token's log-prob entry, just before `on_token` sees the token.
         `residual[b]` is row b's residual-stream state (`residual_rows`); `capture` also returns each
         row's mean hidden state per layer over the positions that generated its reply ([B, L, d]).
+        `admit()`, asked between steps while the batch can take rows (`_Decoding.admissible`), gives
+        prefilled rows that join it (continuous batching); they are rows len(prompts), ... on.
         """
         if not prompts:
             return ([], torch.zeros(0)) if capture else []
         run = _Decoding(self, prompts, sampling, seeds=seeds, interventions=interventions, spans=spans,
                         cache_store=cache_store, guidance=guidance, logprobs=logprobs, on_finish=on_finish,
-                        residual=residual, capture=capture)
-        for step in range(sampling.max_new_tokens):
+                        residual=residual, capture=capture, row_max_tokens=row_max_tokens)
+        while True:  # every row ends by its token limit
             if cancelled is not None and run.cancel(cancelled):
                 break
             nxt = run.sample()
-            run.take(nxt, on_token, row_max_tokens, on_logprob)
-            if run.done or step == sampling.max_new_tokens - 1:
+            run.take(nxt, on_token, on_logprob)
+            if run.done:
                 break
             run.feed(run.compact(nxt))
+            if admit is not None and run.admissible and (joining := admit()) is not None:
+                run.join(joining)
         replies = run.finish()
         return (replies, run.residual.mean_activations()[: len(prompts)]) if capture else replies
 
@@ -682,6 +707,16 @@ class HFChatBackend:
         state.on_layout(pads, prompt_len, max_len, ends)
         if any(a.floors for a in rows):
             state.set_floors(*self._floors(rows, spans, prompts))
+        return state
+
+    def _resumed_state(self, attention: Sequence[AttentionConfig | None], spans, pads: list[int], lengths: list[int],
+                       n_slots: int, more: int) -> AttentionState | None:
+        """The state of a running batch laid out again after rows joined it: row b's prompt fills
+        slots [pads[b], pads[b] + lengths[b]), `n_slots` are filled, and `more` steps may follow."""
+        state = self._state(attention, spans, pads, n_slots, n_slots + more,
+                            ends=[p + n for p, n in zip(pads, lengths, strict=True)])
+        if state is not None:
+            state.resume()
         return state
 
     def _floors(self, rows: Sequence[AttentionConfig], spans, prompts,
@@ -879,21 +914,20 @@ class HFChatBackend:
             cache.update(keys, values, layer)
         return cache
 
-    def _store_prefixes(self, prompts, sampled, n_fed: int, pads, cache, tags: list[str], store,
+    def _store_prefixes(self, prompts, sampled, n_fed: Sequence[int], pads, cache, tags: list[str], store,
                         at: dict[int, int]) -> None:
-        """Keep each row's KV: its prompt plus the sampled tokens that were fed back.
+        """Keep each row's KV: its prompt plus the `n_fed[b]` sampled tokens that were fed back.
 
         `at` maps batch positions of `cache` to the rows they hold (rows leave the batch when
-        they are done, and are stored then)."""
+        they are done, and are stored then). Row b's KV starts at slot pads[b]."""
         if self.prefix_cache.max_bytes <= 0:
             return
-        T = max(len(p) for p in prompts)
         for i, b in at.items():
             if store is not None and not store[b]:
                 continue
-            fed = sampled[b][:n_fed]
+            fed = sampled[b][: n_fed[b]]
             tokens = np.concatenate([prompts[b], np.asarray(fed, dtype=np.int64)])
-            end = T + len(fed)
+            end = pads[b] + len(tokens)
             kv = [
                 (layer.keys[i, :, pads[b] : end].clone(), layer.values[i, :, pads[b] : end].clone())
                 for layer in cache.layers
@@ -957,7 +991,8 @@ class _Decoding:
                  spans: Sequence[dict[str, list[tuple[int, int]]]], cache_store: Sequence[bool] | None,
                  guidance: float | None, logprobs: int | None, on_finish: Callable[[int, Reply], None] | None,
                  residual: Sequence[ResidualRow | None] | None = None, capture: bool = False,
-                 keep_prefill: bool = False, compute_from: Sequence[int] | None = None) -> None:
+                 keep_prefill: bool = False, compute_from: Sequence[int] | None = None,
+                 row_max_tokens: Sequence[int] | None = None) -> None:
         if any(len(p) == 0 for p in prompts):
             raise DriftlabError("A prompt rendered to zero tokens.", hint="Give a non-empty conversation.")
         seeds = list(seeds) if seeds is not None else list(range(len(prompts)))
@@ -965,7 +1000,8 @@ class _Decoding:
             raise DriftlabError(f"{len(seeds)} seeds given for {len(prompts)} conversations.")
         if guidance is not None and len(prompts) % 2:
             raise DriftlabError("Guided decoding needs an unconditional row for every conditional one.")
-        self.backend, self.sampling, self.spans, self.cache_store = backend, sampling, spans, cache_store
+        self.backend, self.sampling, self.spans = backend, sampling, list(spans)
+        self.cache_store = list(cache_store) if cache_store is not None else [True] * len(prompts)
         self.guidance, self.logprobs = guidance, logprobs
         self.prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
         B = len(self.prompts)
@@ -984,6 +1020,11 @@ class _Decoding:
         self.finished = [False] * B
         self._finished_on_device: torch.Tensor | None = None
         self.reasons = ["length"] * B
+        # Each row's token limit, and the decode step at which it joined the batch (continuous
+        # batching: sampled[b][: n_fed - joined[b]] have their KV in the cache).
+        self.limits = list(row_max_tokens) if row_max_tokens is not None else [sampling.max_new_tokens] * B
+        self.joined = [0] * B
+        self.attention = [iv.attention() for iv in interventions]
         self.compute_from = compute_from
         self._layout(interventions, residual, capture, keep_prefill)
         # A row's reply is known when it finishes, unless pi traces (built at the end) are asked for.
@@ -1016,7 +1057,7 @@ class _Decoding:
             return [*values, *[values[-1]] * self.inert]
 
         self.pads = pads = [T - len(p) for p in prompts]
-        attention = [iv.attention() for iv in interventions]
+        attention = self.attention
         length = T + sampling.max_new_tokens
         cache = None
         if static is not None:  # a static cache has `length` slots from the start: the state's layout spans them all
@@ -1109,8 +1150,7 @@ class _Decoding:
         return nxt
 
     def take(self, nxt: torch.Tensor, on_token: Callable[[int, int], None] | None,
-             row_max_tokens: Sequence[int] | None, on_logprob: Callable[[int, TokenLogprob], None] | None = None,
-             ) -> None:
+             on_logprob: Callable[[int, TokenLogprob], None] | None = None) -> None:
         """Append each running row's token; end rows at EOS, a stop string or their own limit."""
         backend, ignore_eos = self.backend, self.sampling.ignore_eos
         tokens = nxt.tolist()  # one device-to-host copy per step, not one per row
@@ -1125,7 +1165,7 @@ class _Decoding:
                         on_logprob(b, self._top[i])
                 if on_token is not None:
                     on_token(b, tok)
-            if row_max_tokens is not None and len(self.sampled[b]) >= row_max_tokens[b]:
+            if len(self.sampled[b]) >= self.limits[b]:
                 self._end(i)
             if ignore_eos:
                 continue
@@ -1144,6 +1184,11 @@ class _Decoding:
         done = sum(self.finished[: self.n_cond])
         if not self.compacting or not done or 4 * done < self.n_cond:
             return nxt
+        return nxt[self._drop_finished()]
+
+    def _drop_finished(self) -> torch.Tensor:
+        """Drop the finished rows (and their guidance twins) from the batch, their prefixes stored
+        first; returns the batch positions kept, as an index."""
         keep = [i for i in range(self.n_cond) if not self.finished[i]]
         if self.guidance is not None:
             keep += [i + self.n_cond for i in keep]
@@ -1159,7 +1204,74 @@ class _Decoding:
         self.n_cond = len(self.live) // 2 if self.guidance is not None else len(self.live)
         self.mask, self.positions = self.mask[index], self.positions[index]
         self.finished, self._finished_on_device = [self.finished[i] for i in keep], None
-        return nxt[index]
+        return index
+
+    @property
+    def admissible(self) -> bool:
+        from transformers.cache_utils import DynamicLayer
+
+        """Rows can join this batch between steps (continuous batching): a dynamic cache of plain
+        layers, and nothing laid out per batch position or across the whole batch: no guidance
+        twins, pi trace, pi floor, JSON grammar, penalties or captured activations."""
+        state, residual = self.state, self.residual
+        return (self.static is None and self.guidance is None and self.constraint is None
+                and self.penalties is None and self.compute_from is None
+                and (state is None or not (state.trace or any(a.floors for a in state.rows)))
+                and (residual is None or not (residual.capture or residual.keep_prefill))
+                and all(type(layer) is DynamicLayer for layer in self.cache.layers))  # no sliding window
+
+    def join(self, other: _Decoding) -> None:
+        """Take `other`'s rows (prefilled, nothing sampled yet) into this running batch: its rows
+        become rows len(prompts), ... here. Finished rows leave first; the shorter side's cache is
+        padded on the left so that every row's next token lands in the same slot."""
+        if not (self.admissible and other.admissible) or (self.residual is None) != (other.residual is None):
+            raise DriftlabError("These rows cannot join the running batch (see _Decoding.admissible).")
+        if any(self.finished):
+            self.logits = self.logits[self._drop_finished()]
+        gap = self.mask.shape[1] - other.mask.shape[1]
+        (other if gap > 0 else self)._pad_left(abs(gap))
+        R = len(self.prompts)
+        self.prompts += other.prompts
+        self.sampled += other.sampled
+        self.scored += other.scored
+        self.reasons += other.reasons
+        self.gens += other.gens
+        self.spans += other.spans
+        self.tags += other.tags
+        self.cache_store += other.cache_store
+        self.limits += other.limits
+        self.pads += other.pads
+        self.attention += other.attention
+        self.joined += [self.n_fed] * len(other.prompts)
+        self.live += [R + b for b in other.live]
+        self.finished += other.finished
+        self._finished_on_device = None
+        self.n_cond, self.real = len(self.live), len(self.prompts)
+        self.prompt_only |= other.prompt_only
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys, mine.values = torch.cat([mine.keys, theirs.keys]), torch.cat([mine.values, theirs.values])
+        self.mask = torch.cat([self.mask, other.mask])
+        self.positions = torch.cat([self.positions, other.positions[:, -1:]])
+        self.logits = torch.cat([self.logits, other.logits])
+        if self.residual is not None:
+            self.residual.extend(other.residual)
+        if self.state is not None:  # laid out again: the rows' key slots moved
+            self.state = self.backend._resumed_state([self.attention[b] for b in self.live],
+                                                     [self.spans[b] for b in self.live],
+                                                     [self.pads[b] for b in self.live],
+                                                     [len(self.prompts[b]) for b in self.live], self.mask.shape[1],
+                                                     max(self.limits[b] - len(self.sampled[b]) for b in self.live))
+
+    def _pad_left(self, n: int) -> None:
+        """n empty slots before every row's keys (masked out): its tokens keep their positions."""
+        if not n:
+            return
+        for layer in self.cache.layers:
+            layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, n, 0))
+            layer.values = torch.nn.functional.pad(layer.values, (0, 0, n, 0))
+        self.mask = torch.nn.functional.pad(self.mask, (n, 0))
+        for b in self.live:
+            self.pads[b] += n  # the attention state is laid out again by `join`
 
     def feed(self, nxt: torch.Tensor) -> None:
         """One forward pass of the sampled tokens (the static cache's compiled step, or the dynamic one)."""
@@ -1176,8 +1288,9 @@ class _Decoding:
         self.n_fed += 1
 
     def _store(self, at: dict[int, int]) -> None:
-        self.backend._store_prefixes(self.prompts, self.sampled, 0 if self.prompt_only else self.n_fed, self.pads,
-                                     self.cache, self.tags, self.cache_store, at=at)
+        fed = [0 if self.prompt_only else self.n_fed - j for j in self.joined]
+        self.backend._store_prefixes(self.prompts, self.sampled, fed, self.pads, self.cache, self.tags,
+                                     self.cache_store, at=at)
 
     def reply(self, b: int, trace: Trace | None = None) -> Reply:
         backend, sampled = self.backend, self.sampled[b]

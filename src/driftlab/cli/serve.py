@@ -44,6 +44,14 @@ def serve(
     deterministic: Annotated[bool, typer.Option(
         help="Decode each request alone, with no prefix cache: a reply never depends on other requests "
              "(in any dtype), at the cost of batching's throughput.")] = False,
+    batching: Annotated[str, typer.Option(
+        help="continuous: a request joins the running batch at the next decode step (vLLM-style); static: it "
+             "waits for the batch to finish.")] = "continuous",
+    telemetry: Annotated[bool, typer.Option(
+        help="Measure pi on every chat request, for /metrics' drift histograms (a request can also ask for "
+             "its own with driftlab.telemetry).")] = False,
+    telemetry_prompts: Annotated[int, typer.Option(
+        help="System prompts /metrics labels one by one (a hash each); later ones share the label 'other'.")] = 32,
     docs: Annotated[bool, typer.Option(help="Serve the API docs pages (/docs, /redoc, /openapi.json).")] = True,
     heads: Annotated[list[str] | None, typer.Option(
         "--heads", help="A PASTA head set requests may name, NAME=PATH (a head config or a profile), repeatable: "
@@ -83,7 +91,8 @@ def serve(
                      heads=registered, api_key=api_key, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
                      max_queue=max_queue, request_timeout=request_timeout, max_tokens_limit=max_tokens_limit,
                      max_messages=max_messages, max_body_bytes=max_body_bytes, prefix_cache_mb=prefix_cache_mb,
-                     deterministic=deterministic, docs=docs, host=host, port=port,
+                     deterministic=deterministic, batching=batching, telemetry=telemetry, telemetry_prompts=telemetry_prompts,
+                     docs=docs, host=host, port=port,
                      graceful_timeout=graceful_timeout)
     # The operator's own --steer may name a registered head set, or a file.
     named = HeadSources(named=settings.head_sources().named)

@@ -38,7 +38,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -58,7 +58,8 @@ from driftlab.chat.constrain import check_schema
 from driftlab.errors import DriftlabError
 from driftlab.serve.batcher import Batcher, Job, QueueFull, ServerClosing
 from driftlab.serve.drain import Drain
-from driftlab.serve.schema import ChatCompletionRequest, SamplingFields, unsupported_field
+from driftlab.serve.schema import ChatCompletionRequest, SamplingFields, TelemetryOptions, unsupported_field
+from driftlab.serve.telemetry import PromptLabels, summary, system_of, traced
 from driftlab.serve.wire import (
     APIError,
     ClientGone,
@@ -89,6 +90,8 @@ class ServeSettings(BaseModel):
         "head sets requests may name in pasta:heads=NAME: name -> head config or profile file, read at start"))
     api_key: str | None = Field(None, repr=False)
     max_batch_size: int = Field(32, ge=1, le=4096)
+    batching: Literal["continuous", "static"] = Field("continuous", description=(
+        "continuous: a request joins the running batch at the next decode step; static: it waits for the next batch"))
     max_wait_ms: float = Field(10.0, ge=0, le=10_000, allow_inf_nan=False)
     max_queue: int = Field(256, ge=1, le=1_000_000, description="requests waiting for a batch; more get 429")
     request_timeout: float = Field(600.0, gt=0, le=86_400, allow_inf_nan=False,
@@ -101,6 +104,10 @@ class ServeSettings(BaseModel):
                                    description="KV of earlier dialogs kept for reuse (the backend is built with it)")
     deterministic: bool = Field(False, description=(
         "decode each request alone and keep no prefix cache, so a reply never depends on other requests"))
+    telemetry: bool = Field(False, description=(
+        "measure pi on every chat request (for /metrics), not only on those that ask for telemetry"))
+    telemetry_prompts: int = Field(32, ge=0, le=10_000, description=(
+        "system prompts /metrics labels one by one; later ones are labelled 'other'"))
     docs: bool = Field(True, description="serve /docs, /redoc and /openapi.json")
 
     @field_validator("heads")
@@ -137,6 +144,8 @@ class Call:
     created: int  # the reply's Unix time
     arrived: float  # time.monotonic() on arrival: the deadline and the latency count from here
     more: list[Job] = field(default_factory=list)  # choices 2..n (n > 1, not streamed)
+    steer: Interventions = field(default_factory=Interventions)  # as the request asked (without telemetry's trace)
+    telemetry: TelemetryOptions | None = None  # the reply carries driftlab.telemetry
     scored: list[TokenLogprob] = field(default_factory=list)  # a stream's token log-probs, as sampled
     sent: int = 0  # how many of them chunks have carried
 
@@ -157,6 +166,7 @@ class ServerState:
     batcher: Batcher
     drain: Drain
     metrics: Metrics
+    labels: PromptLabels  # /metrics' label of each system prompt, bounded
 
     @classmethod
     def build(cls, model: ChatBackend, settings: ServeSettings) -> ServerState:
@@ -169,11 +179,13 @@ class ServerState:
         backend.capabilities.require(backend.name, settings.steer)
         served = settings.served_model_name or backend.name
         batcher = Batcher(backend, max_batch_size=1 if settings.deterministic else settings.max_batch_size,
-                          max_wait_s=settings.max_wait_ms / 1000, max_queue=settings.max_queue)
+                          max_wait_s=settings.max_wait_ms / 1000, max_queue=settings.max_queue,
+                          continuous=settings.batching == "continuous")
         drain = Drain()
         metrics = Metrics(lambda: batcher.waiting, lambda: drain.in_flight)
         batcher.on_batch = metrics.batch
-        return cls(settings, backend, request_heads, served, batcher, drain, metrics)
+        return cls(settings, backend, request_heads, served, batcher, drain, metrics,
+                   PromptLabels(settings.telemetry_prompts))
 
     @property
     def default_steer(self) -> Interventions:
@@ -253,12 +265,15 @@ class ServerState:
 
     async def _call(self, req: ChatCompletionRequest, arrived: float) -> Call:
         """The request as a job with its future on this loop, and the reply's id."""
-        job = await self._job(req)
+        steer = self.steer_of(req)
+        telemetry = req.driftlab.wants_telemetry() if req.driftlab is not None else None
+        job = await self._job(req, traced(steer) if telemetry or self.settings.telemetry else steer)
         loop = asyncio.get_running_loop()
         jobs = [job] + [self._sibling(job, k, req) for k in range(1, req.n)]
         for j in jobs:
             j.future, j.loop = loop.create_future(), loop
-        return Call(req, job, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), arrived, jobs[1:])
+        return Call(req, job, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), arrived, jobs[1:], steer=steer,
+                    telemetry=telemetry)
 
     def _sibling(self, job: Job, k: int, req: ChatCompletionRequest) -> Job:
         """Choice k of n: the first choice's job with its own seed (the k-th after the first's)."""
@@ -268,13 +283,12 @@ class ServerState:
             twin.watch = lambda: self.stop_watch(twin, stops)
         return twin
 
-    async def _job(self, req: ChatCompletionRequest) -> Job:
-        """The request as a batch job, with every check that concerns it alone done here, before
-        it can share a batch: a bad request fails by itself."""
+    async def _job(self, req: ChatCompletionRequest, steer: Interventions) -> Job:
+        """The request as a batch job under `steer`, with every check that concerns it alone done
+        here, before it can share a batch: a bad request fails by itself."""
         conversation = _conversation(req)
         settings = self.settings
         sampling = self.sampling(req, req.new_tokens(min(settings.default_max_tokens, settings.max_tokens_limit)))
-        steer = self.steer_of(req)
         await self._check_prompt(conversation, steer, sampling.max_new_tokens)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         seed = req.seed if req.seed is not None else secrets.randbits(63)
@@ -459,12 +473,13 @@ class ServerState:
         watcher = asyncio.create_task(_watch_disconnect(request, jobs))
         try:
             replies = [self._cut_reply(await self.wait(job), job, call.req.stops()) for job in jobs]
+            measured = [self.measure(call, reply) for reply in replies]
         finally:
             watcher.cancel()
             for job in jobs:  # a failed choice: the others stop costing the batch
                 job.abort(ClientGone())
             self.metrics.latency.observe(time.monotonic() - call.arrived)
-        return JSONResponse(self._completion(replies, call))
+        return JSONResponse(self._completion(replies, call, measured))
 
     def _stream(self, call: Call):
         """The reply as server-sent events, its tokens passed from the worker thread to this
@@ -508,7 +523,8 @@ class ServerState:
         rest, logprobs = text.finish(reply.text), self._stream_logprobs(call, reply.n_tokens)
         if rest or logprobs:
             events.append({"data": self._chunk(call, {"content": rest}, logprobs=logprobs)})
-        events.append({"data": self._chunk(call, {}, reply.finish_reason)})
+        measured = self.measure(call, reply)
+        events.append({"data": self._chunk(call, {}, reply.finish_reason, extra=self._extension(call, [measured]))})
         opts = call.req.stream_options
         if opts is not None and opts.include_usage:
             events.append({"data": json.dumps({"id": call.cid, "object": "chat.completion.chunk",
@@ -518,11 +534,13 @@ class ServerState:
         return events
 
     def _chunk(self, call: Call, delta: dict[str, Any], finish: str | None = None,
-               logprobs: dict[str, Any] | None = None) -> str:
-        """One `chat.completion.chunk` event's data."""
-        return json.dumps({"id": call.cid, "object": "chat.completion.chunk", "created": call.created,
-                           "model": self.served,
-                           "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
+               logprobs: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> str:
+        """One `chat.completion.chunk` event's data (`extra`: the driftlab field of the last one)."""
+        chunk = {"id": call.cid, "object": "chat.completion.chunk", "created": call.created, "model": self.served,
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
+        if extra is not None:
+            chunk["driftlab"] = extra
+        return json.dumps(chunk)
 
     def _stream_logprobs(self, call: Call, upto: int) -> dict[str, Any] | None:
         """The log-probs of the tokens up to `upto` that no chunk has carried yet (None without
@@ -533,9 +551,24 @@ class ServerState:
         entries, call.sent = call.scored[call.sent : upto], upto
         return {"content": [self._token_logprob(t.token_id, t.logprob, t.top) for t in entries]}
 
-    def _completion(self, replies: list[Reply], call: Call) -> dict[str, Any]:
-        """The `chat.completion` body (one choice per reply), with log-probs if asked for and the
-        steer that was applied."""
+    def measure(self, call: Call, reply: Reply) -> dict[str, Any]:
+        """The reply's drift telemetry (`serve.telemetry.summary`), also observed in /metrics."""
+        conversation = call.job.conversation
+        measured = summary(reply, conversation, layers=call.telemetry is not None and call.telemetry.layers)
+        self.metrics.drift(self.labels(system_of(conversation)), measured)
+        return measured
+
+    def _extension(self, call: Call, measured: list[dict[str, Any]]) -> dict[str, Any]:
+        """The reply's `driftlab` field: the steer applied (as the request asked), and the telemetry
+        of each choice if asked for (one object for one choice, else a list)."""
+        out: dict[str, Any] = {"steer": call.steer.specs()}
+        if call.telemetry is not None:
+            out["telemetry"] = measured[0] if len(measured) == 1 else measured
+        return out
+
+    def _completion(self, replies: list[Reply], call: Call, measured: list[dict[str, Any]]) -> dict[str, Any]:
+        """The `chat.completion` body (one choice per reply), with log-probs if asked for, the
+        steer that was applied and, if asked for, the drift telemetry."""
         choices = []
         for i, reply in enumerate(replies):
             choice: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": reply.text},
@@ -548,7 +581,7 @@ class ServerState:
         usage["completion_tokens"] = sum(r.n_tokens for r in replies)  # the prompt is read once for all n
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return {"id": call.cid, "object": "chat.completion", "created": call.created, "model": self.served,
-                "choices": choices, "usage": usage, "driftlab": {"steer": call.job.interventions.specs()}}
+                "choices": choices, "usage": usage, "driftlab": self._extension(call, measured)}
 
     def _token_logprob(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> dict[str, Any]:
         """One token's log-prob entry in OpenAI's form (text with special tokens, and its bytes)."""

@@ -3,10 +3,19 @@
 The local backend decodes a batch of conversations in one loop, and a batch of 32 costs
 little more per step than a batch of one on most hardware. The batcher is a bounded queue
 plus one worker thread that owns the backend: it takes the first waiting job, gathers more
-for at most `max_wait_s` (up to `max_batch_size`), groups them by what a `ChatRequest`
-shares (sampling but for the token limit, interventions, logprobs) and runs each group as
-one `generate` call (or one `driftlab.chat.text.score` call for prompts to score).
-Requests that arrive while a batch decodes form the next batch.
+for at most `max_wait_s` (up to `max_batch_size`), and runs the jobs that share what a
+`ChatRequest` shares (`Job.group`: sampling but for the token limit, interventions,
+logprobs) as one `generate` call (or one `driftlab.chat.text.score` call for prompts to score).
+
+Continuous batching (the default, `continuous=True`; vLLM's and Orca's iteration-level
+scheduling): a request that arrives while a batch decodes joins it at the next step, when it
+shares the batch's group and is first in line (`ChatRequest.admit`), and a row that finishes
+leaves it (its reply is handed over at once). So a short request no longer waits for the
+longest row of the batch before it. A request of another group waits until the running batch
+drains, and stops the batch admitting more (first come, first served: no group starves).
+With `continuous=False` (static batching) the requests that arrive while a batch decodes form
+the next batch. The backend decides which batches can take rows (a dynamic cache without pi
+tracing, CFG, floors, grammars or penalties: `_Decoding.admissible`); others run as static ones.
 
 A job belongs to one client, and nothing one client does reaches another (vLLM's rule):
 - a job whose client left, timed out or was drained is *aborted*: it is skipped if still
@@ -28,7 +37,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from driftlab.chat.base import ChatBackend, ChatRequest, Conversation, Rendered, Reply, Sampling, TokenLogprob
@@ -104,11 +113,14 @@ class Batcher:
     """The one thread that calls the backend; everything else talks to it through a queue."""
 
     def __init__(self, backend: ChatBackend, *, max_batch_size: int = 32, max_wait_s: float = 0.01,
-                 max_queue: int = 256) -> None:
+                 max_queue: int = 256, continuous: bool = True) -> None:
         self.backend = backend
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
+        self.continuous = continuous
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self._pending: deque[Job] = deque()  # taken off the queue by the worker, not yet decoding
+        self.n_admitted = 0  # jobs that joined a running batch, ever
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._work, name="driftlab-batcher", daemon=True)
         self.batches: deque[int] = deque(maxlen=HISTORY)  # sizes of the last generate calls
@@ -121,6 +133,8 @@ class Batcher:
     def submit(self, job: Job) -> None:
         if self._closing.is_set():
             raise ServerClosing("the server is shutting down")
+        if self.waiting >= self._queue.maxsize:  # the worker's own line counts too
+            raise QueueFull(f"{self._queue.maxsize} requests are already waiting")
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -128,7 +142,7 @@ class Batcher:
 
     @property
     def waiting(self) -> int:
-        return self._queue.qsize()
+        return self._queue.qsize() + len(self._pending)
 
     def sizes_since(self, n_batches: int) -> list[int]:
         """Sizes of the batches run after the first `n_batches` (those still remembered)."""
@@ -138,31 +152,67 @@ class Batcher:
         """Finish the batch being decoded, refuse what is still queued, stop the thread."""
         self._closing.set()
         self._thread.join(timeout)
-        while True:
-            try:
-                self._queue.get_nowait().resolve(ServerClosing("the server shut down before this request ran"))
-            except queue.Empty:
-                break
+        self._take_queued()
+        while self._pending:
+            self._pending.popleft().resolve(ServerClosing("the server shut down before this request ran"))
 
     # -- worker ---------------------------------------------------------------------------------
     def _work(self) -> None:
         while not self._closing.is_set():
-            try:
-                first = self._queue.get(timeout=0.05)
-            except queue.Empty:
+            if not self._pending and not self._gather():
                 continue
-            batch = [first]
-            deadline = time.monotonic() + self.max_wait_s
-            while len(batch) < self.max_batch_size:
-                try:
-                    batch.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
-                except queue.Empty:
-                    break
+            if self.continuous:
+                self._take_queued()
+                self._run(self._next_group())
+                continue
             groups: dict[tuple[Any, ...], list[Job]] = {}
-            for job in batch:
+            while self._pending:
+                job = self._pending.popleft()
                 groups.setdefault(job.group(), []).append(job)
             for jobs in groups.values():
                 self._run(jobs)
+
+    def _gather(self) -> bool:
+        """Wait for a first job, then gather more for at most `max_wait_s` (up to a batch)."""
+        try:
+            self._pending.append(self._queue.get(timeout=0.05))
+        except queue.Empty:
+            return False
+        deadline = time.monotonic() + self.max_wait_s
+        while len(self._pending) < self.max_batch_size:
+            try:
+                self._pending.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                break
+        return True
+
+    def _take_queued(self) -> None:
+        """Move what waits in the queue to the worker's own line, without waiting."""
+        while True:
+            try:
+                self._pending.append(self._queue.get_nowait())
+            except queue.Empty:
+                return
+
+    def _next_group(self) -> list[Job]:
+        """The first job in line and the jobs behind it of its group, up to a batch."""
+        group = self._pending[0].group()
+        jobs = [j for j in self._pending if j.group() == group][: self.max_batch_size]
+        for job in jobs:
+            self._pending.remove(job)
+        return jobs
+
+    def _admit(self, live: list[Job], running: Callable[[], int]) -> list[Job]:
+        """Jobs that join the running batch of `live` now: first in line and of its group, while
+        the batch has room (a job of another group first in line stops admission)."""
+        self._take_queued()
+        group, joining = live[0].group(), []
+        while self._pending and running() + len(joining) < self.max_batch_size and self._pending[0].group() == group:
+            job = self._pending.popleft()
+            if not job.aborted.is_set():
+                joining.append(job)
+        self.n_admitted += len(joining)
+        return joining
 
     def _run(self, jobs: list[Job]) -> None:
         live = [j for j in jobs if not j.aborted.is_set()]
@@ -191,32 +241,49 @@ class Batcher:
             self.batches.append(len(live))
             self.n_batches += 1
             return score(self.backend, [j.conversation for j in live], live[0].interventions, top=live[0].logprobs or 0)
-        callbacks = [j.on_token for j in live]
-        for j in live:
-            j.stopped.clear()
-        watches = [j.watch() if j.watch is not None else None for j in live]
+        watches: list[Callable[[int], None] | None] = []
+
+        def start(jobs: list[Job]) -> None:  # jobs about to decode: a fresh stop watch each (a re-run starts over)
+            for j in jobs:
+                j.stopped.clear()
+                watches.append(j.watch() if j.watch is not None else None)
 
         def on_token(row: int, token: int) -> None:
             if watches[row] is not None:
                 watches[row](token)
-            if callbacks[row] is not None:
+            if live[row].on_token is not None:
                 live[row].streamed = True
-                callbacks[row](token)
+                live[row].on_token(token)
 
-        limits = [j.sampling.max_new_tokens for j in live]
-        request = ChatRequest(
-            [j.conversation for j in live], live[0].sampling.model_copy(update={"max_new_tokens": max(limits)}),
-            seeds=[j.seed for j in live], row_max_tokens=limits,
-            interventions=live[0].interventions, logprobs=live[0].logprobs, cache_store=[j.store for j in live],
-            on_token=on_token if any(callbacks) or any(watches) else None,
-            on_logprob=(lambda row, entry: live[row].on_logprob(entry) if live[row].on_logprob else None)
-            if any(j.on_logprob for j in live) else None,
-            cancelled=lambda row: live[row].aborted.is_set() or live[row].stopped.is_set(),
-            on_finish=lambda row, reply: live[row].resolve(reply),  # a short reply need not wait for the batch
-        )
+        def on_logprob(row: int, entry: TokenLogprob) -> None:
+            if live[row].on_logprob is not None:
+                live[row].on_logprob(entry)
+
+        def admit() -> ChatRequest | None:  # `live` grows: its rows keep their numbers in every callback
+            joining = self._admit(live, lambda: sum(not j.resolved for j in live))
+            if not joining:
+                return None
+            start(joining)
+            live.extend(joining)
+            return self._request(joining)
+
+        start(live)
+        request = replace(self._request(live), on_token=on_token, on_logprob=on_logprob,
+                          cancelled=lambda row: live[row].aborted.is_set() or live[row].stopped.is_set(),
+                          on_finish=lambda row, reply: live[row].resolve(reply),  # a short reply need not wait
+                          admit=admit if self.continuous else None)
         self.batches.append(len(live))
         self.n_batches += 1
         replies = self.backend.generate(request)
         if self.on_batch is not None:
             self.on_batch(len(live), replies)
         return replies
+
+    @staticmethod
+    def _request(jobs: list[Job]) -> ChatRequest:
+        """The jobs' rows as one request, each with its own seed and token limit."""
+        limits = [j.sampling.max_new_tokens for j in jobs]
+        return ChatRequest([j.conversation for j in jobs],
+                           jobs[0].sampling.model_copy(update={"max_new_tokens": max(limits)}),
+                           seeds=[j.seed for j in jobs], row_max_tokens=limits, interventions=jobs[0].interventions,
+                           logprobs=jobs[0].logprobs, cache_store=[j.store for j in jobs])

@@ -2,8 +2,10 @@
 
 One registry per app (so two servers in one process, as in tests, never share counters):
 queue depth and requests in flight (read when scraped), batch sizes, generated tokens
-(tokens/s is `rate(driftlab_generated_tokens_total[1m])`), request latency, and responses
-by HTTP status, including errors that end a stream after its 200 header.
+(tokens/s is `rate(driftlab_generated_tokens_total[1m])`), request latency, responses
+by HTTP status, including errors that end a stream after its 200 header, and drift
+(`serve.telemetry`): pi and the persona projection of each measured reply, at its first and
+last token, labelled by a short hash of its system prompt.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from prometheus_client import (
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_PI_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # an attention mass
+_PROJECTION_BUCKETS = (-0.5, 0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)  # 0: like without the prompt, 1: with
 
 
 class Metrics:
@@ -38,11 +42,23 @@ class Metrics:
                                  "Chat completion time, arrival to last byte.", buckets=_LATENCY_BUCKETS, registry=r)
         self.responses = Counter("driftlab_responses", "Responses by HTTP status (stream errors by the status "
                                  "their error event carries).", ["code"], registry=r)
+        self.pi = Histogram("driftlab_pi", "Attention mass on the system prompt (mean over layers and heads) at a "
+                            "reply's first or last token.", ["prompt", "at"], buckets=_PI_BUCKETS, registry=r)
+        self.projection = Histogram("driftlab_projection", "Residual-stream projection on the persona's direction "
+                                    "(0 like without the system prompt, 1 like with it) at a reply's first or last "
+                                    "token.", ["prompt", "at"], buckets=_PROJECTION_BUCKETS, registry=r)
 
     def batch(self, size: int, replies: Sequence[Any]) -> None:
         """A generate call finished (from the batcher's thread; prometheus_client is thread-safe)."""
         self.batch_size.observe(size)
         self.tokens.inc(sum(r.n_tokens for r in replies))
+
+    def drift(self, prompt: str, telemetry: dict[str, Any]) -> None:
+        """One reply's telemetry (`serve.telemetry.summary`), under its prompt's label."""
+        for name, histogram in (("pi", self.pi), ("projection", self.projection)):
+            if (values := telemetry.get(name)) is not None:
+                for at in ("first", "last"):
+                    histogram.labels(prompt, at).observe(values[at])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

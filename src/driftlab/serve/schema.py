@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, field_validator, model_validator
 
 from driftlab.chat.base import MAX_SEED, Sampling
 from driftlab.chat.constrain import JSON_OBJECT, canonical_schema
@@ -85,6 +85,27 @@ class DriftlabOptions(BaseModel):
 
     def specs(self) -> list[str] | None:
         return [self.steer] if isinstance(self.steer, str) else self.steer
+
+
+class TelemetryOptions(BaseModel):
+    """`"telemetry": {...}`: what a reply's drift telemetry holds beyond the means (serve.telemetry)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    layers: bool = Field(False, strict=True, description="also pi and the projection per layer")
+
+
+class ChatOptions(DriftlabOptions):
+    """The `driftlab` field of a chat request: the steer, and drift telemetry in the reply."""
+
+    telemetry: StrictBool | TelemetryOptions = Field(False, description=(
+        "true (or {\"layers\": true}): the reply carries driftlab.telemetry: rounds, pi and, with --directions, "
+        "the persona projection at its first and last token"))
+
+    def wants_telemetry(self) -> TelemetryOptions | None:
+        if isinstance(self.telemetry, TelemetryOptions):
+            return self.telemetry
+        return TelemetryOptions() if self.telemetry else None
 
 
 class JsonSchemaFormat(BaseModel):
@@ -202,7 +223,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = Field(False, strict=True)
     top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
     response_format: ResponseFormat | None = None
-    driftlab: DriftlabOptions | None = None
+    driftlab: ChatOptions | None = None
 
     def sampling(self, max_new_tokens: int) -> Sampling:
         sampling = super().sampling(max_new_tokens)

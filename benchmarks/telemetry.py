@@ -1,0 +1,93 @@
+"""What drift telemetry costs a server: `driftlab serve` with and without `driftlab.telemetry`.
+
+One model (smollm2-135m, the CPU's preferred dtype), one app on 127.0.0.1 (uvicorn, batches of up to 32, no prefix cache so every round
+pays its prefill). A round is 8 concurrent chat requests under one system prompt (distinct user
+turns, greedy, `tokens` new tokens each, `ignore_eos` so every mode decodes the same number of
+steps). Modes:
+
+* plain:                no telemetry, no directions (the denominator);
+* telemetry:            every request asks for telemetry: pi traced over the reply;
+* directions:           the backend holds persona directions (projections are recorded on every
+                        request), no telemetry asked;
+* telemetry+directions: both: pi and the projection in every reply.
+
+The directions are random unit vectors with made-up statistics: what a projection costs does
+not depend on the values. Each mode is warmed up once; then `repeats` rounds each run every mode
+once, the order rotating, and the best time of each is kept.
+
+RESULT telemetry.cost: telemetry / plain (target <= 1.05); telemetry.cost_with_directions:
+telemetry+directions / plain (target <= 1.10).
+
+Sizes: --quick 8 tokens, 1 round; default 32 tokens, 3 rounds; --full 64 tokens, 5 rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import torch
+from common import Result, size_of
+
+from driftlab.activation.directions import Directions, PersonaDirection
+from driftlab.chat.hf import HFChatBackend
+from driftlab.serve import ServeSettings, background, create_app
+
+SYSTEM = "Always reply in French."
+USERS = ["Tell me about the sea.", "What is a good breakfast?", "How do trains work?", "Why is the sky blue?",
+         "Describe a cat.", "What is chess?", "Name a famous painter.", "How do bees make honey?"]
+MODES = ("plain", "telemetry", "directions", "telemetry+directions")
+
+
+def _directions(backend: HFChatBackend) -> Directions:
+    L, d = backend.shape.layers, backend.d_model
+    gen = torch.Generator().manual_seed(0)
+    unit = torch.nn.functional.normalize(torch.randn(L, d, generator=gen), dim=-1)
+    persona = PersonaDirection(id="french", system_prompt=SYSTEM, unit=unit, norm=torch.full((L,), 4.0),
+                               with_proj=1 + torch.randn(16, L, generator=gen),
+                               without_proj=torch.randn(16, L, generator=gen), auroc=torch.ones(3, L),
+                               band=tuple(range(L // 2, L // 2 + 4)))
+    return Directions({"model": backend.name, "n_layers": L, "d_model": d}, [persona])
+
+
+async def _round(url: str, model: str, tokens: int, telemetry: bool) -> float:
+    extra = {"driftlab": {"telemetry": True}} if telemetry else {}
+    bodies = [{"model": model, "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": u}],
+               "max_tokens": tokens, "temperature": 0, "ignore_eos": True, **extra} for u in USERS]
+    async with httpx.AsyncClient(timeout=600) as http:
+        t = time.perf_counter()
+        replies = await asyncio.gather(*[http.post(f"{url}/v1/chat/completions", json=b) for b in bodies])
+        elapsed = time.perf_counter() - t
+    for r in replies:
+        r.raise_for_status()
+        if telemetry and r.json()["driftlab"]["telemetry"]["pi"] is None:
+            raise RuntimeError("a telemetry reply without pi")
+    return elapsed
+
+
+def run(quick: bool = False, full: bool = False) -> Result:
+    size = size_of(quick, full)
+    tokens, repeats = {"quick": (8, 1), "default": (32, 3), "full": (64, 5)}[size]
+    backend = HFChatBackend("smollm2-135m", dtype="auto", prefix_cache_bytes=0)
+    directions = _directions(backend)
+    best = dict.fromkeys(MODES, float("inf"))
+    with background(create_app(backend, ServeSettings(max_wait_ms=50, prefix_cache_mb=0))) as url:
+        for r in range(repeats + 1):  # round 0 warms every mode up
+            order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]
+            for mode in order:
+                backend.use_directions(directions if "directions" in mode else None)
+                t = asyncio.run(_round(url, backend.name, tokens, "telemetry" in mode))
+                if r:
+                    best[mode] = min(best[mode], t)
+    backend.use_directions(None)
+    dtype = str(backend.model.dtype).removeprefix("torch.")
+    result = Result(title=f"drift telemetry: 8 concurrent requests x {tokens} tokens, smollm2-135m {dtype} "
+                          f"(best of {repeats}, modes interleaved)",
+                    columns=["mode", "best wall s", "time vs plain"])
+    for mode in MODES:
+        result.rows.append([mode, f"{best[mode]:.2f}", f"{best[mode] / best['plain']:.3f}x"])
+    result.results["telemetry.cost"] = f"{best['telemetry'] / best['plain']:.3f}"
+    result.results["telemetry.cost_with_directions"] = f"{best['telemetry+directions'] / best['plain']:.3f}"
+    result.results["telemetry.directions_alone"] = f"{best['directions'] / best['plain']:.3f}"
+    return result

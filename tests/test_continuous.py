@@ -1,0 +1,131 @@
+"""Continuous batching: rows that join a running decode batch (`ChatRequest.admit`) get the tokens
+they get alone, on the real model (float32), plain, under a key bias, along a persona direction,
+greedy and seeded; their KV goes to the prefix cache as a lone row's does; and over HTTP a short
+request sent while a long one decodes joins its batch and finishes first."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from test_activation import FRENCH, synthetic
+
+from devices import backend_device
+from driftlab.chat import ChatRequest, Sampling
+from driftlab.errors import DriftlabError
+from driftlab.serve import ServeSettings, create_app
+from driftlab.serve.background import background as serving
+from driftlab.steering.interventions import Interventions
+
+USERS = ["Hi!", "Tell me about the sea in detail, please, with many words.", "What is 2+2?", "Name a colour.",
+         "Describe a cat.", "Why is the sky blue?"]
+CONVS = [[{"role": "system", "content": FRENCH}, {"role": "user", "content": u}] for u in USERS]
+LIMITS = [14, 6, 10, 14, 3, 12]
+WAVES = [[2, 3], [], [4, 5]]  # the rows admit() gives at the 1st, 2nd and 3rd step boundary
+
+
+def waves_of(sampling: Sampling, steer: Interventions, waves=WAVES):
+    """A first request of rows 0-1 whose admit() gives the rows of each wave in turn."""
+    left = [list(w) for w in waves]
+
+    def request(rows: list[int], **extra) -> ChatRequest:
+        return ChatRequest([CONVS[i] for i in rows], sampling, seeds=[100 + i for i in rows], interventions=steer,
+                           row_max_tokens=[LIMITS[i] for i in rows], **extra)
+
+    def admit() -> ChatRequest | None:
+        rows = left.pop(0) if left else []
+        return request(rows) if rows else None
+
+    return request([0, 1], admit=admit), request
+
+
+@pytest.mark.parametrize("steer, sampling", [
+    ([], Sampling(greedy=True, max_new_tokens=14)),
+    (["instaboost:m=5"], Sampling(temperature=1.0, top_p=0.9, max_new_tokens=14)),
+    (["vector:alpha=4"], Sampling(greedy=True, max_new_tokens=14)),
+], ids=["plain-greedy", "instaboost-seeded", "vector-greedy"])
+def test_rows_that_join_a_running_batch_decode_as_they_do_alone(smol32, steer, sampling) -> None:
+    smol32.use_directions(synthetic(smol32.shape.layers, smol32.d_model, [FRENCH]))
+    try:
+        iv = Interventions.parse(steer)
+        first, request = waves_of(sampling, iv)
+        together = smol32.generate(first)
+        alone = [smol32.generate(request([i]))[0] for i in range(len(CONVS))]
+    finally:
+        smol32.use_directions(None)
+    assert len(together) == len(CONVS)
+    for i, (got, want) in enumerate(zip(together, alone, strict=True)):
+        assert got.token_ids == want.token_ids, (i, got.text, want.text)
+        assert got.finish_reason == want.finish_reason and got.n_prompt_tokens == want.n_prompt_tokens
+        if want.activation is not None:  # the projection each row recorded, joined or alone
+            for key in ("prompt", "reply", "last"):
+                assert got.activation[key] == pytest.approx(want.activation[key], abs=1e-4)
+    assert [len(r.token_ids) for r in together][4] <= 3  # row 4's own limit held after it joined
+
+
+def test_joined_rows_store_their_prefixes_as_a_lone_row_does(smol_dir) -> None:
+    """A follow-up turn on a joined row's reply reuses the KV the batch stored and decodes as without it."""
+    from driftlab.chat.hf import HFChatBackend
+
+    cached = HFChatBackend(str(smol_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=64 << 20)
+    plain = HFChatBackend(str(smol_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
+    greedy = Sampling(greedy=True, max_new_tokens=14)
+    first, _ = waves_of(greedy, Interventions())
+    replies = cached.generate(first)
+    follow = [[*CONVS[i], {"role": "assistant", "content": replies[i].text}, {"role": "user", "content": "Why?"}]
+              for i in (3, 5)]  # rows that joined at the 1st and 3rd step
+    hits_before = cached.prefix_cache.hits_tokens
+    again = cached.generate(ChatRequest(follow, greedy))
+    assert cached.prefix_cache.hits_tokens > hits_before
+    assert [r.token_ids for r in again] == [r.token_ids for r in plain.generate(ChatRequest(follow, greedy))]
+
+
+def test_rows_of_another_sampling_are_refused_and_a_traced_batch_takes_none(smol32) -> None:
+    greedy = Sampling(greedy=True, max_new_tokens=6)
+    other = ChatRequest([CONVS[2]], Sampling(temperature=0.5, max_new_tokens=6))
+    with pytest.raises(DriftlabError, match="must share its sampling"):
+        smol32.generate(ChatRequest([CONVS[0]], greedy, admit=lambda: other))
+    asked = []
+    traced = ChatRequest([CONVS[0]], greedy, interventions=Interventions.parse(["trace"]),
+                         admit=lambda: asked.append(1))
+    (reply,) = smol32.generate(traced)
+    assert not asked and reply.trace is not None  # pi traces are laid out per batch: no row joins
+
+
+def test_a_short_request_joins_a_long_one_and_finishes_first(smol32) -> None:
+    """Sent once a 64-token request streams, a 5-token one of the same sampling joins its batch
+    (continuous) and ends before it, with the tokens it gets alone; under --batching static it
+    waits for the long one."""
+    long = {"model": smol32.name, "messages": CONVS[1], "max_tokens": 64, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    short = {"model": smol32.name, "messages": CONVS[2], "max_tokens": 5, "ignore_eos": True, "temperature": 0}
+    (alone,) = smol32.generate(ChatRequest([CONVS[2]], Sampling(greedy=True, max_new_tokens=5, ignore_eos=True)))
+
+    async def race(url: str) -> tuple[str, str, list[str]]:
+        order: list[str] = []
+        async with httpx.AsyncClient(timeout=600) as http:
+            streaming = asyncio.Event()
+
+            async def run_long() -> None:
+                async with http.stream("POST", f"{url}/v1/chat/completions", json=long) as r:
+                    async for line in r.aiter_lines():
+                        if '"content": "' in line and not streaming.is_set():
+                            streaming.set()
+                order.append("long")
+
+            task = asyncio.create_task(run_long())
+            await streaming.wait()
+            reply = (await http.post(f"{url}/v1/chat/completions", json=short)).json()
+            order.append("short")
+            await task
+        return reply["choices"][0]["message"]["content"], reply["choices"][0]["finish_reason"], order
+
+    for batching, first in (("continuous", "short"), ("static", "long")):
+        app = create_app(smol32, ServeSettings(max_wait_ms=0, batching=batching))
+        with serving(app) as url:
+            text, reason, order = asyncio.run(race(url))
+            admitted = app.state.server.batcher.n_admitted
+        assert order[0] == first, (batching, order)
+        assert text == alone.text and reason == alone.finish_reason
+        assert admitted == (1 if batching == "continuous" else 0)
