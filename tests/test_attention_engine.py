@@ -306,7 +306,7 @@ def test_bias_terms_add_up_and_rows_may_differ_in_them() -> None:
     assert layer1[1].tolist() == [[-4.0, -4.0, 0.0, -4.0, 0.0], [0.0] * 5]  # its own term only
     assert layer1[2].abs().sum() == 0  # no term at all
     assert state.layer_bias(0, 0, 5)[:, 1, 0, 0].tolist() == [1.5, 0.0, 0.0]  # layer 0: boost alone
-    with pytest.raises(DriftlabError, match="different split-softmax or tracing"):
+    with pytest.raises(DriftlabError, match="different tracing settings"):  # split-softmax may differ per row
         AttentionState([AttentionConfig(trace=True), AttentionConfig()], [{}, {}], 2, 2, current())
 
 

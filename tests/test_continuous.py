@@ -6,6 +6,7 @@ request sent while a long one decodes joins its batch and finishes first."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -129,3 +130,68 @@ def test_a_short_request_joins_a_long_one_and_finishes_first(smol32) -> None:
         assert order[0] == first, (batching, order)
         assert text == alone.text and reason == alone.finish_reason
         assert admitted == (1 if batching == "continuous" else 0)
+
+
+def test_a_client_that_leaves_mid_stream_changes_no_other_rows_tokens(smol32) -> None:
+    """Rows join a running stream and leave it (one client disconnects after its second chunk, one
+    finishes early): every reply that completes has the tokens it gets alone."""
+    def body(i: int, tokens: int, stream: bool = False) -> dict:
+        return {"model": smol32.name, "messages": CONVS[i], "max_tokens": tokens, "ignore_eos": True,
+                "temperature": 0, "stream": stream}
+
+    alone = {i: smol32.generate(ChatRequest([CONVS[i]], Sampling(greedy=True, max_new_tokens=n, ignore_eos=True)))[0]
+             .text for i, n in ((0, 48), (3, 6), (5, 12))}
+
+    async def scene(url: str) -> dict[int, str]:
+        async with httpx.AsyncClient(timeout=600) as http:
+            started = asyncio.Event()
+
+            async def stream(i: int, tokens: int, leave_after: int | None = None) -> str:
+                text, chunks = "", 0
+                async with http.stream("POST", f"{url}/v1/chat/completions", json=body(i, tokens, True)) as r:
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data:") or "[DONE]" in line:
+                            continue
+                        delta = json.loads(line[5:])["choices"][0]["delta"].get("content") or ""
+                        text, chunks = text + delta, chunks + bool(delta)
+                        started.set()
+                        if leave_after is not None and chunks >= leave_after:
+                            return "left"  # closes the connection mid-stream
+                return text.strip()
+
+            first = asyncio.create_task(stream(0, 48))
+            await started.wait()
+            leaving = asyncio.create_task(stream(1, 40, leave_after=2))
+            short = asyncio.create_task(http.post(f"{url}/v1/chat/completions", json=body(3, 6)))
+            await leaving
+            later = asyncio.create_task(http.post(f"{url}/v1/chat/completions", json=body(5, 12)))
+            return {0: await first, 3: (await short).json()["choices"][0]["message"]["content"],
+                    5: (await later).json()["choices"][0]["message"]["content"]}
+
+    app = create_app(smol32, ServeSettings(max_wait_ms=0))
+    with serving(app) as url:
+        got = asyncio.run(scene(url))
+        admitted = app.state.server.batcher.n_admitted
+    assert got == alone
+    assert admitted >= 2  # the leaving and the short request joined the first one's batch
+
+
+def test_rows_of_different_steers_share_a_running_batch_and_decode_as_alone(smol32) -> None:
+    """Plain rows first; split-softmax, InstABoost, a vector steer and system-prompt repetition rows
+    join them at later steps (each steer's rows are per-row data in one batch): every row gets the
+    tokens it gets alone."""
+    smol32.use_directions(synthetic(smol32.shape.layers, smol32.d_model, [FRENCH]))
+    greedy = Sampling(greedy=True, max_new_tokens=10)
+    steers = [[], ["split-softmax:k=0.7"], ["instaboost:m=5"], ["vector:alpha=4"], ["split-softmax:k=0.5,heads=10-20"]]
+    rows = {0: [0, 1], 1: [2], 2: [3], 3: [4], 4: [5]}  # steer index -> rows
+    queue = [ChatRequest([CONVS[i] for i in rows[k]], greedy, interventions=Interventions.parse(steers[k]))
+             for k in (1, 2, 3, 4)]
+    try:
+        together = smol32.generate(ChatRequest([CONVS[i] for i in rows[0]], greedy,
+                                               admit=lambda: queue.pop(0) if queue else None))
+        alone = [smol32.generate(ChatRequest([CONVS[i]], greedy, interventions=Interventions.parse(steers[k])))[0]
+                 for k, ids in rows.items() for i in ids]
+    finally:
+        smol32.use_directions(None)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert len({tuple(r.token_ids) for r in alone[1:4]}) > 1  # the steers change the replies

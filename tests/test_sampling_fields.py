@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from devices import backend_device
 from driftlab.chat import ChatRequest, Sampling
-from driftlab.chat.hf import _sample, _warpers
+from driftlab.chat.sampling import sample, warpers
 from driftlab.errors import DriftlabError
 from driftlab.serve import ServeSettings, create_app
 from driftlab.serve.background import background as serving
@@ -115,10 +115,10 @@ def test_neutral_settings_decode_bit_identically(tiny):
 
 # -- the warpers: top_k and min_p ------------------------------------------------------------------
 def _frequencies(logits: torch.Tensor, sampling: Sampling, draws: int = 4000) -> torch.Tensor:
-    gen, warpers = [torch.Generator().manual_seed(0)], _warpers(sampling)
+    gen, chain = [torch.Generator().manual_seed(0)], warpers(sampling)
     counts = torch.zeros(logits.shape[-1])
     for _ in range(draws):
-        counts[_sample(logits, warpers, gen)[0]] += 1
+        counts[sample(logits, chain, gen)[0]] += 1
     return counts / counts.sum()
 
 
@@ -147,7 +147,7 @@ def test_top_k_one_and_min_p_one_sample_the_greedy_token(tiny):
 
 
 def test_top_k_and_min_p_leave_greedy_decoding_alone():
-    assert _warpers(Sampling(greedy=True, top_k=5, min_p=0.5)) is None
+    assert warpers(Sampling(greedy=True, top_k=5, min_p=0.5)) is None
 
 
 # -- logit_bias ----------------------------------------------------------------------------------

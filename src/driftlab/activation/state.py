@@ -108,6 +108,10 @@ class ResidualState:
         self.add, self.tau, self.running = self.add[index], self.tau[index], self.running[index]
         self.index = self.index[index]
 
+    def resume(self) -> None:
+        """This state takes over a running batch: its next pass is a decode step, not a prefill."""
+        self._calls = max(self._calls, 1)
+
     def extend(self, other: ResidualState) -> None:
         """Take `other`'s rows after these (continuous batching: rows joined the batch): what each
         row summed stays with it; other's rows become rows len(has), ... here."""

@@ -132,8 +132,9 @@ class AttentionConfig(BaseModel):
         return self.trace or self.changes_outputs
 
     def shared(self) -> tuple:
-        """What every row of one batch must agree on (key biases and the pi floor may differ per row)."""
-        return (self.trace, self.trace_prefill, self.split_k, self.split_heads)
+        """What every row of one batch must agree on (key biases, split-softmax and the pi floor may
+        differ per row)."""
+        return (self.trace, self.trace_prefill)
 
 
 def _heads(v):

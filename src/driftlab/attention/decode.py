@@ -38,7 +38,7 @@ def steered_step(state: AttentionState, layer: int, query: torch.Tensor, key: to
         out, o_sys, pi, rest = _flex(state, layer, query, key, value, scale)
     else:
         out, o_sys, pi, rest = _sdpa(state, layer, query, key, value, scale)
-    out = split_softmax(out, o_sys, pi, rest, state.split_table[layer], _floor(state, layer, query.shape[1]))
+    out = split_softmax(out, o_sys, pi, rest, state.split_table[:, layer], _floor(state, layer, query.shape[1]))
     pi_now = pi[..., 0]
     state.trace_buf[layer].index_copy_(-1, state.step, pi_now if pi_now.dtype == state.trace_buf.dtype
                                        else pi_now.to(state.trace_buf.dtype))

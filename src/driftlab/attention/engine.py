@@ -140,13 +140,13 @@ def driftlab_attention(
     # Keys of this call are the last K of the absolute key slots (sliding-window layers keep fewer).
     lo, hi = state.kv_len - K, state.kv_len
     bias = state.layer_bias(layer, lo, hi, query.device)  # [B, H, 1, K] or None
-    split_heads = state.split_strength(layer, query.device)  # [H] strength per head or None
+    split_heads = state.split_strength(layer, query.device)  # [B, H] strength per row and head, or None
     floor = state.layer_floor(layer, q, query.device)  # [B, H, q, 1] pi floor per query, or None
     if bias is None and split_heads is None and floor is None and not state.trace:
         # A floor acts on this layer, but not on these queries (all before their rows' first floor slot).
         return _plain(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     if floor is not None and split_heads is None:  # the rescaling's strengths: 1 (no split) on every head
-        split_heads = state.on("split_table", query.device)[layer]
+        split_heads = state.on("split_table", query.device)[:, layer]
     need_pi = state.trace or split_heads is not None
     sys_range = state.system_range(lo, hi) if need_pi else None  # [a, b) of this call's keys
     sys_keys = state.on("system_keys", query.device)[:, lo:hi] if need_pi else None

@@ -78,24 +78,28 @@ class AttentionState:
         device: torch.device,
     ) -> None:
         """`configs` is one config for every row, or one per row (head profiling batches many
-        single-head steerings at once). Rows may differ only in their key biases: split-softmax
-        and tracing are one setting per call."""
+        single-head steerings at once; a server decodes requests of different steers together).
+        Rows may differ in everything but tracing, which is one setting per call."""
         rows = [configs] * len(spans) if isinstance(configs, AttentionConfig) else list(configs)
         if len(rows) != len(spans):
             raise DriftlabError(f"{len(rows)} attention configs given for {len(spans)} rows.")
         if any(c.shared() != rows[0].shared() for c in rows):
-            raise DriftlabError("The rows of one batch ask for different split-softmax or tracing settings.",
-                                hint="Only key biases (bias, instaboost, pasta) may differ per row; "
-                                     "run the others as separate requests.")
-        self.config = rows[0]  # the shared settings
+            raise DriftlabError("The rows of one batch ask for different tracing settings.",
+                                hint="Trace every row of a batch or none; run the others as separate requests.")
+        self.config = rows[0]  # the shared settings (tracing)
         self.rows = rows
         self.spans = spans
         self.n_layers, self.n_heads, self.device = n_layers, n_heads, device
         self.trace = self.config.trace
-        # Split-softmax as a strength per (layer, head): k on the selected heads, 1 (unchanged) elsewhere.
-        split = head_mask(self.config.split_heads, n_layers, n_heads) if self.config.splits else None
-        self.split_table = (torch.where(split, self.config.split_k, 1.0) if split is not None
-                            else torch.ones(n_layers, n_heads)).to(device)
+        # Split-softmax as a strength per (row, layer, head): k on the row's selected heads, 1
+        # (unchanged) elsewhere.
+        split = torch.zeros(len(rows), n_layers, n_heads, dtype=torch.bool)
+        table = torch.ones(len(rows), n_layers, n_heads)
+        for b, c in enumerate(rows):
+            if c.splits:
+                split[b] = head_mask(c.split_heads, n_layers, n_heads)
+                table[b] = torch.where(split[b], c.split_k, 1.0)
+        self.split_table = table.to(device)
         # Key biases, grouped per row by head selection: slot j of row b holds the heads its terms
         # of one selection act on ([J, B, L, H], 0/1) and, once laid out, the sum of their key
         # biases ([J, B, slots]). Terms sharing a selection (InstABoost and a bias on every head)
@@ -113,7 +117,7 @@ class AttentionState:
                 bias_heads[j, b] = head_mask(selection, n_layers, n_heads).float()
         self.bias_heads = bias_heads.to(device) if n_slots else None
         # Per-layer flags on the host: asking the device tensors would sync a GPU every layer.
-        self._split_layers = split.any(dim=1).tolist() if split is not None else [False] * n_layers
+        self._split_layers = split.any(dim=(0, 2)).tolist()
         self._bias_layers = bias_heads.any(dim=(0, 1, 3)).tolist() if n_slots else [False] * n_layers
         # pi-floor (`set_floors`): the floor per (row, layer, head) and each row's first floor slot;
         # zeros until set. Host-side: which rows have a floor on which layer, and their first slots.
@@ -276,6 +280,7 @@ class AttentionState:
         self.pads = [self.pads[i] for i in keep]
         self.ends = [self.ends[i] for i in keep]
         self.system_keys = self.system_keys[index]
+        self.split_table = self.split_table[index]
         self.floor_table, self.floor_first = self.floor_table[index], self.floor_first[index]
         self.floor_queries = [self.floor_queries[i] for i in keep]
         self._floor_rows = [self._floor_rows[i] for i in keep]
@@ -379,11 +384,11 @@ class AttentionState:
         return torch.where(on, self.on("floor_table", device)[:, layer, :, None, None], 0.0)
 
     def split_strength(self, layer: int, device: torch.device | None = None) -> torch.Tensor | None:
-        """[H] split-softmax strength of each head of `layer` (1: unchanged), or None where no
-        head of the layer splits."""
+        """[B, H] split-softmax strength of each row and head of `layer` (1: unchanged), or None
+        where no head of the layer splits in any row."""
         if not self._split_layers[layer]:
             return None
-        return self.on("split_table", device or self.device)[layer]
+        return self.on("split_table", device or self.device)[:, layer]
 
     def system_range(self, lo: int, hi: int) -> tuple[int, int] | None:
         """[a, b) relative to a call whose keys are absolute slots [lo, hi): the slots that

@@ -291,12 +291,13 @@ class HFChatBackend:
         more = first.admit()
         if more is None or not more.conversations:
             return None
-        iv = first.interventions
-        if more.interventions != iv or more.logprobs != first.logprobs or \
+        iv = more.interventions
+        self.capabilities.require(self.name, iv)
+        if more.logprobs != first.logprobs or iv.guidance() is not None or \
                 more.sampling.model_copy(update={"max_new_tokens": 1}) != \
                 first.sampling.model_copy(update={"max_new_tokens": 1}):
-            raise DriftlabError("Rows joining a running batch must share its sampling (but for token limits), "
-                                "interventions and log-probs.")
+            raise DriftlabError("Rows joining a running batch must share its sampling (but for token limits) and "
+                                "log-probs, and cannot bring CFG's twin rows.")
         convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in more.conversations]
         rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
         return _Decoding(self, [r.ids for r in rendered], more.sampling, seeds=more.row_seeds(),
@@ -1224,12 +1225,14 @@ class _Decoding:
         """Take `other`'s rows (prefilled, nothing sampled yet) into this running batch: its rows
         become rows len(prompts), ... here. Finished rows leave first; the shorter side's cache is
         padded on the left so that every row's next token lands in the same slot."""
-        if not (self.admissible and other.admissible) or (self.residual is None) != (other.residual is None):
+        if not (self.admissible and other.admissible):
             raise DriftlabError("These rows cannot join the running batch (see _Decoding.admissible).")
         if any(self.finished):
             self.logits = self.logits[self._drop_finished()]
         gap = self.mask.shape[1] - other.mask.shape[1]
         (other if gap > 0 else self)._pad_left(abs(gap))
+        if self.residual is not None or other.residual is not None:  # rows without a direction: inert
+            self._residual().extend(other._residual())
         R = len(self.prompts)
         self.prompts += other.prompts
         self.sampled += other.sampled
@@ -1253,14 +1256,22 @@ class _Decoding:
         self.mask = torch.cat([self.mask, other.mask])
         self.positions = torch.cat([self.positions, other.positions[:, -1:]])
         self.logits = torch.cat([self.logits, other.logits])
-        if self.residual is not None:
-            self.residual.extend(other.residual)
-        if self.state is not None:  # laid out again: the rows' key slots moved
+        if self.state is not None or other.state is not None:  # laid out again: the rows' key slots moved
             self.state = self.backend._resumed_state([self.attention[b] for b in self.live],
                                                      [self.spans[b] for b in self.live],
                                                      [self.pads[b] for b in self.live],
                                                      [len(self.prompts[b]) for b in self.live], self.mask.shape[1],
                                                      max(self.limits[b] - len(self.sampled[b]) for b in self.live))
+
+    def _residual(self) -> ResidualState:
+        """The batch's residual state, made for rows that have no direction if it had none."""
+        if self.residual is None:
+            backend = self.backend
+            self.residual = ResidualState([None] * len(self.prompts), backend.shape.layers, backend.d_model,
+                                          backend.device, backend.model.dtype)
+            self.residual.select_rows(self.live)
+            self.residual.resume()
+        return self.residual
 
     def _pad_left(self, n: int) -> None:
         """n empty slots before every row's keys (masked out): its tokens keep their positions."""

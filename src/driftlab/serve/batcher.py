@@ -46,6 +46,7 @@ from driftlab.steering.interventions import Interventions
 
 log = logging.getLogger("driftlab.serve")
 HISTORY = 1024  # batch sizes remembered (a deque: a server's memory must not grow with its uptime)
+BATCH_WIDE = frozenset({"cfg", "trace", "pi-floor"})  # steers whose rows cannot join another steer's batch
 
 
 class ServerClosing(Exception):
@@ -82,9 +83,16 @@ class Job:
     score: bool = False  # score the prompt's tokens (result: TokenScores) instead of generating
 
     def group(self) -> tuple[Any, ...]:
-        """What jobs must share to be decoded together (token limits may differ: each row has its own)."""
-        return (self.sampling.model_copy(update={"max_new_tokens": 1}), tuple(self.interventions.specs()),
-                self.logprobs, self.score)
+        """What jobs must share to start decoding in one call (token limits may differ: each row has its own)."""
+        return (*self.lane(), tuple(self.interventions.specs()))
+
+    def lane(self) -> tuple[Any, ...]:
+        """What jobs must share to decode in one running batch (continuous batching): the sampling but
+        for the token limit, log-probs and scoring, and the whole steer where it acts across the
+        batch (CFG's twin rows, pi tracing, the pi floor); other steers are per-row data."""
+        whole = self.interventions.kinds & BATCH_WIDE
+        return (self.sampling.model_copy(update={"max_new_tokens": 1}), self.logprobs, self.score,
+                tuple(self.interventions.specs()) if whole else None)
 
     def resolve(self, result: Reply | TokenScores | BaseException) -> None:
         """Hand the result to the waiting request (from the worker thread; the first result counts)."""
@@ -203,12 +211,16 @@ class Batcher:
         return jobs
 
     def _admit(self, live: list[Job], running: Callable[[], int]) -> list[Job]:
-        """Jobs that join the running batch of `live` now: first in line and of its group, while
-        the batch has room (a job of another group first in line stops admission)."""
+        """Jobs that join the running batch of `live` now: first in line, of its lane and of one
+        steer (the next steer joins at the next step), while the batch has room. A job of another
+        lane first in line stops admission, so the batch drains and that job runs next."""
         self._take_queued()
-        group, joining = live[0].group(), []
-        while self._pending and running() + len(joining) < self.max_batch_size and self._pending[0].group() == group:
-            job = self._pending.popleft()
+        lane, joining = live[0].lane(), []
+        while self._pending and running() + len(joining) < self.max_batch_size:
+            job = self._pending[0]
+            if job.lane() != lane or (joining and job.group() != joining[0].group()):
+                break
+            self._pending.popleft()
             if not job.aborted.is_set():
                 joining.append(job)
         self.n_admitted += len(joining)
