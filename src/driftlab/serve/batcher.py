@@ -9,10 +9,12 @@ logprobs) as one `generate` call (or one `driftlab.chat.text.score` call for pro
 
 Continuous batching (the default, `continuous=True`; vLLM's and Orca's iteration-level
 scheduling): a request that arrives while a batch decodes joins it at the next step, when it
-shares the batch's group and is first in line (`ChatRequest.admit`), and a row that finishes
-leaves it (its reply is handed over at once). So a short request no longer waits for the
-longest row of the batch before it. A request of another group waits until the running batch
-drains, and stops the batch admitting more (first come, first served: no group starves).
+shares the batch's lane (`Job.lane`: the sampling but for the token limit, log-probs; every
+steer but CFG, pi tracing and the pi floor is per-row data) and is first in line
+(`ChatRequest.admit`); a row that finishes leaves it (its reply is handed over at once). So a
+short request no longer waits for the longest row of the batch before it. A request of another
+lane waits until the running batch drains, and stops the batch admitting more (first come,
+first served: no lane starves).
 With `continuous=False` (static batching) the requests that arrive while a batch decodes form
 the next batch. The backend decides which batches can take rows (a dynamic cache without pi
 tracing, CFG, floors, grammars or penalties: `_Decoding.admissible`); others run as static ones.
