@@ -74,15 +74,16 @@ async def holding_the_model(client: httpx.AsyncClient, url: str, tokens: int = 4
     """A streamed `tokens`-token request that keeps the model busy for the whole block.
 
     Enters once its first text arrived, so it is decoding: requests sent inside the block
-    queue behind it (a request cannot join a batch that is already decoding) and the test
-    decides when they run, however slow the machine. Leaving the block closes the stream,
+    queue behind it (it asks for log-probs, which puts it in a batch lane of its own: the
+    tests' requests cannot join its batch, as a request of the same lane would under
+    continuous batching) and the test decides when they run, however slow the machine. Leaving the block closes the stream,
     so its row leaves the batch at the next step and the queued requests run (as one batch,
     up to the server's --max-batch-size).
     """
     decoding, release = asyncio.Event(), asyncio.Event()
 
     async def hold() -> None:
-        payload = long_body(tokens, stream=True)
+        payload = long_body(tokens, stream=True, logprobs=True)
         async with client.stream("POST", f"{url}/v1/chat/completions", json=payload) as r:
             assert r.status_code == 200, await r.aread()
             async for line in r.aiter_lines():
