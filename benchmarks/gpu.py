@@ -74,8 +74,8 @@ PASTA alpha=1) against plain's log-probabilities.
 
 --paper: the persona-drift paper's experiment at full scale on the Llama-2-7B shape: 100 pairs x 8
 rounds, 200-token turns, 400-token probes, for each mode of GPUBENCH_PAPER_MODES (default
-plain,split; one per 10-minute command if need be), batch GPUBENCH_PAPER_BATCH (default 32; the
-KV cache of MHA 7B at ~3.5k tokens is ~1.8 GB per row); on a CPU the tiny shape at 4 x 2 x 16
+plain,split; one per 10-minute command if need be), batch GPUBENCH_PAPER_BATCH (default 16; the
+KV cache of MHA 7B at ~3.5k tokens is ~1.8 GB per row: 32 rows would not fit in 80 GB); on a CPU the tiny shape at 4 x 2 x 16
 (probes 16), to check the path.
 
 Targets (H100-class GPU; "n/a (not a GPU)" elsewhere): every mode's decode <= 1.15x plain and
@@ -112,7 +112,7 @@ Settings (environment variables; run.py takes no others):
                         <shape>.loop_ran says which loop really decoded (a fallback is also a note)
                         and <shape>.graphs_compiled how many graphs a compiled step compiled.
   GPUBENCH_PAPER_MODES  --paper: comma list of modes (default plain,split)
-  GPUBENCH_PAPER_BATCH  --paper: conversations per batch (default 32 on CUDA, 4 on a CPU)
+  GPUBENCH_PAPER_BATCH  --paper: conversations per batch (default 16 on CUDA, 4 on a CPU)
 """
 
 from __future__ import annotations
@@ -592,6 +592,7 @@ def paper_run(device: torch.device, dtype: torch.dtype, results: dict, notes: li
                              judge(seconds <= 600, shape == "llama2-7b", "target is for llama2-7b")])
     ran = backend.ran()["decode"]
     results["paper.loop_ran"] = ran["loop"]
+    decode_facts("paper", ran, results)
     notes.append(f"paper: {shape} built in {build_s:.1f} s; {ran['loop']} loop, {ran.get('graphs', 0)} graphs "
                  f"compiled in {ran.get('compile_s', 0.0):.1f} s over the whole run")
     return table
@@ -727,6 +728,7 @@ def run(quick: bool = False, full: bool = False, paper: bool = False) -> Result:
                     columns=["target", "shape", "ctx", "measured", "limit", "met?"])
     notes = [f"memory bandwidth (device-to-device copy, read + write): {bw / 1e9:.1f} GB/s",
              f"peak memory: {method}"]
+    keep_on_sigterm(results, records, notes)
     selfchat_table = None
     check_tables: list[Table] = []
 
@@ -863,6 +865,7 @@ def run(quick: bool = False, full: bool = False, paper: bool = False) -> Result:
             results[f"{shape}.loop_ran"] = ran["loop"]
             if "graphs" in ran:
                 results[f"{shape}.graphs_compiled"] = str(ran["graphs"])
+            decode_facts(shape, ran, results)
             if ran["loop"] != decode_loop():
                 notes.append(f"{shape}: the {decode_loop()} decode loop was asked for and the {ran['loop']} loop ran: "
                              f"{ran.get('eager_after') or ran.get('refused')}")
@@ -940,6 +943,7 @@ def run(quick: bool = False, full: bool = False, paper: bool = False) -> Result:
                 selfchat_table = selfchat(backend, p, rd, tk, sc_modes,
                                           repeats=sc_repeats, results=results, targets=targets,
                                           shape=shape, records=records)
+                decode_facts(f"{shape}.selfchat", backend.ran()["decode"], results)
                 timer.on = True
 
     for shape in shapes:
@@ -969,6 +973,24 @@ def run(quick: bool = False, full: bool = False, paper: bool = False) -> Result:
 
 NOT_A_GPU = ("not a GPU: the targets are printed but not judged; these figures are for checking the benchmark, "
              "not the GPU path.")
+
+
+def keep_on_sigterm(results: dict, records: list[dict], notes: list[str]) -> None:
+    """On SIGTERM (a lent GPU call's `timeout`), print the RESULT lines measured so far and write
+    them to GPUBENCH_JSON, then exit 124: a 10-minute call cut in its last part keeps the parts
+    before it (the tables come only at the end)."""
+    import signal
+
+    def stop(signum, frame) -> None:
+        progress("stopped by SIGTERM: the RESULT lines below and GPUBENCH_JSON hold what was measured so far")
+        for key, value in results.items():
+            print(f"RESULT {key}={value}", flush=True)
+        if out := _json_path():
+            out.write_text(json.dumps({"results": results, "records": records,
+                                       "notes": [*notes, "stopped early by SIGTERM"]}, indent=1))
+        os._exit(124)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def finish(res: Result, records: list[dict]) -> Result:
@@ -1018,6 +1040,21 @@ def pastalib_run(backend, conv, heads: dict[str, list[int]], n_new: int) -> tupl
         return out.shape[1] - n_in, out[0, n_in:].tolist()
     finally:
         model.set_attn_implementation(ATTENTION_NAME)
+
+
+def decode_facts(label: str, ran: dict, results: dict) -> None:
+    """What the compiled loop ran, as RESULT lines: the attention kernel of its decode steps (flex's
+    split-KV decoding kernel, asked for by name: a step it cannot serve fails its compile), the
+    graphs per key (batch bucket, plain or steered), graphs CUDA graphs skipped, and the held
+    caches let go for another bucket's."""
+    if "decode_kernel" in ran:
+        results[f"{label}.decode_kernel"] = ran["decode_kernel"]
+    for key in ran.get("graph_keys", []):
+        kind = "steered" if key["steered"] else "plain"
+        results[f"{label}.graphs.batch{key['batch']}.{kind}.{key['attention']}"] = str(key["graphs"])
+    for name in ("cudagraph_skips", "cache_evictions"):
+        if name in ran:
+            results[f"{label}.{name}"] = str(ran[name])
 
 
 def selfchat(backend, pairs: int, rounds: int, tokens: int, modes: dict[str, list[str]], *, repeats: int,

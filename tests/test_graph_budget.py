@@ -137,7 +137,10 @@ def test_every_steer_runs_on_the_warmed_graphs(pair) -> None:
         for rounds in (1, 3):  # longer prompts: longer caches, the same graphs
             for n in (1, 3, 8):
                 convs = _dialogs(n, rounds)
-                plain = _logprobs(_generate(dynamic, convs, [], "sdpa"))  # unsteered: once per batch
+                plain_ref = _generate(dynamic, convs, [], "sdpa")  # unsteered: once per batch
+                plain = _logprobs(plain_ref)
+                # the lean plain step: one flex pass over the filled key blocks
+                _assert_same(plain_ref, _generate(compiled, convs, [], "flex"), f"plain at batch {n}, {rounds} rounds")
                 for name, specs in NEW.items():
                     if name == "cfg" and n == 8:
                         continue  # 16 rows: a batch bucket the warm-up did not compile
@@ -173,7 +176,7 @@ def test_a_graph_past_the_budget_is_said_once_naming_the_guard(tmp_path: Path, m
     err = " ".join(capsys.readouterr().err.split())
     assert err.count("past the budget") == 1 and "size mismatch" in err, err
     ran = compiled.ran()["decode"]
-    assert ran["graphs"] == 2 and ran["graph_keys"] == [{"batch": 2, "steered": True, "bias_slots": 2,
+    assert ran["graphs"] == 2 and ran["graph_keys"] == [{"batch": 2, "steered": True, "bias_slots": 4,
                                                          "attention": "driftlab", "residual": False, "graphs": 2}]
     assert len(ran["over_budget"]) == 1 and "batch 2 steered" in ran["over_budget"][0], ran
 

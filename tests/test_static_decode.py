@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from devices import backend_device, tol
 from driftlab.chat import ChatRequest
@@ -104,7 +105,7 @@ def test_batches_round_up_to_power_of_two_buckets_and_bias_slots_to_a_few() -> N
     from driftlab.chat.static_decode import batch_bucket, bias_slots
 
     assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 32]
-    assert [bias_slots(n) for n in (0, 1, 2, 3, 4, 5)] == [2, 2, 2, 4, 4, 8]
+    assert [bias_slots(n) for n in (0, 1, 2, 3, 4, 5)] == [4, 4, 4, 4, 4, 8]
 
 
 def test_unknown_decode_mode_is_refused() -> None:
@@ -148,12 +149,13 @@ def test_static_decode_gives_the_dynamic_loops_tokens(backends, case: str, mode:
     _assert_same(ref, _run(backends[mode], specs))
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c != "plain"])
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("mode", ["static", COMPILED])
 def test_flex_static_decode_gives_the_dynamic_loops_tokens(backends, flex_kernel, case: str, mode: str) -> None:
     """The FlexAttention path in the static layout (the CUDA kernel of `--decode compiled`): the
     prefill through block masks shifted to the prompt's slots, each decode step masked in the
-    score from the state's slot tensors. The reference is the dynamic loop on the SDPA path."""
+    score from the state's slot tensors; `plain`: the lean step, one pass over the filled key
+    blocks. The reference is the dynamic loop on the SDPA path."""
     import os
 
     from driftlab.attention import engine
@@ -388,17 +390,21 @@ def test_prefix_cache_hit_fills_the_static_cache(tiny_dir: Path, backends, mode:
 
 
 def test_alternating_batch_buckets_keep_their_caches(backends) -> None:
-    """A self-chat alternates batch sizes (CFG's agent turns have twice the rows of the user's): each
-    bucket keeps its own cache, so neither is reallocated (nor its captured graphs recorded again);
-    a third bucket lets the least recently used one go."""
+    """A self-chat with CFG cycles through three batch sizes (the user's turns, the agent's, and
+    CFG's agent turns with twice the rows): each bucket keeps its own cache, so none is reallocated
+    (nor its captured graphs recorded again); a fourth bucket lets the least recently used one go,
+    counted in `ran`."""
     static = backends["static"]._static
     caches = {}
-    for convs in (CONVS, CONVS[:1], CONVS, CONVS[:1]):
+    evicted = static.evictions
+    for convs in (CONVS, CONVS[:1], CONVS * 2, CONVS, CONVS[:1], CONVS * 2):
         _run(backends["static"], [], convs=convs)
         caches.setdefault(len(convs), set()).add(id(static.cache))
-    assert {n: len(ids) for n, ids in caches.items()} == {2: 1, 1: 1}
-    _run(backends["static"], [], convs=CONVS * 2)  # bucket 4: bucket 2 (used before 1) goes
-    assert list(static._held) == [1, 4]
+    assert {n: len(ids) for n, ids in caches.items()} == {2: 1, 1: 1, 4: 1}
+    assert static.evictions == evicted
+    _run(backends["static"], [], convs=CONVS * 4)  # bucket 8: bucket 2 (used before 1 and 4) goes
+    assert list(static._held) == [1, 4, 8]
+    assert backends["static"].ran()["decode"]["cache_evictions"] == evicted + 1
 
 
 def test_guidance_rows_decode_statically(backends) -> None:
@@ -538,17 +544,18 @@ def test_inductor_compiled_step_gives_the_dynamic_loops_tokens(tiny_dir: Path, b
 
 
 # -- the real model, eager static steps ----------------------------------------------------------
-@pytest.mark.parametrize("case", ["plain", "split", "split-flex"])
+@pytest.mark.parametrize("case", ["plain", "split", "split-flex", "plain-flex"])
 def test_smollm2_static_decode_gives_the_dynamic_loops_tokens(smol_dir, smol32, case: str, request) -> None:
     """Eager static steps on the real model; `split-flex`: on the FlexAttention path (as on CUDA),
     against the dynamic loop on the SDPA path."""
     static = _SMOL.get("static") or _SMOL.setdefault(
         "static", HFChatBackend(str(smol_dir), dtype="float32", prefix_cache_bytes=0, decode="static"))
-    specs = {"plain": [], "split": ["split-softmax:k=0.6", "trace"], "split-flex": ["split-softmax:k=0.6", "trace"]}[case]
+    specs = {"plain": [], "split": ["split-softmax:k=0.6", "trace"], "split-flex": ["split-softmax:k=0.6", "trace"],
+             "plain-flex": []}[case]
     # Eager flex on a CPU materialises every step's scores: fewer tokens keep it to seconds.
-    sampling = Sampling(greedy=True, max_new_tokens=4 if case == "split-flex" else 16)
+    sampling = Sampling(greedy=True, max_new_tokens=4 if case.endswith("flex") else 16)
     ref = _run(smol32, specs, sampling=sampling)
-    if case == "split-flex":
+    if case.endswith("flex"):  # plain-flex: the lean step, SmolLM2's 9 query heads folded onto its 3 KV heads
         request.getfixturevalue("flex_kernel")
     _assert_same(ref, _run(static, specs, sampling=sampling))
 
@@ -585,6 +592,146 @@ def test_the_compiled_steered_step_reads_its_block_counts_from_graph_inputs(tiny
         block_mask = call.args[4]  # (q_len, kv_len, kv_num_blocks, kv_indices, ...)
         assert block_mask[2] in inputs and block_mask[3] in inputs, block_mask[:4]
     assert not [n for n in nodes if n.op == "call_method" and n.target == "item"]
+
+
+@torch.inference_mode()
+def _probe_step(decoder, model, batch: int, prompt: int, steered: bool) -> None:
+    """Two compiled decode steps of `batch` rows on a fresh `prompt`-token layout, built as the
+    GPU review's probe built them: the decoder's own cache and arena, a steered state laid out
+    statically (split-softmax + trace), left padding on every row but the first."""
+    import driftlab.chat.static_decode as sd
+    from driftlab.attention.state import AttentionState
+
+    cfg = model.config
+    cache = decoder.new_cache(batch, sd.cache_length(prompt + 4))
+    K = decoder.length
+    pads = [0] + [3] * (batch - 1)
+    shape = (cfg.num_hidden_layers, cfg.num_attention_heads, torch.device("cpu"))
+    if steered:
+        state = AttentionState([_iv(["split-softmax:k=0.5", "trace"]).attention()] * batch,
+                               [{"system": [(0, 6)]}] * batch, *shape)
+        state.on_layout(pads, prompt, K)
+    else:  # the lean plain step's state (hf's layout on the flex path)
+        state = AttentionState.lean_layout(pads, prompt, K, *shape)
+    state.static_layout(decoder.arena, sd.bias_slots(0))
+    torch.manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt))
+    mask = torch.ones(batch, K, dtype=torch.long)
+    for b, p in enumerate(pads):
+        mask[b, :p] = 0
+    positions = (mask[:, :prompt].cumsum(-1) - 1).clamp(min=0)
+
+    def forward(fn, tokens, pos):
+        return fn(input_ids=tokens, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                  logits_to_keep=1, **state.forward_kwargs(K)).logits
+
+    logits = forward(model, ids, positions)
+    pos = positions[:, -1:]
+    for _ in range(2):
+        pos = pos + 1
+        nxt = logits[:, -1].argmax(-1)
+        logits = decoder.run(lambda: forward(decoder.step(), nxt[:, None], pos),
+                             (batch, steered, 4 if steered else 0, "driftlab", False), print)
+
+
+def _gqa7_model():
+    """A 2-layer model with Qwen2.5-7B's head counts (28 query, 4 KV heads: a group of 7)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from driftlab.attention import engine
+
+    engine.register()
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, head_dim=16, num_hidden_layers=2,
+                      num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=4096,
+                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="driftlab").eval()
+
+
+@pytest.mark.compile
+def test_a_cache_whose_block_count_equals_another_dimension_compiles_no_second_graph(flex_kernel,
+                                                                                   monkeypatch) -> None:
+    """The GPU review's probe, as a test. Dynamo's duck shaping gives input dimensions of equal size
+    one symbol: a first compile on a cache of 512 slots has 4 key blocks, as many as the model's KV
+    heads and the bias slots, which the graph specialises, so the block count was pinned to 4 and
+    the next cache length (640: 5 blocks) compiled again. driftlab compiles without duck shaping:
+    one graph serves every cache length, at 256 slots (2 blocks: the review's tie with 2 slots) too."""
+    import driftlab.chat.static_decode as sd
+
+    monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {"backend": "aot_eager", "fullgraph": True, "dynamic": True})
+    model = _gqa7_model()
+    for first, then in ((500, 600), (200, 300)):  # 512 slots then 640; 256 then 384
+        decoder = sd.StaticDecoder(model, compiled=True)
+        torch._dynamo.reset()
+        _probe_step(decoder, model, 1, first, steered=True)
+        assert decoder.graphs == 1
+        with torch.compiler.set_stance("fail_on_recompile"):
+            _probe_step(decoder, model, 1, then, steered=True)
+        assert decoder.graphs == 1 and len(decoder.shapes) == 2 and not decoder.over_budget, decoder.ran()
+
+
+@pytest.mark.compile
+def test_a_folded_query_group_reaches_the_bias_score_mod_as_a_constant(flex_kernel, monkeypatch) -> None:
+    """Qwen2.5-7B's group of 7 query heads per KV head is folded into query rows, and the bias
+    score_mod computes a head index from it. Under dynamic shapes the cache's KV-head count was
+    symbolic, so the group reached the score_mod as a symbolic scalar input, which inductor's flex
+    lowering cannot lower (an H100, torch 2.11: "'ShapeAsConstantBuffer' object has no attribute
+    'dtype'"; the steered step fell back to eager steps). The compiled step marks the cache's head
+    dimensions static: no scalar input of the score_mod is used in its arithmetic."""
+    import driftlab.chat.static_decode as sd
+
+    used: list[str] = []
+
+    def capture(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "flex_attention" in str(node.target):
+                score_mod = getattr(gm, node.args[3].target)
+                inputs = [n for n in score_mod.graph.nodes if n.op == "placeholder"][5:]  # after score, b, h, q, kv
+                used.extend(str(n.meta.get("example_value")) for n in inputs
+                            if isinstance(n.meta.get("example_value"), torch.SymInt) and n.users)
+        return gm.forward
+
+    monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {"backend": capture, "fullgraph": True, "dynamic": True})
+    model = _gqa7_model()
+    torch._dynamo.reset()
+    _probe_step(sd.StaticDecoder(model, compiled=True), model, 2, 200, steered=True)
+    assert not used, used
+
+
+@pytest.mark.compile
+def test_cuda_options_compile_one_graph_per_batch_bucket_with_a_concrete_batch(flex_kernel, monkeypatch) -> None:
+    """CUDA's compile options (`static_batch`) on this CPU, dynamo's graphs captured: each batch
+    bucket compiles its own graph, in which every flex call's query has a concrete batch (what
+    inductor's split-KV decoding kernel needs, `flex_decoding._use_flex_decoding`), steered or
+    plain (the lean step's one pass); a longer cache still compiles nothing. CPU's options keep
+    one graph for every bucket of 2 rows or more."""
+    import driftlab.chat.static_decode as sd
+
+    batches: list[list] = []
+
+    def capture(gm, example_inputs):
+        calls = [n for n in gm.graph.nodes if n.op == "call_function" and "flex_attention" in str(n.target)]
+        batches.append([n.args[0].meta["example_value"].shape[0] for n in calls])
+        return gm.forward
+
+    cuda = {k: v for k, v in sd.COMPILE_OPTIONS["cuda"].items() if k != "mode"}
+    model = _gqa7_model()
+    for options, graphs in ((cuda, 6), (sd.COMPILE_OPTIONS["cpu"], 4)):
+        monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {**options, "backend": capture})
+        decoder, batches[:] = sd.StaticDecoder(model, compiled=True), []
+        torch._dynamo.reset()
+        for batch in (1, 2, 4):
+            for steered in (False, True):
+                _probe_step(decoder, model, batch, 200 + batch, steered)
+        assert decoder.graphs == graphs, decoder.ran()
+        steered_calls = [b for b in batches if len(b) == 2 * model.config.num_hidden_layers]
+        if options is cuda:
+            assert sorted({b for call in batches for b in call}) == [1, 2, 4], batches
+            assert all(isinstance(b, int) for call in batches for b in call), batches
+            with torch.compiler.set_stance("fail_on_recompile"):
+                _probe_step(decoder, model, 4, 600, steered=True)
+        else:
+            assert any(not isinstance(b, int) for call in steered_calls for b in call), batches
 
 
 # Extra aten ops per layer of a steered decode step over a plain one (eager static steps), for every

@@ -34,6 +34,8 @@ def steered_step(state: AttentionState, layer: int, query: torch.Tensor, key: to
                  scale: float, kernel: str) -> torch.Tensor:
     """One query per row ([B, H, 1, d]) against the static cache's keys ([B, Hkv, K, d]): the
     layer's output [B, H, 1, dv], steered by the state's tables."""
+    if state.lean:
+        return _lean(state, query, key, value, scale)
     if kernel == "flex":
         out, o_sys, pi, rest = _flex(state, layer, query, key, value, scale)
     else:
@@ -97,6 +99,23 @@ def _flex(state, layer, query, key, value, scale):
     mods = flex.DecodeMods(state.first, state.last_slot, state.bias_keys, state.bias_heads[:, :, layer], group)
     full = flex.decode_block_mask(*state.filled_blocks, mods.visible, K, group)
     sys_mask = flex.decode_block_mask(*state.system_blocks, mods.visible_system(state.system_keys), K, group)
-    out, lse_all = flex.attend_decode(query, key, value, full, mods, scale)
-    o_sys, lse_sys = flex.attend_decode(query, key, value, sys_mask, mods, scale)
+    options = flex.DECODE_KERNEL if state.decode_kernel else None
+    out, lse_all = flex.attend_decode(query, key, value, full, mods, scale, options)
+    o_sys, lse_sys = flex.attend_decode(query, key, value, sys_mask, mods, scale, options)
     return out, o_sys, *system_share(lse_all, lse_sys)
+
+
+def _lean(state, query, key, value, scale):
+    """A plain decode step of a static layout (`AttentionState.lean`): one flex pass over the filled
+    key blocks. Why not transformers' SDPA: on a static cache it needs a mask, and with a mask
+    under compile it repeats grouped K/V heads over every slot (7x Qwen2.5-7B's KV, per layer and
+    step) and reads every allocated slot; flex takes grouped heads as they are and reads only the
+    filled blocks."""
+    from driftlab.attention import flex
+
+    group = flex.fold(query, key.shape[1])
+    mods = flex.DecodeMods(state.first, state.last_slot, None, None, group)
+    full = flex.decode_block_mask(*state.filled_blocks, mods.visible, key.shape[2], group)
+    out, _ = flex.attend_decode(query, key, value, full, mods, scale, flex.DECODE_KERNEL if state.decode_kernel
+                                else None, lse=False)
+    return out

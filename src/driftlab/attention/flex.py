@@ -186,7 +186,9 @@ def decode_block_mask(blocks: torch.Tensor, order: torch.Tensor, mask_mod: Calla
 def fold(query: torch.Tensor, n_kv: int) -> int:
     """How many query heads a decode step folds into query rows per KV head: the group size when
     it is not a power of two (Qwen2.5-7B's 28/4 = 7), where flex's decoding kernel would not
-    take the grouped heads itself; 1 (no folding: `enable_gqa`) otherwise."""
+    take the grouped heads itself; 1 (no folding: `enable_gqa`) otherwise. A compiled step keeps
+    the cache's head counts static (`StaticDecoder._call`), so this is a Python int there too: the
+    bias score_mod computes a head index from it."""
     group = query.shape[1] // n_kv
     return group if group > 1 and group & (group - 1) else 1
 
@@ -219,15 +221,27 @@ class DecodeMods:
         return score
 
 
+# kernel_options of a decode step whose batch is concrete (a compiled step per batch bucket on
+# CUDA): flex's split-KV decoding kernel, asked for by name, so a shape it cannot take fails the
+# compile (and is said, and recorded) instead of running the generic kernel unnoticed.
+DECODE_KERNEL = {"BACKEND": "TRITON_DECODE"}
+
+
 def attend_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: BlockMask, mods: DecodeMods,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, kernel_options: dict | None = None, *,
+                  lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode query per row through `mask` with `mods`' key bias: ([B, H, 1, dv], natural-log
-    LSE [B, H, 1] float32). With `mods.group` > 1 the grouped query heads are query rows."""
+    LSE [B, H, 1] float32, or None without `lse`). With `mods.group` > 1 the grouped query heads
+    are query rows; a plain step (`mods.keys` None) adds no score term."""
     B, H, _, d = query.shape
     n_kv = key.shape[1]
     if mods.group > 1:
         query = query.reshape(B, n_kv, mods.group, d)
-    out, aux = _call(query, key, value, score_mod=mods.score, block_mask=mask, scale=scale,
-                     enable_gqa=query.shape[1] != n_kv, return_aux=AuxRequest(lse=True))
-    lse = aux.lse if aux.lse.dtype == torch.float32 else aux.lse.float()
-    return out.reshape(B, H, 1, out.shape[-1]), lse.reshape(B, H, 1)
+    result = _call(query, key, value, score_mod=mods.score if mods.keys is not None else None, block_mask=mask,
+                   scale=scale, enable_gqa=query.shape[1] != n_kv, kernel_options=kernel_options,
+                   return_aux=AuxRequest(lse=True) if lse else None)
+    out, aux = result if lse else (result, None)
+    out = out.reshape(B, H, 1, out.shape[-1])
+    if aux is None:
+        return out, None
+    return out, (aux.lse if aux.lse.dtype == torch.float32 else aux.lse.float()).reshape(B, H, 1)

@@ -137,6 +137,10 @@ class AttentionState:
         # every layer of a decode step runs the steered step, and pi goes to `trace_buf` [L, B, H,
         # slots] at the index held in `step`.
         self.static = False
+        # A plain decode on a static cache (`lean_layout`): only the key pattern's tensors, one pass.
+        self.lean = False
+        # The compiled step asks flex for its split-KV decoding kernel by name (a concrete batch).
+        self.decode_kernel = False
         self.trace_buf: torch.Tensor | None = None
         self.step: torch.Tensor | None = None
         self.first: torch.Tensor | None = None  # [B] each row's first real slot (its padding)
@@ -150,6 +154,17 @@ class AttentionState:
         # Copies of the state on other devices: a model spread by a device map runs each layer
         # where its weights are, and the state must meet it there (one copy per device and call).
         self._copies: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    @classmethod
+    def lean_layout(cls, pads: list[int], prompt_len: int, max_len: int, n_layers: int, n_heads: int,
+                    device: torch.device) -> AttentionState:
+        """The state of a plain decode on a static cache: no steer, only where each row's keys
+        start and which key blocks are filled, so the decode step attends over the filled blocks
+        alone (attention.decode's lean step) instead of every allocated slot."""
+        state = cls(AttentionConfig(), [{}] * len(pads), n_layers, n_heads, device)
+        state.lean = True
+        state.on_layout(pads, prompt_len, max_len)
+        return state
 
     def on(self, name: str, device: torch.device) -> torch.Tensor | None:
         """The state tensor `name` (system_keys, bias_keys, bias_heads, split_table, floor_table,
@@ -290,7 +305,7 @@ class AttentionState:
             self.bias_heads = self.bias_heads[:, index]
         self.mask_memo, self._copies = {}, {}
 
-    def static_layout(self, arena: dict[str, torch.Tensor] | None = None, bias_slots: int = 2) -> None:
+    def static_layout(self, arena: dict[str, torch.Tensor] | None = None, bias_slots: int = 4) -> None:
         """Switch to a static KV cache's layout (after `on_layout`, whose `max_len` is the cache length).
 
         Why: a compiled or CUDA-graph-captured decode step is specialised on every Python value
@@ -322,6 +337,14 @@ class AttentionState:
             return held
 
         B, K = self.system_keys.shape
+        count, every = every_block(B, K, self.device)
+        # The all-keys block mask of a decode step: its filled blocks, counted in `forward_kwargs`.
+        self.filled_blocks = (put("filled", torch.zeros_like(count)), put("every", every.contiguous()))
+        self.step = put("step", torch.zeros(1, dtype=torch.long, device=self.device))
+        self.first = put("first", torch.tensor(self.pads, dtype=torch.long, device=self.device))
+        self.last_slot = put("last_slot", torch.zeros((), dtype=torch.long, device=self.device))
+        if self.lean:
+            return
         J = max(bias_slots, 0 if self.bias_heads is None else self.bias_heads.shape[0])
         keys = torch.zeros(J, B, K, device=self.device)
         heads = torch.zeros(J, B, self.n_layers, self.n_heads, device=self.device)
@@ -334,12 +357,6 @@ class AttentionState:
         self.floor_table = put("floor_table", self.floor_table)
         self.floor_first = put("floor_first", self.floor_first)
         self.system_blocks = tuple(put(f"system_blocks.{i}", t) for i, t in enumerate(system_blocks(self.system_keys)))
-        count, every = every_block(B, K, self.device)
-        # The all-keys block mask of a decode step: its filled blocks, counted in `forward_kwargs`.
-        self.filled_blocks = (put("filled", torch.zeros_like(count)), put("every", every.contiguous()))
-        self.step = put("step", torch.zeros(1, dtype=torch.long, device=self.device))
-        self.first = put("first", torch.tensor(self.pads, dtype=torch.long, device=self.device))
-        self.last_slot = put("last_slot", torch.zeros((), dtype=torch.long, device=self.device))
         self.trace_buf = put("trace", torch.zeros(self.n_layers, B, self.n_heads, K, device=self.device))
 
     def resume(self) -> None:

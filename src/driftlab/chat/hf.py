@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from driftlab.activation.state import ResidualRow, ResidualState
+from driftlab.attention.engine import kernel_for
 from driftlab.attention.state import AttentionConfig, AttentionState
 from driftlab.chat.base import (
     Capabilities,
@@ -790,9 +791,10 @@ class HFChatBackend:
 
         calls = state._calls if state is not None else 0
         residual_calls = residual._calls if residual is not None else 0
-        slots = 0 if state is None else state.bias_heads.shape[0]
+        steered = state is not None and not state.lean
+        slots = state.bias_heads.shape[0] if steered else 0
         # One graph per key; the attention implementation too (a benchmark runs stock SDPA beside driftlab's).
-        key = (ids.shape[0], state is not None, slots, self.model.config._attn_implementation, residual is not None)
+        key = (ids.shape[0], steered, slots, self.model.config._attn_implementation, residual is not None)
         try:
             return static.run(lambda: self._forward(ids, mask, positions, cache, state, forward=static.step(),
                                                     residual=residual).clone(),
@@ -1066,7 +1068,11 @@ class _Decoding:
             length = static.length
         self.state = state = backend._state(rows(attention), rows(self.spans), rows(pads), T, length,
                                             prompts=rows(prompts))
+        if static is not None and state is None and kernel_for(backend.device) == "flex":
+            self.state = state = AttentionState.lean_layout(rows(pads), T, length, backend.shape.layers,
+                                                            backend.shape.heads, backend.device)
         if static is not None and state is not None:
+            state.decode_kernel = static.decode_kernel
             state.static_layout(static.arena, bias_slots(state.bias_heads.shape[0] if state.bias_heads is not None else 0))
         self.residual = None
         if capture or (residual is not None and any(r is not None for r in residual)):

@@ -12,11 +12,16 @@ The graph budget, per model and process: one plain graph and one steered graph p
 bucket (a batch is padded to a power of two with inert rows, `batch_bucket`), whatever the
 prompt lengths, steers, strengths, spans or head sets:
 * the cache length is a dynamic dimension (`dynamic=True`): a longer prompt gets a longer cache
-  (rounded up by `cache_length`; a shorter one reuses the cache in hand), not a new graph;
+  (rounded up by `cache_length`; a shorter one reuses the cache in hand), not a new graph. Duck
+  shaping is off, so no other dimension that happened to have the same size pins it (`_call`);
+* on CUDA the batch is concrete (`static_batch`), so each bucket gets flex's split-KV decoding
+  kernel; on a CPU the buckets of 2 rows or more share one graph;
 * the steered step reads every knob from tensors (attention.decode): a new steer is new values;
-* key biases come in head-selection slots (`bias_slots`): two hold every kind and InstABoost +
-  PASTA + a bias composed; a steer with more distinct head selections per row takes 4 (or 8),
-  a graph of its own;
+* key biases come in head-selection slots (`bias_slots`): four hold every kind, with InstABoost,
+  PASTA and two head-restricted biases composed; a steer with more distinct head selections per
+  row takes 8, a graph of its own;
+* on the FlexAttention path (CUDA) the plain step is lean too: one flex pass over the filled key
+  blocks, grouped heads as they are (attention.decode's `_lean`);
 * the residual stream's state (persona directions: projections recorded, vector and cap steers)
   is data too (activation.state): a call that carries it runs the plain or steered graph's
   variant with the layer hooks' tensors, one more graph per bucket and kind, whatever the steer.
@@ -43,6 +48,7 @@ import logging
 import os
 import re
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -62,12 +68,17 @@ DECODE_MODES: tuple[str, ...] = get_args(DecodeMode)
 # runs the later steps eagerly on the static cache, said once and recorded (`HFChatBackend.ran`).
 RECOMPILE_LIMIT = 64
 # torch.compile settings per device type; tests swap in a cheaper backend. `dynamic=True`: the
-# cache length (and the batch) are symbolic, so a new prompt length compiles nothing.
+# cache length is symbolic, so a new prompt length compiles nothing. driftlab's own key,
+# `static_batch`: the batch dimension is concrete, one graph per batch bucket, because inductor
+# picks flex's split-KV decoding kernel only for a concrete batch (`flex_decoding._use_flex_decoding`);
+# on a CPU one graph serves every bucket of 2 rows or more (fewer compiles, no such kernel).
 COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
-    "cuda": {"mode": "reduce-overhead", "fullgraph": True, "dynamic": True},
+    "cuda": {"mode": "reduce-overhead", "fullgraph": True, "dynamic": True, "static_batch": True},
     "cpu": {"fullgraph": True, "dynamic": True},
 }
-BIAS_SLOTS = 2  # head-selection slots of key biases in a steered graph (see the module docstring)
+# Head-selection slots of key biases in a steered graph: a fixed count, so InstABoost, PASTA and a
+# head-restricted bias composed share the graph of every other steer (see the module docstring).
+BIAS_SLOTS = 4
 
 
 def auto_decode(device: torch.device) -> str:
@@ -109,12 +120,15 @@ def bias_slots(n: int) -> int:
 
 def compile_cache_dir() -> Path:
     """Where compiled code persists: driftlab's cache, one directory per versions of torch,
-    transformers and driftlab (inductor's own keys tell graphs, shapes, dtypes and devices apart)."""
-    from importlib.metadata import version
+    transformers and driftlab (inductor's own keys tell graphs, shapes, dtypes and devices apart).
+    The versions are the imported modules' own: a checkout on PYTHONPATH has no installed metadata."""
+    import transformers
 
+    import driftlab
     from driftlab.assets.store import cache_root
 
-    tag = "-".join(f"{name}{version(name)}" for name in ("torch", "transformers", "driftlab"))
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "driftlab": driftlab.__version__}
+    tag = "-".join(f"{name}{v}" for name, v in versions.items())
     return cache_root() / "compile" / tag.replace("+", "_")
 
 
@@ -177,12 +191,15 @@ class StaticDecoder:
 
     Reusing them keeps the addresses a captured CUDA graph reads, so a call of a bucket in hand
     whose prompt fits its cache replays the graphs recorded for it instead of recording new ones.
-    Two buckets are kept because a self-chat alternates them (CFG's agent turns have twice the
-    rows of the user's turns): one cache would be reallocated, and its graphs recorded again, at
-    every call. A longer prompt replaces its bucket's cache with a longer one.
+    Three buckets are kept because a self-chat with CFG cycles through three (the user's turns,
+    the agent's, and CFG's agent turns with twice the rows): fewer, and caches would be
+    reallocated, and their graphs recorded again, inside the run. The memory budget: a held cache
+    is let go (least recently used first) when a new one would not fit in the device's free
+    memory otherwise; `ran` counts these evictions. A longer prompt replaces its bucket's cache
+    with a longer one.
     """
 
-    KEEP_CACHES = 2
+    KEEP_CACHES = 3
 
     def __init__(self, model: Any, compiled: bool) -> None:
         self.model = model
@@ -191,6 +208,8 @@ class StaticDecoder:
         # batch bucket -> (cache length, cache, arena), the most recently used last
         self._held: OrderedDict[int, tuple[int, Any, dict[str, torch.Tensor]]] = OrderedDict()
         self._batch: int | None = None  # the bucket of the current call
+        self.static_batch = False  # each batch bucket its own graph (COMPILE_OPTIONS' static_batch)
+        self._marked: weakref.WeakSet = weakref.WeakSet()  # caches whose fixed dimensions are marked static
         # What ran, for the run's manifest and the benchmark's labels (`ran`): graphs dynamo
         # compiled for the step, per graph key (batch bucket, steered, bias slots, attention); the
         # (batch, cache length) shapes decoded; compile seconds and inductor cache hits / misses;
@@ -202,6 +221,8 @@ class StaticDecoder:
         self.cache_hits = self.cache_misses = 0
         self.over_budget: list[str] = []
         self.eager_reason: str | None = None
+        self.evictions = 0  # held caches let go for another bucket's (KEEP_CACHES or the memory budget)
+        self.cudagraph_skips = 0  # compiled graphs inductor did not capture in a CUDA graph
 
     def ran(self) -> dict[str, Any]:
         """The loop that decoded: `compiled` (with the graphs compiled, their keys, compile
@@ -214,6 +235,10 @@ class StaticDecoder:
                                     "graphs": n} for (b, s, j, a, r), n in sorted(self.per_key.items())]
             facts["compile_s"] = round(self.compile_s, 2)
             facts["compile_cache"] = {"hits": self.cache_hits, "misses": self.cache_misses}
+            facts["cudagraph_skips"] = self.cudagraph_skips
+            if self.decode_kernel:
+                facts["decode_kernel"] = "flex_decoding (split over keys)"
+        facts["cache_evictions"] = self.evictions
         if self.over_budget:
             facts["over_budget"] = list(self.over_budget)
         if self.eager_reason:
@@ -235,11 +260,30 @@ class StaticDecoder:
             return held[1]
         self.shapes.add((batch, length))
         self._held.pop(batch, None)  # free the old caches before allocating the new one
-        while len(self._held) >= self.KEEP_CACHES:
+        need = self._cache_bytes(batch, length)
+        while self._held and (len(self._held) >= self.KEEP_CACHES or not self._fits(need)):
             self._held.popitem(last=False)
+            self.evictions += 1
         cache = StaticCache(config=self.model.config, max_cache_len=length)
         self._held[batch] = (length, cache, {})
         return cache
+
+    def _cache_bytes(self, batch: int, length: int) -> int:
+        """Bytes of the keys and values of a static cache of `batch` rows and `length` slots."""
+        cfg = self.model.config.get_text_config(decoder=True)
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return 2 * cfg.num_hidden_layers * batch * heads * length * head_dim * self.model.dtype.itemsize
+
+    def _fits(self, need: int) -> bool:
+        """Whether `need` bytes fit in the device's free memory (and the allocator's free blocks),
+        with a margin for the step's activations; a CPU always says yes."""
+        device = self.model.device
+        if device.type != "cuda":
+            return True
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return need * 1.25 <= free
 
     @property
     def cache(self) -> Any:
@@ -256,6 +300,17 @@ class StaticDecoder:
         """The key slots of the current call's cache."""
         return self._held[self._batch][0]
 
+    def _options(self) -> dict[str, Any]:
+        """torch.compile's options on this model's device, and driftlab's `static_batch`."""
+        return dict(COMPILE_OPTIONS.get(self.model.device.type, COMPILE_OPTIONS["cpu"]))
+
+    @property
+    def decode_kernel(self) -> bool:
+        """Whether compiled steps ask flex for its split-KV decoding kernel by name: on CUDA with a
+        concrete batch, where inductor can always give it (a miss then fails the compile, said and
+        recorded, instead of running the generic kernel)."""
+        return self.compiled and self.model.device.type == "cuda" and bool(self._options().get("static_batch"))
+
     def step(self) -> Any:
         """The forward function of one decode step: `model.forward`, compiled in `compiled` mode."""
         if not self.compiled:
@@ -265,18 +320,32 @@ class StaticDecoder:
             if limit is not None and limit < RECOMPILE_LIMIT:
                 torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
             use_compile_cache()
-            options = COMPILE_OPTIONS.get(self.model.device.type, COMPILE_OPTIONS["cpu"])
+            options = self._options()
+            self.static_batch = options.pop("static_batch", False)
             compiled = torch.compile(self.model.forward, **options)
-
-            def step(*args, **kwargs):
-                # Python floats (a layer's scaling, a norm's epsilon) as constants: under dynamic=True
-                # dynamo would make them graph inputs read with .item(), CPU scalars that keep a step
-                # out of CUDA graphs. Only shapes are meant to be dynamic.
-                with torch._dynamo.config.patch(specialize_float=True):
-                    return compiled(*args, **kwargs)
-
-            self._step = step
+            self._step = lambda *args, **kwargs: self._call(compiled, args, kwargs)
         return self._step
+
+    def _call(self, compiled: Callable, args: tuple, kwargs: dict) -> Any:
+        """One call of the compiled forward, traced on driftlab's terms:
+        * Python floats (a layer's scaling, a norm's epsilon) as constants: under dynamic=True
+          dynamo would make them graph inputs read with .item(), CPU scalars that keep a step out
+          of CUDA graphs. Only shapes are meant to be dynamic.
+        * No duck shaping: dynamo would give one symbol to input dimensions equal at compile time,
+          so a dimension the graph specialises (the bias slots' count, a head count) would pin
+          another that merely had the same size (the cache's key blocks), and the next cache length
+          would compile again.
+        * The cache's head counts and head size static (`_mark_cache`), and with `static_batch`
+          the rows' dimension too (the rest follows from these)."""
+        from torch.fx.experimental import _config as fx_config
+
+        self._mark_cache(kwargs.get("past_key_values"))
+        if self.static_batch:
+            for name in ("input_ids", "attention_mask", "position_ids"):
+                if isinstance(kwargs.get(name), torch.Tensor):
+                    torch._dynamo.mark_static(kwargs[name], 0)
+        with torch._dynamo.config.patch(specialize_float=True), fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
 
     def run(self, forward: Callable[[], torch.Tensor], key: tuple[int, bool, int, str, bool],
             say: Callable[[str], None]) -> torch.Tensor:
@@ -286,13 +355,14 @@ class StaticDecoder:
         `over_budget`."""
         from torch._dynamo.utils import counters, guard_failures
 
-        graphs = counters["stats"]["unique_graphs"]
+        graphs, skips = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
         hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
         failed = {code: len(reasons) for code, reasons in guard_failures.items()}
         start = time.perf_counter()
         try:
             return forward()
         finally:
+            self.cudagraph_skips += counters["inductor"]["cudagraph_skips"] - skips
             new = counters["stats"]["unique_graphs"] - graphs
             if new:
                 seconds = time.perf_counter() - start
@@ -301,6 +371,24 @@ class StaticDecoder:
                 if self.per_key[key] > 1:
                     reasons = [r for code, rs in guard_failures.items() for r in rs[failed.get(code, 0):]]
                     self._over_budget(key, reasons, say)
+
+    def _mark_cache(self, cache: Any) -> None:
+        """Mark a static cache's KV-head and head-size dimensions static (and its rows, with
+        `static_batch`), once per cache: only its length is meant to be dynamic. Why: under
+        `dynamic=True` a symbolic KV-head count makes the query-head group symbolic; a folded group
+        (Qwen2.5-7B's 7) read by the bias score_mod then reaches inductor's flex lowering as a shape
+        buffer it cannot lower (an H100, torch 2.11: "'ShapeAsConstantBuffer' object has no
+        attribute 'dtype'"), and flex's decoding kernel needs the group to be a known power of two."""
+        if cache is None or cache in self._marked:
+            return
+        layers = [t for layer in getattr(cache, "layers", []) for t in (getattr(layer, "keys", None),
+                                                                        getattr(layer, "values", None))]
+        if not layers or any(not isinstance(t, torch.Tensor) for t in layers):
+            return  # not laid out yet (transformers allocates a layer on its first update)
+        for t in layers:
+            for dim in (1, 3, *((0,) if self.static_batch else ())):
+                torch._dynamo.mark_static(t, dim)
+        self._marked.add(cache)
 
     def _compiled(self, key: tuple[int, bool, int, str, bool], new: int, seconds: float, hits: int, misses: int) -> None:
         self.graphs += new
