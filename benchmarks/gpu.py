@@ -110,7 +110,11 @@ Settings (environment variables; run.py takes no others):
                         auto (default: compiled on CUDA, dynamic on a CPU), dynamic, static or
                         compiled (static cache + torch.compile: CUDA graphs on a GPU). RESULT
                         <shape>.loop_ran says which loop really decoded (a fallback is also a note)
-                        and <shape>.graphs_compiled how many graphs a compiled step compiled.
+                        and <shape>.graphs_compiled how many graphs a compiled step compiled;
+                        <shape>.graphs.batch<B>.<plain|steered>.<attention> per batch bucket,
+                        <shape>.decode_kernel the attention kernel asked for (CUDA: flex's
+                        split-KV decoding kernel), <shape>.cudagraph_skips and
+                        <shape>.cache_evictions (also for .selfchat and paper).
   GPUBENCH_PAPER_MODES  --paper: comma list of modes (default plain,split)
   GPUBENCH_PAPER_BATCH  --paper: conversations per batch (default 16 on CUDA, 4 on a CPU)
 """
