@@ -108,6 +108,24 @@ def test_batches_round_up_to_power_of_two_buckets_and_bias_slots_to_a_few() -> N
     assert [bias_slots(n) for n in (0, 1, 2, 3, 4, 5)] == [4, 4, 4, 4, 4, 8]
 
 
+def test_the_compile_cache_of_a_checkout_without_installed_metadata(monkeypatch) -> None:
+    """driftlab run from a source tree on PYTHONPATH (as on the lent GPU machine) has no installed
+    metadata: its compile cache is tagged `checkout` (the first H100 call died here)."""
+    import importlib.metadata as md
+
+    from driftlab.chat.static_decode import compile_cache_dir
+
+    real = md.version
+
+    def version(name: str) -> str:
+        if name == "driftlab":
+            raise md.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(md, "version", version)
+    assert compile_cache_dir().name.endswith("-driftlabcheckout")
+
+
 def test_unknown_decode_mode_is_refused() -> None:
     from pydantic import ValidationError
 

@@ -121,14 +121,18 @@ def bias_slots(n: int) -> int:
 def compile_cache_dir() -> Path:
     """Where compiled code persists: driftlab's cache, one directory per versions of torch,
     transformers and driftlab (inductor's own keys tell graphs, shapes, dtypes and devices apart).
-    The versions are the imported modules' own: a checkout on PYTHONPATH has no installed metadata."""
-    import transformers
+    A package with no installed metadata (a checkout on PYTHONPATH) is tagged `checkout`."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    import driftlab
     from driftlab.assets.store import cache_root
 
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "driftlab": driftlab.__version__}
-    tag = "-".join(f"{name}{v}" for name, v in versions.items())
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "checkout"
+
+    tag = "-".join(f"{name}{installed(name)}" for name in ("torch", "transformers", "driftlab"))
     return cache_root() / "compile" / tag.replace("+", "_")
 
 
