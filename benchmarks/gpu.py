@@ -251,6 +251,14 @@ def compile_seconds(backend) -> float:
     return float(backend.ran()["decode"].get("compile_s", 0.0))
 
 
+def wanted_loop(device: torch.device) -> str:
+    """The loop GPUBENCH_LOOP asks for on `device` (`auto` resolved as the backend resolves it), so
+    that a note says only when another one ran."""
+    from driftlab.chat.static_decode import auto_decode
+
+    return auto_decode(device) if decode_loop() == "auto" else decode_loop()
+
+
 def decode_loop() -> str:
     """GPUBENCH_LOOP: the decode loop driftlab's backend runs (see the module docstring)."""
     loop = os.environ.get("GPUBENCH_LOOP", "auto")
@@ -870,7 +878,7 @@ def run(quick: bool = False, full: bool = False, paper: bool = False) -> Result:
             if "graphs" in ran:
                 results[f"{shape}.graphs_compiled"] = str(ran["graphs"])
             decode_facts(shape, ran, results)
-            if ran["loop"] != decode_loop():
+            if ran["loop"] != wanted_loop(device):
                 notes.append(f"{shape}: the {decode_loop()} decode loop was asked for and the {ran['loop']} loop ran: "
                              f"{ran.get('eager_after') or ran.get('refused')}")
             for c in contexts:
@@ -985,7 +993,11 @@ def keep_on_sigterm(results: dict, records: list[dict], notes: list[str]) -> Non
     before it (the tables come only at the end)."""
     import signal
 
+    main = os.getpid()
+
     def stop(signum, frame) -> None:
+        if os.getpid() != main:  # a forked compile worker inherits the handler and gets the group's signal
+            os._exit(124)
         progress("stopped by SIGTERM: the RESULT lines below and GPUBENCH_JSON hold what was measured so far")
         for key, value in results.items():
             print(f"RESULT {key}={value}", flush=True)
@@ -1061,6 +1073,11 @@ def decode_facts(label: str, ran: dict, results: dict) -> None:
             results[f"{label}.{name}"] = str(ran[name])
 
 
+def _slug(name: str) -> str:
+    """A self-chat variant's key in the RESULT lines: `naive` or the mode."""
+    return "naive" if name.startswith("naive") else name.removeprefix("batched: ")
+
+
 def selfchat(backend, pairs: int, rounds: int, tokens: int, modes: dict[str, list[str]], *, repeats: int,
              results: dict, targets: Table, shape: str, records: list) -> Table:
     """Batched self-chat tokens/s per mode (driftlab's protocol, prefix reuse on) vs a naive loop."""
@@ -1078,10 +1095,15 @@ def selfchat(backend, pairs: int, rounds: int, tokens: int, modes: dict[str, lis
 
     variants = [("naive loop (batch 1, no prefix reuse, plain)", 1, False, [])] + [
         (f"batched: {m}", 32, True, specs) for m, specs in modes.items()]
-    for _, b, c, specs in variants:  # warm-up with the timed shapes, so that no compile lands in the timing
-        once(b, c, specs)
+    for name, b, c, specs in variants:  # warm-up with the timed shapes, so that no compile lands in the timing
+        compiling = compile_seconds(backend)
+        spent = once(b, c, specs)[0]
+        compiling = compile_seconds(backend) - compiling
+        progress(f"{shape} self-chat: {name} warm-up {spent:.1f} s ({compiling:.1f} s compiling)")
+        results[f"{shape}.selfchat.{_slug(name)}.warmup_s"] = f"{spent:.1f}"  # kept if a timeout cuts the run
     best: dict[str, tuple[float, int, int]] = {}
     for r in range(repeats):
+        progress(f"{shape} self-chat: timed round {r + 1} of {repeats}")
         for name, b, c, specs in variants[r % len(variants):] + variants[: r % len(variants)]:
             got = once(b, c, specs)
             if name not in best or got[0] < best[name][0]:
@@ -1097,7 +1119,7 @@ def selfchat(backend, pairs: int, rounds: int, tokens: int, modes: dict[str, lis
     for name, (s, n_rec, n_tok) in best.items():
         table.rows.append([name, f"{s:.2f}", n_rec, n_tok, f"{tps[name]:.1f}", fmt_x(tps[name] / tps[naive_name]),
                            fmt_x(tps[name] / tps[plain_name])])
-        slug = "naive" if name == naive_name else name.removeprefix("batched: ")
+        slug = _slug(name)
         results[f"{shape}.selfchat.{slug}.tok_s"] = f"{tps[name]:.1f}"
         results[f"{shape}.selfchat.{slug}.vs_naive"] = f"{tps[name] / tps[naive_name]:.3f}"
         records.append({"shape": shape, "selfchat": slug, "s": s, "records": n_rec, "tokens": n_tok,

@@ -100,6 +100,7 @@ def test_selfchat_and_targets(bench):
     out, r, data = bench
     for mode in ["naive", "plain", "trace", "split", "instaboost", "pasta", "composed", "bias", "cfg", "spr"]:
         assert float(r[f"tiny.selfchat.{mode}.tok_s"]) > 0, mode
+        assert float(r[f"tiny.selfchat.{mode}.warmup_s"]) > 0, mode  # what a cut GPU call keeps of this part
     assert "n/a (not a GPU)" in out
     assert not re.search(r"│ (met|missed)\s+│", out)  # no target judged on a CPU
     assert {rec["variant"] for rec in data["records"] if "variant" in rec} >= set(MODES)
