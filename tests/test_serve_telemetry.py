@@ -92,7 +92,7 @@ def test_the_openai_client_reads_telemetry_from_extra_body(server) -> None:
 def test_without_a_system_prompt_pi_is_null_and_bad_requests_are_one_line_422s(server) -> None:
     url, backend = server
     bare = ask(url, backend, messages=DIALOG[1:], driftlab={"telemetry": True}).json()["driftlab"]["telemetry"]
-    assert bare == {"rounds": 2, "pi": None, "projection": None}
+    assert bare == {"rounds": 2, "pi": None, "projection": None, "gate": None}
     for value in ("yes", 1, {"layers": "yes"}, {"per_layer": True}):
         r = ask(url, backend, driftlab={"telemetry": value})
         assert r.status_code == 422 and r.json()["error"]["param"].startswith("driftlab.telemetry"), (value, r.text)
@@ -149,3 +149,37 @@ def test_prompt_labels_are_short_hashes_bounded_in_number() -> None:
     a, b = labels("A"), labels("B")
     assert len(a) == 12 and a != b and labels("A") == a
     assert labels("C") == OTHER and labels(None) == "none" and labels("B") == b
+
+
+STEER = "instaboost:m=20"
+
+
+def test_when_drifting_steers_a_drifted_conversation_and_not_a_first_turn(server) -> None:
+    """`when-drifting:r=R` over HTTP: a reply is the always-on steer's where pi_t / pi_1 < R (the
+    ratio the backend computes), else plain's; a first turn (ratio 1) is never steered; the
+    decision is in the reply without telemetry and counted in /metrics."""
+    url, backend = server
+    steer = Interventions.parse([STEER])
+    on, plain = local(backend, steer=steer), local(backend)
+    assert on.token_ids != plain.token_ids  # the steer changes this reply, so the comparison has teeth
+    ratio = backend.drift_ratio(backend.render(DIALOG, interventions=Interventions.parse([STEER, "when-drifting:r=1"])))
+    assert 0 < ratio < 1  # the second turn reads its system prompt less than the first did
+    label = PromptLabels(1)(FRENCH)
+    before = scrape(url)
+    for r, steered in ((1.0, True), (ratio / 2, False)):
+        out = ask(url, backend, driftlab={"steer": [STEER, f"when-drifting:r={r}"]}).json()
+        gate = out["driftlab"]["gate"]
+        assert gate["steered"] is steered and gate["pi_ratio"] == pytest.approx(ratio, abs=1e-5), out
+        text = out["choices"][0]["message"]["content"]
+        assert text == (on.text if steered else plain.text)
+    after = scrape(url)
+    for steered in ("true", "false"):
+        key = f'driftlab_gate_decisions_total{{prompt="{label}",steered="{steered}"}}'
+        assert after[key] - before.get(key, 0) == 1
+    first = ask(url, backend, messages=DIALOG[:2], driftlab={"steer": [STEER, "when-drifting:r=1"]}).json()
+    assert first["driftlab"]["gate"] == {"r": 1.0, "pi_ratio": 1.0, "steered": False}
+    for messages, path in ((DIALOG[1:], "chat/completions"), (None, "completions")):
+        body = {"model": backend.name, "max_tokens": 2, "driftlab": {"steer": [STEER, "when-drifting:r=0.9"]},
+                **({"messages": messages} if messages else {"prompt": "Hi"})}
+        r = post(f"{url}/v1/{path}", json=body)
+        assert r.status_code == 422 and "when-drifting" in r.json()["error"]["message"], r.text

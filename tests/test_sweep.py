@@ -331,11 +331,26 @@ def test_sweep_config_records_the_turn_counting_and_refuses_a_dialog_too_short()
     assert SweepConfig(rounds=1, mmlu_turn=2).mmlu(None).round == 2
     assert SweepConfig.LEGACY == {"mmlu_turn_counting": "round", "mmlu_history": "selfchat", "mmlu_ties": "first",
                                   "mmlu_histories": 1, "probe_after": "user", "probe_tokens": "turn",
-                                  "benchmark": "mmlu", "benchmark_include": None, "benchmark_n": None}
+                                  "benchmark": "mmlu", "benchmark_include": None, "benchmark_n": None,
+                                  "when_drifting": None}
     with pytest.raises(ValueError, match="MMLU over 3 dialogs needs as many persona pairs; the sweep has 2"):
         SweepConfig(pair_ids=paper_pairs()[:2], mmlu_histories=3)
     assert SweepConfig(mmlu_histories=5, mmlu_ties="first").mmlu(None).model_dump(include={"histories", "ties"}) == {
         "histories": 5, "ties": "first"}
+
+
+def test_when_drifting_gates_every_steered_point_and_refuses_batch_wide_ones():
+    """`--when-drifting R`: each steered point's self-chat and MMLU run under `when-drifting:r=R`;
+    plain stays plain; CFG and SPR, which act on a whole batch, are refused before any work."""
+    cfg = SweepConfig(grid={"instaboost": ["instaboost:m=10"]}, when_drifting=0.5)
+    (_, plain), (_, point) = cfg.points()
+    assert cfg.selfchat(plain).steer.specs() == [] and cfg.mmlu(plain).steer.specs() == []
+    assert cfg.selfchat(point).steer.specs() == cfg.mmlu(point).steer.specs() == ["instaboost:m=10.0",
+                                                                                 "when-drifting:r=0.5"]
+    assert SweepConfig(grid={"instaboost": ["instaboost:m=10"]}).selfchat(point).steer.specs() == ["instaboost:m=10.0"]
+    for method, spec in (("cfg", "cfg:alpha=2"), ("spr", "spr:p=0.5")):
+        with pytest.raises(ValueError, match=f"and {method} acts on the whole batch"):
+            SweepConfig(grid={method: [spec]}, when_drifting=0.5)
 
 
 @pytest.mark.model

@@ -267,6 +267,7 @@ class HFChatBackend:
         self.capabilities.require(self.name, iv)
         convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in request.conversations]
         rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
+        ivs, gates = self._gated(rendered, iv)
         seeds, store = request.row_seeds(), request.cache_store
         alpha = iv.guidance()
         if alpha is not None:
@@ -275,9 +276,10 @@ class HFChatBackend:
                          replace(self.render(_without_system(c), interventions=iv), system_span=None) for c in convs]
             seeds, store = seeds * 2, (list(store) * 2 if store is not None else None)
         # CFG's unconditional twins have no system prompt, hence no persona to steer towards.
-        residual = self.residual_rows([_system_of(c) for c in convs], iv) + [None] * (len(rendered) - len(convs))
+        residual = self._residual_of(convs, iv, ivs) + [None] * (len(rendered) - len(convs))
+        ivs += [iv] * (len(rendered) - len(ivs))  # CFG's twins (a gate refuses CFG)
         replies = self._decode(
-            [r.ids for r in rendered], request.sampling, seeds=seeds, interventions=[iv] * len(rendered),
+            [r.ids for r in rendered], request.sampling, seeds=seeds, interventions=ivs, gates=gates,
             spans=[r.spans() for r in rendered], cache_store=store, guidance=alpha, residual=residual,
             logprobs=request.logprobs, on_token=request.on_token, cancelled=request.cancelled,
             on_logprob=request.on_logprob,
@@ -301,10 +303,11 @@ class HFChatBackend:
                                 "log-probs, and cannot bring CFG's twin rows.")
         convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in more.conversations]
         rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
+        ivs, gates = self._gated(rendered, iv)
         return _Decoding(self, [r.ids for r in rendered], more.sampling, seeds=more.row_seeds(),
-                         interventions=[iv] * len(rendered), spans=[r.spans() for r in rendered],
+                         interventions=ivs, gates=gates, spans=[r.spans() for r in rendered],
                          cache_store=more.cache_store, guidance=None, logprobs=more.logprobs, on_finish=None,
-                         residual=self.residual_rows([_system_of(c) for c in convs], iv),
+                         residual=self._residual_of(convs, iv, ivs),
                          row_max_tokens=more.row_max_tokens)
 
     def generate_activations(self, request: ChatRequest) -> tuple[list[Reply], torch.Tensor]:
@@ -318,10 +321,10 @@ class HFChatBackend:
                                 hint="Compute activations without --steer cfg.")
         convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in request.conversations]
         rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
+        ivs, gates = self._gated(rendered, iv)
         return self._decode([r.ids for r in rendered], request.sampling, seeds=request.row_seeds(),
-                            interventions=[iv] * len(rendered), spans=[r.spans() for r in rendered],
-                            cache_store=request.cache_store, residual=self.residual_rows(
-                                [_system_of(c) for c in convs], iv), capture=True)
+                            interventions=ivs, gates=gates, spans=[r.spans() for r in rendered],
+                            cache_store=request.cache_store, residual=self._residual_of(convs, iv, ivs), capture=True)
 
     @torch.inference_mode()
     def project_prompts(self, prompts: Sequence[Rendered], systems: Sequence[str | None], *,
@@ -357,12 +360,24 @@ class HFChatBackend:
 
     def check_steer(self, conversation: Conversation, interventions: Interventions) -> None:
         """One-line errors, before any work, for a conversation a steer cannot act on: a vector or cap
-        steer without a direction for its system prompt, a pi floor without a system prompt or first
-        turn. What a server asks of each request, so that one request never fails a batch."""
+        steer without a direction for its system prompt, a pi floor or `when-drifting` without a system
+        prompt or first turn. What a server asks of each request, so that one request never fails a batch."""
         self.residual_rows([_system_of(conversation)], interventions)
-        if "pi-floor" in interventions.kinds:
+        if interventions.kinds & {"pi-floor", "when-drifting"}:
             rendered = self.render(interventions.model_view(conversation), interventions=interventions)
-            self._floors([interventions.attention()], [rendered.spans()], [rendered.ids], check_only=True)
+            if "pi-floor" in interventions.kinds:
+                self._floors([interventions.attention()], [rendered.spans()], [rendered.ids], check_only=True)
+            if "when-drifting" in interventions.kinds:
+                _first_turn_end(rendered.spans())
+
+    def _residual_of(self, convs, iv: Interventions, ivs: Sequence[Interventions]) -> list[ResidualRow | None]:
+        """Each conversation's residual state under its own interventions (`_gated`: a row the gate
+        leaves plain is only monitored), after the request's one-line errors for every row."""
+        systems = [_system_of(c) for c in convs]
+        rows = self.residual_rows(systems, iv)
+        if all(v is iv for v in ivs):
+            return rows
+        return [self.residual_rows([system], v)[0] for system, v in zip(systems, ivs, strict=True)]
 
     def residual_rows(self, systems: Sequence[str | None], interventions: Interventions) -> list[ResidualRow | None]:
         """Each row's residual-stream state, from its system prompt: its persona's direction (or the
@@ -457,7 +472,7 @@ class HFChatBackend:
         else:
             clean, emphasis = strip_emphasis(conversation, marker)
             rendered = self.renderer.render(clean, add_generation_prompt, emphasis=emphasis)
-        if interventions is not None and "pi-floor" in interventions.kinds:  # the floor's reference turn
+        if interventions is not None and interventions.kinds & {"pi-floor", "when-drifting"}:  # their reference turn
             rendered = replace(rendered, first_turn=self.renderer.first_turn(conversation, rendered.ids))
         return rendered
 
@@ -480,6 +495,8 @@ class HFChatBackend:
         if len(contexts) != len(continuations):
             raise DriftlabError(f"{len(contexts)} contexts but {len(continuations)} continuations.")
         self.capabilities.require(self.name, interventions)
+        if (gated := interventions.gated()) is not None:  # each context scored under its own decision
+            return self._gated_loglikelihood(contexts, continuations, interventions, gated[1:], batch_size)
         if "trace" in interventions.kinds:
             interventions = interventions.without("trace")  # nothing to return a trace in
         alpha = interventions.guidance()
@@ -524,6 +541,23 @@ class HFChatBackend:
                     picked = lp.gather(-1, target[:, None])[:, 0]
                     out[i] = LogLikelihood(float(picked.sum()), n, bool((lp.argmax(-1) == target).all()))
         return [out[i] for i in range(len(rows))]
+
+    def _gated_loglikelihood(self, contexts, continuations, interventions: Interventions,
+                             halves: tuple[Interventions, Interventions], batch_size: int) -> list[LogLikelihood]:
+        """`loglikelihood` under `when-drifting`: the contexts whose conversation has drifted are
+        scored under the steer, the others under its off half, as a reply to them would be made."""
+        for i, conv in enumerate(contexts):
+            validate_conversation(conv, i)
+        rendered = [self.render(interventions.model_view(c), interventions=interventions) for c in contexts]
+        steered = [self.drift_ratio(r) < interventions.get("when-drifting").r for r in rendered]
+        out: dict[int, LogLikelihood] = {}
+        for iv, flag in zip(halves, (True, False), strict=True):
+            rows = [i for i, s in enumerate(steered) if s is flag]
+            if rows:
+                scored = self.loglikelihood([contexts[i] for i in rows], [continuations[i] for i in rows], iv,
+                                            batch_size=batch_size)
+                out.update(zip(rows, scored, strict=True))
+        return [out[i] for i in range(len(contexts))]
 
     def _teacher_forced(self, rows, spans, interventions: Interventions, keep: int, n_cont,
                         residual: Sequence[ResidualRow | None] | None = None) -> torch.Tensor:
@@ -571,6 +605,9 @@ class HFChatBackend:
             raise DriftlabError(f"{len(rows)} interventions given for {len(prompts)} prompts.")
         for iv in rows:
             self.capabilities.require(self.name, iv)
+            if "when-drifting" in iv.kinds:
+                raise DriftlabError("when-drifting compares a conversation's turns, which token prompts do not mark.",
+                                    hint="Use generate() with conversations for when-drifting.")
             if iv.guidance() is not None:
                 raise DriftlabError("cfg decodes each conversation beside a copy without its system prompt, "
                                     "which token prompts do not carry.", hint="Use generate() for cfg.")
@@ -600,6 +637,7 @@ class HFChatBackend:
         residual: Sequence[ResidualRow | None] | None = None,
         capture: bool = False,
         admit: Callable[[], _Decoding | None] | None = None,
+        gates: Sequence[dict | None] | None = None,
     ) -> list[Reply] | tuple[list[Reply], torch.Tensor]:
         """The core decode loop over token prompts, with each row's interventions.
 
@@ -621,12 +659,13 @@ class HFChatBackend:
         row's mean hidden state per layer over the positions that generated its reply ([B, L, d]).
         `admit()`, asked between steps while the batch can take rows (`_Decoding.admissible`), gives
         prefilled rows that join it (continuous batching); they are rows len(prompts), ... on.
+        `gates[b]` is row b's `when-drifting` decision, handed to its reply (`Reply.gate`).
         """
         if not prompts:
             return ([], torch.zeros(0)) if capture else []
         run = _Decoding(self, prompts, sampling, seeds=seeds, interventions=interventions, spans=spans,
                         cache_store=cache_store, guidance=guidance, logprobs=logprobs, on_finish=on_finish,
-                        residual=residual, capture=capture, row_max_tokens=row_max_tokens)
+                        residual=residual, capture=capture, row_max_tokens=row_max_tokens, gates=gates)
         while True:  # every row ends by its token limit
             if cancelled is not None and run.cancel(cancelled):
                 break
@@ -742,6 +781,33 @@ class HFChatBackend:
                 values[b] = config.pi_floor * self._pi_first(tuple(prompts[b][:end]), row_spans, config)
             first[b] = end
         return values, first
+
+    def _gated(self, rendered: Sequence[Rendered], iv: Interventions) -> tuple[list[Interventions], list[dict | None]]:
+        """Each row's interventions under `when-drifting:r=R` (the steer where pi_t < R pi_1, else
+        its trace only) and the decision (`Reply.gate`); `iv` for every row without a gate."""
+        gated = iv.gated()
+        if gated is None:
+            return [iv] * len(rendered), [None] * len(rendered)
+        r, on, off = gated
+        ivs, gates = [], []
+        for row in rendered:
+            ratio = self.drift_ratio(row)
+            ivs.append(on if ratio < r else off)
+            gates.append({"r": r, "pi_ratio": round(ratio, 6), "steered": ratio < r})
+        return ivs, gates
+
+    def drift_ratio(self, rendered: Rendered) -> float:
+        """pi_t / pi_1 of a rendered conversation: the attention mass on its system prompt at its
+        last token (where the next reply starts) over that at its first turn's last token, each
+        the mean over layers and heads of plain attention (1 at the first turn; lower: drifted).
+        What `when-drifting` decides by; the first turn's pi is kept, so a dialog pays one traced
+        prefill a turn."""
+        spans = rendered.spans()
+        end = _first_turn_end(spans)
+        plain = AttentionConfig()
+        first = self._pi_first(tuple(rendered.ids[:end]), spans, plain).mean()
+        now = self._pi_first(tuple(rendered.ids), spans, plain).mean()
+        return float(now / first)
 
     def _pi_first(self, tokens: tuple[int, ...], spans, config: AttentionConfig) -> torch.Tensor:
         """[L, H] pi at the last of `tokens` (a first turn), under `config` without its floor; kept
@@ -995,7 +1061,7 @@ class _Decoding:
                  guidance: float | None, logprobs: int | None, on_finish: Callable[[int, Reply], None] | None,
                  residual: Sequence[ResidualRow | None] | None = None, capture: bool = False,
                  keep_prefill: bool = False, compute_from: Sequence[int] | None = None,
-                 row_max_tokens: Sequence[int] | None = None) -> None:
+                 row_max_tokens: Sequence[int] | None = None, gates: Sequence[dict | None] | None = None) -> None:
         if any(len(p) == 0 for p in prompts):
             raise DriftlabError("A prompt rendered to zero tokens.", hint="Give a non-empty conversation.")
         seeds = list(seeds) if seeds is not None else list(range(len(prompts)))
@@ -1027,6 +1093,7 @@ class _Decoding:
         # batching: sampled[b][: n_fed - joined[b]] have their KV in the cache).
         self.limits = list(row_max_tokens) if row_max_tokens is not None else [sampling.max_new_tokens] * B
         self.joined = [0] * B
+        self.gates = list(gates or []) + [None] * (B - len(gates or []))  # CFG's twins: none
         self.attention = [iv.attention() for iv in interventions]
         self.compute_from = compute_from
         self._layout(interventions, residual, capture, keep_prefill)
@@ -1251,6 +1318,7 @@ class _Decoding:
         self.limits += other.limits
         self.pads += other.pads
         self.attention += other.attention
+        self.gates += other.gates
         self.joined += [self.n_fed] * len(other.prompts)
         self.live += [R + b for b in other.live]
         self.finished += other.finished
@@ -1318,7 +1386,7 @@ class _Decoding:
         if backend.renderer.stop_strings:
             text = backend._cut_stop(text)
         return Reply(text=text.strip(), n_tokens=len(toks), finish_reason=self.reasons[b], token_ids=toks,
-                     trace=trace, n_prompt_tokens=len(self.prompts[b]), activation=self._activation(b),
+                     trace=trace, n_prompt_tokens=len(self.prompts[b]), activation=self._activation(b), gate=self.gates[b],
                      logprobs=self.scored[b][: len(toks)] if self.logprobs is not None else None,
                      end=self.scored[b][len(toks)] if ended and self.logprobs is not None else None)
 
@@ -1336,6 +1404,17 @@ class _Decoding:
         # Guidance twins (b >= real) are dropped by `generate`: no trace to build for them.
         return [self.reply(b, self.backend._trace_of(rows[b], self.prompts[b], self.sampled[b], self.spans[b])
                            if b < self.real else None) for b in range(B)]
+
+def _first_turn_end(spans: dict[str, list[tuple[int, int]]]) -> int:
+    """Where a conversation's first turn ends (`when-drifting`'s reference); a one-line error
+    where it has no system prompt or first turn to compare with."""
+    if not spans.get("first_turn") or not spans.get("system"):
+        raise DriftlabError("when-drifting compares the attention on the system prompt with its first turn's, "
+                            f"and this conversation has {'no first turn' if spans.get('system') else 'no system prompt'}.",
+                            hint="Give conversations with a system prompt and a user turn, rendered by a chat "
+                                 "template that renders the first turn as a prefix.")
+    return spans["first_turn"][0][1]
+
 
 def _top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> list[TokenLogprob]:
     """Each row's chosen token's log-probability and its k most likely alternatives."""

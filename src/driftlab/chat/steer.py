@@ -20,7 +20,7 @@ direction that of the system prompt's text (or the file's axis).
 
 Interventions that need driftlab's own decode loop are refused by name: system-prompt
 repetition edits the conversation, classifier-free guidance mixes the logits of a second
-batch, a pi floor reads the first turn of a conversation, which token ids do not mark (use
+batch, a pi floor and `when-drifting` read the first turn of a conversation, which token ids do not mark (use
 `HFChatBackend.from_model(model, tokenizer)` and its generate for those).
 """
 
@@ -48,7 +48,8 @@ _HEADROOM = 512  # key slots laid out past the prompt at first; more are added a
 _MISSING = object()
 _OWN_LOOP = {"conversation": "it edits the conversation the model is shown",
              "logits": "it mixes the next-token distributions of a second batch without the system prompt",
-             "pi-floor": "it reads the attention of the conversation's first turn, which token ids do not mark"}
+             "pi-floor": "it reads the attention of the conversation's first turn, which token ids do not mark",
+             "gate": "it decides per conversation turn from the first turn's attention, which token ids do not mark"}
 _OWN_LOOP_HINT = ("Use driftlab's own decoding for it: HFChatBackend.from_model(model, tokenizer) (or dl.load(...)), "
                   "then its generate/chat.")
 

@@ -63,6 +63,9 @@ def sweep(
         help="A folder of lm-eval task YAMLs (lm-eval's --include_path) that --benchmark lm-eval:TASK may name.")] = None,
     benchmark_n: Annotated[int | None, typer.Option(
         help="Items of the lm-eval task per point, a seeded sample (default 100; all where the task has fewer).")] = None,
+    when_drifting: Annotated[float | None, typer.Option(
+        help="Adaptive control: every steered point acts only once a conversation has drifted, where its pi has "
+             "fallen below this share of its first turn's (--steer when-drifting:r=R).")] = None,
 ) -> None:
     """Measure persona stability and MMLU drop for every (method, strength), then plot the trade-off.
 

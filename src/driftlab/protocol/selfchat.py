@@ -174,12 +174,15 @@ class SelfChatConfig(ProtocolConfig):
 
 def measured(reply: Any) -> dict[str, Any]:
     """What a reply carries beside its text, as record fields: pi per layer (mean over heads and
-    tokens, from its trace) and its projection summary; absent where not measured."""
+    tokens, from its trace), its projection summary and `when-drifting`'s decision; absent where not
+    measured."""
     out: dict[str, Any] = {}
     if reply.trace is not None and reply.trace.decode.shape[0]:
         out["pi"] = [round(float(x), 5) for x in reply.trace.decode.astype("float64").mean(axis=(0, 2))]
     if reply.activation is not None:
         out["activation"] = reply.activation
+    if getattr(reply, "gate", None) is not None:  # (replies of other backends have none)
+        out["gate"] = reply.gate
     return out
 
 

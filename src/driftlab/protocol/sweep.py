@@ -85,6 +85,7 @@ from driftlab.steering.interventions import (
     OneSteer,
     SplitSoftmax,
     SystemPromptRepetition,
+    WhenDrifting,
 )
 
 # Default strengths per method (weakest to strongest); `--point` replaces them.
@@ -167,6 +168,9 @@ class SweepConfig(ProtocolConfig):
     benchmark_include: str | None = Field(None, description="a folder of lm-eval task YAMLs (lm-eval benchmarks only)")
     benchmark_n: int | None = Field(None, ge=1, le=1_000_000, description="items of the lm-eval task per point, a "
                                                                           "seeded sample (default 100; lm-eval only)")
+    when_drifting: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description=(
+        "every steered point acts only once a conversation has drifted (`when-drifting:r=R`: where its pi has "
+        "fallen below R times its first turn's), in its self-chat and what prices it"))
 
     # The grid is compared point by point when the sweep starts its units (`Sweep._add_points`):
     # a resume may add points, never drop one.
@@ -175,7 +179,7 @@ class SweepConfig(ProtocolConfig):
     LEGACY: ClassVar[dict[str, Any]] = {"mmlu_turn_counting": "round", "mmlu_history": "selfchat", "mmlu_ties": "first",
                                         "mmlu_histories": 1, "probe_after": "user",
                                         "probe_tokens": "turn", "benchmark": "mmlu", "benchmark_include": None,
-                                        "benchmark_n": None}
+                                        "benchmark_n": None, "when_drifting": None}
 
     _probe_budget = field_validator("probe_tokens", mode="before")(probe_budget)
 
@@ -186,6 +190,22 @@ class SweepConfig(ProtocolConfig):
             object.__setattr__(self, "probe_tokens", "turn")
         directions_given(self.backend, [p for points in self.grid.values() for p in points])
         return self
+
+    @model_validator(mode="after")
+    def _gateable(self) -> SweepConfig:
+        """`when_drifting` decides per conversation; CFG and SPR act on a whole batch."""
+        if self.when_drifting is not None:
+            batch_wide = sorted(set(self.grid) & WhenDrifting.ungateable)
+            if batch_wide:
+                raise ValueError(f"--when-drifting gates each conversation's steer, and {batch_wide[0]} acts on the "
+                                 "whole batch: leave it out of the grid, or run it in a sweep without --when-drifting")
+        return self
+
+    def steer(self, point: BaseIntervention | None) -> list[BaseIntervention]:
+        """A point's steer: none for plain; with `when_drifting`, the point under the gate."""
+        if point is None:
+            return []
+        return [point, WhenDrifting(r=self.when_drifting)] if self.when_drifting is not None else [point]
 
     @field_validator("mmlu_turn")
     @classmethod
@@ -269,14 +289,14 @@ class SweepConfig(ProtocolConfig):
     def selfchat(self, point: BaseIntervention | None) -> SelfChatConfig:
         return SelfChatConfig(
             backend=self.backend, pairs=0, pair_ids=self.pair_ids, rounds=self.rounds, sampling=self.sampling,
-            probe_tokens=self.probe_tokens, seed=self.seed, batch_size=self.batch_size, steer=[point] if point else [], starters=self.starters,
+            probe_tokens=self.probe_tokens, seed=self.seed, batch_size=self.batch_size, steer=self.steer(point), starters=self.starters,
             probe_after=self.probe_after,
         )
 
     def mmlu(self, point: BaseIntervention | None) -> MMLUConfig:
         return MMLUConfig(
             backend=self.backend, n=self.mmlu_n, turn=self.mmlu_turn, turn_counting=self.mmlu_turn_counting,
-            history="dialog" if self.mmlu_history == "dialog" else "selfchat", steer=[point] if point else [],
+            history="dialog" if self.mmlu_history == "dialog" else "selfchat", steer=self.steer(point),
             histories=self.mmlu_histories, ties=self.mmlu_ties, seed=self.seed, history_tokens=self.history_tokens, data=self.data, plain=point is None,
         )
 
@@ -285,7 +305,7 @@ class SweepConfig(ProtocolConfig):
         if self.task is None:
             raise ValueError("an MMLU sweep has no lm-eval benchmark")
         return LMEvalConfig(backend=self.backend, task=self.task, include=self.benchmark_include,
-                            n=self.benchmark_n or 100, steer=[point] if point else [], histories=self.mmlu_histories,
+                            n=self.benchmark_n or 100, steer=self.steer(point), histories=self.mmlu_histories,
                             seed=self.seed, batch_size=self.batch_size)
 
 

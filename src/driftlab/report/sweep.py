@@ -40,7 +40,7 @@ from driftlab.errors import DriftlabError
 from driftlab.protocol import lmeval
 from driftlab.protocol.mmlu import answer_health, answers, dialogs_of, drop_test
 from driftlab.protocol.runner import config_of
-from driftlab.protocol.sweep import check_points, point_dir
+from driftlab.protocol.sweep import PLAIN, check_points, point_dir
 from driftlab.records.rundir import RunDir
 from driftlab.report.figures import save_png
 from driftlab.report.metrics import CUT_FLAG, cut_shares, summarize_run, uncut_scores
@@ -130,6 +130,9 @@ def sweep_table(out: str | Path, *, write: bool = True) -> pd.DataFrame:
         table = table.rename(columns=BENCH_NAMES)
         table.insert(table.columns.get_loc("bench_accuracy"), "benchmark", config["benchmark"])
         table.insert(table.columns.get_loc("bench_accuracy"), "bench_metric", _bench_plan(out)["metric"])
+    if config.get("when_drifting") is not None:  # every steered point acted only once its conversation drifted
+        table.insert(table.columns.get_loc("spec") + 1, "when_drifting",
+                     [None if m == PLAIN else config["when_drifting"] for m in table["method"]])
     if write:
         table.to_csv(out / "sweep.csv", index=False)
     return table

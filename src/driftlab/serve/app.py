@@ -559,9 +559,12 @@ class ServerState:
         return measured
 
     def _extension(self, call: Call, measured: list[dict[str, Any]]) -> dict[str, Any]:
-        """The reply's `driftlab` field: the steer applied (as the request asked), and the telemetry
-        of each choice if asked for (one object for one choice, else a list)."""
+        """The reply's `driftlab` field: the steer applied (as the request asked), `when-drifting`'s
+        decision where it gated the steer, and the telemetry of each choice if asked for (one object
+        for one choice, else a list)."""
         out: dict[str, Any] = {"steer": call.steer.specs()}
+        if any(m["gate"] is not None for m in measured):  # when-drifting: whether each reply was steered
+            out["gate"] = measured[0]["gate"] if len(measured) == 1 else [m["gate"] for m in measured]
         if call.telemetry is not None:
             out["telemetry"] = measured[0] if len(measured) == 1 else measured
         return out

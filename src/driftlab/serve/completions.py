@@ -306,11 +306,11 @@ def _refused(data: Any) -> str | None:
 
 def _text_can_take(backend, steer) -> None:
     """A raw text has no system message and no first turn: a vector or cap steer needs the directions'
-    axis, and a pi floor cannot act (422 for this request alone)."""
+    axis, and a pi floor or `when-drifting` cannot act (422 for this request alone)."""
     try:
         backend.residual_rows([None], steer)
-        if "pi-floor" in steer.kinds:
-            raise DriftlabError("pi-floor reads the attention of a conversation's first turn; a text completion "
+        if kind := next((k for k in ("pi-floor", "when-drifting") if k in steer.kinds), None):
+            raise DriftlabError(f"{kind} reads the attention of a conversation's first turn; a text completion "
                                 "has none.", hint="Use /v1/chat/completions.")
     except DriftlabError as err:
         raise APIError(422, f"driftlab.steer: {err}", param="driftlab.steer") from None

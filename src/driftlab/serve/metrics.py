@@ -5,7 +5,7 @@ queue depth and requests in flight (read when scraped), batch sizes, generated t
 (tokens/s is `rate(driftlab_generated_tokens_total[1m])`), request latency, responses
 by HTTP status, including errors that end a stream after its 200 header, and drift
 (`serve.telemetry`): pi and the persona projection of each measured reply, at its first and
-last token, labelled by a short hash of its system prompt.
+last token, labelled by a short hash of its system prompt, and `when-drifting`'s decisions.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ class Metrics:
         self.projection = Histogram("driftlab_projection", "Residual-stream projection on the persona's direction "
                                     "(0 like without the system prompt, 1 like with it) at a reply's first or last "
                                     "token.", ["prompt", "at"], buckets=_PROJECTION_BUCKETS, registry=r)
+        self.gate = Counter("driftlab_gate_decisions", "Replies under `when-drifting`, by whether the conversation "
+                            "had drifted enough to be steered.", ["prompt", "steered"], registry=r)
 
     def batch(self, size: int, replies: Sequence[Any]) -> None:
         """A generate call finished (from the batcher's thread; prometheus_client is thread-safe)."""
@@ -59,6 +61,8 @@ class Metrics:
             if (values := telemetry.get(name)) is not None:
                 for at in ("first", "last"):
                     histogram.labels(prompt, at).observe(values[at])
+        if (gate := telemetry.get("gate")) is not None:
+            self.gate.labels(prompt, str(gate["steered"]).lower()).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,7 +10,9 @@ signals driftlab measures, read off the reply's own decode at no extra forward p
 * with `--directions`, the projection of the residual stream on the persona's direction
   (normalised: 0 like without the system prompt, 1 like with it; mean over the direction's
   layer band), at the same positions;
-* the conversation's round count (its user turns), so a client can plot either against it.
+* the conversation's round count (its user turns), so a client can plot either against it;
+* under `when-drifting:r=R`, its decision: pi_t / pi_1 and whether the reply was steered (also in
+  the reply's `driftlab.gate` without telemetry, since it says what the reply is).
 
 The server stays stateless: everything is computed from the conversation the request sends.
 `/metrics` gets histograms of both, labelled by a short hash of the system prompt; the first
@@ -49,9 +51,11 @@ def rounds(conversation: Conversation) -> int:
 
 
 def summary(reply: Reply, conversation: Conversation, *, layers: bool = False) -> dict[str, Any]:
-    """The `telemetry` object of one reply: `rounds`, `pi` and `projection` (each null where not
-    measured: pi without a system prompt or a trace, the projection without directions)."""
-    return {"rounds": rounds(conversation), "pi": _pi(reply, layers), "projection": _projection(reply, layers)}
+    """The `telemetry` object of one reply: `rounds`, `pi`, `projection` and `gate` (each null where
+    not measured: pi without a system prompt or a trace, the projection without directions, the
+    gate without `when-drifting`)."""
+    return {"rounds": rounds(conversation), "pi": _pi(reply, layers), "projection": _projection(reply, layers),
+            "gate": reply.gate}
 
 
 def _pi(reply: Reply, layers: bool) -> dict[str, Any] | None:

@@ -7,7 +7,12 @@
   outside the user's emphasised text (`*...*`, or the system prompt) scaled by alpha on chosen heads;
 * `trace[:prefill=true]` — record pi (attention mass on the system prompt), changing nothing;
 * `spr:p=0.5[,seed=0]` — system-prompt repetition before user turns, with probability p;
-* `cfg:alpha=1.5` — classifier-free guidance (with vs without the system prompt, Eq. 5).
+* `cfg:alpha=1.5` — classifier-free guidance (with vs without the system prompt, Eq. 5);
+* `vector:alpha=1.0[,layers=10-14]`, `cap:q=0.25[,layers=...]` — activation steering and capping
+  along the persona's direction (needs directions);
+* `pi-floor:f=0.8` — the system prompt keeps at least f times its first turn's attention mass;
+* `when-drifting:r=0.9` — the other steers act only on conversations whose pi has fallen below
+  r times their first turn's (adaptive control).
 
 Key biases (bias, instaboost, pasta) compose: the engine adds them up. Head selections:
 `all`, a layer `3`, a range `0-5`, `layer.head` pairs, joined with `+`. Emphasis markup

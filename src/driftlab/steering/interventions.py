@@ -48,7 +48,7 @@ from driftlab.messages import Conversation
 from driftlab.steering.emphasis import DEFAULT_MARKER
 from driftlab.steering.heads import HeadSources
 
-Hook = Literal["conversation", "attention", "logits", "residual"]
+Hook = Literal["conversation", "attention", "logits", "residual", "gate"]
 # Which keys a bias acts on: the system prompt, or the text a user marked (`*...*`).
 SpanName = Literal["system", "marked"]
 _ENGINE_SPAN = {"system": "system", "marked": "emphasis"}  # the rendered prompt's names of those tokens
@@ -322,16 +322,33 @@ class PiFloor(BaseIntervention):
         return {"pi_floor": self.f}
 
 
+class WhenDrifting(BaseIntervention):
+    """Adaptive control: the other steers act on a conversation's next reply only once it drifts,
+    that is once pi_t, the attention mass on its system prompt at the reply's first token (mean
+    over layers and heads, plain attention), has fallen below r times pi_1, its first turn's.
+    Otherwise the reply is plain (traced if trace is asked). Decided per conversation and turn
+    from the conversation alone, so a server stays stateless; costs one traced prefill a turn.
+    Why: a steer costs task accuracy where it acts, and a conversation that has not drifted
+    (a first turn, an MMLU question) needs none."""
+
+    kind: Literal["when-drifting"] = "when-drifting"
+    r: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+    hook: ClassVar[Hook] = "gate"
+    form: ClassVar[str] = "when-drifting:r=0.9"
+    #: Kinds it cannot gate per conversation: CFG's twin rows and SPR's edit are batch-wide.
+    ungateable: ClassVar[frozenset[str]] = frozenset({"cfg", "spr"})
+
+
 #: The built-in kinds as one type (for annotations); `KINDS` also holds those of plugins.
 Intervention = Annotated[
     SplitSoftmax | KeyBias | InstABoost | Pasta | Trace | SystemPromptRepetition | ClassifierFreeGuidance
-    | ActivationVector | Cap | PiFloor,
+    | ActivationVector | Cap | PiFloor | WhenDrifting,
     Field(discriminator="kind"),
 ]
 KINDS: dict[str, type[BaseIntervention]] = {
     c.model_fields["kind"].default: c
     for c in (SplitSoftmax, KeyBias, InstABoost, Pasta, Trace, SystemPromptRepetition, ClassifierFreeGuidance,
-              ActivationVector, Cap, PiFloor)
+              ActivationVector, Cap, PiFloor, WhenDrifting)
 }
 _BUILTIN = frozenset(KINDS)
 #: Hooks a plugin may act through: `attention` (its `attention_fields`, e.g. key biases, compiled
@@ -396,6 +413,14 @@ class Interventions(BaseModel):
         for kind in sorted(set(kinds)):
             if kinds.count(kind) > 1:
                 raise ValueError(f"--steer {kind} is given {kinds.count(kind)} times; give it once")
+        if "when-drifting" in kinds:
+            clash = sorted(WhenDrifting.ungateable & set(kinds))
+            if clash:
+                raise ValueError(f"--steer when-drifting decides per conversation, and {clash[0]} acts on the whole "
+                                 "batch; gate split-softmax, instaboost, pasta, bias, pi-floor, vector or cap")
+            if not set(kinds) - {"when-drifting", "trace"}:
+                raise ValueError("--steer when-drifting gates the other steers, and none is given; add one, "
+                                 "e.g. --steer split-softmax:k=0.5")
         # Key biases (bias, instaboost, pasta) compose: the engine adds them up.
         # Canonical order, so equal compositions compare (and fingerprint) equal.
         object.__setattr__(self, "items", tuple(sorted(self.items, key=lambda i: i.kind)))
@@ -492,6 +517,15 @@ class Interventions(BaseModel):
 
     def without(self, *kinds: str) -> Interventions:
         return Interventions(items=tuple(i for i in self.items if i.kind not in kinds))
+
+    def gated(self) -> tuple[float, Interventions, Interventions] | None:
+        """`when-drifting`'s (r, the steer a drifting conversation gets, the one any other gets:
+        its trace only); None without a gate."""
+        gate = self.get("when-drifting")
+        if gate is None:
+            return None
+        return gate.r, self.without("when-drifting"), Interventions(
+            items=tuple(i for i in self.items if i.kind == "trace"))
 
 
 def _parse_one(spec: str, heads: HeadSources | None = None) -> BaseIntervention:

@@ -1,0 +1,143 @@
+"""Adaptive control, `--steer when-drifting:r=R`: the other steers act on a conversation only once
+its pi (the attention mass on its system prompt at the reply's first token, mean over layers and
+heads) has fallen below R times its first turn's.
+
+The ratio is checked against transformers' own eager attention weights; the decision against the
+plain and always-on replies, row by row in one mixed batch; a self-chat records each decision.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from devices import tol
+from driftlab.chat import ChatRequest, Sampling
+from driftlab.errors import DriftlabError
+from driftlab.protocol.dialog import RECORDS
+from driftlab.protocol.runner import run_protocol
+from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
+from driftlab.steering.interventions import Interventions
+
+FRENCH = "Always reply in French, whatever the user writes."
+FIRST = [{"role": "system", "content": FRENCH}, {"role": "user", "content": "What do you do in London as a tourist?"}]
+LATER = [*FIRST, {"role": "assistant", "content": "Je visite le British Museum et je me promène le long de la Tamise."},
+         {"role": "user", "content": "Nice. And what should I eat there? Tell me about the food, the markets and "
+                                     "the pubs, in as much detail as you can."}]
+STEER = "instaboost:m=20"
+GREEDY = Sampling(greedy=True, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("specs, message", [
+    (["when-drifting:r=0.9"], "none is given"),
+    (["when-drifting:r=0.9", "trace"], "none is given"),
+    (["when-drifting:r=0.9", "cfg:alpha=1.5", STEER], "cfg acts on the whole batch"),
+    (["when-drifting:r=0.9", "spr:p=0.5", STEER], "spr acts on the whole batch"),
+    (["when-drifting:r=0", STEER], "greater than 0"),
+    (["when-drifting:r=1.5", STEER], "less than or equal to 1"),
+])
+def test_bad_gates_are_one_line_errors(specs, message) -> None:
+    with pytest.raises(DriftlabError, match=message):
+        Interventions.parse(specs)
+
+
+def test_the_gate_splits_a_steer_into_its_on_and_off_halves() -> None:
+    r, on, off = Interventions.parse([STEER, "trace", "when-drifting:r=0.5"]).gated()
+    assert r == 0.5 and on == Interventions.parse([STEER, "trace"]) and off == Interventions.parse(["trace"])
+    assert Interventions.parse([STEER]).gated() is None
+
+
+@pytest.mark.model
+def test_drift_ratio_is_pi_at_the_reply_over_pi_at_the_first_turn_by_eager_attention(smol32, smol_dir, device):
+    """pi_t / pi_1 from transformers' eager softmax weights summed over the system prompt's key
+    columns, at the last prompt token and at the first turn's last token (mean over layers and heads)."""
+    from transformers import AutoModelForCausalLM
+
+    gate = Interventions.parse([STEER, "when-drifting:r=0.9"])
+    rendered = smol32.render(LATER, interventions=gate)
+    s, e = rendered.system_span
+    end = rendered.spans()["first_turn"][0][1]
+    assert 0 < end < len(rendered.ids)
+    eager = AutoModelForCausalLM.from_pretrained(str(smol_dir), dtype=torch.float32, attn_implementation="eager")
+    with torch.inference_mode():
+        out = eager.to(device).eval()(input_ids=torch.tensor([rendered.ids], device=device), output_attentions=True)
+    pi = torch.stack([a[0, :, :, s:e].sum(-1) for a in out.attentions]).float()  # [L, H, T]
+    want = (pi[:, :, -1].mean() / pi[:, :, end - 1].mean()).item()
+    assert smol32.drift_ratio(rendered) == pytest.approx(want, abs=tol(1e-4))
+    assert want < 0.9  # the second turn reads its system prompt less than the first did
+    assert smol32.drift_ratio(smol32.render(FIRST, interventions=gate)) == 1.0  # a first turn has not drifted
+    with pytest.raises(DriftlabError, match="no system prompt"):
+        smol32.drift_ratio(smol32.render(FIRST[1:], interventions=gate))
+
+
+@pytest.mark.model
+def test_in_one_batch_each_row_gets_the_steer_only_where_it_has_drifted(smol32) -> None:
+    """Two rows, one batch: the first turn (ratio 1) decodes as plain, the drifted one as the
+    always-on steer, token for token; the decisions come back on the replies."""
+    def one(conv, specs):
+        (reply,) = smol32.generate(ChatRequest([conv], GREEDY, interventions=Interventions.parse(specs)))
+        return reply
+
+    plain, on = one(LATER, []), one(LATER, [STEER])
+    assert plain.token_ids != on.token_ids  # the steer changes this reply: the test has teeth
+    first_plain = one(FIRST, [])
+    assert first_plain.token_ids != one(FIRST, [STEER]).token_ids
+    both = smol32.generate(ChatRequest([FIRST, LATER], GREEDY,
+                                       interventions=Interventions.parse([STEER, "when-drifting:r=1"])))
+    assert [r.gate["steered"] for r in both] == [False, True]
+    assert both[0].gate["pi_ratio"] == 1.0 and both[1].gate["pi_ratio"] < 1
+    assert both[0].token_ids == first_plain.token_ids and both[1].token_ids == on.token_ids
+    (never,) = smol32.generate(ChatRequest([LATER], GREEDY, interventions=Interventions.parse(
+        [STEER, f"when-drifting:r={both[1].gate['pi_ratio'] / 2}"])))
+    assert never.gate["steered"] is False and never.token_ids == plain.token_ids
+    assert plain.gate is None and on.gate is None
+
+
+@pytest.mark.model
+def test_a_selfchat_records_each_agent_reply_s_decision(smol32, tmp_path) -> None:
+    """Round 1 is never steered (its ratio is 1); every agent turn carries the gate, and the
+    user side, never steered, none."""
+    cfg = SelfChatConfig(pairs=1, rounds=2, seed=0, steer=[STEER, "when-drifting:r=1"],
+                         sampling=Sampling(max_new_tokens=6, greedy=True), probe_tokens=6)
+    rundir = run_protocol(SelfChat(cfg, smol32), tmp_path / "run", progress=False)
+    records = rundir.records(RECORDS)
+    agent = sorted((r for r in records if r.kind == "turn" and r.speaker == "agent"), key=lambda r: r.round)
+    assert [r.round for r in agent] == [1, 2]
+    assert agent[0].gate == {"r": 1.0, "pi_ratio": 1.0, "steered": False}
+    assert agent[1].gate["steered"] is True and 0 < agent[1].gate["pi_ratio"] < 1
+    assert all(r.gate is None for r in records if r.kind == "turn" and r.speaker == "user")
+    assert np.isfinite([r.gate["pi_ratio"] for r in agent]).all()
+
+
+@pytest.mark.model
+def test_scoring_and_residual_steers_follow_each_row_s_decision(smol32) -> None:
+    """MMLU's path (log-likelihoods) scores a first-turn context as plain and a drifted one as the
+    steer; a vector steer leaves a row the gate keeps plain unsteered; token prompts refuse a gate."""
+    from test_activation import FRENCH as DIRECTED
+    from test_activation import synthetic
+
+    def ll(contexts, specs):
+        return [x.logprob for x in smol32.loglikelihood(contexts, [" Bonjour"] * len(contexts),
+                                                        Interventions.parse(specs))]
+
+    plain, on = ll([FIRST, LATER], []), ll([FIRST, LATER], [STEER])
+    assert all(abs(p - o) > 1e-3 for p, o in zip(plain, on, strict=True))  # the steer moves both scores
+    gated = ll([FIRST, LATER], [STEER, "when-drifting:r=1"])
+    assert gated[0] == pytest.approx(plain[0], abs=tol(1e-5)) and gated[1] == pytest.approx(on[1], abs=tol(1e-5))
+
+    later = [{"role": "system", "content": DIRECTED}, *LATER[1:]]
+    smol32.use_directions(synthetic(smol32.shape.layers, smol32.d_model, [DIRECTED]))
+    try:
+        def reply(specs):
+            (r,) = smol32.generate(ChatRequest([later], GREEDY, interventions=Interventions.parse(specs)))
+            return r.token_ids
+
+        vector = "vector:alpha=8"
+        assert reply([vector]) != reply([])
+        assert reply([vector, "when-drifting:r=0.0001"]) == reply([])
+        assert reply([vector, "when-drifting:r=1"]) == reply([vector])
+    finally:
+        smol32.use_directions(None)
+    with pytest.raises(DriftlabError, match="token prompts"):
+        smol32.generate_tokens([smol32.render(FIRST)], GREEDY, interventions=Interventions.parse([STEER, "when-drifting:r=1"]))
