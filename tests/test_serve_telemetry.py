@@ -9,13 +9,13 @@ import json
 import httpx
 import numpy as np
 import pytest
-from test_activation import FRENCH, synthetic
 
 from driftlab.chat import ChatRequest, Sampling
 from driftlab.serve import ServeSettings, create_app
 from driftlab.serve.background import background as serving
 from driftlab.serve.telemetry import OTHER, PromptLabels
 from driftlab.steering.interventions import Interventions, Trace
+from test_activation import FRENCH, synthetic
 
 post = functools.partial(httpx.post, timeout=300)
 N = 10

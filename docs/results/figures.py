@@ -232,6 +232,38 @@ def sweep_context(name: str = "sweep-ref-20") -> str:
     return "\n".join(lines)
 
 
+def gate_comparison(always: str, gated: str) -> str:
+    """Each point under `when-drifting` against the same point always on, on the same pairs and
+    questions (both sweeps share their plain point): stability per conversation (exact Wilcoxon),
+    MMLU per question (exact McNemar), and the share of agent turns the gate steered, per round."""
+    from driftlab.protocol.dialog import RECORDS
+    from driftlab.protocol.mmlu import answers
+    from driftlab.protocol.sweep import point_dir
+    from driftlab.records.rundir import RunDir
+    from driftlab.report.metrics import summarize_run
+    from driftlab.report.sweep import _per_conversation
+    from driftlab.stats import paired_test
+
+    specs = [s for s in RunDir(HERE / gated).read_manifest()["points"] if s]
+    lines = ["| point | stability: always on / gated | gated - always on: better / worse / tied, p | MMLU: always on / "
+             "gated | lost / gained, p | agent turns steered, rounds 1..8 |", "|---|---|---|---|---|---|"]
+    for spec in specs:
+        runs = {k: point_dir(HERE / name, spec) for k, name in (("always", always), ("gated", gated))}
+        stab = {k: _per_conversation(summarize_run(d / "selfchat").scores) for k, d in runs.items()}
+        right = {k: {i: float(r.correct) for i, r in answers(d / "mmlu")["steered"].items()} for k, d in runs.items()}
+        g = paired_test(stab["gated"].to_dict(), stab["always"].to_dict(), method="wilcoxon")
+        m = paired_test(right["gated"], right["always"], method="mcnemar")
+        turns = [r for r in RunDir(runs["gated"] / "selfchat").records(RECORDS)
+                 if r.kind == "turn" and r.speaker == "agent"]
+        share = pd.DataFrame([(r.round, r.gate["steered"]) for r in turns], columns=["round", "steered"])
+        by_round = " ".join(f"{v:.0%}" for v in share.groupby("round")["steered"].mean())
+        lines.append(f"| {LABELS[spec]} | {stab['always'].mean():.2f} / {stab['gated'].mean():.2f} | "
+                     f"{g.diff.estimate:+.2f}: {g.better} / {g.worse} / {g.tied}, p = {_p(g.p)} | "
+                     f"{np.mean(list(right['always'].values())):.3f} / {np.mean(list(right['gated'].values())):.3f} | "
+                     f"{m.worse} / {m.better}, p = {_p(m.p)} | {by_round} |")
+    return "\n".join(lines)
+
+
 # -- llamacpp-smollm2 ------------------------------------------------------------------------
 def _jsonl(path: Path) -> list[dict]:
     import json
@@ -426,7 +458,14 @@ for run, block in (("demo-smollm2", three_ways), ("project-qwen-paper-20", three
 if finished("sweep-activation-20"):
     BLOCKS["sweep-activation-20-stability"] = lambda: sweep_stability("sweep-activation-20")
     BLOCKS["sweep-activation-20-mmlu"] = lambda: sweep_mmlu("sweep-activation-20")
-SWEEPS = [name for name in ("sweep-ref-20", "sweep-ref-20-h20", "sweep-activation-20") if finished(name)]
+GATE = ("sweep-gate-smollm2-always", "sweep-gate-smollm2-when")
+for name in GATE:
+    if finished(name):
+        BLOCKS[f"{name}-stability"] = functools.partial(sweep_stability, name)
+        BLOCKS[f"{name}-mmlu"] = functools.partial(sweep_mmlu, name)
+if all(finished(name) for name in GATE):
+    BLOCKS["sweep-gate-smollm2"] = functools.partial(gate_comparison, *GATE)
+SWEEPS = [name for name in ("sweep-ref-20", "sweep-ref-20-h20", "sweep-activation-20", *GATE) if finished(name)]
 if finished("sweep-ref-20-h20"):
     BLOCKS["sweep-ref-20-h20-mmlu"] = lambda: sweep_mmlu("sweep-ref-20-h20")
 BLOCK = re.compile(r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(\n<!-- /figures:(?P=name) -->)", re.S)

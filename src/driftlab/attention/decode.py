@@ -99,7 +99,7 @@ def _flex(state, layer, query, key, value, scale):
     mods = flex.DecodeMods(state.first, state.last_slot, state.bias_keys, state.bias_heads[:, :, layer], group)
     full = flex.decode_block_mask(*state.filled_blocks, mods.visible, K, group)
     sys_mask = flex.decode_block_mask(*state.system_blocks, mods.visible_system(state.system_keys), K, group)
-    options = flex.DECODE_KERNEL if state.decode_kernel else None
+    options = flex.decode_options(state)
     out, lse_all = flex.attend_decode(query, key, value, full, mods, scale, options)
     o_sys, lse_sys = flex.attend_decode(query, key, value, sys_mask, mods, scale, options)
     return out, o_sys, *system_share(lse_all, lse_sys)
@@ -116,6 +116,5 @@ def _lean(state, query, key, value, scale):
     group = flex.fold(query, key.shape[1])
     mods = flex.DecodeMods(state.first, state.last_slot, None, None, group)
     full = flex.decode_block_mask(*state.filled_blocks, mods.visible, key.shape[2], group)
-    out, _ = flex.attend_decode(query, key, value, full, mods, scale, flex.DECODE_KERNEL if state.decode_kernel
-                                else None, lse=False)
+    out, _ = flex.attend_decode(query, key, value, full, mods, scale, flex.decode_options(state), lse=False)
     return out

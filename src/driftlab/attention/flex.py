@@ -227,6 +227,12 @@ class DecodeMods:
 DECODE_KERNEL = {"BACKEND": "TRITON_DECODE"}
 
 
+def decode_options(state) -> dict | None:
+    """The kernel options of a static layout's decode step: the decode kernel where its compiled
+    step asks for it (`AttentionState.decode_kernel`), else flex's choice."""
+    return DECODE_KERNEL if state.decode_kernel else None
+
+
 def attend_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: BlockMask, mods: DecodeMods,
                   scale: float, kernel_options: dict | None = None, *,
                   lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:

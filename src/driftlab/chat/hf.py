@@ -495,8 +495,8 @@ class HFChatBackend:
         if len(contexts) != len(continuations):
             raise DriftlabError(f"{len(contexts)} contexts but {len(continuations)} continuations.")
         self.capabilities.require(self.name, interventions)
-        if (gated := interventions.gated()) is not None:  # each context scored under its own decision
-            return self._gated_loglikelihood(contexts, continuations, interventions, gated[1:], batch_size)
+        if "when-drifting" in interventions.kinds:  # each context scored under its own decision
+            return self._gated_loglikelihood(contexts, continuations, interventions, batch_size)
         if "trace" in interventions.kinds:
             interventions = interventions.without("trace")  # nothing to return a trace in
         alpha = interventions.guidance()
@@ -543,20 +543,19 @@ class HFChatBackend:
         return [out[i] for i in range(len(rows))]
 
     def _gated_loglikelihood(self, contexts, continuations, interventions: Interventions,
-                             halves: tuple[Interventions, Interventions], batch_size: int) -> list[LogLikelihood]:
+                             batch_size: int) -> list[LogLikelihood]:
         """`loglikelihood` under `when-drifting`: the contexts whose conversation has drifted are
-        scored under the steer, the others under its off half, as a reply to them would be made."""
+        scored under the steer, the others without it, as a reply to them would be made."""
         for i, conv in enumerate(contexts):
             validate_conversation(conv, i)
         rendered = [self.render(interventions.model_view(c), interventions=interventions) for c in contexts]
-        steered = [self.drift_ratio(r) < interventions.get("when-drifting").r for r in rendered]
+        ivs, _ = self._gated(rendered, interventions)
         out: dict[int, LogLikelihood] = {}
-        for iv, flag in zip(halves, (True, False), strict=True):
-            rows = [i for i, s in enumerate(steered) if s is flag]
-            if rows:
-                scored = self.loglikelihood([contexts[i] for i in rows], [continuations[i] for i in rows], iv,
-                                            batch_size=batch_size)
-                out.update(zip(rows, scored, strict=True))
+        for iv in {id(v): v for v in ivs}.values():  # the steer, its off half: one call each
+            rows = [i for i, v in enumerate(ivs) if v is iv]
+            scored = self.loglikelihood([contexts[i] for i in rows], [continuations[i] for i in rows], iv,
+                                        batch_size=batch_size)
+            out.update(zip(rows, scored, strict=True))
         return [out[i] for i in range(len(contexts))]
 
     def _teacher_forced(self, rows, spans, interventions: Interventions, keep: int, n_cont,
@@ -1386,7 +1385,8 @@ class _Decoding:
         if backend.renderer.stop_strings:
             text = backend._cut_stop(text)
         return Reply(text=text.strip(), n_tokens=len(toks), finish_reason=self.reasons[b], token_ids=toks,
-                     trace=trace, n_prompt_tokens=len(self.prompts[b]), activation=self._activation(b), gate=self.gates[b],
+                     trace=trace, n_prompt_tokens=len(self.prompts[b]), activation=self._activation(b),
+                     gate=self.gates[b],
                      logprobs=self.scored[b][: len(toks)] if self.logprobs is not None else None,
                      end=self.scored[b][len(toks)] if ended and self.logprobs is not None else None)
 
@@ -1404,6 +1404,7 @@ class _Decoding:
         # Guidance twins (b >= real) are dropped by `generate`: no trace to build for them.
         return [self.reply(b, self.backend._trace_of(rows[b], self.prompts[b], self.sampled[b], self.spans[b])
                            if b < self.real else None) for b in range(B)]
+
 
 def _first_turn_end(spans: dict[str, list[tuple[int, int]]]) -> int:
     """Where a conversation's first turn ends (`when-drifting`'s reference); a one-line error
