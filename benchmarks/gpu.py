@@ -79,8 +79,8 @@ KV cache of MHA 7B at ~3.5k tokens is ~1.8 GB per row: 32 rows would not fit in 
 (probes 16), to check the path.
 
 Targets (H100-class GPU; "n/a (not a GPU)" elsewhere): every mode's decode <= 1.15x plain and
-prefill <= 1.3x at 2k and 8k (both shapes); plain decode <= 1.6x the floor; the sweep of 11 steers
-compiles at most 2 graphs per batch bucket; a model's first compile <= 90 s, a second process's
+prefill <= 1.3x at 2k and 8k (both shapes), CFG's <= 1.3x and <= 2.1x (it runs a twin row);
+plain decode <= 1.6x the floor; the sweep of 11 steers compiles at most 2 graphs per batch bucket; a model's first compile <= 90 s, a second process's
 <= 10 s; self-chat on the Qwen2.5-7B shape >= 1071 tok/s plain (3 x the 357 tok/s measured on an
 H100 before this engine) with every mode within 1.2x of plain; the paper's experiment <= 10 minutes
 per mode.
@@ -100,7 +100,8 @@ Settings (environment variables; run.py takes no others):
   GPUBENCH_REPEATS      timed rounds
   GPUBENCH_SELFCHAT     PAIRSxROUNDSxTOKENS[@SHAPE] (SHAPE one of GPUBENCH_SHAPES, default the
                         last), or 0 to skip; the size's default is skipped where its shape is not run
-  GPUBENCH_VARIANTS     comma list restricting the per-context variants (plain and sdpa always run)
+  GPUBENCH_VARIANTS     comma list restricting the per-context and self-chat variants (plain and sdpa
+                        always run)
   GPUBENCH_PARTS        comma list of the parts to run: modes, compile, check, selfchat (default all)
   GPUBENCH_SLOW_S       a variant whose warm-up (prefill + 1 step) takes longer is timed once (default 60)
   GPUBENCH_TOKENIZER    tokenizer directory (default: the provisioned smollm2-135m)
@@ -142,6 +143,9 @@ INSTRUCTION = "Answer the occupation of Mary and generate the answer as json for
 SELFCHAT_AGENTS = ["reply-in-french", "secret-number-share", "name-alexander", "very-happy"]
 # driftlab's batched self-chat before the steering engine: Qwen2.5-7B shape, H100 (docs/performance.md)
 BEFORE_SELFCHAT_TOK_S = 357.0
+# (decode, prefill) limits vs plain where a mode's own work is larger: CFG decodes and prefills a
+# system-less twin row beside each conversation (issue 51); every other mode: 1.15x, 1.3x
+LIMITS = {"cfg": (1.3, 2.1)}
 
 
 # -- shapes ------------------------------------------------------------------------------------------
@@ -932,10 +936,11 @@ def run(quick: bool = False, full: bool = False, paper: bool = False) -> Result:
                     rec = best[(v, c)]
                     dr = rec["step"] / plain["step"] if "step" in rec else None
                     pr = rec["prefill"] / plain["prefill"] if "prefill" in rec else None
-                    targets.rows.append([f"{v} decode / plain", shape, lens[c], fmt_x(dr), "<= 1.15x",
-                                         judge(dr is not None and dr <= 1.15, real, why)])
-                    targets.rows.append([f"{v} prefill / plain", shape, lens[c], fmt_x(pr), "<= 1.3x",
-                                         judge(pr is not None and pr <= 1.3, real, why)])
+                    d_max, p_max = LIMITS.get(v, (1.15, 1.3))
+                    targets.rows.append([f"{v} decode / plain", shape, lens[c], fmt_x(dr), f"<= {d_max}x",
+                                         judge(dr is not None and dr <= d_max, real, why)])
+                    targets.rows.append([f"{v} prefill / plain", shape, lens[c], fmt_x(pr), f"<= {p_max}x",
+                                         judge(pr is not None and pr <= p_max, real, why)])
                 fr = plain["step"] / floor
                 targets.rows.append(["plain decode / bandwidth floor", shape, lens[c], fmt_x(fr), "<= 1.6x",
                                      judge(fr <= 1.6, shape != "tiny", "target is for the 7B shapes")])
@@ -951,7 +956,8 @@ def run(quick: bool = False, full: bool = False, paper: bool = False) -> Result:
             p, rd, tk, sc_shape = sc
             if sc_shape == shape:
                 timer.on = False
-                sc_modes = {m: [f"{pasta},span=system" if x == pasta else x for x in specs] for m, specs in modes.items()}
+                sc_modes = {m: [f"{pasta},span=system" if x == pasta else x for x in specs] for m, specs in modes.items()
+                            if m in variants}  # GPUBENCH_VARIANTS restricts the self-chat too (plain always runs)
                 selfchat_table = selfchat(backend, p, rd, tk, sc_modes,
                                           repeats=sc_repeats, results=results, targets=targets,
                                           shape=shape, records=records)
@@ -1095,19 +1101,26 @@ def selfchat(backend, pairs: int, rounds: int, tokens: int, modes: dict[str, lis
 
     variants = [("naive loop (batch 1, no prefix reuse, plain)", 1, False, [])] + [
         (f"batched: {m}", 32, True, specs) for m, specs in modes.items()]
+    best: dict[str, tuple[float, int, int]] = {}
+
+    def timed(name: str, b: int, c: bool, specs: list[str]) -> None:
+        got = once(b, c, specs)
+        if name not in best or got[0] < best[name][0]:
+            best[name] = got
+        # kept if a timeout cuts the run: a cold GPU machine spends minutes compiling the later variants
+        results[f"{shape}.selfchat.{_slug(name)}.tok_s"] = f"{best[name][2] / best[name][0]:.1f}"
+
     for name, b, c, specs in variants:  # warm-up with the timed shapes, so that no compile lands in the timing
         compiling = compile_seconds(backend)
         spent = once(b, c, specs)[0]
         compiling = compile_seconds(backend) - compiling
         progress(f"{shape} self-chat: {name} warm-up {spent:.1f} s ({compiling:.1f} s compiling)")
-        results[f"{shape}.selfchat.{_slug(name)}.warmup_s"] = f"{spent:.1f}"  # kept if a timeout cuts the run
-    best: dict[str, tuple[float, int, int]] = {}
-    for r in range(repeats):
+        results[f"{shape}.selfchat.{_slug(name)}.warmup_s"] = f"{spent:.1f}"
+        timed(name, b, c, specs)  # round 1 right after the variant's own warm-up
+    for r in range(1, repeats):
         progress(f"{shape} self-chat: timed round {r + 1} of {repeats}")
         for name, b, c, specs in variants[r % len(variants):] + variants[: r % len(variants)]:
-            got = once(b, c, specs)
-            if name not in best or got[0] < best[name][0]:
-                best[name] = got
+            timed(name, b, c, specs)
     work = {v[1:] for v in best.values()}
     assert len(work) == 1, f"self-chat variants did different work: {best}"
     naive_name = variants[0][0]

@@ -1,22 +1,28 @@
-"""What drift telemetry costs a server: `driftlab serve` with and without `driftlab.telemetry`.
+"""What drift telemetry and adaptive control cost a server: `driftlab serve` with and without
+`driftlab.telemetry`, and a steer always on vs only when drifting.
 
 One model (smollm2-135m, the CPU's preferred dtype), one app on 127.0.0.1 (uvicorn, batches of up to 32, no prefix cache so every round
-pays its prefill). A round is 8 concurrent chat requests under one system prompt (distinct user
-turns, greedy, `tokens` new tokens each, `ignore_eos` so every mode decodes the same number of
-steps). Modes:
+pays its prefill). A round is 8 concurrent chat requests under one system prompt, each a
+conversation of three user turns (distinct last turns, greedy, `tokens` new tokens each,
+`ignore_eos` so every mode decodes the same number of steps). Modes:
 
 * plain:                no telemetry, no directions (the denominator);
 * telemetry:            every request asks for telemetry: pi traced over the reply;
 * directions:           the backend holds persona directions (projections are recorded on every
                         request), no telemetry asked;
-* telemetry+directions: both: pi and the projection in every reply.
+* telemetry+directions: both: pi and the projection in every reply;
+* instaboost:           every request steered (`instaboost:m=10`, always on);
+* when-drifting:        the same steer with `when-drifting:r=0.5`: the server traces each
+                        conversation's prefill for pi and its first turn's (cached), then steers
+                        only the rows whose pi fell below half their first turn's.
 
 The directions are random unit vectors with made-up statistics: what a projection costs does
 not depend on the values. Each mode is warmed up once; then `repeats` rounds each run every mode
 once, the order rotating, and the best time of each is kept.
 
 RESULT telemetry.cost: telemetry / plain (target <= 1.05); telemetry.cost_with_directions:
-telemetry+directions / plain (target <= 1.10).
+telemetry+directions / plain (target <= 1.10); gate.cost: when-drifting / instaboost (what deciding
+costs; no target); gate.steered: how many of the 8 replies the gate steered.
 
 Sizes: --quick 8 tokens, 1 round; default 32 tokens, 3 rounds; --full 64 tokens, 5 rounds.
 """
@@ -37,7 +43,10 @@ from driftlab.serve import ServeSettings, background, create_app
 SYSTEM = "Always reply in French."
 USERS = ["Tell me about the sea.", "What is a good breakfast?", "How do trains work?", "Why is the sky blue?",
          "Describe a cat.", "What is chess?", "Name a famous painter.", "How do bees make honey?"]
-MODES = ("plain", "telemetry", "directions", "telemetry+directions")
+HISTORY = [("Hello! Who are you?", "I am a helpful assistant."),
+           ("Can you help me plan a trip?", "Of course. Where would you like to go, and when?")]
+MODES = ("plain", "telemetry", "directions", "telemetry+directions", "instaboost", "when-drifting")
+STEER = {"instaboost": ["instaboost:m=10"], "when-drifting": ["instaboost:m=10", "when-drifting:r=0.5"]}
 
 
 def _directions(backend: HFChatBackend) -> Directions:
@@ -51,19 +60,29 @@ def _directions(backend: HFChatBackend) -> Directions:
     return Directions({"model": backend.name, "n_layers": L, "d_model": d}, [persona])
 
 
-async def _round(url: str, model: str, tokens: int, telemetry: bool) -> float:
-    extra = {"driftlab": {"telemetry": True}} if telemetry else {}
-    bodies = [{"model": model, "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": u}],
-               "max_tokens": tokens, "temperature": 0, "ignore_eos": True, **extra} for u in USERS]
+def _messages(user: str) -> list[dict]:
+    turns = [m for u, a in HISTORY for m in ({"role": "user", "content": u}, {"role": "assistant", "content": a})]
+    return [{"role": "system", "content": SYSTEM}, *turns, {"role": "user", "content": user}]
+
+
+async def _round(url: str, model: str, tokens: int, mode: str) -> tuple[float, int]:
+    """One round's wall seconds, and how many replies were steered (by the gate's decisions)."""
+    extra = {"telemetry": True} if "telemetry" in mode else {}
+    extra |= {"steer": STEER[mode]} if mode in STEER else {}
+    bodies = [{"model": model, "messages": _messages(u), "max_tokens": tokens, "temperature": 0,
+               "ignore_eos": True, **({"driftlab": extra} if extra else {})} for u in USERS]
     async with httpx.AsyncClient(timeout=600) as http:
         t = time.perf_counter()
         replies = await asyncio.gather(*[http.post(f"{url}/v1/chat/completions", json=b) for b in bodies])
         elapsed = time.perf_counter() - t
     for r in replies:
         r.raise_for_status()
-        if telemetry and r.json()["driftlab"]["telemetry"]["pi"] is None:
+        if "telemetry" in mode and r.json()["driftlab"]["telemetry"]["pi"] is None:
             raise RuntimeError("a telemetry reply without pi")
-    return elapsed
+    gates = [r.json().get("driftlab", {}).get("gate") for r in replies]
+    if mode == "when-drifting" and None in gates:
+        raise RuntimeError("a gated reply without its gate decision")
+    return elapsed, sum(bool(g and g["steered"]) for g in gates)
 
 
 def run(quick: bool = False, full: bool = False) -> Result:
@@ -71,18 +90,19 @@ def run(quick: bool = False, full: bool = False) -> Result:
     tokens, repeats = {"quick": (8, 1), "default": (32, 3), "full": (64, 5)}[size]
     backend = HFChatBackend("smollm2-135m", dtype="auto", prefix_cache_bytes=0)
     directions = _directions(backend)
-    best = dict.fromkeys(MODES, float("inf"))
+    best, steered = dict.fromkeys(MODES, float("inf")), 0
     with background(create_app(backend, ServeSettings(max_wait_ms=50, prefix_cache_mb=0))) as url:
         for r in range(repeats + 1):  # round 0 warms every mode up
             order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]
             for mode in order:
                 backend.use_directions(directions if "directions" in mode else None)
-                t = asyncio.run(_round(url, backend.name, tokens, "telemetry" in mode))
+                t, n = asyncio.run(_round(url, backend.name, tokens, mode))
+                steered = n if mode == "when-drifting" else steered
                 if r:
                     best[mode] = min(best[mode], t)
     backend.use_directions(None)
     dtype = str(backend.model.dtype).removeprefix("torch.")
-    result = Result(title=f"drift telemetry: 8 concurrent requests x {tokens} tokens, smollm2-135m {dtype} "
+    result = Result(title=f"drift telemetry and gating: 8 concurrent 3-turn requests x {tokens} tokens, smollm2-135m {dtype} "
                           f"(best of {repeats}, modes interleaved)",
                     columns=["mode", "best wall s", "time vs plain"])
     for mode in MODES:
@@ -90,4 +110,8 @@ def run(quick: bool = False, full: bool = False) -> Result:
     result.results["telemetry.cost"] = f"{best['telemetry'] / best['plain']:.3f}"
     result.results["telemetry.cost_with_directions"] = f"{best['telemetry+directions'] / best['plain']:.3f}"
     result.results["telemetry.directions_alone"] = f"{best['directions'] / best['plain']:.3f}"
+    result.results["gate.cost"] = f"{best['when-drifting'] / best['instaboost']:.3f}"
+    result.results["gate.steered"] = f"{steered} of {len(USERS)}"
+    result.notes.append(f"when-drifting: the gate steered {steered} of {len(USERS)} replies; its cost vs always "
+                        f"on is {best['when-drifting'] / best['instaboost']:.3f}x")
     return result

@@ -115,10 +115,8 @@ def test_neutral_settings_decode_bit_identically(tiny):
 
 # -- the warpers: top_k and min_p ------------------------------------------------------------------
 def _frequencies(logits: torch.Tensor, sampling: Sampling, draws: int = 4000) -> torch.Tensor:
-    gen, chain = [torch.Generator().manual_seed(0)], warpers(sampling)
-    counts = torch.zeros(logits.shape[-1])
-    for _ in range(draws):
-        counts[sample(logits, chain, gen)[0]] += 1
+    drawn = sample(logits.expand(draws, -1), warpers(sampling), list(range(draws)), [0] * draws)  # a seed per row
+    counts = torch.bincount(drawn, minlength=logits.shape[-1]).float()
     return counts / counts.sum()
 
 

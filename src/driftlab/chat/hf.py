@@ -1074,7 +1074,7 @@ class _Decoding:
         self.prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
         B = len(self.prompts)
         self.real = B // 2 if guidance is not None else B  # rows whose replies are returned
-        self.gens = [torch.Generator(device=backend.device).manual_seed(int(s)) for s in seeds]
+        self.seeds = [int(s) for s in seeds]  # with a row's step, they fix its draws (chat/sampling.py)
         self.warpers = warpers(sampling)
         sampling.check_vocab(backend.shape.vocab_size)
         self.penalties = _Penalties(sampling, self.prompts[: self.real]) if sampling.penalized else None
@@ -1215,7 +1215,7 @@ class _Decoding:
         shaped = mixed if self.penalties is None else self.penalties(mixed, rows, self.sampled)
         if self.constraint is not None:  # JSON: the tokens its grammar does not allow next get -inf
             shaped = self.constraint(shaped, rows, self.sampled)
-        drawn = sample(shaped, self.warpers, [self.gens[b] for b in rows])
+        drawn = sample(shaped, self.warpers, [self.seeds[b] for b in rows], [len(self.sampled[b]) for b in rows])
         nxt = drawn if self.guidance is None else torch.cat([drawn, drawn])
         if any(self.finished):
             nxt = torch.where(self._finished_mask(), torch.full_like(nxt, self.backend.pad_id), nxt)
@@ -1310,7 +1310,7 @@ class _Decoding:
         self.sampled += other.sampled
         self.scored += other.scored
         self.reasons += other.reasons
-        self.gens += other.gens
+        self.seeds += other.seeds
         self.spans += other.spans
         self.tags += other.tags
         self.cache_store += other.cache_store

@@ -1,5 +1,14 @@
 """Drawing the next token: transformers' warpers, a nucleus filter that does not sort the
-vocabulary, and one draw per row from that row's own generator.
+vocabulary, and one batched draw whose number for each row is fixed by (seed, step) alone.
+
+Why counter-based draws: a row's token must not depend on which other rows share its batch
+(a resumed run reproduces an uninterrupted one; a served request gets the same tokens alone
+and in any mix). Per-row `torch.Generator`s give that, but `torch.multinomial` draws one
+exponential per vocabulary entry per row (its Gumbel race), one launch per row per step: on a
+CPU at batch 8 over SmolLM2's vocabulary, about as long as the model's decode step
+(benchmarks/sampling.py). `sample` instead hashes (seed, step) into one uniform per row on the
+host (SplitMix64, a well-known 64-bit mixer) and inverts every row's CDF in one batched
+`cumsum` + `searchsorted`: the same distribution, a few kernels for the whole batch.
 
 Why a nucleus filter of our own: transformers' `TopPLogitsWarper` sorts every row's whole
 vocabulary at every step: on a CPU, at batch 8, about as long as a small model's own decode
@@ -63,9 +72,40 @@ def warpers(sampling: Sampling):
     return chain
 
 
-def sample(logits: torch.Tensor, chain, gens: list[torch.Generator]) -> torch.Tensor:
-    """Greedy (`chain` None) or one draw per row from that row's own generator."""
+MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's output function (Steele, Lea and Flood, 2014): a bijection of 64-bit words
+    whose outputs pass BigCrush."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, step: int) -> float:
+    """The number in (0, 1] that a row seeded `seed` draws its `step`-th token with (53 bits:
+    every float64 of that grid; 0 is excluded so that no zero-probability token can be drawn)."""
+    h = _splitmix64(_splitmix64(seed & MASK64) ^ (step & MASK64))
+    return ((h >> 11) + 1) * 2.0 ** -53
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability reaches u x the row's total: token i
+    is drawn with probability p_i / total, and a zero-probability token never (its CDF step is
+    empty). float64 so that the tail of a 150k vocabulary keeps its mass."""
+    cdf = probs.to(torch.float64).cumsum(-1)
+    # as torch.multinomial refuses such a row, without a host sync on a GPU (NaN > 0 is False)
+    torch._assert_async((cdf[:, -1] > 0).all(), "no token can be drawn: a row's probabilities are all 0 or NaN")
+    return torch.searchsorted(cdf, u.unsqueeze(-1) * cdf[:, -1:]).squeeze(-1)
+
+
+def sample(logits: torch.Tensor, chain, seeds: list[int], steps: list[int]) -> torch.Tensor:
+    """Greedy (`chain` None) or, per row, the draw that its seed and step fix (see the module
+    docstring): independent of the other rows of the batch."""
     if chain is None:
         return logits.argmax(-1)
     probs = torch.softmax(chain(None, logits), dim=-1)
-    return torch.stack([torch.multinomial(probs[b], 1, generator=gens[b])[0] for b in range(probs.shape[0])])
+    u = torch.tensor([uniform(s, n) for s, n in zip(seeds, steps, strict=True)], dtype=torch.float64)
+    return inverse_cdf(probs, u.to(probs.device))
