@@ -144,7 +144,7 @@ SELFCHAT_AGENTS = ["reply-in-french", "secret-number-share", "name-alexander", "
 # driftlab's batched self-chat before the steering engine: Qwen2.5-7B shape, H100 (docs/performance.md)
 BEFORE_SELFCHAT_TOK_S = 357.0
 # (decode, prefill) limits vs plain where a mode's own work is larger: CFG decodes and prefills a
-# system-less twin row beside each conversation (issue 51); every other mode: 1.15x, 1.3x
+# system-less twin row beside each conversation; every other mode: 1.15x, 1.3x
 LIMITS = {"cfg": (1.3, 2.1)}
 
 
@@ -435,16 +435,20 @@ def second_process(shape: str, dtype: str, results: dict, notes: list, targets: 
         results[f"{shape}.second_process"] = "failed"
         return
     facts = json.loads(lines[-1].removeprefix("SECOND "))
+    aot = ", ".join(f"{facts.get(f'aot_{k}', 0)} {k}" for k in ("hit", "miss", "bypass"))
     progress(f"{shape}: second process {wall:.1f} s, {facts['compile_s']:.1f} s compiling, cache hits "
-             f"{facts['hits']}, misses {facts['misses']}")
+             f"{facts['hits']}, misses {facts['misses']}; AOTAutograd cache {aot}")
     results.update({f"{shape}.second_process.compile_s": f"{facts['compile_s']:.1f}",
                     f"{shape}.second_process.cache_hits": str(facts["hits"]),
-                    f"{shape}.second_process.cache_misses": str(facts["misses"])})
+                    f"{shape}.second_process.cache_misses": str(facts["misses"]),
+                    **{f"{shape}.second_process.aot_cache_{k}": str(facts.get(f"aot_{k}", 0))
+                       for k in ("hit", "miss", "bypass")}})
     targets.rows.append(["second process's compile (plain + steered), s", shape, "-", f"{facts['compile_s']:.1f}",
                          "<= 10", judge(facts["compile_s"] <= 10, facts["loop"] == "compiled" and shape != "tiny",
                                         "target is for the 7B shapes" if shape == "tiny" else "not compiled")])
     notes.append(f"{shape}: a second process (model build {facts['build_s']:.1f} s) compiled for "
-                 f"{facts['compile_s']:.1f} s: {facts['hits']} inductor cache hits, {facts['misses']} misses")
+                 f"{facts['compile_s']:.1f} s: {facts['hits']} inductor cache hits, {facts['misses']} misses; "
+                 f"AOTAutograd cache: {aot} (a miss or bypass re-traces AOT even where inductor hits)")
 
 
 def second_process_main(shape: str, dtype: str) -> None:

@@ -101,6 +101,9 @@ def write_record(path: Path, printed: str, results: dict[str, str]) -> None:
     import torch
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=HERE).stdout.strip()
+    commit = f"{commit.strip()} (with uncommitted changes)" if commit.strip() and dirty else commit
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else \
         platform.processor()

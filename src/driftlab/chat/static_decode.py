@@ -223,6 +223,9 @@ class StaticDecoder:
         self.shapes: set[tuple[int, int]] = set()
         self.compile_s = 0.0
         self.cache_hits = self.cache_misses = 0
+        # AOTAutograd's own cache (on by default since torch 2.6): a hit skips AOT tracing, so
+        # a second process whose inductor cache hits but whose AOT cache misses still traces twice
+        self.aot_cache = {"hit": 0, "miss": 0, "bypass": 0}
         self.over_budget: list[str] = []
         self.eager_reason: str | None = None
         self.evictions = 0  # held caches let go for another bucket's (KEEP_CACHES or the memory budget)
@@ -238,7 +241,8 @@ class StaticDecoder:
             facts["graph_keys"] = [{"batch": b, "steered": s, "bias_slots": j, "attention": a, "residual": r,
                                     "graphs": n} for (b, s, j, a, r), n in sorted(self.per_key.items())]
             facts["compile_s"] = round(self.compile_s, 2)
-            facts["compile_cache"] = {"hits": self.cache_hits, "misses": self.cache_misses}
+            facts["compile_cache"] = {"hits": self.cache_hits, "misses": self.cache_misses,
+                                      **{f"aot_{k}": n for k, n in self.aot_cache.items()}}
             facts["cudagraph_skips"] = self.cudagraph_skips
             if self.decode_kernel:
                 facts["decode_kernel"] = "flex_decoding (split over keys)"
@@ -361,12 +365,15 @@ class StaticDecoder:
 
         graphs, skips = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
         hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+        aot = {k: counters["aot_autograd"][f"autograd_cache_{k}"] for k in self.aot_cache}
         failed = {code: len(reasons) for code, reasons in guard_failures.items()}
         start = time.perf_counter()
         try:
             return forward()
         finally:
             self.cudagraph_skips += counters["inductor"]["cudagraph_skips"] - skips
+            for k, before in aot.items():
+                self.aot_cache[k] += counters["aot_autograd"][f"autograd_cache_{k}"] - before
             new = counters["stats"]["unique_graphs"] - graphs
             if new:
                 seconds = time.perf_counter() - start
