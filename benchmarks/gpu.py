@@ -146,6 +146,9 @@ BEFORE_SELFCHAT_TOK_S = 357.0
 # (decode, prefill) limits vs plain where a mode's own work is larger: CFG decodes and prefills a
 # system-less twin row beside each conversation; every other mode: 1.15x, 1.3x
 LIMITS = {"cfg": (1.3, 2.1)}
+# every variant a run may name (GPUBENCH_VARIANTS): the modes of `run`'s per-shape table and the opt-in ones
+VARIANTS = ("sdpa", "plain", "trace", "split", "instaboost", "pasta", "composed", "bias", "cfg", "spr", "eager",
+            "pastalib")
 
 
 # -- shapes ------------------------------------------------------------------------------------------
@@ -720,6 +723,8 @@ def run(quick: bool = False, full: bool = False, paper: bool = False) -> Result:
     n_decode = _positive("GPUBENCH_DECODE", os.environ.get("GPUBENCH_DECODE", d_decode))
     repeats = _positive("GPUBENCH_REPEATS", os.environ.get("GPUBENCH_REPEATS", d_repeats))
     sc = _selfchat_setting(d_selfchat, shapes)
+    if unknown := [v for v in _env_list("GPUBENCH_VARIANTS", []) if v not in VARIANTS]:
+        raise SystemExit(f"GPUBENCH_VARIANTS: unknown variant {unknown[0]!r}; use {', '.join(VARIANTS)}.")
     _json_path()
     slow_s = _positive("GPUBENCH_SLOW_S", os.environ.get("GPUBENCH_SLOW_S", 60), float)
     threads = torch.get_num_threads()
@@ -773,6 +778,7 @@ def run(quick: bool = False, full: bool = False, paper: bool = False) -> Result:
             "pasta": [pasta], "composed": ["trace", "split-softmax:k=0.9", "instaboost:m=5", pasta],
             "bias": ["bias:value=2.0"], "cfg": ["cfg:alpha=1.5"], "spr": ["spr:p=0.5"],
         }
+        assert set(modes) <= set(VARIANTS), "VARIANTS must name every mode"
         steer = {m: Interventions.parse(s) for m, s in modes.items()}
         marked = {"pasta", "composed", "pastalib"}
         llama = type(model).__name__.startswith("Llama")
@@ -1136,8 +1142,7 @@ def selfchat(backend, pairs: int, rounds: int, tokens: int, modes: dict[str, lis
     for name, (s, n_rec, n_tok) in best.items():
         table.rows.append([name, f"{s:.2f}", n_rec, n_tok, f"{tps[name]:.1f}", fmt_x(tps[name] / tps[naive_name]),
                            fmt_x(tps[name] / tps[plain_name])])
-        slug = _slug(name)
-        results[f"{shape}.selfchat.{slug}.tok_s"] = f"{tps[name]:.1f}"
+        slug = _slug(name)  # its tok_s RESULT line was written when it was timed
         results[f"{shape}.selfchat.{slug}.vs_naive"] = f"{tps[name] / tps[naive_name]:.3f}"
         records.append({"shape": shape, "selfchat": slug, "s": s, "records": n_rec, "tokens": n_tok,
                         "tok_s": tps[name]})

@@ -147,6 +147,7 @@ def test_a_bad_benchmark_setting_is_one_error_line(model: str) -> None:
     ({"GPUBENCH_DTYPE": "int8"}, "GPUBENCH_DTYPE='int8': use bfloat16"),
     ({"GPUBENCH_JSON": "."}, "is a directory"),
     ({"GPUBENCH_TOKENIZER": "/no/such/dir"}, "holds no tokenizer"),
+    ({"GPUBENCH_VARIANTS": "split,nope"}, "GPUBENCH_VARIANTS: unknown variant 'nope'; use sdpa, plain"),
 ])
 def test_a_bad_gpu_benchmark_setting_stops_before_any_model_is_built(setting: dict, says: str, tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
