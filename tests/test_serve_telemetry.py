@@ -183,3 +183,17 @@ def test_when_drifting_steers_a_drifted_conversation_and_not_a_first_turn(server
                 **({"messages": messages} if messages else {"prompt": "Hi"})}
         r = post(f"{url}/v1/{path}", json=body)
         assert r.status_code == 422 and "when-drifting" in r.json()["error"]["message"], r.text
+    # by projection: a one-line 422 without directions; with them the reply says both projections
+    projection = {"model": backend.name, "max_tokens": 2, "messages": DIALOG,
+                  "driftlab": {"steer": [STEER, "when-drifting:r=1,by=projection"]}}
+    r = post(f"{url}/v1/chat/completions", json=projection)
+    assert r.status_code == 422 and "no persona directions" in r.json()["error"]["message"], r.text
+    backend.use_directions(synthetic(backend.shape.layers, backend.d_model, [FRENCH]))
+    try:
+        gate = post(f"{url}/v1/chat/completions", json=projection).json()["driftlab"]["gate"]
+        gated = Interventions.parse(projection["driftlab"]["steer"])
+        want = backend.projection_drift(backend.render(DIALOG, interventions=gated), FRENCH)
+    finally:
+        backend.use_directions(None)
+    assert gate["by"] == "projection" and gate["r"] == 1.0
+    assert [gate["projection_first"], gate["projection"]] == pytest.approx(list(want), abs=1e-5)

@@ -43,9 +43,21 @@ def test_bad_gates_are_one_line_errors(specs, message) -> None:
 
 
 def test_the_gate_splits_a_steer_into_its_on_and_off_halves() -> None:
-    r, on, off = Interventions.parse([STEER, "trace", "when-drifting:r=0.5"]).gated()
-    assert r == 0.5 and on == Interventions.parse([STEER, "trace"]) and off == Interventions.parse(["trace"])
+    gate, on, off = Interventions.parse([STEER, "trace", "when-drifting:r=0.5"]).gated()
+    assert gate.r == 0.5 and gate.by == "pi"
+    assert on == Interventions.parse([STEER, "trace"]) and off == Interventions.parse(["trace"])
     assert Interventions.parse([STEER]).gated() is None
+
+
+def test_the_gate_s_signal_is_pi_unless_asked_and_its_spec_reads_as_before() -> None:
+    """`by=pi` is the default and left out of the spec (records and sweeps written before `by`
+    existed read the same); `by=projection` is kept; another signal is a one-line error."""
+    (pi,) = Interventions.parse(["when-drifting:r=0.5,by=pi", STEER]).by_hook("gate")
+    assert pi.spec() == "when-drifting:r=0.5" == Interventions.parse(["when-drifting:r=0.5", STEER]).get("when-drifting").spec()
+    by = Interventions.parse(["when-drifting:r=0.5,by=projection", STEER]).get("when-drifting")
+    assert by.by == "projection" and by.spec() == "when-drifting:r=0.5,by=projection"
+    with pytest.raises(DriftlabError, match="pi.*projection"):
+        Interventions.parse(["when-drifting:r=0.5,by=attention", STEER])
 
 
 @pytest.mark.model
@@ -141,3 +153,85 @@ def test_scoring_and_residual_steers_follow_each_row_s_decision(smol32) -> None:
         smol32.use_directions(None)
     with pytest.raises(DriftlabError, match="token prompts"):
         smol32.generate_tokens([smol32.render(FIRST)], GREEDY, interventions=Interventions.parse([STEER, "when-drifting:r=1"]))
+
+
+def _drifting_directions(smol_dir, device, system: str, convs: list[list[dict]], backend):
+    """Directions for `system` built from a plain forward hook's hidden states (an eager copy of the
+    model, not driftlab's hooks): per layer, the unit vector from the later turn's last hidden
+    state to the first turn's, with the without/with means set 1 below and above the two, so both
+    normalised projections lie in (0, 1) and the later one is lower (a conversation that drifted).
+    Returns the directions and, per conversation, its (first, now) band means by that reference."""
+    from transformers import AutoModelForCausalLM
+
+    from driftlab.activation.directions import Directions, PersonaDirection
+
+    eager = AutoModelForCausalLM.from_pretrained(str(smol_dir), dtype=torch.float32).to(device).eval()
+    layers = eager.model.layers
+
+    def states(ids: list[int]) -> torch.Tensor:  # [L, T, d] each decoder layer's output
+        seen = []
+        hooks = [layer.register_forward_hook(lambda m, a, out: seen.append(out[0] if isinstance(out, tuple) else out))
+                 for layer in layers]
+        try:
+            with torch.inference_mode():
+                eager(input_ids=torch.tensor([ids], device=device))
+        finally:
+            for h in hooks:
+                h.remove()
+        return torch.stack([x[0] for x in seen]).float().cpu()
+
+    gate = Interventions.parse([STEER, "when-drifting:r=1,by=projection"])
+    rendered = [backend.render(c, interventions=gate) for c in convs]
+    picked = []
+    for r in rendered:
+        h = states(r.ids)
+        picked.append((h[:, r.spans()["first_turn"][0][1] - 1], h[:, -1]))  # [L, d] at the first turn's end, now
+    first, now = picked[-1]
+    unit = torch.nn.functional.normalize(first - now, dim=-1)
+    p_first, p_now = (first * unit).sum(-1), (now * unit).sum(-1)
+    low, high = p_now - 1, p_first + 1
+    L = len(layers)
+    band = tuple(range(L // 3, L // 3 + 3))
+    direction = PersonaDirection(id="drift", system_prompt=system, unit=unit, norm=torch.ones(L),
+                                 with_proj=high[None].repeat(4, 1), without_proj=low[None].repeat(4, 1),
+                                 auroc=torch.ones(3, L), band=band)
+    directions = Directions({"model": backend.name, "n_layers": L, "d_model": unit.shape[1]}, [direction])
+    want = [tuple(float((((x * unit).sum(-1) - low) / (high - low))[list(band)].mean()) for x in pair) for pair in picked]
+    return directions, want
+
+
+@pytest.mark.model
+def test_by_projection_each_row_is_steered_only_where_its_persona_projection_fell(smol32, smol_dir, device) -> None:
+    """`when-drifting:by=projection`: the first turn's and the reply's normalised projections equal
+    a plain forward hook's (band mean); in one batch the first turn (ratio 1) decodes as plain and
+    the drifted conversation as the always-on steer, token for token; r below its ratio keeps it
+    plain. Without directions it is a one-line error before any work."""
+    directions, want = _drifting_directions(smol_dir, device, FRENCH, [FIRST, LATER], smol32)
+    gate = Interventions.parse([STEER, "when-drifting:r=1,by=projection"])
+    with pytest.raises(DriftlabError, match="no persona directions"):
+        smol32.check_steer(LATER, gate)
+    smol32.use_directions(directions)
+    try:
+        got = [smol32.projection_drift(smol32.render(c, interventions=gate), FRENCH) for c in (FIRST, LATER)]
+        np.testing.assert_allclose(got, want, atol=tol(1e-4), rtol=0)
+        assert 0 < want[1][1] < want[1][0] < 1 and got[0][0] == got[0][1]  # LATER drifted; FIRST is its own reference
+
+        def one(conv, specs):
+            (reply,) = smol32.generate(ChatRequest([conv], GREEDY, interventions=Interventions.parse(specs)))
+            return reply
+
+        plain, on = one(LATER, []), one(LATER, [STEER])
+        assert plain.token_ids != on.token_ids  # the steer changes this reply: the test has teeth
+        both = smol32.generate(ChatRequest([FIRST, LATER], GREEDY, interventions=gate))
+        assert [r.gate["steered"] for r in both] == [False, True]
+        ratio = both[1].gate["projection_ratio"]
+        assert both[0].gate["projection_ratio"] == 1.0 and ratio == pytest.approx(want[1][1] / want[1][0], abs=tol(1e-4))
+        assert both[0].token_ids == one(FIRST, []).token_ids and both[1].token_ids == on.token_ids
+        (never,) = smol32.generate(ChatRequest([LATER], GREEDY, interventions=Interventions.parse(
+            [STEER, f"when-drifting:r={ratio / 2},by=projection"])))
+        assert never.gate["steered"] is False and never.token_ids == plain.token_ids
+        other = [{"role": "system", "content": "You are a pirate."}, *LATER[1:]]
+        with pytest.raises(DriftlabError, match="none for system prompt 'You are a pirate.'"):
+            smol32.check_steer(other, gate)
+    finally:
+        smol32.use_directions(None)

@@ -184,7 +184,8 @@ class Reply:
     # (the last prompt token), "last" (the last one); with "direction" (the persona id) and "band"
     # (its default layers). Local backends given directions only.
     activation: dict[str, Any] | None = None
-    # `when-drifting`'s decision for this reply: {"r", "pi_ratio" (pi_t / pi_1), "steered"} (local backends).
+    # `when-drifting`'s decision for this reply: {"r", "pi_ratio" (pi_t / pi_1), "steered"}; by projection
+    # {"r", "by", "projection_first", "projection", "projection_ratio", "steered"} (local backends).
     gate: dict[str, Any] | None = None
 
 

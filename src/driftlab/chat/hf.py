@@ -267,7 +267,7 @@ class HFChatBackend:
         self.capabilities.require(self.name, iv)
         convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in request.conversations]
         rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
-        ivs, gates = self._gated(rendered, iv)
+        ivs, gates = self._gated(rendered, iv, [_system_of(c) for c in convs])
         seeds, store = request.row_seeds(), request.cache_store
         alpha = iv.guidance()
         if alpha is not None:
@@ -303,7 +303,7 @@ class HFChatBackend:
                                 "log-probs, and cannot bring CFG's twin rows.")
         convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in more.conversations]
         rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
-        ivs, gates = self._gated(rendered, iv)
+        ivs, gates = self._gated(rendered, iv, [_system_of(c) for c in convs])
         return _Decoding(self, [r.ids for r in rendered], more.sampling, seeds=more.row_seeds(),
                          interventions=ivs, gates=gates, spans=[r.spans() for r in rendered],
                          cache_store=more.cache_store, guidance=None, logprobs=more.logprobs, on_finish=None,
@@ -321,7 +321,7 @@ class HFChatBackend:
                                 hint="Compute activations without --steer cfg.")
         convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in request.conversations]
         rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
-        ivs, gates = self._gated(rendered, iv)
+        ivs, gates = self._gated(rendered, iv, [_system_of(c) for c in convs])
         return self._decode([r.ids for r in rendered], request.sampling, seeds=request.row_seeds(),
                             interventions=ivs, gates=gates, spans=[r.spans() for r in rendered],
                             cache_store=request.cache_store, residual=self._residual_of(convs, iv, ivs), capture=True)
@@ -369,6 +369,8 @@ class HFChatBackend:
                 self._floors([interventions.attention()], [rendered.spans()], [rendered.ids], check_only=True)
             if "when-drifting" in interventions.kinds:
                 _first_turn_end(rendered.spans())
+                if interventions.get("when-drifting").by == "projection":
+                    self._gate_direction(_system_of(conversation))
 
     def _residual_of(self, convs, iv: Interventions, ivs: Sequence[Interventions]) -> list[ResidualRow | None]:
         """Each conversation's residual state under its own interventions (`_gated`: a row the gate
@@ -549,7 +551,7 @@ class HFChatBackend:
         for i, conv in enumerate(contexts):
             validate_conversation(conv, i)
         rendered = [self.render(interventions.model_view(c), interventions=interventions) for c in contexts]
-        ivs, _ = self._gated(rendered, interventions)
+        ivs, _ = self._gated(rendered, interventions, [_system_of(c) for c in contexts])
         out: dict[int, LogLikelihood] = {}
         for iv in {id(v): v for v in ivs}.values():  # the steer, its off half: one call each
             rows = [i for i, v in enumerate(ivs) if v is iv]
@@ -781,19 +783,29 @@ class HFChatBackend:
             first[b] = end
         return values, first
 
-    def _gated(self, rendered: Sequence[Rendered], iv: Interventions) -> tuple[list[Interventions], list[dict | None]]:
-        """Each row's interventions under `when-drifting:r=R` (the steer where pi_t < R pi_1, else
+    def _gated(self, rendered: Sequence[Rendered], iv: Interventions,
+               systems: Sequence[str | None]) -> tuple[list[Interventions], list[dict | None]]:
+        """Each row's interventions under `when-drifting` (the steer where the row has drifted, else
         its trace only) and the decision (`Reply.gate`); `iv` for every row without a gate."""
         gated = iv.gated()
         if gated is None:
             return [iv] * len(rendered), [None] * len(rendered)
-        r, on, off = gated
-        ivs, gates = [], []
-        for row in rendered:
-            ratio = self.drift_ratio(row)
-            ivs.append(on if ratio < r else off)
-            gates.append({"r": r, "pi_ratio": round(ratio, 6), "steered": ratio < r})
-        return ivs, gates
+        gate, on, off = gated
+        decisions = [self._drift_decision(row, system, gate) for row, system in zip(rendered, systems, strict=True)]
+        return [on if d["steered"] else off for d in decisions], decisions
+
+    def _drift_decision(self, rendered: Rendered, system: str | None, gate) -> dict:
+        """One conversation's `when-drifting` decision, as its reply reports it. By projection, a
+        conversation whose first turn does not project onto its persona (at most 0: like without
+        its system prompt) has no persona to drift from: its ratio is None and it is not steered."""
+        if gate.by == "pi":
+            ratio = self.drift_ratio(rendered)
+            return {"r": gate.r, "pi_ratio": round(ratio, 6), "steered": ratio < gate.r}
+        first, now = self.projection_drift(rendered, system)
+        ratio = now / first if first > 0 else None
+        return {"r": gate.r, "by": "projection", "projection_first": round(first, 6), "projection": round(now, 6),
+                "projection_ratio": None if ratio is None else round(ratio, 6),
+                "steered": ratio is not None and ratio < gate.r}
 
     def drift_ratio(self, rendered: Rendered) -> float:
         """pi_t / pi_1 of a rendered conversation: the attention mass on its system prompt at its
@@ -807,6 +819,33 @@ class HFChatBackend:
         first = self._pi_first(tuple(rendered.ids[:end]), spans, plain).mean()
         now = self._pi_first(tuple(rendered.ids), spans, plain).mean()
         return float(now / first)
+
+    def projection_drift(self, rendered: Rendered, system: str | None) -> tuple[float, float]:
+        """The residual stream's normalised projection onto the persona's direction (0: like without
+        the system prompt, 1: like with it), mean over the direction's band, at the first turn's
+        last token and at the conversation's last token (where the next reply starts): what
+        `when-drifting:by=projection` compares. One prefill from the first turn's last token on
+        (what precedes it comes from the prefix cache when a dialog asked before)."""
+        end = _first_turn_end(rendered.spans())
+        direction = self._gate_direction(system)
+        ((start, values),) = self.project_prompts([rendered], [system], compute_from=[end - 1])
+        band = list(direction.band)
+
+        def at(j: int) -> float:
+            return float(values[j - start, band].mean())
+
+        return at(end - 1), at(len(rendered.ids) - 1)
+
+    def _gate_direction(self, system: str | None):
+        """The persona direction `when-drifting:by=projection` reads for a conversation; a one-line
+        error without directions or without one for its system prompt."""
+        found = self.directions.for_system(system) if self.directions is not None else None
+        if found is None:
+            held = "no persona directions" if self.directions is None else \
+                f"directions at {self.directions.path} with none for system prompt {(system or '')[:60]!r}"
+            raise DriftlabError(f"when-drifting:by=projection reads the persona's direction, and {self.name} has "
+                                f"{held}.", hint="Pass --directions DIR (driftlab directions), or use by=pi.")
+        return found
 
     def _pi_first(self, tokens: tuple[int, ...], spans, config: AttentionConfig) -> torch.Tensor:
         """[L, H] pi at the last of `tokens` (a first turn), under `config` without its floor; kept
@@ -1410,7 +1449,8 @@ def _first_turn_end(spans: dict[str, list[tuple[int, int]]]) -> int:
     """Where a conversation's first turn ends (`when-drifting`'s reference); a one-line error
     where it has no system prompt or first turn to compare with."""
     if not spans.get("first_turn") or not spans.get("system"):
-        raise DriftlabError("when-drifting compares the attention on the system prompt with its first turn's, "
+        raise DriftlabError("when-drifting compares the system prompt's hold (its attention, or the persona's "
+                            "projection) with the first turn's, "
                             f"and this conversation has {'no first turn' if spans.get('system') else 'no system prompt'}.",
                             hint="Give conversations with a system prompt and a user turn, rendered by a chat "
                                  "template that renders the first turn as a prefix.")

@@ -39,7 +39,8 @@ class _Record(BaseModel):
     # `--directions`; `Reply.activation`: reply, prompt and last, normalised 0 without to 1 with).
     pi: list[float] | None = None
     activation: dict[str, Any] | None = None
-    # Under `--steer when-drifting:r=R`: its decision for this reply, {"r", "pi_ratio", "steered"}.
+    # Under `--steer when-drifting:r=R`: its decision for this reply, {"r", "pi_ratio", "steered"}
+    # (`by=projection`: "by", "projection_first", "projection", "projection_ratio" for "pi_ratio").
     gate: dict[str, Any] | None = None
 
 

@@ -11,7 +11,8 @@ signals driftlab measures, read off the reply's own decode at no extra forward p
   (normalised: 0 like without the system prompt, 1 like with it; mean over the direction's
   layer band), at the same positions;
 * the conversation's round count (its user turns), so a client can plot either against it;
-* under `when-drifting:r=R`, its decision: pi_t / pi_1 and whether the reply was steered (also in
+* under `when-drifting:r=R`, its decision: pi_t / pi_1 (`by=projection`: the projection's ratio,
+  first turn to now) and whether the reply was steered (also in
   the reply's `driftlab.gate` without telemetry, since it says what the reply is).
 
 The server stays stateless: everything is computed from the conversation the request sends.

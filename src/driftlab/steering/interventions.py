@@ -324,17 +324,25 @@ class PiFloor(BaseIntervention):
 
 class WhenDrifting(BaseIntervention):
     """Adaptive control: the other steers act on a conversation's next reply only once it drifts,
-    that is once pi_t, the attention mass on its system prompt at the reply's first token (mean
-    over layers and heads, plain attention), has fallen below r times pi_1, its first turn's.
-    Otherwise the reply is plain (traced if trace is asked). Decided per conversation and turn
-    from the conversation alone, so a server stays stateless; costs one traced prefill a turn.
-    Why: a steer costs task accuracy where it acts, and a conversation that has not drifted
-    (a first turn, an MMLU question) needs none."""
+    that is once its signal at the reply's first token has fallen below r times its first turn's.
+    `by=pi` (the default): pi, the attention mass on the system prompt (mean over layers and
+    heads, plain attention). `by=projection`: the residual stream's normalised projection onto
+    the persona's direction (mean over the direction's band; needs directions), the signal of
+    persona vectors and the Assistant Axis. Otherwise the reply is plain (traced if trace is
+    asked). Decided per conversation and turn from the conversation alone, so a server stays
+    stateless; costs one prefill a turn. Why: a steer costs task accuracy where it acts, and a
+    conversation that has not drifted (a first turn, an MMLU question) needs none."""
 
     kind: Literal["when-drifting"] = "when-drifting"
     r: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+    by: Literal["pi", "projection"] = "pi"
     hook: ClassVar[Hook] = "gate"
-    form: ClassVar[str] = "when-drifting:r=0.9"
+    form: ClassVar[str] = "when-drifting:r=0.9[,by=pi|projection]"
+
+    def spec(self) -> str:
+        """Without `by=pi`, the default: a gate's spec (in manifests, records and sweeps) reads as
+        it did before `by` existed, so older runs resume and compare."""
+        return super().spec().removesuffix(",by=pi")
     #: Kinds it cannot gate per conversation: CFG's twin rows and SPR's edit are batch-wide.
     ungateable: ClassVar[frozenset[str]] = frozenset({"cfg", "spr"})
 
@@ -518,13 +526,13 @@ class Interventions(BaseModel):
     def without(self, *kinds: str) -> Interventions:
         return Interventions(items=tuple(i for i in self.items if i.kind not in kinds))
 
-    def gated(self) -> tuple[float, Interventions, Interventions] | None:
-        """`when-drifting`'s (r, the steer a drifting conversation gets, the one any other gets:
-        its trace only); None without a gate."""
+    def gated(self) -> tuple[WhenDrifting, Interventions, Interventions] | None:
+        """`when-drifting` (its r and signal), the steer a drifting conversation gets and the one
+        any other gets (its trace only); None without a gate."""
         gate = self.get("when-drifting")
         if gate is None:
             return None
-        return gate.r, self.without("when-drifting"), Interventions(
+        return gate, self.without("when-drifting"), Interventions(
             items=tuple(i for i in self.items if i.kind == "trace"))
 
 
