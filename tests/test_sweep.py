@@ -332,14 +332,14 @@ def test_sweep_config_records_the_turn_counting_and_refuses_a_dialog_too_short()
     assert SweepConfig.LEGACY == {"mmlu_turn_counting": "round", "mmlu_history": "selfchat", "mmlu_ties": "first",
                                   "mmlu_histories": 1, "probe_after": "user", "probe_tokens": "turn",
                                   "benchmark": "mmlu", "benchmark_include": None, "benchmark_n": None,
-                                  "when_drifting": None}
+                                  "when_drifting": None, "when_drifting_by": "pi"}
     with pytest.raises(ValueError, match="MMLU over 3 dialogs needs as many persona pairs; the sweep has 2"):
         SweepConfig(pair_ids=paper_pairs()[:2], mmlu_histories=3)
     assert SweepConfig(mmlu_histories=5, mmlu_ties="first").mmlu(None).model_dump(include={"histories", "ties"}) == {
         "histories": 5, "ties": "first"}
 
 
-def test_when_drifting_gates_every_steered_point_and_refuses_batch_wide_ones():
+def test_when_drifting_gates_every_steered_point_and_refuses_batch_wide_ones(tmp_path):
     """`--when-drifting R`: each steered point's self-chat and MMLU run under `when-drifting:r=R`;
     plain stays plain; CFG and SPR, which act on a whole batch, are refused before any work."""
     cfg = SweepConfig(grid={"instaboost": ["instaboost:m=10"]}, when_drifting=0.5)
@@ -351,6 +351,15 @@ def test_when_drifting_gates_every_steered_point_and_refuses_batch_wide_ones():
     for method, spec in (("cfg", "cfg:alpha=2"), ("spr", "spr:p=0.5")):
         with pytest.raises(ValueError, match=f"and {method} acts on the whole batch"):
             SweepConfig(grid={method: [spec]}, when_drifting=0.5)
+    # by projection: the gate says so, and a sweep without directions stops before any work
+    with pytest.raises(ValueError, match="--when-drifting-by projection reads persona directions"):
+        SweepConfig(grid={"instaboost": ["instaboost:m=10"]}, when_drifting=0.5, when_drifting_by="projection")
+    from test_activation import synthetic
+
+    backend = BackendSpec(directions=str(synthetic(2, 8, ["Be brief."]).save(tmp_path / "dirs")))
+    by = SweepConfig(backend=backend, grid={"instaboost": ["instaboost:m=10"]}, when_drifting=0.5,
+                     when_drifting_by="projection")
+    assert by.selfchat(by.points()[1][1]).steer.specs() == ["instaboost:m=10.0", "when-drifting:r=0.5,by=projection"]
 
 
 @pytest.mark.model

@@ -66,6 +66,9 @@ def sweep(
     when_drifting: Annotated[float | None, typer.Option(
         help="Adaptive control: every steered point acts only once a conversation has drifted, where its pi has "
              "fallen below this share of its first turn's (--steer when-drifting:r=R).")] = None,
+    when_drifting_by: Annotated[str, typer.Option(
+        help="What --when-drifting compares with the first turn: 'pi' (attention on the system prompt) or "
+             "'projection' (the persona's projection; needs --directions).")] = "pi",
 ) -> None:
     """Measure persona stability and MMLU drop for every (method, strength), then plot the trade-off.
 

@@ -171,6 +171,8 @@ class SweepConfig(ProtocolConfig):
     when_drifting: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description=(
         "every steered point acts only once a conversation has drifted (`when-drifting:r=R`: where its pi has "
         "fallen below R times its first turn's), in its self-chat and what prices it"))
+    when_drifting_by: Literal["pi", "projection"] = Field("pi", description=(
+        "what --when-drifting compares with the first turn: pi, or the persona's projection (needs directions)"))
 
     # The grid is compared point by point when the sweep starts its units (`Sweep._add_points`):
     # a resume may add points, never drop one.
@@ -179,7 +181,7 @@ class SweepConfig(ProtocolConfig):
     LEGACY: ClassVar[dict[str, Any]] = {"mmlu_turn_counting": "round", "mmlu_history": "selfchat", "mmlu_ties": "first",
                                         "mmlu_histories": 1, "probe_after": "user",
                                         "probe_tokens": "turn", "benchmark": "mmlu", "benchmark_include": None,
-                                        "benchmark_n": None, "when_drifting": None}
+                                        "benchmark_n": None, "when_drifting": None, "when_drifting_by": "pi"}
 
     _probe_budget = field_validator("probe_tokens", mode="before")(probe_budget)
 
@@ -199,13 +201,18 @@ class SweepConfig(ProtocolConfig):
             if batch_wide:
                 raise ValueError(f"--when-drifting gates each conversation's steer, and {batch_wide[0]} acts on the "
                                  "whole batch: leave it out of the grid, or run it in a sweep without --when-drifting")
+            if self.when_drifting_by == "projection" and not self.backend.directions:
+                raise ValueError("--when-drifting-by projection reads persona directions, and none were given: "
+                                 "compute them with `driftlab directions --out DIR`, then pass --directions DIR")
         return self
 
     def steer(self, point: BaseIntervention | None) -> list[BaseIntervention]:
         """A point's steer: none for plain; with `when_drifting`, the point under the gate."""
         if point is None:
             return []
-        return [point, WhenDrifting(r=self.when_drifting)] if self.when_drifting is not None else [point]
+        if self.when_drifting is None:
+            return [point]
+        return [point, WhenDrifting(r=self.when_drifting, by=self.when_drifting_by)]
 
     @field_validator("mmlu_turn")
     @classmethod

@@ -133,6 +133,9 @@ def sweep_table(out: str | Path, *, write: bool = True) -> pd.DataFrame:
     if config.get("when_drifting") is not None:  # every steered point acted only once its conversation drifted
         table.insert(table.columns.get_loc("spec") + 1, "when_drifting",
                      [None if m == PLAIN else config["when_drifting"] for m in table["method"]])
+        if config.get("when_drifting_by", "pi") != "pi":  # by projection; pi, the default, adds no column
+            table.insert(table.columns.get_loc("when_drifting") + 1, "when_drifting_by",
+                         [None if m == PLAIN else config["when_drifting_by"] for m in table["method"]])
     if write:
         table.to_csv(out / "sweep.csv", index=False)
     return table
