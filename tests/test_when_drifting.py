@@ -58,6 +58,10 @@ def test_the_gate_s_signal_is_pi_unless_asked_and_its_spec_reads_as_before() -> 
     assert by.by == "projection" and by.spec() == "when-drifting:r=0.5,by=projection"
     with pytest.raises(DriftlabError, match="pi.*projection"):
         Interventions.parse(["when-drifting:r=0.5,by=attention", STEER])
+    # a run gated by projection without directions stops before anything loads
+    with pytest.raises(ValueError, match="when-drifting:by=projection needs persona directions"):
+        SelfChatConfig(steer=[STEER, "when-drifting:r=0.5,by=projection"])
+    assert SelfChatConfig(steer=[STEER, "when-drifting:r=0.5"]).steer.gated()[0].by == "pi"
 
 
 @pytest.mark.model

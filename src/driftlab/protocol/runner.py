@@ -58,11 +58,13 @@ class ProtocolConfig(BaseModel):
 
 
 def directions_given(backend: BackendSpec, steers: Iterable[Any]) -> None:
-    """A config's check: residual-stream steers (vector, cap) need the backend's persona directions.
+    """A config's check: residual-stream steers (vector, cap) and a gate by projection need the
+    backend's persona directions.
     Raised in a config validator, so a run without them stops in one line before anything loads."""
-    kinds = sorted({s.kind for s in steers if getattr(s, "hook", None) == "residual"})
+    kinds = sorted({s.kind for s in steers if getattr(s, "hook", None) == "residual"}
+                   | {"when-drifting:by=projection" for s in steers if getattr(s, "by", None) == "projection"})
     if kinds and not backend.directions:
-        raise ValueError(f"{', '.join(kinds)} steers along persona directions, and none were given: compute them "
+        raise ValueError(f"--steer {', '.join(kinds)} needs persona directions, and none were given: compute them "
                          "with `driftlab directions --out DIR`, then pass --directions DIR")
 
 
