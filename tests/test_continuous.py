@@ -9,10 +9,11 @@ import asyncio
 import json
 
 import httpx
+import numpy as np
 import pytest
 from test_activation import FRENCH, synthetic
 
-from devices import backend_device
+from devices import backend_device, tol
 from driftlab.chat import ChatRequest, Sampling
 from driftlab.errors import DriftlabError
 from driftlab.serve import ServeSettings, create_app
@@ -45,7 +46,8 @@ def waves_of(sampling: Sampling, steer: Interventions, waves=WAVES):
     ([], Sampling(greedy=True, max_new_tokens=14)),
     (["instaboost:m=5"], Sampling(temperature=1.0, top_p=0.9, max_new_tokens=14)),
     (["vector:alpha=4"], Sampling(greedy=True, max_new_tokens=14)),
-], ids=["plain-greedy", "instaboost-seeded", "vector-greedy"])
+    (["split-softmax:k=0.7", "trace"], Sampling(greedy=True, max_new_tokens=14)),
+], ids=["plain-greedy", "instaboost-seeded", "vector-greedy", "traced-greedy"])
 def test_rows_that_join_a_running_batch_decode_as_they_do_alone(smol32, steer, sampling) -> None:
     smol32.use_directions(synthetic(smol32.shape.layers, smol32.d_model, [FRENCH]))
     try:
@@ -62,6 +64,11 @@ def test_rows_that_join_a_running_batch_decode_as_they_do_alone(smol32, steer, s
         if want.activation is not None:  # the projection each row recorded, joined or alone
             for key in ("prompt", "reply", "last"):
                 assert got.activation[key] == pytest.approx(want.activation[key], abs=1e-4)
+        assert (got.trace is None) == (want.trace is None) == ("trace" not in steer)
+        if want.trace is not None:  # pi at each reply token, per layer and head: joined, left or alone
+            assert got.trace.decode.shape == want.trace.decode.shape  # a step per sampled token, a final EOS too
+            assert len(want.trace.decode) == len(want.trace.generated_tokens) >= len(want.token_ids)
+            np.testing.assert_allclose(got.trace.decode, want.trace.decode, atol=tol(1e-5), rtol=0)
     assert [len(r.token_ids) for r in together][4] <= 3  # row 4's own limit held after it joined
 
 
@@ -82,16 +89,20 @@ def test_joined_rows_store_their_prefixes_as_a_lone_row_does(smol_dir) -> None:
     assert [r.token_ids for r in again] == [r.token_ids for r in plain.generate(ChatRequest(follow, greedy))]
 
 
-def test_rows_of_another_sampling_are_refused_and_a_traced_batch_takes_none(smol32) -> None:
+def test_rows_of_another_sampling_or_tracing_are_refused_and_a_prefill_trace_takes_none(smol32) -> None:
     greedy = Sampling(greedy=True, max_new_tokens=6)
     other = ChatRequest([CONVS[2]], Sampling(temperature=0.5, max_new_tokens=6))
     with pytest.raises(DriftlabError, match="must share its sampling"):
         smol32.generate(ChatRequest([CONVS[0]], greedy, admit=lambda: other))
+    untraced = ChatRequest([CONVS[2]], greedy)  # pi tracing is one setting per batch
+    with pytest.raises(DriftlabError, match="log-probs and pi tracing"):
+        smol32.generate(ChatRequest([CONVS[0]], greedy, interventions=Interventions.parse(["trace"]),
+                                    admit=lambda: untraced))
     asked = []
-    traced = ChatRequest([CONVS[0]], greedy, interventions=Interventions.parse(["trace"]),
+    traced = ChatRequest([CONVS[0]], greedy, interventions=Interventions.parse(["trace:prefill=true"]),
                          admit=lambda: asked.append(1))
     (reply,) = smol32.generate(traced)
-    assert not asked and reply.trace is not None  # pi traces are laid out per batch: no row joins
+    assert not asked and reply.trace.prefill is not None  # prefill traces are laid out per batch: no row joins
 
 
 def test_a_short_request_joins_a_long_one_and_finishes_first(smol32) -> None:

@@ -285,10 +285,11 @@ class AttentionState:
 
     def select_rows(self, keep: Sequence[int]) -> None:
         """Keep only the batch positions `keep`, in that order (the decode loop drops rows that
-        are done). The dynamic layout only: a static one keeps its shapes, and pi traces are
-        kept per batch position, so the loop does not drop rows while tracing."""
-        if self.static or self.trace:
-            raise DriftlabError("Rows cannot leave a batch that is traced or laid out statically.")
+        are done). The dynamic layout only: a static one keeps its shapes; pi records are kept per
+        batch position, so the decode loop cuts them per row first."""
+        if self.static or (self.trace and self.records[0]):
+            raise DriftlabError("Rows cannot leave a batch laid out statically, or one whose pi records are "
+                                "not yet cut per row (_Decoding._cut_traces).")
         index = torch.tensor(list(keep), dtype=torch.long, device=self.system_keys.device)
         self.rows = [self.rows[i] for i in keep]
         self.spans = [self.spans[i] for i in keep]

@@ -296,11 +296,11 @@ class HFChatBackend:
             return None
         iv = more.interventions
         self.capabilities.require(self.name, iv)
-        if more.logprobs != first.logprobs or iv.guidance() is not None or \
+        if more.logprobs != first.logprobs or iv.guidance() is not None or _tracing(iv) != _tracing(first.interventions) or \
                 more.sampling.model_copy(update={"max_new_tokens": 1}) != \
                 first.sampling.model_copy(update={"max_new_tokens": 1}):
-            raise DriftlabError("Rows joining a running batch must share its sampling (but for token limits) and "
-                                "log-probs, and cannot bring CFG's twin rows.")
+            raise DriftlabError("Rows joining a running batch must share its sampling (but for token limits), "
+                                "log-probs and pi tracing, and cannot bring CFG's twin rows.")
         convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in more.conversations]
         rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
         ivs, gates = self._gated(rendered, iv, [_system_of(c) for c in convs])
@@ -1135,14 +1135,20 @@ class _Decoding:
         self.attention = [iv.attention() for iv in interventions]
         self.compute_from = compute_from
         self._layout(interventions, residual, capture, keep_prefill)
-        # A row's reply is known when it finishes, unless pi traces (built at the end) are asked for.
-        self.early = on_finish if self.state is None or not self.state.trace else None
+        # pi traces of a dynamic layout (decode steps only) are cut into each row's segments whenever
+        # the batch's rows change (`_cut_traces`), so traced rows leave, join and finish early like
+        # others; a static layout (trace buffer) and prefill traces stay per batch position.
+        traced = self.state is not None and self.state.trace
+        self.segmented = traced and self.static is None and not self.state.config.trace_prefill
+        self.segments: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        # A row's reply is known when it finishes, unless pi traces built at the end are asked for.
+        self.early = on_finish if not traced or self.segmented else None
         # Rows that are done leave the batch (dynamic cache only; a static cache keeps its shapes
-        # for compiled steps, and pi traces are assembled per batch position at the end): in a
-        # self-chat a few long replies would otherwise make every finished row cost a forward
-        # pass per step until the longest ends. `live[i]` is the row at batch position i; with
-        # guidance the first `n_cond` positions are conditional rows, the rest their twins.
-        self.compacting = backend.compact_rows and self.static is None and (self.state is None or not self.state.trace)
+        # for compiled steps): in a self-chat a few long replies would otherwise make every
+        # finished row cost a forward pass per step until the longest ends. `live[i]` is the row
+        # at batch position i; with guidance the first `n_cond` positions are conditional rows,
+        # the rest their twins.
+        self.compacting = backend.compact_rows and self.static is None and (not traced or self.segmented)
         self.live, self.n_cond = list(range(B)), self.real
         self.n_fed = 0  # decode steps run: sampled[b][:n_fed] have their KV in the cache
         self.logits = backend._forward(self.ids[:, self.S :], self.mask, self.positions[:, self.S :], self.cache,
@@ -1309,6 +1315,7 @@ class _Decoding:
         index = torch.tensor(keep, device=self.backend.device)
         self.cache.batch_select_indices(index)
         if self.state is not None:
+            self._cut_traces()
             self.state.select_rows(keep)
         if self.residual is not None:
             self.residual.select_rows(keep)
@@ -1328,7 +1335,7 @@ class _Decoding:
         state, residual = self.state, self.residual
         return (self.static is None and self.guidance is None and self.constraint is None
                 and self.penalties is None and self.compute_from is None
-                and (state is None or not (state.trace or any(a.floors for a in state.rows)))
+                and (state is None or not ((state.trace and not self.segmented) or any(a.floors for a in state.rows)))
                 and (residual is None or not (residual.capture or residual.keep_prefill))
                 and all(type(layer) is DynamicLayer for layer in self.cache.layers))  # no sliding window
 
@@ -1357,6 +1364,9 @@ class _Decoding:
         self.pads += other.pads
         self.attention += other.attention
         self.gates += other.gates
+        self._cut_traces()
+        other._cut_traces()
+        self.segments += other.segments
         self.joined += [self.n_fed] * len(other.prompts)
         self.live += [R + b for b in other.live]
         self.finished += other.finished
@@ -1417,6 +1427,9 @@ class _Decoding:
 
     def reply(self, b: int, trace: Trace | None = None) -> Reply:
         backend, sampled = self.backend, self.sampled[b]
+        if self.segmented and b < self.real:  # its pi so far (complete once the row is done)
+            self._cut_traces()
+            trace = backend._trace_of(self._trace_row(b), self.prompts[b], sampled, self.spans[b])
         # A final EOS ends the reply and is not part of it; with ignore_eos it is just a token.
         ended = not self.sampling.ignore_eos and sampled and sampled[-1] in backend.eos_ids
         toks = sampled[:-1] if ended else sampled
@@ -1435,14 +1448,40 @@ class _Decoding:
             return None
         return self.residual.summaries([b])[0]
 
+    def _cut_traces(self) -> None:
+        """Move the pi recorded since the last cut ([L, batch position, H, steps]) into each live row's
+        segments: before rows leave or join, and before a reply is built, so that a row's trace
+        never depends on where in the batch it sat."""
+        state = self.state
+        if not self.segmented or not state.records[0]:
+            return
+        stacked = torch.stack([torch.cat([r[..., -1:] for r in recs], dim=-1).to(state.device) for recs in state.records])
+        for i, b in enumerate(self.live):
+            self.segments[b].append(stacked[:, i])
+        state.records = [[] for _ in range(state.n_layers)]
+
+    def _trace_row(self, b: int) -> dict[str, torch.Tensor]:
+        """Row b's `decode` pi [n_tokens, L, H] from its segments (as `AttentionState.row_traces`)."""
+        if not self.segments[b]:
+            return {}
+        return {"decode": torch.cat(self.segments[b], dim=-1)[..., : len(self.sampled[b])].permute(2, 0, 1).cpu()}
+
     def finish(self) -> list[Reply]:
         """Store the prefixes still in the batch and return every row's reply (with its pi trace)."""
         self._store(at=dict(enumerate(self.live)))
         B = len(self.prompts)
+        if self.segmented:
+            return [self.reply(b) for b in range(B)]
         rows = self.state.row_traces([len(x) for x in self.sampled], self.pads) if self.state is not None else [{}] * B
         # Guidance twins (b >= real) are dropped by `generate`: no trace to build for them.
         return [self.reply(b, self.backend._trace_of(rows[b], self.prompts[b], self.sampled[b], self.spans[b])
                            if b < self.real else None) for b in range(B)]
+
+
+def _tracing(iv: Interventions) -> tuple:
+    """The tracing settings of a steer (what every row of one batch shares)."""
+    config = iv.attention()
+    return config.shared() if config is not None else (False, False)
 
 
 def _first_turn_end(spans: dict[str, list[tuple[int, int]]]) -> int:

@@ -9,15 +9,15 @@ logprobs) as one `generate` call (or one `driftlab.chat.text.score` call for pro
 
 Continuous batching (the default, `continuous=True`; vLLM's and Orca's iteration-level
 scheduling): a request that arrives while a batch decodes joins it at the next step, when it
-shares the batch's lane (`Job.lane`: the sampling but for the token limit, log-probs; every
-steer but CFG, pi tracing and the pi floor is per-row data) and is first in line
+shares the batch's lane (`Job.lane`: the sampling but for the token limit, log-probs, pi
+tracing; every steer but CFG and the pi floor is per-row data) and is first in line
 (`ChatRequest.admit`); a row that finishes leaves it (its reply is handed over at once). So a
 short request no longer waits for the longest row of the batch before it. A request of another
 lane waits until the running batch drains, and stops the batch admitting more (first come,
 first served: no lane starves).
 With `continuous=False` (static batching) the requests that arrive while a batch decodes form
-the next batch. The backend decides which batches can take rows (a dynamic cache without pi
-tracing, CFG, floors, grammars or penalties: `_Decoding.admissible`); others run as static ones.
+the next batch. The backend decides which batches can take rows (a dynamic cache without prefill
+traces, CFG, floors, grammars or penalties: `_Decoding.admissible`); others run as static ones.
 
 A job belongs to one client, and nothing one client does reaches another (vLLM's rule):
 - a job whose client left, timed out or was drained is *aborted*: it is skipped if still
@@ -48,7 +48,7 @@ from driftlab.steering.interventions import Interventions
 
 log = logging.getLogger("driftlab.serve")
 HISTORY = 1024  # batch sizes remembered (a deque: a server's memory must not grow with its uptime)
-BATCH_WIDE = frozenset({"cfg", "trace", "pi-floor"})  # steers whose rows cannot join another steer's batch
+BATCH_WIDE = frozenset({"cfg", "pi-floor"})  # steers whose rows cannot join another steer's batch
 
 
 class ServerClosing(Exception):
@@ -90,10 +90,12 @@ class Job:
 
     def lane(self) -> tuple[Any, ...]:
         """What jobs must share to decode in one running batch (continuous batching): the sampling but
-        for the token limit, log-probs and scoring, and the whole steer where it acts across the
-        batch (CFG's twin rows, pi tracing, the pi floor); other steers are per-row data."""
+        for the token limit, log-probs and scoring, pi tracing (one setting per batch), and the
+        whole steer where it acts across the batch (CFG's twin rows, the pi floor); other steers
+        are per-row data."""
         whole = self.interventions.kinds & BATCH_WIDE
-        return (self.sampling.model_copy(update={"max_new_tokens": 1}), self.logprobs, self.score,
+        tracing = tuple(i.spec() for i in self.interventions.by_hook("attention") if i.kind == "trace")
+        return (self.sampling.model_copy(update={"max_new_tokens": 1}), self.logprobs, self.score, tracing,
                 tuple(self.interventions.specs()) if whole else None)
 
     def resolve(self, result: Reply | TokenScores | BaseException) -> None:
