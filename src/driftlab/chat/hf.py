@@ -296,7 +296,7 @@ class HFChatBackend:
             return None
         iv = more.interventions
         self.capabilities.require(self.name, iv)
-        if more.logprobs != first.logprobs or iv.guidance() is not None or _tracing(iv) != _tracing(first.interventions) or \
+        if more.logprobs != first.logprobs or iv.guidance() is not None or iv.tracing() != first.interventions.tracing() or \
                 more.sampling.model_copy(update={"max_new_tokens": 1}) != \
                 first.sampling.model_copy(update={"max_new_tokens": 1}):
             raise DriftlabError("Rows joining a running batch must share its sampling (but for token limits), "
@@ -1476,12 +1476,6 @@ class _Decoding:
         # Guidance twins (b >= real) are dropped by `generate`: no trace to build for them.
         return [self.reply(b, self.backend._trace_of(rows[b], self.prompts[b], self.sampled[b], self.spans[b])
                            if b < self.real else None) for b in range(B)]
-
-
-def _tracing(iv: Interventions) -> tuple:
-    """The tracing settings of a steer (what every row of one batch shares)."""
-    config = iv.attention()
-    return config.shared() if config is not None else (False, False)
 
 
 def _first_turn_end(spans: dict[str, list[tuple[int, int]]]) -> int:

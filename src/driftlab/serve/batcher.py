@@ -94,8 +94,8 @@ class Job:
         whole steer where it acts across the batch (CFG's twin rows, the pi floor); other steers
         are per-row data."""
         whole = self.interventions.kinds & BATCH_WIDE
-        tracing = tuple(i.spec() for i in self.interventions.by_hook("attention") if i.kind == "trace")
-        return (self.sampling.model_copy(update={"max_new_tokens": 1}), self.logprobs, self.score, tracing,
+        return (self.sampling.model_copy(update={"max_new_tokens": 1}), self.logprobs, self.score,
+                self.interventions.tracing(),
                 tuple(self.interventions.specs()) if whole else None)
 
     def resolve(self, result: Reply | TokenScores | BaseException) -> None:

@@ -481,6 +481,12 @@ class Interventions(BaseModel):
             fields.update(part)
         return AttentionConfig(**fields) if items else None
 
+    def tracing(self) -> tuple[bool, bool]:
+        """Its pi tracing settings (trace, trace_prefill): one per batch, so what rows joining a
+        running batch must share."""
+        config = self.attention()
+        return config.shared() if config is not None else (False, False)
+
     def residual(self) -> ResidualConfig | None:
         """What the residual-stream steers ask (vector, cap), or None when none is set."""
         items = self.by_hook("residual")
