@@ -726,6 +726,8 @@ def run(quick: bool = False, full: bool = False, paper: bool = False) -> Result:
     if unknown := [v for v in _env_list("GPUBENCH_VARIANTS", []) if v not in VARIANTS]:
         raise SystemExit(f"GPUBENCH_VARIANTS: unknown variant {unknown[0]!r}; use {', '.join(VARIANTS)}.")
     _json_path()
+    if os.environ.get("GPUBENCH_TOKENIZER"):  # a bad one stops here, not after a model is built and measured
+        tokenizer_dir()
     slow_s = _positive("GPUBENCH_SLOW_S", os.environ.get("GPUBENCH_SLOW_S", 60), float)
     threads = torch.get_num_threads()
     pin_threads()  # on a CPU: 1 thread unless BENCH_THREADS (a shared CPU stalls multi-threaded regions)

@@ -34,31 +34,34 @@ if _WORKERS > 1:
 MAX_WORKERS = 4  # each worker holds its own copies of the test models (a few GB)
 
 
-# Seconds (and tests) of the test files that take 10 s or more, whole, and of two many-test light ones (one recorded run, 2026-11-25, 2-core
-# AMD EPYC, unloaded: docs/testing.md; its ratios are what counts); every other file is costed at
-# LIGHT_TEST_S a test.
+# Seconds (and tests) of the test files that take 10 s or more, whole, and of two many-test light
+# ones (one recorded run, 2026-11-26, 2-core AMD EPYC with AVX2, unloaded: docs/testing.md; its
+# ratios are what counts; test_benchmarks_gpu.py plus the ~90 s its compile cache costs since it
+# starts empty, as it says); every other file is costed at LIGHT_TEST_S a test.
 # Workers take whole files (`--dist loadfile`) in the order of the collection, which
 # `pytest_collection_modifyitems` below makes longest first, so that no long file starts last
 # while the other worker has run dry: xdist's own order (most tests first) put the few-test,
 # long files (kill-and-resume, compile cache, tutorial) at the end. To refresh the table from a
 # run's `--junitxml`: sum each file's testcase times.
 FILE_SECONDS = {
-    "test_resume.py": (122, 8), "test_serve_faults.py": (108, 11), "test_pasta_tasks.py": (80, 24),
-    "test_graph_budget.py": (96, 6), "test_benchmarks_gpu.py": (94, 13), "test_directions.py": (75, 5),
-    "test_attention_flex.py": (75, 67), "test_attention_engine.py": (68, 98), "test_static_decode.py": (67, 55),
-    "test_backend.py": (66, 23), "test_hub.py": (65, 40), "test_harnesses.py": (58, 4), "test_tutorial.py": (53, 2),
-    "test_ray.py": (51, 5), "test_cli_errors.py": (45, 126), "test_activation.py": (45, 16),
-    "test_plugins.py": (42, 4), "test_openai_backend.py": (40, 9), "test_serve.py": (39, 21),
-    "test_assets.py": (33, 20), "test_mitigations.py": (33, 4), "test_lm_eval_adapter.py": (32, 8),
-    "test_pasta_steering.py": (30, 56), "test_readme.py": (28, 4), "test_cli.py": (27, 19),
-    "test_pasta_tune.py": (25, 5), "test_from_model.py": (22, 19), "test_stats.py": (20, 64),
-    "test_pi_floor.py": (19, 63), "test_serve_completions.py": (19, 19), "test_bench_measures.py": (17, 50),
-    "test_sweep_benchmark.py": (15, 7), "test_sampling_fields.py": (15, 47), "test_judge.py": (13, 23),
-    "test_response_format.py": (13, 8), "test_results_contract.py": (13, 12), "test_flex_guard.py": (12, 5),
-    "test_report.py": (11, 30), "test_results_figures.py": (10, 4),
-    "test_bench_personas.py": (9, 358), "test_claims.py": (2, 76),  # many tests, each far under LIGHT_TEST_S
-    "test_continuous.py": (48, 8), "test_serve_telemetry.py": (12, 8),  # a later run, scaled to this one's machine
-    "test_when_drifting.py": (35, 11),  # 2026-11-26, alone on one core
+    "test_benchmarks_gpu.py": (244, 15), "test_static_decode.py": (197, 62),
+    "test_graph_budget.py": (176, 6), "test_resume.py": (143, 8), "test_serve_faults.py": (126, 11),
+    "test_attention_flex.py": (125, 67), "test_attention_engine.py": (101, 98),
+    "test_continuous.py": (98, 9), "test_backend.py": (91, 23), "test_activation.py": (85, 16),
+    "test_ray.py": (84, 5), "test_tutorial.py": (72, 2), "test_directions.py": (69, 5),
+    "test_pasta_tasks.py": (66, 24), "test_cli_errors.py": (66, 126), "test_hub.py": (61, 40),
+    "test_assets.py": (50, 20), "test_pasta_steering.py": (46, 56), "test_lm_eval_adapter.py": (46, 8),
+    "test_mitigations.py": (46, 4), "test_cli.py": (45, 19), "test_harnesses.py": (44, 4),
+    "test_pi_floor.py": (44, 63), "test_serve.py": (44, 21), "test_from_model.py": (39, 19),
+    "test_bench_measures.py": (38, 50), "test_pasta_tune.py": (36, 5), "test_sweep_benchmark.py": (36, 7),
+    "test_openai_backend.py": (35, 9), "test_when_drifting.py": (34, 13),
+    "test_serve_completions.py": (29, 19), "test_serve_telemetry.py": (27, 9), "test_readme.py": (26, 4),
+    "test_judge.py": (25, 23), "test_results_contract.py": (23, 12), "test_sampling_fields.py": (22, 47),
+    "test_response_format.py": (22, 8), "test_flex_guard.py": (21, 5), "test_plugins.py": (21, 4),
+    "test_stats.py": (20, 64), "test_report.py": (20, 30), "test_sweep.py": (20, 18),
+    "test_results_figures.py": (17, 7), "test_serve_openai_compat.py": (15, 20),
+    "test_bench_personas.py": (14, 358), "test_decay.py": (13, 3), "test_theory.py": (12, 32),
+    "test_mmlu.py": (12, 27), "test_claims.py": (3, 80),
 }
 LIGHT_TEST_S = 0.3
 
@@ -301,15 +304,16 @@ def linked_copy(src: Path, dst: Path, leave_out: str) -> Path:
 
 
 MODEL_FIXTURES = {"smol_dir", "smol32", "smol_bf16", "smol"}
-# Marks of tests that are slow on a CPU: `slow` (over ~20 s) and `compile` (torch.compile: dynamo
-# and inductor take seconds to minutes per graph there).
-CPU_SLOW_MARKS = ("slow", "compile")
+# Marks of tests that are slow on a CPU: `slow` (over ~20 s), `compile` (torch.compile: dynamo
+# and inductor take seconds to minutes per graph there) and `process` (fresh interpreters: a few
+# seconds of imports each, so the fast suite's inner loop keeps none of them).
+CPU_SLOW_MARKS = ("slow", "compile", "process")
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
     """Every test that loads the real model is marked `model`, whether or not it says so; on the
-    CPU, so is every `slow` or `compile` test. Then, once -m/-k have deselected, the longest
+    CPU, so is every `slow`, `compile` or `process` test. Then, once -m/-k have deselected, the longest
     files go first.
 
     A test uses the real model through these fixtures (or a `smollm2` parameter); marking by

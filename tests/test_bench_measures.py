@@ -256,6 +256,7 @@ ADVERSARIAL = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_every_measure_scores_a_megabyte_in_bounded_time() -> None:
     """Every measure on every adversarial megabyte, within one budget (each takes well under a second)."""

@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import socket, sys
@@ -34,6 +36,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.process
 def test_import_and_scoring_need_no_network() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(Path(__file__).parent)],

@@ -164,6 +164,7 @@ json.dump(out, sys.stdout)
 """
 
 
+@pytest.mark.process
 def test_scores_are_reproducible_in_fresh_processes() -> None:
     here = _score_all_cases()  # this process has scored (and warmed up) everything before
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}

@@ -110,7 +110,7 @@ def test_a_recorded_run_projected_teacher_forced_equals_what_it_recorded(smol32,
     smol32.use_directions(found)
     try:
         live = dl.selfchat(smol32, pair=["reply-in-french:very-happy", "secret-number-share:teen-slang"], rounds=2,
-                           max_new_tokens=16, probe_tokens=16, greedy=True, steer="trace", out=tmp_path / "run",
+                           max_new_tokens=8, probe_tokens=8, greedy=True, steer="trace", out=tmp_path / "run",
                            progress=False)
         spec = spec_of(smol32).model_copy(update={"directions": str(tmp_path / "dirs")})
         projected = dl.run(Project(ProjectConfig(backend=spec, from_run=str(tmp_path / "run")), smol32),
@@ -140,12 +140,22 @@ def _directions(backend, tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_the_demo_measures_drift_three_ways_into_one_report(commands, tmp_path) -> None:
+def test_the_demo_measures_drift_three_ways_into_one_report(monkeypatch, tmp_path) -> None:
+    """The demo's command, in this process, at the smallest sizes that still give a drift to
+    report (two rounds: the first and the last): what it writes does not depend on its sizes."""
+    import importlib
+
+    from typer.testing import CliRunner
+
+    from driftlab.cli import app
     from tiny_models import make_tiny_model
 
+    demo = importlib.import_module("driftlab.cli.demo")  # (driftlab.cli.demo is the command's function)
+    for name, value in {"ROUNDS": 2, "TURN_TOKENS": 8, "PROBE_TOKENS": 8, "STARTERS": 3, "DIRECTION_TOKENS": 8}.items():
+        monkeypatch.setattr(demo, name, value)
     model = make_tiny_model("llama", tmp_path / "llama")
-    done = commands.run(["demo", "--model", str(model), "--dtype", "float32", "--out", str(tmp_path / "demo")])
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = CliRunner().invoke(app, ["demo", "--model", str(model), "--dtype", "float32", "--out", str(tmp_path / "demo")])
+    assert done.exit_code == 0, (done.output[-3000:], done.exception)
     page = (tmp_path / "demo" / "report.html").read_text()
     assert "Drift three ways" in page and "drift signals, tested per conversation" in page
     assert (tmp_path / "demo" / "three_ways.png").is_file()

@@ -151,6 +151,7 @@ def child(request: pytest.FixtureRequest, tiny_dir: Path) -> tuple[str, dict, st
     return mode, json.loads(line[len("RESULT "):]), auto_err, flex_err
 
 
+@pytest.mark.process
 def test_auto_falls_back_to_sdpa_once_and_steers(child, sdpa_steered: list[int]) -> None:
     mode, out, stderr, _ = child
     auto = out["auto"]
@@ -164,6 +165,7 @@ def test_auto_falls_back_to_sdpa_once_and_steers(child, sdpa_steered: list[int])
     assert notes[0].startswith("note: ") and MISSING[mode] in notes[0] and "torch >= 2.9" in notes[0]
 
 
+@pytest.mark.process
 def test_explicit_flex_is_a_one_line_error(child) -> None:
     mode, out, _, stderr = child
     flex = out["flex"]

@@ -63,8 +63,10 @@ def _lm_eval(model: str, model_args: dict, tasks: list[str], monkeypatch, **kwar
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return lm_eval.simple_evaluate(model=model, model_args={"num_concurrent": 1, "max_retries": 1, **model_args},
-                                   tasks=tasks, task_manager=TaskManager(include_path=str(FIXTURES)),
-                                   log_samples=True, **kwargs)
+                                   tasks=tasks, log_samples=True,
+                                   # The fixture tasks only: indexing lm-eval's own ~14k task files takes ~10 s a call.
+                                   task_manager=TaskManager(include_path=str(FIXTURES), include_defaults=False),
+                                   **kwargs)
 
 
 @pytest.mark.parametrize("steer", [[], [STEER]])
@@ -85,16 +87,16 @@ def test_lm_eval_local_completions_scores_multiple_choice_as_driftlab_does(url, 
     iv = Interventions.parse(steer)
     correct = []
     for sample in out["samples"]["driftlab_mc"]:
-        ours = []
+        fulls, lasts, lls = [], [], []
         for (context, continuation), (ll, _greedy) in zip((a for a in sample["arguments"]),
                                                           (r[0] for r in sample["resps"]), strict=True):
             ctx = T.encode(server_backend, context, T.SystemSpan(chat=True), special=False)
             assert ctx.system_span is not None  # the system instruction was found in lm-eval's prompt
-            full = T.encode(server_backend, context + continuation, T.SystemSpan(chat=True), special=False)
-            n = len(full.ids) - len(ctx.ids)
-            score = sum(T.score(server_backend, [full], iv, last=[n])[0].logprobs)
-            assert ll == pytest.approx(score, abs=1e-3)  # float32 sums differ ~1e-4 between batch layouts
-            ours.append(score)
+            fulls.append(T.encode(server_backend, context + continuation, T.SystemSpan(chat=True), special=False))
+            lasts.append(len(fulls[-1].ids) - len(ctx.ids))
+            lls.append(ll)
+        ours = [sum(s.logprobs) for s in T.score(server_backend, fulls, iv, last=lasts)]
+        assert lls == pytest.approx(ours, abs=1e-3)  # float32 sums differ ~1e-4 between batch layouts
         correct.append(float(max(range(len(ours)), key=ours.__getitem__) == sample["target"]))
         assert sample["acc"] == correct[-1]
     assert out["results"]["driftlab_mc"]["acc,none"] == pytest.approx(sum(correct) / len(correct))

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import CommandServer
 from driftlab.assets.hub import HubRef, parse_hub_id
 from driftlab.errors import DriftlabError
 from fake_hub import FakeHub, fake_hub
 from hub_cache import REPO, SHA_MAIN, SHA_V2, build_cache, hub_env, set_ref
+from test_resume import PRELOAD
 
 
 # -- the id itself: string rules only ------------------------------------------------------------
@@ -75,11 +77,25 @@ def hub(hub_root: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return hub_root
 
 
+def _full(env: dict[str, str]) -> dict[str, str]:
+    return {**os.environ, **env, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+
+
 def cli(env: dict[str, str], *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """The real `driftlab` entry point in a fresh process (huggingface_hub reads its settings at import)."""
-    full = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    return subprocess.run([sys.executable, "-m", "driftlab", *args], capture_output=True, text=True, env=full,
+    return subprocess.run([sys.executable, "-m", "driftlab", *args], capture_output=True, text=True, env=_full(env),
                           cwd=cwd, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def commands(hub_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CommandServer]:
+    """`driftlab` commands on `hub_root`'s cache that load torch, each its own process forked from one
+    server (tests/conftest.py). The server starts with hub_env(hub_root), so huggingface_hub's
+    import-time settings (HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE) are the cli()'s; it reads no ref
+    or snapshot, so each command meets the cache as it is on disk when the command starts."""
+    server = CommandServer(tmp_path_factory.mktemp("commands"), PRELOAD, _full(hub_env(hub_root)))
+    yield server
+    server.close()
 
 
 def one_line_error(proc: subprocess.CompletedProcess, *expect: str) -> str:
@@ -142,16 +158,16 @@ def test_loading_leaves_the_hub_setting_alone(hub: Path, monkeypatch: pytest.Mon
     assert "HF_HUB_OFFLINE" not in os.environ
 
 
-@pytest.mark.model  # a whole protocol, three CLI processes
-def test_cli_chat_and_selfchat_run_by_hub_id_and_resume_refuses_changed_weights(hub: Path, tmp_path: Path) -> None:
-    env = hub_env(hub)
-    proc = cli(env, "chat", "--model", REPO, "--device", "cpu", "--dtype", "float32", "--greedy",
-               "--max-new-tokens", "4", "Hello")
+@pytest.mark.model  # a whole protocol, four CLI processes (forked)
+def test_cli_chat_and_selfchat_run_by_hub_id_and_resume_refuses_changed_weights(hub: Path, tmp_path: Path,
+                                                                                commands: CommandServer) -> None:
+    proc = commands.run(["chat", "--model", REPO, "--device", "cpu", "--dtype", "float32", "--greedy",
+                         "--max-new-tokens", "4", "Hello"])
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "run"
     run = ("run", "--model", REPO, "--out", str(out), "--device", "cpu", "--dtype", "float32", "--pairs", "1",
            "--rounds", "1", "--max-new-tokens", "3", "--probe-tokens", "3", "--no-report")
-    proc = cli(env, *run)
+    proc = commands.run(run)
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["completed"] is True
@@ -161,13 +177,13 @@ def test_cli_chat_and_selfchat_run_by_hub_id_and_resume_refuses_changed_weights(
     # The branch moves to other weights: the run refuses to continue on them, and is left as it was.
     set_ref(hub / "hub", REPO, "main", SHA_V2)
     before = tree(out)
-    line = one_line_error(cli(env, *run), f"at commit {SHA_MAIN}", f"now loads commit {SHA_V2}")
+    line = one_line_error(commands.run(run), f"at commit {SHA_MAIN}", f"now loads commit {SHA_V2}")
     assert "agent model" in line
     assert tree(out) == before
     # Pinned to the recorded commit, it is the same run again.
     pinned = list(run)
     pinned[2] = f"{REPO}@{SHA_MAIN}"
-    proc = cli(env, *pinned)
+    proc = commands.run(pinned)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -185,14 +201,16 @@ def test_models_list_shows_cached_causal_lms(hub: Path) -> None:
     one_line_error(cli(hub_env(hub), "models", "info", "tiny-org/an-encoder"), "No causal LM 'tiny-org/an-encoder'")
 
 
-def test_offline_and_not_cached_is_one_line_and_writes_nothing(hub: Path, tmp_path: Path) -> None:
+@pytest.mark.process
+def test_offline_and_not_cached_is_one_line_and_writes_nothing(hub: Path, tmp_path: Path,
+                                                               commands: CommandServer) -> None:
+    assert commands.import_output == ""  # what a new interpreter's imports would add to the error's output
     before = tree(hub / "hub")
-    proc = cli(hub_env(hub), "run", "--model", "other-org/not-here@v1", "--out", str(tmp_path / "run"),
-               "--device", "cpu")
+    proc = commands.run(["run", "--model", "other-org/not-here@v1", "--out", str(tmp_path / "run"), "--device", "cpu"])
     one_line_error(proc, "'other-org/not-here@v1' is not in the Hugging Face cache", "HF_HUB_OFFLINE")
     assert "driftlab models pull other-org/not-here@v1" in proc.stderr
     assert not (tmp_path / "run").exists() and tree(hub / "hub") == before
-    one_line_error(cli(hub_env(hub), "chat", "--model", f"{REPO}@no-such-tag", "hi"), "is not in the Hugging Face")
+    one_line_error(commands.run(["chat", "--model", f"{REPO}@no-such-tag", "hi"]), "is not in the Hugging Face")
 
 
 # -- the hub's answers, from a local server ------------------------------------------------------
@@ -271,6 +289,7 @@ def test_hub_errors_are_one_line_and_download_nothing(tmp_path: Path, hub_server
     assert not any(p.is_file() and "models--" in str(p) for p in tmp_path.rglob("*")), list(tmp_path.rglob("*"))
 
 
+@pytest.mark.process
 def test_gated_with_a_token_says_the_token_lacks_access(tmp_path: Path, hub_server: str) -> None:
     env = online(tmp_path, hub_server, HF_TOKEN="hf_fake")
     one_line_error(cli(env, "chat", "--model", "gated-org/llama", "--device", "cpu", "hi"),

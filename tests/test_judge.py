@@ -213,6 +213,7 @@ def test_the_served_judge_gives_the_local_judges_verdicts(smol32, tmp_path):
     local.close()
 
 
+@pytest.mark.process
 def test_the_cli_takes_a_judge_measure_in_one_line(tmp_path):
     """`driftlab run --measure judge:model=...` in a fresh process: the judge named in the manifest,
     every probe rated or its error recorded, and the verdicts cached."""

@@ -45,7 +45,7 @@ def _records(run) -> dict:
 
 def test_selfchat_over_http_equals_the_local_run_and_resumes_without_resending(served, smol32, tmp_path):
     config = SelfChatConfig(pairs=2, rounds=2, seed=5, user_probe=True, steer=["spr:p=0.5"],
-                            sampling=Sampling(max_new_tokens=12, temperature=1.0, top_p=0.9), probe_tokens=12)
+                            sampling=Sampling(max_new_tokens=6, temperature=1.0, top_p=0.9), probe_tokens=6)
     run_protocol(SelfChat(config, smol32), tmp_path / "local", progress=False)
     remote_spec = BackendSpec(model=f"openai:{MODEL}", runtime=Runtime(base_url=served, concurrency=3))
     remote_cfg = config.model_copy(update={"backend": remote_spec})

@@ -1,6 +1,8 @@
 """Other packages extend driftlab through entry points: a tiny plugin package, installed the way
 pip leaves one (its module and a .dist-info with entry_points.txt on the path), gives a measure,
-an intervention and a protocol, and each is used from the command line in a fresh process."""
+an intervention and a protocol, and each is used from the command line in a process of its own
+(forked from a server that imported torch once and loaded no plugin: tests/conftest.py's
+CommandServer), so each command finds the plugin through the entry points again."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from conftest import CommandServer
+from test_resume import PRELOAD
 
 PLUGIN = '''
 """driftlab-demo-plugin: one measure, one intervention, one protocol, from outside driftlab."""
@@ -128,9 +133,24 @@ def tiny(tmp_path_factory) -> Path:
     return make_tiny_model("qwen2", tmp_path_factory.mktemp("tiny") / "qwen2")
 
 
+def _env(site: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+
+
 def driftlab(site: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "driftlab", *args], capture_output=True, text=True, env=env)
+    """`python -m driftlab ARGS`, a new interpreter: for the commands that import no torch."""
+    return subprocess.run([sys.executable, "-m", "driftlab", *args], capture_output=True, text=True, env=_env(site))
+
+
+@pytest.fixture(scope="module")
+def commands(site, tmp_path_factory):
+    """The model-backed commands, forked from one server (each saves the ~5 s of imports a new
+    interpreter pays). The site is on the server's sys.path (PYTHONPATH, read when it starts): the
+    entry points are read in each command (driftlab.plugins.load, at its first plugin name), never in
+    the server, whose imports name no plugin, so each command loads the plugin itself."""
+    server = CommandServer(tmp_path_factory.mktemp("commands"), PRELOAD, _env(site))
+    yield server
+    server.close()
 
 
 def _probes(run_dir: Path) -> list[dict]:
@@ -146,8 +166,8 @@ def test_the_plugins_measure_is_listed(site):
     assert "echo-lengths" in listed.stdout and "plugin (driftlab_demo_plugin)" in listed.stdout
 
 
-@pytest.mark.model  # a whole protocol on a tiny model, in driftlab processes
-def test_the_plugins_measure_and_intervention_run_a_selfchat(site, tiny, tmp_path):
+@pytest.mark.model  # a whole protocol on a tiny model, in driftlab processes (forked)
+def test_the_plugins_measure_and_intervention_run_a_selfchat(site, tiny, tmp_path, commands):
     """The plugin's bias is InstABoost's under another name: its run equals instaboost:m=3 token for
     token, differs from the plain run, and every probe is scored by the plugin's measure."""
     sys.path.insert(0, str(site))
@@ -161,7 +181,7 @@ def test_the_plugins_measure_and_intervention_run_a_selfchat(site, tiny, tmp_pat
     texts = {}
     for name, steer in (("plugin", ["--steer", "sysboost:factor=3"]), ("builtin", ["--steer", "instaboost:m=3"]),
                         ("plain", [])):
-        done = driftlab(site, *common, *steer, "--out", str(tmp_path / name))
+        done = commands.run([*common, *steer, "--out", str(tmp_path / name)])
         assert done.returncode == 0, done.stderr
         texts[name] = [r["text"] for r in _probes(tmp_path / name)]
     assert texts["plugin"] == texts["builtin"] != texts["plain"]
@@ -170,21 +190,22 @@ def test_the_plugins_measure_and_intervention_run_a_selfchat(site, tiny, tmp_pat
     manifest = json.loads((tmp_path / "plugin" / "manifest.json").read_text())
     assert manifest["config"]["steer"] == ["sysboost:factor=3.0"]
     # a resume in a new process finds the plugin again from the manifest's names
-    again = driftlab(site, *common, "--steer", "sysboost:factor=3", "--out", str(tmp_path / "plugin"))
+    again = commands.run([*common, "--steer", "sysboost:factor=3", "--out", str(tmp_path / "plugin")])
     assert again.returncode == 0, again.stderr
 
 
-@pytest.mark.model  # a whole protocol on a tiny model, in driftlab processes
-def test_the_plugins_protocol_runs_from_a_config_file_and_reports(site, tiny, tmp_path):
+@pytest.mark.model  # a whole protocol on a tiny model, in driftlab processes (forked)
+def test_the_plugins_protocol_runs_from_a_config_file_and_reports(tiny, tmp_path, commands):
     config = tmp_path / "echo.toml"
     config.write_text(f'prompts = ["Hi!", "Name a colour."]\nmax_new_tokens = 5\n'
                       f'[backend]\nmodel = "{tiny.as_posix()}"\ndtype = "float32"\ndevice = "cpu"\n')
     out = tmp_path / "echo"
-    done = driftlab(site, "protocol", "run", "echo-lengths", "--config", str(config), "--out", str(out), "--no-progress")
+    done = commands.run(["protocol", "run", "echo-lengths", "--config", str(config), "--out", str(out),
+                         "--no-progress"])
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert [r["index"] for r in records] == [0, 1]
-    report = driftlab(site, "report", str(out))
+    report = commands.run(["report", str(out)])
     assert report.returncode == 0, report.stderr
     assert "echo-lengths run: 2 of 2 records, complete" in report.stdout
     rows = (out / "lengths.csv").read_text().splitlines()
@@ -194,7 +215,7 @@ def test_the_plugins_protocol_runs_from_a_config_file_and_reports(site, tiny, tm
     assert [(e["metric"], e["n"]) for e in results["estimates"]] == [("records", 2)]
     bad = tmp_path / "bad.json"
     bad.write_text('{"prompts": []}')
-    refused = driftlab(site, "protocol", "run", "echo-lengths", "--config", str(bad), "--out", str(tmp_path / "x"))
+    refused = commands.run(["protocol", "run", "echo-lengths", "--config", str(bad), "--out", str(tmp_path / "x")])
     assert refused.returncode == 2 and "prompts" in refused.stderr and "Traceback" not in refused.stderr
 
 

@@ -78,6 +78,7 @@ def test_sweep_gains_carry_their_holm_corrected_tests():
     assert mine.value == pytest.approx(cfg3.stability_gain) and mine.p_holm == pytest.approx(cfg3.gain_p_holm)
 
 
+@pytest.mark.process
 def test_runs_concatenate_and_compare_in_one_page(tmp_path):
     runs = []
     for name in ("qwen-paper-20", "judge-smollm2-qwen-20"):

@@ -158,12 +158,14 @@ def _source_run_change(d: Path) -> None:
     (d / "source" / "records.jsonl").write_text(records)
 
 
+# Sizes are kept small, but each still lands its kill mid-run (checked below) and leaves records after
+# the kill that a run re-reading the changed data would get otherwise (a fresh run on it differs there).
 CASES = {
     "selfchat": Case(lambda d: ["run", "--pair", "say-hi:very-happy", "--pairs", "1", "--rounds", "2",
-                                "--max-new-tokens", "8", "--probe-tokens", "8", "--batch-size", "1", "--user-probe", "--persona-file",
+                                "--max-new-tokens", "4", "--probe-tokens", "4", "--batch-size", "1", "--user-probe", "--persona-file",
                                 str(d / "personas.jsonl")],
                      _personas, lambda d: _personas(d, "Always start your reply with Ho."), 3, _reported),
-    "mmlu": Case(lambda d: ["mmlu", "--n", "4", "--turn", "2", "--history-tokens", "6", "--batch-size", "1",
+    "mmlu": Case(lambda d: ["mmlu", "--n", "3", "--turn", "2", "--history-tokens", "3", "--batch-size", "1",
                             "--steer", "instaboost:m=3", "--data", str(d / "mmlu.jsonl")],
                  _mmlu_data, _mmlu_change, 3),
     "calibrate": Case(lambda d: ["calibrate", "--method", "spr", "--max-mmlu-drop", "0.5", "--n", "3",
@@ -171,14 +173,14 @@ CASES = {
                                  str(d / "mmlu.jsonl")],
                       _mmlu_data, _mmlu_change, 4),
     "sweep": Case(lambda d: ["sweep", "--point", "split-softmax:k=0.5", "--pairs", "1", "--rounds", "1",
-                             "--max-new-tokens", "6", "--probe-tokens", "6", "--mmlu-n", "3", "--mmlu-turn", "2", "--batch-size", "1",
+                             "--max-new-tokens", "3", "--probe-tokens", "3", "--mmlu-n", "2", "--mmlu-turn", "2", "--batch-size", "1",
                              "--data", str(d / "mmlu.jsonl")],
                   _mmlu_data, _mmlu_change, 4, _swept),
     "pasta-eval": Case(lambda d: ["pasta", "eval", "--task", "json", "--n", "2", "--max-new-tokens", "6",
                                   "--baseline", "zero-shot", "--baseline", "pasta", "--heads", "0-3",
                                   "--batch-size", "1", "--data", str(d / "bios.jsonl")],
                        _bios, _bios_change, 2),
-    "pasta-profile": Case(lambda d: ["pasta", "profile", "--task", "json", "--n", "2", "--layers", "0",
+    "pasta-profile": Case(lambda d: ["pasta", "profile", "--task", "json", "--n", "1", "--layers", "0",
                                      "--max-new-tokens", "4", "--batch-size", "4", "--data", str(d / "bios.jsonl")],
                           _bios, _bios_change, 2, _profiled),
     "pasta-tune": Case(lambda d: ["pasta", "tune", str(d / "profile.json"), "--task", "json", "--select",
@@ -196,9 +198,13 @@ def _all_records(out: Path) -> dict[str, list[str]]:
             for m in sorted(out.rglob("manifest.json"))}
 
 
-# What every command imports, once, in the server (each command still imports the rest itself).
+# What every command imports, once, in the server (each command still imports the rest itself), and
+# the protocols the commands run (their modules import no data and start no thread).
 PRELOAD = ["matplotlib.pyplot", "pandas", "scipy.stats", "torch", "transformers", "transformers.masking_utils",
-           "transformers.models.llama.modeling_llama", "driftlab.chat.hf", "driftlab.protocol.runner"]
+           "transformers.models.llama.modeling_llama", "driftlab.chat.hf", "driftlab.protocol.runner",
+           "driftlab.protocol.selfchat", "driftlab.protocol.mmlu", "driftlab.protocol.sweep",
+           "driftlab.protocol.calibrate", "driftlab.protocol.decay", "driftlab.pasta.profile", "driftlab.pasta.tune",
+           "driftlab.report.html"]
 
 
 class _Commands(CommandServer):

@@ -388,7 +388,7 @@ def test_pairs_needed_for_proportions_give_the_power_asked(p_better: float, p_wo
     connor = math.ceil((1.959963984540054 * math.sqrt(psi) + 0.8416212335729143 * math.sqrt(psi - delta**2)) ** 2
                        / delta**2)
     assert connor <= n <= 1.35 * connor + 5
-    assert _slow_mcnemar_power(int(n * 2 / 3), p_better, p_worse) < 0.72
+    assert ds.mcnemar_power(int(n * 2 / 3), p_better, p_worse) < 0.72  # (equal to brute force: the test above)
 
 
 def test_power_inputs_are_checked() -> None:

@@ -278,6 +278,7 @@ def test_mmlu_sweeps_and_sweeps_recorded_before_the_option(tmp_path):
     assert BENCH_NAMES["mmlu_drop"] == "bench_drop" and BENCH_NAMES["mmlu_top_letter"] == "bench_top_choice"
 
 
+@pytest.mark.process
 def test_importing_the_sweep_does_not_import_lm_eval():
     code = ("import sys, driftlab.protocol.sweep, driftlab.report.sweep, driftlab.protocol.registry as r; "
             "r.all_protocols(); assert 'lm_eval' not in sys.modules, 'lm_eval imported'")

@@ -136,8 +136,19 @@ def compile_cache_dir() -> Path:
     return cache_root() / "compile" / tag.replace("+", "_")
 
 
+def users_cache_dir(value: str | None) -> str | None:
+    """The inductor cache the user chose through TORCHINDUCTOR_CACHE_DIR, or None. Inductor writes
+    its own /tmp default into that variable on first use, and a library imported before driftlab
+    may have used it (pastalib's import does): that value is inductor's, not a choice."""
+    if value is None:
+        return None
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return None if os.path.abspath(value) == os.path.abspath(default_cache_dir()) else value
+
+
 # The user's own inductor cache, if they chose one (read before inductor sets its default there).
-_USER_CACHE_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+_USER_CACHE_DIR = users_cache_dir(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
 
 
 def use_compile_cache() -> Path:
