@@ -234,7 +234,9 @@ def test_models_warm_compiles_into_the_compile_cache(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    path = _two_layer_llama(tmp_path / "llama")
+    # 2 layers, not 3: a cold inductor compile lowers every layer, and 2 keep every dimension of the
+    # graphs above 1, as a real model's are (dynamo would specialise a size-1 one)
+    path = make_tiny_model("llama", tmp_path / "llama", layers=2)
     env = {**os.environ, "DRIFTLAB_CACHE": str(tmp_path / "cache")}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # inductor sets it in this process once it compiled anything
     done = subprocess.run([sys.executable, "-m", "driftlab", "models", "warm", str(path), "--batch", "2",
@@ -245,26 +247,6 @@ def test_models_warm_compiles_into_the_compile_cache(tmp_path: Path) -> None:
     assert found, done.stdout
     assert tuple(int(x) for x in found.groups()) == (2, 0, 2)
     assert any((tmp_path / "cache" / "compile").iterdir())
-
-
-def _two_layer_llama(directory: Path) -> Path:
-    """tiny_models' Llama with 2 layers instead of 3: a cold inductor compile lowers every layer
-    (this test took 72 s with 3, 54 s with 2 on a shared 2-core CPU), and 2 keep every dimension
-    of the graphs above 1, as a real model's are (dynamo would specialise a size-1 one)."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM
-
-    from tiny_models import TOKENIZER_FILES, tiny_config, tokenizer_dir
-
-    config = tiny_config("llama")
-    config.num_hidden_layers, config.initializer_range = 2, 0.1
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir() / name).exists():
-            shutil.copy(tokenizer_dir() / name, directory / name)
-    return directory
 
 
 def test_warming_a_model_that_does_not_compile_is_a_one_line_error(tmp_path: Path) -> None:
