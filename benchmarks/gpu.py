@@ -555,7 +555,7 @@ def numeric_check(shape: str, device: torch.device, results: dict, notes: list) 
     return table
 
 
-def timed_selfchat(backend, cfg) -> tuple[float, int, int]:
+def timed_selfchat(backend, cfg, progress: bool = False) -> tuple[float, int, int]:
     """(wall seconds, records, generated tokens) of driftlab's self-chat protocol run with `cfg`."""
     from driftlab.protocol.dialog import RECORDS
     from driftlab.protocol.runner import run_protocol
@@ -564,7 +564,7 @@ def timed_selfchat(backend, cfg) -> tuple[float, int, int]:
     with tempfile.TemporaryDirectory() as out:
         sync()
         t = time.perf_counter()
-        rundir = run_protocol(SelfChat(cfg, backend), out, progress=False)
+        rundir = run_protocol(SelfChat(cfg, backend), out, progress=progress)
         sync()
         seconds = time.perf_counter() - t
         recs = rundir.records(RECORDS)
@@ -596,21 +596,23 @@ def paper_run(device: torch.device, dtype: torch.dtype, results: dict, notes: li
                         f"{tokens}-token turns, {probe}-token probes, batch {batch}, EOS ignored",
                   columns=["mode", "warm-up s", "wall s", "records", "tokens", "tok/s"])
 
-    def once(specs: list[str], n_pairs: int, n_rounds: int) -> tuple[float, int, int]:
+    def once(specs: list[str], n_pairs: int, n_rounds: int, progress: bool = False) -> tuple[float, int, int]:
         backend.prefix_cache.clear()
         return timed_selfchat(backend, SelfChatConfig(
             pairs=n_pairs, rounds=n_rounds, batch_size=batch, seed=1, steer=specs,
-            sampling=Sampling(max_new_tokens=tokens, ignore_eos=True), probe_tokens=probe))
+            sampling=Sampling(max_new_tokens=tokens, ignore_eos=True), probe_tokens=probe), progress)
 
     for mode in names:
         specs = PAPER_MODES[mode]
         warm, _, _ = once(specs, min(batch, pairs), 1)
+        results[f"paper.{mode}.warmup_s"] = f"{warm:.1f}"  # kept by a SIGTERM in the whole run
         progress(f"paper {mode}: warm-up {warm:.1f} s; the whole run next")
-        seconds, n_rec, n_tok = once(specs, pairs, rounds)
+        # the run's own progress lines (records done, elapsed, left) on stderr: a call cut at its
+        # time limit still shows how far the whole run got and at what pace
+        seconds, n_rec, n_tok = once(specs, pairs, rounds, progress=True)
         progress(f"paper {mode}: {seconds:.1f} s, {n_tok} tokens")
         table.rows.append([mode, f"{warm:.1f}", f"{seconds:.1f}", n_rec, n_tok, f"{n_tok / seconds:.1f}"])
-        results.update({f"paper.{mode}.s": f"{seconds:.1f}", f"paper.{mode}.warmup_s": f"{warm:.1f}",
-                        f"paper.{mode}.tokens": str(n_tok), f"paper.{mode}.tok_s": f"{n_tok / seconds:.1f}"})
+        results.update({f"paper.{mode}.s": f"{seconds:.1f}", f"paper.{mode}.tokens": str(n_tok), f"paper.{mode}.tok_s": f"{n_tok / seconds:.1f}"})
         targets.rows.append([f"paper's experiment, {mode}, s", shape, "-", f"{seconds:.0f}", "<= 600",
                              judge(seconds <= 600, shape == "llama2-7b", "target is for llama2-7b")])
     ran = backend.ran()["decode"]
@@ -1039,9 +1041,12 @@ def paper_result(device: torch.device, dtype: torch.dtype) -> Result:
     """`--paper`: the paper's experiment alone (see the module docstring)."""
     pin_threads()
     _json_path()
+    if os.environ.get("GPUBENCH_TOKENIZER"):  # a bad one stops here, before the model is built
+        tokenizer_dir()
     results: dict[str, str] = {"size": "paper", "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                                "loop": decode_loop()}
     notes: list[str] = []
+    keep_on_sigterm(results, [], notes)  # a call cut in a mode's whole run keeps the modes and warm-ups before
     targets = Table(title="targets of the steering engine (judged only on an H100-class GPU)",
                     columns=["target", "shape", "ctx", "measured", "limit", "met?"])
     table = paper_run(device, dtype, results, notes, targets)

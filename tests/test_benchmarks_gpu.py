@@ -166,22 +166,29 @@ def test_run_py_refuses_a_record_path_it_cannot_write_before_running(tmp_path) -
     assert "RESULT" not in proc.stdout
 
 
-def test_a_run_stopped_by_sigterm_keeps_what_it_measured(tmp_path, smol_dir) -> None:
+@pytest.mark.parametrize("size, settings, event, kept", [
+    ("--quick", {"GPUBENCH_SHAPES": "tiny", "GPUBENCH_CONTEXTS": "64", "GPUBENCH_DECODE": "4", "GPUBENCH_PARTS": "modes",
+                 "GPUBENCH_LOOP": "dynamic"}, "warm-up", "bandwidth_gb_s"),
+    ("--paper", {"GPUBENCH_PAPER_MODES": "plain", "GPUBENCH_PAPER_BATCH": "2"}, "the whole run next",
+     "paper.plain.warmup_s"),
+])
+def test_a_run_stopped_by_sigterm_keeps_what_it_measured(size: str, settings: dict, event: str, kept: str,
+                                                         tmp_path, smol_dir) -> None:
     """A lent GPU call ends its command with `timeout` (SIGTERM): the benchmark then prints the
     RESULT lines it has and writes GPUBENCH_JSON, and exits 124, so a cut call keeps its parts.
-    Stopped at its first variant's warm-up (an event on stderr, not a delay)."""
+    Stopped at an event on stderr, not after a delay: the first variant's warm-up, or the paper
+    run's first whole run (its warm-up is kept)."""
     import signal
 
     out = tmp_path / "gpu.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "GPUBENCH_SHAPES": "tiny", "GPUBENCH_CONTEXTS": "64", "GPUBENCH_DECODE": "4",
-           "GPUBENCH_PARTS": "modes", "GPUBENCH_LOOP": "dynamic", "GPUBENCH_TOKENIZER": str(smol_dir),
-           "GPUBENCH_JSON": str(out), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "run.py"), "gpu", "--quick"], cwd=ROOT,
+           "OMP_NUM_THREADS": "1", "GPUBENCH_TOKENIZER": str(smol_dir), "GPUBENCH_JSON": str(out),
+           "CUDA_VISIBLE_DEVICES": "", **settings}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "run.py"), "gpu", size], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         for line in proc.stderr:
-            if "warm-up" in line:
+            if event in line:
                 proc.send_signal(signal.SIGTERM)
                 break
         stdout, _ = proc.communicate(timeout=120)
@@ -191,5 +198,5 @@ def test_a_run_stopped_by_sigterm_keeps_what_it_measured(tmp_path, smol_dir) -> 
     printed = dict(line.removeprefix("RESULT ").split("=", 1) for line in stdout.splitlines()
                    if line.startswith("RESULT "))
     saved = json.loads(out.read_text())
-    assert printed["device"] == "cpu" and "bandwidth_gb_s" in printed and saved["results"] == printed
+    assert printed["device"] == "cpu" and kept in printed and saved["results"] == printed
     assert saved["notes"][-1] == "stopped early by SIGTERM"

@@ -436,6 +436,24 @@ def test_probes_get_their_own_token_budget_and_turn_keeps_one_call(tmp_path):
     assert SelfChatConfig(sampling=Sampling(max_new_tokens=48), probe_tokens=48).probe_tokens == "turn"
 
 
+def test_calls_are_as_few_as_the_batch_size_allows_and_as_even_as_possible(tmp_path):
+    """A round's jobs go out in the fewest calls of at most batch_size rows, their sizes within one
+    of each other, turns and probes apart when their budgets differ: 10 pairs at batch 4 are calls
+    of 3-4 rows, never a tail of 2 (a compiled loop would compile another batch bucket for it), and
+    never a call that mixes turns and probes (run_unit would split it into two smaller calls)."""
+    backend = ScriptedBackend()
+    cfg = SelfChatConfig(pairs=10, rounds=2, seed=3, batch_size=4, sampling=Sampling(max_new_tokens=20), probe_tokens=7)
+    run_protocol(SelfChat(cfg, backend), tmp_path / "own", progress=False)
+    sizes = [len(r.conversations) for r in backend.requests]
+    # agent turns of round 1; user turns, agent turns and round 1's probes (probes go with the next
+    # agent turn: probe_after="agent"); round 2's probes: 10 jobs each
+    assert sizes == [3, 3, 4] * 5, sizes
+    assert all(len({r.sampling.max_new_tokens}) == 1 for r in backend.requests)
+    mixed = ScriptedBackend()  # one budget: round 2's agent turns and round 1's probes share 5 calls of 4
+    run_protocol(SelfChat(cfg.model_copy(update={"probe_tokens": "turn"}), mixed), tmp_path / "turn", progress=False)
+    assert [len(r.conversations) for r in mixed.requests] == [3, 3, 4] * 2 + [4] * 5 + [3, 3, 4]
+
+
 class _Described(ScriptedBackend):
     """A scripted backend that says it computes in `dtype` (as a local model's describe() does)."""
 

@@ -10,6 +10,7 @@ template (vocab 49152), which makes `HFChatBackend.chat()` work on them unchange
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -21,7 +22,11 @@ SPECIAL = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}  # SmolLM2's
 
 
 def tokenizer_dir() -> Path:
-    """The pulled default model's directory (the tokenizer source for tiny models)."""
+    """The tokenizer source for tiny models: the pulled default model's directory, or, where none
+    can be pulled (a lent GPU machine has no network), SmolLM2's tokenizer files in the directory
+    GPUBENCH_TOKENIZER names, as benchmarks/gpu.py takes them (docs/performance.md)."""
+    if carried := os.environ.get("GPUBENCH_TOKENIZER"):
+        return Path(carried)
     from driftlab.assets import resolve_model
 
     return Path(resolve_model("smollm2-135m", auto_pull_default=False))
