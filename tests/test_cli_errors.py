@@ -474,3 +474,29 @@ def test_models_list_never_clips_preset_names(columns, tmp_path):
     for name in PRESETS:
         assert any(name in line.split() for line in proc.stdout.splitlines() if "│" in line), (name, proc.stdout)
     assert "…" not in "".join(line.split("│")[1] for line in proc.stdout.splitlines() if line.count("│") > 2)
+
+
+@pytest.mark.process
+@pytest.mark.skipif(getattr(getattr(__import__("torch").backends, "mps", None), "is_available", lambda: False)(),
+                    reason="this machine has an Apple GPU")
+def test_a_missing_device_or_model_is_refused_before_transformers_is_loaded():
+    """The cheap checks come first. A device this machine lacks is refused before transformers is
+    imported at all; an unknown model name before the attention engine registers, which imports
+    transformers' masking utilities (7 of the 10 s such an error took in a fresh interpreter)."""
+    script = """
+import sys
+from driftlab.chat import BackendSpec
+from driftlab.chat.factory import make_backend
+from driftlab.errors import DriftlabError
+try:
+    make_backend(BackendSpec(device="mps"))
+except DriftlabError as err:
+    print("device", err.message.startswith("Device 'mps'"), "transformers" in sys.modules)
+from driftlab.chat.hf import HFChatBackend
+try:
+    HFChatBackend("no-such-model")
+except DriftlabError as err:
+    print("model", err.message.startswith("Unknown model preset"), "transformers.masking_utils" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.stdout.split("\n")[:2] == ["device True False", "model True False"], proc.stdout + proc.stderr[-2000:]

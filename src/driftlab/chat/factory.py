@@ -55,6 +55,9 @@ def make_backend(
         from driftlab.chat.ray_pool import RayBackend
 
         return RayBackend(spec, prefix_cache_bytes=prefix_cache_bytes)
+    from driftlab.chat.loading import pick_device
+
+    pick_device(spec.device)  # a device this machine lacks: refused before transformers' import (seconds)
     from driftlab.chat.hf import HFChatBackend
 
     return HFChatBackend.from_spec(spec, prefix_cache_bytes=prefix_cache_bytes)

@@ -93,10 +93,9 @@ class HFChatBackend:
         persona's direction and lets vector and cap steers act (`use_directions`)."""
         _check_decode(decode)
         if attn_implementation is None:
-            from driftlab.attention import ATTENTION_NAME, register
+            from driftlab.attention import ATTENTION_NAME
 
-            register()
-            attn_implementation = ATTENTION_NAME
+            attn_implementation = ATTENTION_NAME  # registered by load_model, after its cheap checks
         loaded, tokenizer, path = load_model(
             model, dtype, device, attn_implementation, device_map=device_map, quantize=quantize)
         self._setup(loaded, tokenizer, path, model, span_mode=span_mode, prefix_cache_bytes=prefix_cache_bytes,

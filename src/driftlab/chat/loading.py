@@ -117,6 +117,7 @@ def load_model(
     `quantize` loads 8- or 4-bit weights with bitsandbytes.
     """
     from driftlab.assets import resolve_model
+    from driftlab.attention import ATTENTION_NAME, register
 
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
@@ -130,6 +131,8 @@ def load_model(
     from transformers.utils import logging as hf_logging
 
     check_weights(path, name_or_path)
+    if attn_implementation == ATTENTION_NAME:  # here, not first: registering imports seconds of transformers
+        register()
     hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
