@@ -197,7 +197,6 @@ def report(
 
     from driftlab.errors import DriftlabError
     from driftlab.records.rundir import RunDir
-    from driftlab.report.html import SUMMARY_CSV, write_report
 
     for run_dir in run_dirs:
         if not run_dir.is_dir():
@@ -219,6 +218,8 @@ def report(
             typer.echo(str(path))
         typer.echo(_status(run_dir, manifest))
     else:
+        from driftlab.report.html import SUMMARY_CSV, write_report  # matplotlib and pandas: after the manifest
+
         console = Console()
         summary = print_summary(run_dir, console)
         path = write_report(run_dir, errors=ErrorDisplay(errors).value, summary=summary, max_pairs=transcripts)
