@@ -7,7 +7,8 @@ RESULT lines: every variant must have a finite, positive time; the sweep of 11 s
 within the graph budget and a second process must be served by the compile cache; every mode
 must agree with the independent eager reference in float32 (and change plain's numbers, so the
 comparison has teeth); the strength-0 modes must give plain's numbers exactly; on a CPU no GPU
-target may be judged. `--paper` runs its tiny size.
+target may be judged. `--paper` runs its tiny size. The file's first test, `driftlab models warm`
+on the same tiny shape, compiles the graphs the benchmark's first process then reads.
 """
 
 from __future__ import annotations
@@ -30,7 +31,53 @@ pytestmark = pytest.mark.model  # runs a whole (tiny) protocol
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory, smol_dir):
+def driftlab_cache(tmp_path_factory) -> Path:
+    """This file's DRIFTLAB_CACHE: `models warm` (the first test) compiles the benchmark's tiny
+    shape into it, and the benchmark's first process then finds those graphs there."""
+    return tmp_path_factory.mktemp("driftlab-cache")
+
+
+# The benchmark's tiny shape, saved with random weights and SmolLM2's tokenizer, then warmed by
+# `driftlab models warm` at batch 1 (run from benchmarks/, where gpu.py and its imports are).
+WARM_TINY = """
+import shutil, sys
+from pathlib import Path
+import torch
+from transformers import AutoModelForCausalLM
+from gpu import shape_config
+out, tokenizer = Path(sys.argv[1]), Path(sys.argv[2])
+AutoModelForCausalLM.from_config(shape_config("tiny"), dtype=torch.float32).save_pretrained(out)
+for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    shutil.copy(tokenizer / name, out / name)
+from driftlab.cli import main
+sys.argv = ["driftlab", "models", "warm", str(out), "--batch", "1", "--dtype", "float32", "--device", "cpu"]
+main()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_models_warm_compiles_into_the_compile_cache(driftlab_cache, smol_dir, tmp_path) -> None:
+    """`driftlab models warm` compiles a plain and a steered step with inductor (the compiled loop's
+    backend) into driftlab's compile cache, empty before it, and says so: 2 graphs, 2 cache misses.
+    It warms the benchmark's tiny shape, so the benchmark below starts from these graphs (one cold
+    compile of them in this file, not two), and its second process checks that a new process is
+    served by the cache."""
+    env = {**os.environ, "DRIFTLAB_CACHE": str(driftlab_cache), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # inductor sets it in this process once it compiled anything
+    assert not (driftlab_cache / "compile").exists()
+    done = subprocess.run([sys.executable, "-c", WARM_TINY, str(tmp_path / "tiny"), str(smol_dir)],
+                          cwd=ROOT / "benchmarks", capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = re.search(r"warmed (\d+) graphs .* cache hits (\d+), misses (\d+)", " ".join(done.stdout.split()))
+    assert found, done.stdout
+    assert tuple(int(x) for x in found.groups()) == (2, 0, 2)
+    assert any((driftlab_cache / "compile").iterdir())
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory, smol_dir, driftlab_cache):
     out = tmp_path_factory.mktemp("gpubench") / "gpu.json"
     env = {
         **os.environ,
@@ -45,7 +92,7 @@ def bench(tmp_path_factory, smol_dir):
         "GPUBENCH_TOKENIZER": str(smol_dir),
         "GPUBENCH_JSON": str(out),
         "GPUBENCH_LOOP": "compiled",
-        "DRIFTLAB_CACHE": str(out.parent / "cache"),  # the compile cache starts empty
+        "DRIFTLAB_CACHE": str(driftlab_cache),  # what `models warm` compiled above (empty if it did not run)
         "CUDA_VISIBLE_DEVICES": "",  # the CPU path, even on a GPU machine
     }
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)

@@ -74,10 +74,8 @@ def tiny_config(family: str, sliding_window: int = 8):
     raise ValueError(f"unknown family {family!r}")
 
 
-def make_tiny_model(family: str, directory: Path, seed: int = 0, sliding_window: int = 8,
-                    layers: int | None = None) -> Path:
-    """Save a randomly initialised `family` model plus SmolLM2's tokenizer into `directory`
-    (with `layers` decoder layers instead of the config's, if given).
+def make_tiny_model(family: str, directory: Path, seed: int = 0, sliding_window: int = 8) -> Path:
+    """Save a randomly initialised `family` model plus SmolLM2's tokenizer into `directory`.
 
     The random init is scaled up a little (std 0.1 instead of 0.02) so attention is far
     from uniform and the interventions change the greedy tokens, which keeps the tests
@@ -87,8 +85,6 @@ def make_tiny_model(family: str, directory: Path, seed: int = 0, sliding_window:
 
     config = tiny_config(family, sliding_window)
     config.initializer_range = 0.1
-    if layers is not None:
-        config.num_hidden_layers = layers
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     directory.mkdir(parents=True, exist_ok=True)
