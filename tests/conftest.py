@@ -191,7 +191,7 @@ def _can_write(directory: Path) -> bool:
 # needs its own interpreter), their import-time output goes to the server (`import_output`), and a
 # usage line names the program `driftlab` (its console script), not `python -m driftlab`.
 _COMMAND_SERVER = r"""
-import atexit, json, os, signal, sys, traceback
+import atexit, json, os, runpy, signal, sys, traceback
 
 for name in json.loads(sys.argv[1]):
     __import__(name)
@@ -219,11 +219,17 @@ def child(job):
                 os.kill(os.getpid(), signal.SIGKILL)
 
         rundir.RunDir.append = append_then_maybe_die
-    sys.argv = ["driftlab", *job["args"]]
+    sys.argv = [job["script"] or "driftlab", *job["args"]]
     code = 0
     try:
-        main()
+        if job["script"]:  # `python SCRIPT ARGS`: its folder first on the path, as Python puts it
+            sys.path.insert(0, os.path.dirname(os.path.abspath(job["script"])))
+            runpy.run_path(job["script"], run_name="__main__")
+        else:
+            main()
     except SystemExit as done:
+        if done.code is not None and not isinstance(done.code, int):  # as Python's own exit prints it
+            print(done.code, file=sys.stderr)
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except BaseException:
         traceback.print_exc()
@@ -268,22 +274,25 @@ class CommandServer:
         self.import_output = "".join(said) + self._err.read()  # what importing `preload` printed
 
     def run(self, args: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None,
-            stdin: bytes | None = None, kill_after: int = 0) -> subprocess.CompletedProcess:
-        """Like subprocess.run([driftlab, *args], capture_output=True): env (the whole environment,
-        as subprocess.run's) or the server's; the output as text (decoded, errors replaced)."""
+            stdin: bytes | None = None, kill_after: int = 0, script: Path | None = None) -> subprocess.CompletedProcess:
+        """Like subprocess.run([driftlab, *args], capture_output=True), or [python, script, *args]:
+        env (the whole environment, as subprocess.run's) or the server's; the output as text
+        (decoded, errors replaced)."""
         self.n += 1
         out, err, given = (self.workdir / f"{self.n}.{part}" for part in ("out", "err", "in"))
         if stdin is not None:
             given.write_bytes(stdin)
         job = {"args": [str(a) for a in args], "stdout": str(out), "stderr": str(err),
                "stdin": str(given) if stdin is not None else None, "env": None if env is None else dict(env),
-               "cwd": None if cwd is None else str(cwd), "kill_after": kill_after}
+               "cwd": None if cwd is None else str(cwd), "kill_after": kill_after,
+               "script": None if script is None else str(script)}
         self.server.stdin.write(json.dumps(job) + "\n")
         self.server.stdin.flush()
         status = self.server.stdout.readline()
         assert status, f"the command server died running {args}"
         read = lambda path: path.read_bytes().decode("utf-8", "replace")  # noqa: E731
-        return subprocess.CompletedProcess(["driftlab", *args], json.loads(status), read(out), read(err))
+        argv = ["driftlab", *args] if script is None else [sys.executable, str(script), *args]
+        return subprocess.CompletedProcess(argv, json.loads(status), read(out), read(err))
 
     def close(self) -> None:
         self.server.stdin.close()

@@ -24,10 +24,26 @@ from pathlib import Path
 
 import pytest
 
+from conftest import CommandServer
+
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ["sdpa", "plain", "trace", "split", "instaboost", "pasta", "composed", "bias", "cfg", "spr", "eager"]
 
 pytestmark = pytest.mark.model  # runs a whole (tiny) protocol
+
+
+RUN = ROOT / "benchmarks" / "run.py"
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory):
+    """`python benchmarks/run.py ...` for the runs that stop at a bad setting: each forked from one
+    server that imported torch and transformers once (tests/conftest.py's CommandServer), not a new
+    interpreter paying those imports. No such run sets a variable they read at import."""
+    server = CommandServer(tmp_path_factory.mktemp("scripts"), ["torch", "transformers"])
+    assert server.import_output == "", server.import_output
+    yield server
+    server.close()
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +173,7 @@ def test_selfchat_and_targets(bench):
     assert data["results"] == r
 
 
-def test_the_paper_size_runs_its_tiny_check_on_a_cpu(tmp_path, smol_dir):
+def test_the_paper_size_runs_its_tiny_check_on_a_cpu(tmp_path, smol_dir, scripts):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "COLUMNS": "200", "GPUBENCH_TOKENIZER": str(smol_dir), "CUDA_VISIBLE_DEVICES": "",
            "GPUBENCH_PAPER_MODES": "plain,split", "GPUBENCH_PAPER_BATCH": "2"}
@@ -170,19 +186,17 @@ def test_the_paper_size_runs_its_tiny_check_on_a_cpu(tmp_path, smol_dir):
     # x 16 tokens, EOS ignored
     assert r["paper.plain.tokens"] == r["paper.split.tokens"] == str(4 * (2 * 2 + 1) * 16), r
     assert float(r["paper.plain.s"]) > 0 and "n/a (not a GPU)" in proc.stdout
-    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "gpu", "--paper"], cwd=ROOT,
-                         env={**env, "GPUBENCH_PAPER_MODES": "plain,fast"}, capture_output=True, text=True, timeout=120)
+    bad = scripts.run(["gpu", "--paper"], script=RUN, cwd=ROOT, env={**env, "GPUBENCH_PAPER_MODES": "plain,fast"})
     assert bad.returncode != 0 and "unknown mode 'fast'" in bad.stdout + bad.stderr
 
 
 @pytest.mark.parametrize("model", ["nope", "/no/such/model/dir"])
-def test_a_bad_benchmark_setting_is_one_error_line(model: str) -> None:
+def test_a_bad_benchmark_setting_is_one_error_line(model: str, scripts) -> None:
     """`run.py` prints a DriftlabError from any benchmark (here generation's GENBENCH_MODEL) as
     its Error/Hint lines and exits 2, where it was a traceback."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
            "GENBENCH_MODEL": model, "COLUMNS": "200"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "generation", "--quick"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = scripts.run(["generation", "--quick"], script=RUN, cwd=ROOT, env=env)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Error: " in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
     assert "RESULT" not in proc.stdout
@@ -196,19 +210,17 @@ def test_a_bad_benchmark_setting_is_one_error_line(model: str) -> None:
     ({"GPUBENCH_TOKENIZER": "/no/such/dir"}, "holds no tokenizer"),
     ({"GPUBENCH_VARIANTS": "split,nope"}, "GPUBENCH_VARIANTS: unknown variant 'nope'; use sdpa, plain"),
 ])
-def test_a_bad_gpu_benchmark_setting_stops_before_any_model_is_built(setting: dict, says: str, tmp_path) -> None:
+def test_a_bad_gpu_benchmark_setting_stops_before_any_model_is_built(setting: dict, says: str, scripts) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
            "COLUMNS": "200", "CUDA_VISIBLE_DEVICES": "", **setting}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "gpu", "--quick"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = scripts.run(["gpu", "--quick"], script=RUN, cwd=ROOT, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and says in out and "Traceback" not in out, out[-2000:]
     assert "RESULT" not in proc.stdout
 
 
-def test_run_py_refuses_a_record_path_it_cannot_write_before_running(tmp_path) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "measures", "--quick", "--record",
-                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_run_py_refuses_a_record_path_it_cannot_write_before_running(tmp_path, scripts) -> None:
+    proc = scripts.run(["measures", "--quick", "--record", str(tmp_path)], script=RUN, cwd=ROOT)
     assert proc.returncode == 2 and "is a directory: give a file name in it" in proc.stderr, proc.stderr
     assert "RESULT" not in proc.stdout
 
