@@ -616,7 +616,8 @@ def paper_run(device: torch.device, dtype: torch.dtype, results: dict, notes: li
         seconds, n_rec, n_tok = once(specs, pairs, rounds, progress=True)
         progress(f"paper {mode}: {seconds:.1f} s, {n_tok} tokens")
         table.rows.append([mode, f"{warm:.1f}", f"{seconds:.1f}", n_rec, n_tok, f"{n_tok / seconds:.1f}"])
-        results.update({f"paper.{mode}.s": f"{seconds:.1f}", f"paper.{mode}.tokens": str(n_tok), f"paper.{mode}.tok_s": f"{n_tok / seconds:.1f}"})
+        results.update({f"paper.{mode}.s": f"{seconds:.1f}", f"paper.{mode}.tokens": str(n_tok),
+                        f"paper.{mode}.tok_s": f"{n_tok / seconds:.1f}"})
         targets.rows.append([f"paper's experiment, {mode}, s", shape, "-", f"{seconds:.0f}", "<= 600",
                              judge(seconds <= 600, shape == "llama2-7b", "target is for llama2-7b")])
     ran = backend.ran()["decode"]
