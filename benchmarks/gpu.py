@@ -212,10 +212,7 @@ def _preloaded(model, tokenizer, path: Path):
     import driftlab.chat.loading as loading
 
     def load(name, dtype="auto", device="auto", attn_implementation="sdpa", **kwargs):
-        from driftlab.attention import ATTENTION_NAME, register
-
-        if attn_implementation == ATTENTION_NAME:  # as load_model does, right before its load
-            register()
+        loading.prepare_attention(attn_implementation)  # as load_model does, right before its load
         model.set_attn_implementation(attn_implementation)
         return model, tokenizer, path
 

@@ -97,6 +97,15 @@ def pick_dtype(dtype: str, device: torch.device | None = None) -> torch.dtype:
         ) from None
 
 
+def prepare_attention(attn_implementation: str) -> None:
+    """Make driftlab's attention implementation known to transformers if it is the one asked for:
+    the step right before a model is loaded with it (load_model, or a stand-in for it)."""
+    from driftlab.attention import ATTENTION_NAME, register
+
+    if attn_implementation == ATTENTION_NAME:
+        register()
+
+
 def load_model(
     name_or_path: str,
     dtype: str = "auto",
@@ -117,7 +126,6 @@ def load_model(
     `quantize` loads 8- or 4-bit weights with bitsandbytes.
     """
     from driftlab.assets import resolve_model
-    from driftlab.attention import ATTENTION_NAME, register
 
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
@@ -131,8 +139,7 @@ def load_model(
     from transformers.utils import logging as hf_logging
 
     check_weights(path, name_or_path)
-    if attn_implementation == ATTENTION_NAME:  # here, not first: registering imports seconds of transformers
-        register()
+    prepare_attention(attn_implementation)  # here, not first: registering imports seconds of transformers
     hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
