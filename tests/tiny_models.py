@@ -26,6 +26,10 @@ def tokenizer_dir() -> Path:
     can be pulled (a lent GPU machine has no network), SmolLM2's tokenizer files in the directory
     GPUBENCH_TOKENIZER names, as benchmarks/gpu.py takes them (docs/performance.md)."""
     if carried := os.environ.get("GPUBENCH_TOKENIZER"):
+        missing = [name for name in TOKENIZER_FILES if not (Path(carried) / name).is_file()]
+        if missing:
+            raise RuntimeError(f"GPUBENCH_TOKENIZER={carried!r} lacks {', '.join(missing)}: give the folder of "
+                               "SmolLM2's tokenizer files (docs/performance.md).")
         return Path(carried)
     from driftlab.assets import resolve_model
 
