@@ -306,8 +306,10 @@ def test_bias_terms_add_up_and_rows_may_differ_in_them() -> None:
     assert layer1[1].tolist() == [[-4.0, -4.0, 0.0, -4.0, 0.0], [0.0] * 5]  # its own term only
     assert layer1[2].abs().sum() == 0  # no term at all
     assert state.layer_bias(0, 0, 5)[:, 1, 0, 0].tolist() == [1.5, 0.0, 0.0]  # layer 0: boost alone
-    with pytest.raises(DriftlabError, match="different tracing settings"):  # split-softmax may differ per row
-        AttentionState([AttentionConfig(trace=True), AttentionConfig()], [{}, {}], 2, 2, current())
+    mixed = AttentionState([AttentionConfig(trace=True), AttentionConfig()], [{}, {}], 2, 2, current())
+    assert mixed.trace  # decode-step tracing is per row: pi is computed for both, kept for row 0
+    with pytest.raises(DriftlabError, match="different prefill tracing settings"):  # prompts: per batch position
+        AttentionState([AttentionConfig(trace=True, trace_prefill=True), AttentionConfig()], [{}, {}], 2, 2, current())
 
 
 def test_on_layout_rejects_wrong_span_count() -> None:

@@ -89,15 +89,42 @@ def test_joined_rows_store_their_prefixes_as_a_lone_row_does(smol_dir) -> None:
     assert [r.token_ids for r in again] == [r.token_ids for r in plain.generate(ChatRequest(follow, greedy))]
 
 
-def test_rows_of_another_sampling_or_tracing_are_refused_and_a_prefill_trace_takes_none(smol32) -> None:
+@pytest.mark.parametrize("first_traced", [False, True], ids=["traced-join-plain", "plain-join-traced"])
+def test_traced_and_untraced_rows_share_a_running_batch(smol32, first_traced: bool) -> None:
+    """Telemetry's pi trace is per row: traced rows join a running untraced batch (and untraced rows
+    a traced one) and each row gets what it gets alone: its tokens, and its pi at every step
+    where it asked for it, none where it did not."""
+    greedy = Sampling(greedy=True, max_new_tokens=14)
+    steers = [Interventions(), Interventions.parse(["trace"])]
+    steer_of = [steers[first_traced], steers[not first_traced]]  # rows 0-1 and 4-5, then rows 2-3
+
+    def request(rows: list[int], **extra) -> ChatRequest:
+        return ChatRequest([CONVS[i] for i in rows], greedy, interventions=steer_of[rows[0] in (2, 3)],
+                           row_max_tokens=[LIMITS[i] for i in rows], **extra)
+
+    left = [list(w) for w in WAVES]
+
+    def admit() -> ChatRequest | None:
+        rows = left.pop(0) if left else []
+        return request(rows) if rows else None
+
+    together = smol32.generate(request([0, 1], admit=admit))
+    alone = [smol32.generate(request([i]))[0] for i in range(len(CONVS))]
+    assert len(together) == len(CONVS)
+    for i, (got, want) in enumerate(zip(together, alone, strict=True)):
+        assert got.token_ids == want.token_ids, (i, got.text, want.text)
+        traced = "trace" in steer_of[i in (2, 3)].kinds
+        assert (got.trace is None) == (want.trace is None) == (not traced)
+        if traced:
+            assert got.trace.decode.shape == want.trace.decode.shape
+            np.testing.assert_allclose(got.trace.decode, want.trace.decode, atol=tol(1e-5), rtol=0)
+
+
+def test_rows_of_another_sampling_are_refused_and_a_prefill_trace_takes_none(smol32) -> None:
     greedy = Sampling(greedy=True, max_new_tokens=6)
     other = ChatRequest([CONVS[2]], Sampling(temperature=0.5, max_new_tokens=6))
     with pytest.raises(DriftlabError, match="must share its sampling"):
         smol32.generate(ChatRequest([CONVS[0]], greedy, admit=lambda: other))
-    untraced = ChatRequest([CONVS[2]], greedy)  # pi tracing is one setting per batch
-    with pytest.raises(DriftlabError, match="log-probs and pi tracing"):
-        smol32.generate(ChatRequest([CONVS[0]], greedy, interventions=Interventions.parse(["trace"]),
-                                    admit=lambda: untraced))
     asked = []
     traced = ChatRequest([CONVS[0]], greedy, interventions=Interventions.parse(["trace:prefill=true"]),
                          admit=lambda: asked.append(1))

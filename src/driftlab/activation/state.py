@@ -82,6 +82,7 @@ class ResidualState:
         self.proj_sum = torch.zeros(B, L, device=device)
         self.proj_prompt = torch.zeros(B, L, device=device)
         self.proj_last = torch.zeros(B, L, device=device)
+        self.step_proj = torch.zeros(B, L, device=device)  # this pass's last-position projections
         self.positions = torch.zeros(B, device=device)  # how many positions were summed
         self.act_sum = torch.zeros(B, L, d_model, device=device) if capture else None
         self.prefill_proj: list[torch.Tensor | None] = [None] * L
@@ -106,7 +107,7 @@ class ResidualState:
         index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
         self.unit, self.unit_h = self.unit[index], self.unit_h[index]
         self.add, self.tau, self.running = self.add[index], self.tau[index], self.running[index]
-        self.index = self.index[index]
+        self.step_proj, self.index = self.step_proj[index], self.index[index]
 
     def resume(self) -> None:
         """This state takes over a running batch: its next pass is a decode step, not a prefill."""
@@ -122,7 +123,7 @@ class ResidualState:
         self.low, self.high = torch.cat([self.low, other.low]), torch.cat([self.high, other.high])
         for name in ("proj_sum", "proj_prompt", "proj_last", "positions"):  # per row
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
-        for name in ("unit", "unit_h", "add", "tau", "running"):  # per batch position
+        for name in ("unit", "unit_h", "add", "tau", "running", "step_proj"):  # per batch position
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self.index = torch.cat([self.index, other.index + R])
         self._adds = [a or b for a, b in zip(self._adds, other._adds, strict=True)]
@@ -143,42 +144,57 @@ class ResidualState:
                 held.copy_(value)
             return held
 
-        for name in ("unit", "unit_h", "add", "tau", "running", "proj_sum", "proj_prompt", "proj_last", "positions"):
+        for name in ("unit", "unit_h", "add", "tau", "running", "proj_sum", "proj_prompt", "proj_last", "step_proj",
+                     "positions"):
             setattr(self, name, put(name, getattr(self, name)))
         if self.act_sum is not None:
             self.act_sum = put("act_sum", self.act_sum)
 
     # -- the hook's arithmetic ----------------------------------------------------------------------
     def apply(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """Layer `layer`'s output h [B, q, d], steered; what it projects to is recorded."""
-        if not self.static and not (self._adds[layer] or self._caps[layer] or self._reads):
+        """Layer `layer`'s output h [B, q, d], steered; what it projects to is recorded.
+
+        A layer that only reads projects the last position alone and files it for the pass's end
+        (`_fold`): a served row pays a few small ops per layer, not a dozen (telemetry's cost)."""
+        adds, caps = self.static or self._adds[layer], self.static or self._caps[layer]
+        if not (adds or caps or self._reads):
             return h
         v = self.unit_h[:, layer, None, :]  # [B, 1, d]
-        if self.static or self._adds[layer]:
+        if adds:
             h = h + self.add[:, layer, None, None] * v
-        p = torch.einsum("bqd,bd->bq", h.float(), self.unit[:, layer])
-        if self.static or self._caps[layer]:
-            lift = (self.tau[:, layer, None] - p).clamp_min(0.0)
-            h = h + lift[..., None].to(h.dtype) * v
-            p = p + lift
+        if caps or self.keep_prefill:  # every position's projection
+            p = torch.einsum("bqd,bd->bq", h.float(), self.unit[:, layer])
+            if caps:
+                lift = (self.tau[:, layer, None] - p).clamp_min(0.0)
+                h = h + lift[..., None].to(h.dtype) * v
+                p = p + lift
+            if self.prefilling and self.keep_prefill:
+                self.prefill_proj[layer] = p
+            last = p[:, -1]
+        else:
+            last = torch.linalg.vecdot(h[:, -1].float(), self.unit[:, layer])
         if self.static or self._reads:
-            self._record(layer, h, p)
+            self._record(layer, h, last)
         return h
 
-    def _record(self, layer: int, h: torch.Tensor, p: torch.Tensor) -> None:
-        """Sum the projection (and with `capture` h) of each running row's last position."""
-        last = p[:, -1] * self.running
-        if self.prefilling:
-            self.proj_prompt[:, layer].index_copy_(0, self.index, p[:, -1])
-            if self.keep_prefill:
-                self.prefill_proj[layer] = p
-        self.proj_sum[:, layer].index_add_(0, self.index, last)
-        self.proj_last[:, layer].index_copy_(0, self.index, torch.where(self.running > 0, p[:, -1],
-                                                                         self.proj_last[self.index, layer]))
+    def _record(self, layer: int, h: torch.Tensor, last: torch.Tensor) -> None:
+        """File layer `layer`'s last-position projection `last` [B] (and with `capture` sum h there);
+        after the last layer, fold the pass's projections into each running row's sums."""
+        self.step_proj[:, layer] = last
         if self.act_sum is not None:
             self.act_sum[:, layer].index_add_(0, self.index, h[:, -1].float() * self.running[:, None])
         if layer == self.n_layers - 1:
-            self.positions.index_add_(0, self.index, self.running)
+            self._fold()
+
+    def _fold(self) -> None:
+        """The pass's projections [B, L] into each row's sums: its prompt's (on the prefill), the sum
+        and the last over its reply positions (running rows only), and the positions counted."""
+        p, running = self.step_proj, self.running[:, None]
+        if self.prefilling:
+            self.proj_prompt.index_copy_(0, self.index, p)
+        self.proj_sum.index_add_(0, self.index, p * running)
+        self.proj_last.index_copy_(0, self.index, torch.where(running > 0, p, self.proj_last[self.index]))
+        self.positions.index_add_(0, self.index, self.running)
 
     # -- results -------------------------------------------------------------------------------------
     def summaries(self, rows: Sequence[int] | None = None) -> list[dict[str, Any] | None]:

@@ -132,9 +132,10 @@ class AttentionConfig(BaseModel):
         return self.trace or self.changes_outputs
 
     def shared(self) -> tuple:
-        """What every row of one batch must agree on (key biases, split-softmax and the pi floor may
-        differ per row)."""
-        return (self.trace, self.trace_prefill)
+        """What every row of one batch must agree on: prefill tracing, whose traces are laid out per
+        batch position. Key biases, split-softmax, the pi floor and decode-step tracing may differ
+        per row."""
+        return (self.trace and self.trace_prefill,)
 
 
 def _heads(v):

@@ -43,6 +43,7 @@ from driftlab.attention.kernels import (
     flash_ok,
     merge_fn,
     split_softmax,
+    system_pi,
     system_share,
 )
 from driftlab.attention.state import AttentionState, every_block
@@ -185,30 +186,27 @@ def driftlab_attention(
     # Query chunks bound the size of any per-head float mask.
     step = q if bias is None else max(1, _CHUNK_ELEMS // max(1, B * H * K))
     outs, pis = [], []
+    need_sys = need_pi and sys_range is not None
     for s in range(0, q, step):
         qs = query[:, :, s : s + step]
         qc = qs.shape[2]
-        m = None if base is None else (base[:, :, s : s + step] if base.shape[2] > 1 else base)
-        # Float masks throughout: a boolean one gives NaN on fully masked (left-padding) rows.
-        if bias is not None:
-            mf = bias.to(dtype) if m is None else torch.where(m, bias.to(dtype), neg)
+        if q == 1 and bias is None:  # a decode step: every layer of a kind builds the same masks
+            mf, m_sys = _decode_masks(state, base, sys_keys if need_sys else None, sys_range, K, dtype)
         else:
-            mf = None if m is None else torch.where(m, 0.0, neg).to(dtype)
+            m = None if base is None else (base[:, :, s : s + step] if base.shape[2] > 1 else base)
+            mf, m_sys = _float_masks(m, bias, sys_keys if need_sys else None, sys_range, causal, dtype,
+                                     (q, K, s, step))
         o_sys = pi = rest = None
-        if need_pi and sys_range is not None:
+        if need_sys:
             a, b = sys_range
-            sys_slots = sys_keys[:, None, None, a:b]
-            if mf is not None:
-                m_sys = torch.where(sys_slots, mf[..., a:b], neg)
-            else:
-                if causal:
-                    sys_slots = sys_slots & _causal_mask(q, K, query.device)[:, :, s : s + step, a:b]
-                m_sys = torch.where(sys_slots, 0.0, neg).to(dtype)
         if use_lse:
             o, lse_all = attend_sdpa(qs, key, value, mf, scale, n_rep, causal=causal, lse=True)
             if sys_range is not None:
                 o_sys, lse_sys = attend_sdpa(qs, key[:, :, a:b], value[:, :, a:b], m_sys, scale, n_rep, lse=True)
-                pi, rest = system_share(lse_all, lse_sys)
+                if q == 1 and split_heads is None:  # a traced decode step
+                    pi = system_pi(lse_all, lse_sys)
+                else:
+                    pi, rest = system_share(lse_all, lse_sys)
             else:
                 pi = torch.zeros((B, H, qc, 1), device=query.device)
         elif need_pi:
@@ -226,6 +224,43 @@ def driftlab_attention(
     if state.trace:
         state.record(layer, torch.cat(pis, dim=2) if len(pis) > 1 else pis[0])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _float_masks(m: torch.Tensor | None, bias: torch.Tensor | None, sys_keys: torch.Tensor | None,
+                 sys_range: tuple[int, int] | None, causal: bool, dtype: torch.dtype,
+                 chunk: tuple[int, int, int, int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(all keys, system keys only) additive masks of one query chunk (`chunk`: q, K, its first
+    query, its size) from the boolean mask `m` and the key bias; the system mask where `sys_keys`
+    is given. Float masks throughout: a boolean one gives NaN on fully masked (left-padding) rows."""
+    neg = torch.finfo(dtype).min
+    if bias is not None:
+        mf = bias.to(dtype) if m is None else torch.where(m, bias.to(dtype), neg)
+    else:
+        mf = None if m is None else torch.where(m, 0.0, neg).to(dtype)
+    if sys_keys is None:
+        return mf, None
+    a, b = sys_range
+    sys_slots = sys_keys[:, None, None, a:b]
+    if mf is not None:
+        return mf, torch.where(sys_slots, mf[..., a:b], neg)
+    if causal:
+        q, K, s, step = chunk
+        sys_slots = sys_slots & _causal_mask(q, K, sys_keys.device)[:, :, s : s + step, a:b]
+    return mf, torch.where(sys_slots, 0.0, neg).to(dtype)
+
+
+def _decode_masks(state: AttentionState, base: torch.Tensor | None, sys_keys: torch.Tensor | None,
+                  sys_range: tuple[int, int] | None, K: int, dtype: torch.dtype):
+    """`_float_masks` of a one-token decode step without a key bias, built by the first layer of
+    the forward pass and reused by the others (transformers hands every layer of a kind the same
+    mask tensor; a tag of the step's key count keeps one entry, the last step's)."""
+    tag = (None if base is None else (base.data_ptr(), tuple(base.shape)), K, state.kv_len, sys_range,
+           sys_keys is not None, dtype)
+    held = state.mask_memo.get("decode")
+    if held is None or held[0] != tag:
+        held = state.mask_memo["decode"] = (tag, _float_masks(base, None, sys_keys, sys_range, False, dtype,
+                                                              (1, K, 0, 1)))
+    return held[1]
 
 
 def _pi_of_causal_prefill(state: AttentionState, layer: int, out: torch.Tensor, lse_all: torch.Tensor,

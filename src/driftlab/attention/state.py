@@ -79,18 +79,21 @@ class AttentionState:
     ) -> None:
         """`configs` is one config for every row, or one per row (head profiling batches many
         single-head steerings at once; a server decodes requests of different steers together).
-        Rows may differ in everything but tracing, which is one setting per call."""
+        Rows may differ in everything but prefill tracing, which is one setting per call. Where
+        some rows trace pi, every row's is computed (the same attention calls serve all rows) and
+        only the traced rows' is kept (`row_traces`; the decode loop's `_cut_traces`)."""
         rows = [configs] * len(spans) if isinstance(configs, AttentionConfig) else list(configs)
         if len(rows) != len(spans):
             raise DriftlabError(f"{len(rows)} attention configs given for {len(spans)} rows.")
         if any(c.shared() != rows[0].shared() for c in rows):
-            raise DriftlabError("The rows of one batch ask for different tracing settings.",
-                                hint="Trace every row of a batch or none; run the others as separate requests.")
-        self.config = rows[0]  # the shared settings (tracing)
+            raise DriftlabError("The rows of one batch ask for different prefill tracing settings.",
+                                hint="Trace every prompt of a batch or none (trace:prefill=true); run the others "
+                                     "as separate requests.")
+        self.config = rows[0]  # the shared settings (prefill tracing)
         self.rows = rows
         self.spans = spans
         self.n_layers, self.n_heads, self.device = n_layers, n_heads, device
-        self.trace = self.config.trace
+        self.trace = any(c.trace for c in rows)
         # Split-softmax as a strength per (row, layer, head): k on the row's selected heads, 1
         # (unchanged) elsewhere.
         split = torch.zeros(len(rows), n_layers, n_heads, dtype=torch.bool)
@@ -300,6 +303,7 @@ class AttentionState:
         self.floor_table, self.floor_first = self.floor_table[index], self.floor_first[index]
         self.floor_queries = [self.floor_queries[i] for i in keep]
         self._floor_rows = [self._floor_rows[i] for i in keep]
+        self.trace = any(c.trace for c in self.rows)  # once the last traced row leaves, pi costs nothing
         self._floor_flags()
         if self.bias_keys is not None:
             self.bias_keys = self.bias_keys[:, index]
@@ -448,6 +452,9 @@ class AttentionState:
             stacked = torch.stack(per_layer_last, dim=0)  # [L, B, H, F]
         out = []
         for b, n in enumerate(n_steps):
+            if not self.rows[b].trace:  # computed alongside traced rows, not asked for
+                out.append({})
+                continue
             row = {"decode": stacked[:, b, :, :n].permute(2, 0, 1).cpu()}
             if self.config.trace_prefill:
                 pre = torch.stack([recs[0][b].to(self.device) for recs in self.records], dim=0)  # [L, H, q0]

@@ -299,7 +299,7 @@ class HFChatBackend:
                 more.sampling.model_copy(update={"max_new_tokens": 1}) != \
                 first.sampling.model_copy(update={"max_new_tokens": 1}):
             raise DriftlabError("Rows joining a running batch must share its sampling (but for token limits), "
-                                "log-probs and pi tracing, and cannot bring CFG's twin rows.")
+                                "log-probs and prompt tracing, and cannot bring CFG's twin rows.")
         convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in more.conversations]
         rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
         ivs, gates = self._gated(rendered, iv, [_system_of(c) for c in convs])
@@ -1134,11 +1134,12 @@ class _Decoding:
         self.attention = [iv.attention() for iv in interventions]
         self.compute_from = compute_from
         self._layout(interventions, residual, capture, keep_prefill)
-        # pi traces of a dynamic layout (decode steps only) are cut into each row's segments whenever
-        # the batch's rows change (`_cut_traces`), so traced rows leave, join and finish early like
-        # others; a static layout (trace buffer) and prefill traces stay per batch position.
+        # pi traces of a dynamic layout (decode steps only) are cut into each traced row's segments
+        # whenever the batch's rows change (`_cut_traces`), so traced rows leave, join and finish
+        # early like others, and join untraced batches (and untraced rows traced ones); a static
+        # layout (trace buffer) and prefill traces stay per batch position.
         traced = self.state is not None and self.state.trace
-        self.segmented = traced and self.static is None and not self.state.config.trace_prefill
+        self.segmented = self.static is None and not (traced and self.state.config.trace_prefill)
         self.segments: list[list[torch.Tensor]] = [[] for _ in range(B)]
         # A row's reply is known when it finishes, unless pi traces built at the end are asked for.
         self.early = on_finish if not traced or self.segmented else None
@@ -1452,11 +1453,12 @@ class _Decoding:
         segments: before rows leave or join, and before a reply is built, so that a row's trace
         never depends on where in the batch it sat."""
         state = self.state
-        if not self.segmented or not state.records[0]:
+        if not self.segmented or state is None or not state.records[0]:
             return
         stacked = torch.stack([torch.cat([r[..., -1:] for r in recs], dim=-1).to(state.device) for recs in state.records])
         for i, b in enumerate(self.live):
-            self.segments[b].append(stacked[:, i])
+            if self.attention[b] is not None and self.attention[b].trace:  # the others' pi: computed, not asked
+                self.segments[b].append(stacked[:, i])
         state.records = [[] for _ in range(state.n_layers)]
 
     def _trace_row(self, b: int) -> dict[str, torch.Tensor]:

@@ -9,8 +9,8 @@ logprobs) as one `generate` call (or one `driftlab.chat.text.score` call for pro
 
 Continuous batching (the default, `continuous=True`; vLLM's and Orca's iteration-level
 scheduling): a request that arrives while a batch decodes joins it at the next step, when it
-shares the batch's lane (`Job.lane`: the sampling but for the token limit, log-probs, pi
-tracing; every steer but CFG and the pi floor is per-row data) and is first in line
+shares the batch's lane (`Job.lane`: the sampling but for the token limit, log-probs, prompt
+tracing; every steer but CFG and the pi floor is per-row data, telemetry's pi trace too) and is first in line
 (`ChatRequest.admit`); a row that finishes leaves it (its reply is handed over at once). So a
 short request no longer waits for the longest row of the batch before it. A request of another
 lane waits until the running batch drains, and stops the batch admitting more (first come,
@@ -90,7 +90,7 @@ class Job:
 
     def lane(self) -> tuple[Any, ...]:
         """What jobs must share to decode in one running batch (continuous batching): the sampling but
-        for the token limit, log-probs and scoring, pi tracing (one setting per batch), and the
+        for the token limit, log-probs and scoring, prompt tracing (one setting per batch), and the
         whole steer where it acts across the batch (CFG's twin rows, the pi floor); other steers
         are per-row data."""
         whole = self.interventions.kinds & BATCH_WIDE

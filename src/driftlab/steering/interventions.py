@@ -481,11 +481,11 @@ class Interventions(BaseModel):
             fields.update(part)
         return AttentionConfig(**fields) if items else None
 
-    def tracing(self) -> tuple[bool, bool]:
-        """Its pi tracing settings (trace, trace_prefill): one per batch, so what rows joining a
-        running batch must share."""
+    def tracing(self) -> tuple[bool]:
+        """The tracing setting every row of a batch must share (`AttentionConfig.shared`: whether
+        prompts are traced); decode-step tracing is per row."""
         config = self.attention()
-        return config.shared() if config is not None else (False, False)
+        return config.shared() if config is not None else (False,)
 
     def residual(self) -> ResidualConfig | None:
         """What the residual-stream steers ask (vector, cap), or None when none is set."""
