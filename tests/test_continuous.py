@@ -141,7 +141,7 @@ def test_a_short_request_joins_a_long_one_and_finishes_first(smol32) -> None:
     short = {"model": smol32.name, "messages": CONVS[2], "max_tokens": 5, "ignore_eos": True, "temperature": 0}
     (alone,) = smol32.generate(ChatRequest([CONVS[2]], Sampling(greedy=True, max_new_tokens=5, ignore_eos=True)))
 
-    async def race(url: str) -> tuple[str, str, list[str]]:
+    async def race(url: str, extra: dict) -> tuple[dict, list[str]]:
         order: list[str] = []
         async with httpx.AsyncClient(timeout=600) as http:
             streaming = asyncio.Event()
@@ -155,19 +155,23 @@ def test_a_short_request_joins_a_long_one_and_finishes_first(smol32) -> None:
 
             task = asyncio.create_task(run_long())
             await streaming.wait()
-            reply = (await http.post(f"{url}/v1/chat/completions", json=short)).json()
+            reply = (await http.post(f"{url}/v1/chat/completions", json={**short, **extra})).json()
             order.append("short")
             await task
-        return reply["choices"][0]["message"]["content"], reply["choices"][0]["finish_reason"], order
+        return reply, order
 
-    for batching, first in (("continuous", "short"), ("static", "long")):
+    telemetry = {"driftlab": {"telemetry": True}}  # a traced row joins the plain stream's batch too
+    for batching, first, extra in (("continuous", "short", {}), ("continuous", "short", telemetry),
+                                   ("static", "long", {})):
         app = create_app(smol32, ServeSettings(max_wait_ms=0, batching=batching))
         with serving(app) as url:
-            text, reason, order = asyncio.run(race(url))
+            reply, order = asyncio.run(race(url, extra))
             admitted = app.state.server.batcher.n_admitted
-        assert order[0] == first, (batching, order)
-        assert text == alone.text and reason == alone.finish_reason
+        assert order[0] == first, (batching, extra, order)
+        choice = reply["choices"][0]
+        assert choice["message"]["content"] == alone.text and choice["finish_reason"] == alone.finish_reason
         assert admitted == (1 if batching == "continuous" else 0)
+        assert (reply.get("driftlab", {}).get("telemetry", {}).get("pi") is not None) == bool(extra)
 
 
 def test_a_client_that_leaves_mid_stream_changes_no_other_rows_tokens(smol32) -> None:
