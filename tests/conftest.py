@@ -48,7 +48,7 @@ FILE_SECONDS = {
     "test_benchmarks_gpu.py": (323, 17), "test_static_decode.py": (197, 62),
     "test_graph_budget.py": (122, 5), "test_resume.py": (143, 8), "test_serve_faults.py": (126, 11),
     "test_attention_flex.py": (125, 67), "test_attention_engine.py": (101, 98),
-    "test_continuous.py": (98, 9), "test_backend.py": (91, 23), "test_activation.py": (85, 16),
+    "test_continuous.py": (130, 11), "test_backend.py": (91, 23), "test_activation.py": (85, 16),
     "test_ray.py": (84, 5), "test_tutorial.py": (72, 2), "test_directions.py": (69, 5),
     "test_pasta_tasks.py": (66, 24), "test_cli_errors.py": (66, 126), "test_hub.py": (61, 40),
     "test_assets.py": (50, 20), "test_pasta_steering.py": (46, 56), "test_lm_eval_adapter.py": (46, 8),
