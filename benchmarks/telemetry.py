@@ -19,9 +19,10 @@ conversation of three user turns (distinct last turns, greedy, `tokens` new toke
 The directions are random unit vectors with made-up statistics: what a projection costs does
 not depend on the values. Each mode is warmed up once; then `repeats` rounds each run every mode
 once, the order rotating. A ratio is the median over rounds of that round's ratio: the same
-round's plain run is its baseline. This CPU's speed drifts by 10-30% over a minute (the same
-call, repeated), so a best time of each mode compares moments, while a round's modes run within
-a minute of each other.
+round's plain run is its baseline. A CPU's speed drifts between rounds (the table's range of the
+rounds' ratios shows how far), so a best time of each mode compares moments, while a round's
+modes run within a minute of each other. p: the Wilcoxon signed-rank test of the rounds' log
+ratios (paired by round; driftlab.stats).
 
 RESULT telemetry.cost: telemetry / plain (target <= 1.05); telemetry.cost_with_directions:
 telemetry+directions / plain (target <= 1.10); gate.cost: when-drifting / instaboost (what deciding
@@ -37,12 +38,14 @@ import statistics
 import time
 
 import httpx
+import numpy as np
 import torch
 from common import Result, size_of
 
 from driftlab.activation.directions import Directions, PersonaDirection
 from driftlab.chat.hf import HFChatBackend
 from driftlab.serve import ServeSettings, background, create_app
+from driftlab.stats import wilcoxon_signed_rank
 
 SYSTEM = "Always reply in French."
 USERS = ["Tell me about the sea.", "What is a good breakfast?", "How do trains work?", "Why is the sky blue?",
@@ -109,20 +112,27 @@ def run(quick: bool = False, full: bool = False) -> Result:
     return _result(times, tokens, repeats, steered, str(backend.model.dtype).removeprefix("torch."))
 
 
+def _ratios(times: dict[str, list[float]], mode: str, base: str) -> list[float]:
+    """Each round's time of `mode` over the same round's time of `base`."""
+    return [t / b for t, b in zip(times[mode], times[base], strict=True)]
+
+
 def _ratio(times: dict[str, list[float]], mode: str, base: str) -> float:
     """The median over rounds of mode's time over base's in the same round."""
-    return statistics.median(t / b for t, b in zip(times[mode], times[base], strict=True))
+    return statistics.median(_ratios(times, mode, base))
 
 
 def _result(times: dict[str, list[float]], tokens: int, repeats: int, steered: int, dtype: str) -> Result:
     result = Result(title=f"drift telemetry and gating: 8 concurrent 3-turn requests x {tokens} tokens, smollm2-135m {dtype} "
                           f"({repeats} rounds, modes interleaved)",
                     columns=["mode", "best wall s", "median wall s", "time vs plain (median of rounds)",
-                             "rounds' range"])
+                             "rounds' range", "p (paired)"])
     for mode in MODES:
-        ratios = [t / b for t, b in zip(times[mode], times["plain"], strict=True)]
+        ratios = _ratios(times, mode, "plain")
+        p = wilcoxon_signed_rank(np.log(ratios))[0] if mode != "plain" else float("nan")
         result.rows.append([mode, f"{min(times[mode]):.2f}", f"{statistics.median(times[mode]):.2f}",
-                            f"{_ratio(times, mode, 'plain'):.3f}x", f"{min(ratios):.2f}-{max(ratios):.2f}x"])
+                            f"{statistics.median(ratios):.3f}x", f"{min(ratios):.2f}-{max(ratios):.2f}x",
+                            "" if mode == "plain" else f"{p:.3f}"])
     result.results["telemetry.cost"] = f"{_ratio(times, 'telemetry', 'plain'):.3f}"
     result.results["telemetry.cost_with_directions"] = f"{_ratio(times, 'telemetry+directions', 'plain'):.3f}"
     result.results["telemetry.directions_alone"] = f"{_ratio(times, 'directions', 'plain'):.3f}"
