@@ -131,8 +131,9 @@ class Stub:
             return PlainTextResponse("<html>proxy error</html>", status_code=200)
         if what == "empty":
             return JSONResponse({"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": []})
-        if what == "hang":
-            await asyncio.sleep(2)  # longer than every client timeout below
+        if what == "hang":  # until the client gives up: its timeout, not ours, ends the attempt
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.02)
         text = "echo: " + body["messages"][-1]["content"]
         return JSONResponse({
             "id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
@@ -150,8 +151,8 @@ def _ask(url, tmp_path, retries=5, timeout=2.0, n=1):
 
 def test_transient_failures_are_retried_and_recorded_once(tmp_path):
     stub = Stub(["429", "500", "garbage", "empty", "hang"])
-    with serving(stub.app) as url:
-        backend, replies = _ask(url, tmp_path, timeout=0.5)
+    with serving(stub.app) as url:  # the timeout also bounds the good attempt: leave a loaded machine room
+        backend, replies = _ask(url, tmp_path, timeout=2.0)
     assert replies[0].text == "echo: q0" and replies[0].n_tokens == 2
     assert stub.hits == 6 and backend.sent == 1
     assert len((tmp_path / REQUEST_LOG).read_text().splitlines()) == 1
