@@ -1,5 +1,5 @@
 """Continuous batching: rows that join a running decode batch (`ChatRequest.admit`) get the tokens
-they get alone, on the real model (float32), plain, under a key bias, along a persona direction,
+they get alone (their logits to float32 rounding, so a draw at a near tie may part), on the real model (float32), plain, under a key bias, along a persona direction,
 greedy and seeded; their KV goes to the prefix cache as a lone row's does; and over HTTP a short
 request sent while a long one decodes joins its batch and finishes first."""
 
@@ -11,14 +11,16 @@ import json
 import httpx
 import numpy as np
 import pytest
-from test_activation import FRENCH, synthetic
+import torch
 
 from devices import backend_device, tol
-from driftlab.chat import ChatRequest, Sampling
+from driftlab.chat import ChatRequest, Sampling, hf
+from driftlab.chat.sampling import sample, uniform, warpers
 from driftlab.errors import DriftlabError
 from driftlab.serve import ServeSettings, create_app
 from driftlab.serve.background import background as serving
 from driftlab.steering.interventions import Interventions
+from test_activation import FRENCH, synthetic
 
 USERS = ["Hi!", "Tell me about the sea in detail, please, with many words.", "What is 2+2?", "Name a colour.",
          "Describe a cat.", "Why is the sky blue?"]
@@ -48,18 +50,24 @@ def waves_of(sampling: Sampling, steer: Interventions, waves=WAVES):
     (["vector:alpha=4"], Sampling(greedy=True, max_new_tokens=14)),
     (["split-softmax:k=0.7", "trace"], Sampling(greedy=True, max_new_tokens=14)),
 ], ids=["plain-greedy", "instaboost-seeded", "vector-greedy", "traced-greedy"])
-def test_rows_that_join_a_running_batch_decode_as_they_do_alone(smol32, steer, sampling) -> None:
+def test_rows_that_join_a_running_batch_decode_as_they_do_alone(smol32, steer, sampling, monkeypatch) -> None:
+    together_draws, alone_draws = Draws(), Draws()
     smol32.use_directions(synthetic(smol32.shape.layers, smol32.d_model, [FRENCH]))
     try:
         iv = Interventions.parse(steer)
         first, request = waves_of(sampling, iv)
+        monkeypatch.setattr(hf, "sample", together_draws)
         together = smol32.generate(first)
+        monkeypatch.setattr(hf, "sample", alone_draws)
         alone = [smol32.generate(request([i]))[0] for i in range(len(CONVS))]
     finally:
         smol32.use_directions(None)
     assert len(together) == len(CONVS)
+    parted = 0
     for i, (got, want) in enumerate(zip(together, alone, strict=True)):
-        assert got.token_ids == want.token_ids, (i, got.text, want.text)
+        if not same_draws(got.token_ids, want.token_ids, 100 + i, together_draws, alone_draws, warpers(sampling)):
+            parted += 1  # at a near tie: the rest of the row follows another token
+            continue
         assert got.finish_reason == want.finish_reason and got.n_prompt_tokens == want.n_prompt_tokens
         if want.activation is not None:  # the projection each row recorded, joined or alone
             for key in ("prompt", "reply", "last"):
@@ -70,6 +78,42 @@ def test_rows_that_join_a_running_batch_decode_as_they_do_alone(smol32, steer, s
             assert len(want.trace.decode) == len(want.trace.generated_tokens) >= len(want.token_ids)
             np.testing.assert_allclose(got.trace.decode, want.trace.decode, atol=tol(1e-5), rtol=0)
     assert [len(r.token_ids) for r in together][4] <= 3  # row 4's own limit held after it joined
+    assert parted <= 1, f"{parted} of {len(CONVS)} rows parted at near ties: more than float noise makes"
+
+
+class Draws:
+    """Stands in for the decode loop's `sample` and keeps each row's logits by (seed, step): every
+    row here has its own seed, so a joined row's draws can be matched to its lone run's."""
+
+    def __init__(self) -> None:
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __call__(self, logits, chain, seeds, steps):
+        for row, key in enumerate(zip(seeds, steps, strict=True)):
+            self.logits[key] = logits[row].detach().clone()
+        return sample(logits, chain, seeds, steps)
+
+
+def same_draws(got: list[int], want: list[int], seed: int, together: Draws, alone: Draws, chain) -> bool:
+    """True when a joined row's tokens are its lone run's. A row's logits joined and alone differ by
+    float32 rounding (other matmul shapes: ~4e-5 here), so a draw that lands that close to a tie may
+    go the other way (seen: u 2.5e-7 from a CDF step on one CPU). Where the tokens part, the logits
+    must still agree at every step up to there, and the lone draw must have been a near tie there;
+    a wrong row, seed or step fails one of the two."""
+    if got == want:
+        return True
+    n = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+    for step in range(n + 1):
+        torch.testing.assert_close(together.logits[seed, step], alone.logits[seed, step], atol=1e-3, rtol=0)
+    logits = alone.logits[seed, n]
+    if chain is None:  # greedy: the two tokens' logits within rounding of each other
+        assert logits[want[n]] - logits[got[n]] < 1e-4, (seed, n, got[n], want[n])
+        return False
+    cdf = torch.softmax(chain(None, logits[None].clone()), -1)[0].double().cumsum(0)
+    u = uniform(seed, n) * cdf[-1].item()
+    margin = min(u - (cdf[want[n] - 1].item() if want[n] else 0.0), cdf[want[n]].item() - u)
+    assert 0 <= margin < 1e-5, (seed, n, margin)
+    return False
 
 
 def test_joined_rows_store_their_prefixes_as_a_lone_row_does(smol_dir) -> None:
