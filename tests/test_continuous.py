@@ -116,6 +116,34 @@ def same_draws(got: list[int], want: list[int], seed: int, together: Draws, alon
     return False
 
 
+def test_a_batch_that_rows_keep_joining_keeps_only_its_live_rows_slots(smol32, monkeypatch) -> None:
+    """A row joins at every step boundary for 40 steps, each leaving 6 tokens later: the batch lives
+    for about 46 steps, but each step's cache holds only what its live rows attend to (a row's
+    prompt and reply, at most), not a slot for every step the batch has lived. The last joiners
+    still get the tokens they get alone."""
+    widths: list[int] = []
+    feed = hf._Decoding.feed
+
+    def measured(self, nxt):
+        feed(self, nxt)
+        widths.append(self.mask.shape[1])
+        assert all(layer.keys.shape[2] == widths[-1] for layer in self.cache.layers)
+
+    monkeypatch.setattr(hf._Decoding, "feed", measured)
+    sampling = Sampling(greedy=True, max_new_tokens=6, ignore_eos=True)
+    joiners = [[CONVS[i % len(CONVS)]] for i in range(40)]
+
+    def admit() -> ChatRequest | None:
+        return ChatRequest(joiners.pop(0), sampling) if joiners else None
+
+    together = smol32.generate(ChatRequest(CONVS[:2], sampling, admit=admit))
+    longest = max(len(smol32.render(c).ids) for c in CONVS)
+    assert len(together) == 42 and len(widths) >= 45
+    assert max(widths) <= longest + 6, (max(widths), longest)
+    alone = smol32.generate(ChatRequest([CONVS[i % len(CONVS)] for i in range(37, 40)], sampling))
+    assert [r.token_ids for r in together[-3:]] == [r.token_ids for r in alone]
+
+
 def test_joined_rows_store_their_prefixes_as_a_lone_row_does(smol_dir) -> None:
     """A follow-up turn on a joined row's reply reuses the KV the batch stored and decodes as without it."""
     from driftlab.chat.hf import HFChatBackend

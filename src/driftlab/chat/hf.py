@@ -1323,6 +1323,8 @@ class _Decoding:
         self.n_cond = len(self.live) // 2 if self.guidance is not None else len(self.live)
         self.mask, self.positions = self.mask[index], self.positions[index]
         self.finished, self._finished_on_device = [self.finished[i] for i in keep], None
+        if self._trim_left() and self.state is not None:
+            self._lay_out_state()
         return index
 
     @property
@@ -1378,12 +1380,33 @@ class _Decoding:
         self.mask = torch.cat([self.mask, other.mask])
         self.positions = torch.cat([self.positions, other.positions[:, -1:]])
         self.logits = torch.cat([self.logits, other.logits])
-        if self.state is not None or other.state is not None:  # laid out again: the rows' key slots moved
-            self.state = self.backend._resumed_state([self.attention[b] for b in self.live],
-                                                     [self.spans[b] for b in self.live],
-                                                     [self.pads[b] for b in self.live],
-                                                     [len(self.prompts[b]) for b in self.live], self.mask.shape[1],
-                                                     max(self.limits[b] - len(self.sampled[b]) for b in self.live))
+        self._trim_left()
+        if self.state is not None or other.state is not None:  # the rows' key slots moved
+            self._lay_out_state()
+
+    def _lay_out_state(self) -> None:
+        """The attention state laid out again for the live rows' key slots (after a join or a trim)."""
+        self.state = self.backend._resumed_state([self.attention[b] for b in self.live],
+                                                 [self.spans[b] for b in self.live],
+                                                 [self.pads[b] for b in self.live],
+                                                 [len(self.prompts[b]) for b in self.live], self.mask.shape[1],
+                                                 max(self.limits[b] - len(self.sampled[b]) for b in self.live))
+
+    def _trim_left(self) -> bool:
+        """Drop the key slots that no live row attends to: those left of every row's first token.
+        A running batch that rows keep joining would otherwise keep the slots of rows long gone:
+        its cache would grow with the batch's age, not with its rows' lengths, and every step
+        would attend over it and copy it (a dynamic cache appends by concatenation). Returns
+        whether anything was dropped."""
+        first = min(self.pads[b] for b in self.live)
+        if first <= 0:
+            return False
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+        self.mask = self.mask[:, first:]
+        for b in self.live:
+            self.pads[b] -= first
+        return True
 
     def _residual(self) -> ResidualState:
         """The batch's residual state, made for rows that have no direction if it had none."""
