@@ -20,6 +20,18 @@ RESULTs: continuous/static ratios at each load: throughput (target >= 1.3), p99 
 <= 0.5), p99 end to end (target <= 0.7); with a handful of requests per load, p99 is about the
 maximum.
 
+Where the throughput goes, in two more tables:
+- each load's decode steps under each mode, timed from the forward pass of every step: their
+  count, rows, cache slots and milliseconds (RESULT <mode>.rows_per_step_N). A mode gains
+  throughput only where its steps hold more rows for less than their proportional cost;
+- a client has one request in flight, so the client whose requests ask the most tokens sets the
+  run's length: a decode step holds at most (all tokens) / (that client's tokens) rows on average,
+  however the server schedules (RESULT rows_bound_N);
+- a decode step's cost against its rows, alone (greedy, plain, `ignore_eos`, short prompts;
+  RESULT step_ms_B), and at 16 rows of about 320 prompt tokens (RESULT step_ms_16_long): a
+  running batch's rows are padded to its longest live row and attend over all of it, where a
+  static batch's rows start together.
+
 Sizes: --quick 8 clients x 1, tokens 4-32; default 8 and 16 clients x 2, tokens 4-64; --full 8,
 16 and 32 clients x 3, tokens 4-256.
 """
@@ -34,14 +46,17 @@ import time
 
 import httpx
 import numpy as np
-from common import Result, size_of
+from common import Result, Table, size_of
 
+from driftlab.chat import ChatRequest, Sampling, hf
 from driftlab.chat.hf import HFChatBackend
 from driftlab.serve import ServeSettings, background, create_app
 
 SYSTEM = "Always reply in French."
 STEERS = ([], ["split-softmax:k=0.8"], ["instaboost:m=5"])
 MODES = ("continuous", "static")
+BATCHES = (1, 8, 16, 32)  # rows per decode step, for the step-cost table
+LONG = 75  # "Count to ten." repeats of the long-context step (about 320 prompt tokens with SmolLM2)
 SIZES = {"quick": ([(8, 1)], 32, 0.2), "default": ([(8, 2), (16, 2)], 64, 0.3),
          "full": ([(8, 3), (16, 3), (32, 3)], 256, 0.5)}  # loads (clients, per client), longest, mean gap s
 
@@ -70,8 +85,7 @@ async def _one(http: httpx.AsyncClient, url: str, body: dict) -> tuple[float, fl
 
 
 async def _load(url: str, model: str, clients: int, per_client: int, longest: int, gap: float) -> dict:
-    rng = random.Random(clients)
-    plan = [[(rng.expovariate(1 / gap), rng.randint(4, longest)) for _ in range(per_client)] for _ in range(clients)]
+    plan = _plan(clients, per_client, longest, gap)
     ttft, e2e, tokens = [], [], 0
 
     async def client(c: int, http: httpx.AsyncClient) -> None:
@@ -100,15 +114,77 @@ async def _short_after_long(url: str, model: str) -> float:
     return short / whole
 
 
-def run(quick: bool = False, full: bool = False) -> Result:
-    size = size_of(quick, full)
-    loads, longest, gap = SIZES[size]
-    backend = HFChatBackend("smollm2-135m", dtype="auto", prefix_cache_bytes=0)
-    dtype = str(backend.model.dtype).removeprefix("torch.")
-    res = Result(f"continuous vs static batching: smollm2-135m {dtype}, Poisson arrivals (mean gap {gap} s), "
-                 f"max_tokens 4-{longest}, three steers ({size} size)",
-                 ["mode", "clients x requests", "tok/s", "p99 TTFT s", "p50 end-to-end s", "p99 end-to-end s",
-                  "joined a running batch"])
+def _plan(clients: int, per_client: int, longest: int, gap: float) -> list[list[tuple[float, int]]]:
+    """Each client's (gap s, max_tokens) per request: seeded by the load, the same in both modes."""
+    rng = random.Random(clients)
+    return [[(rng.expovariate(1 / gap), rng.randint(4, longest)) for _ in range(per_client)] for _ in range(clients)]
+
+
+def _rows_bound(plan: list[list[tuple[float, int]]]) -> float:
+    """The most rows a decode step can average over the run: one request in flight per client, so
+    the run lasts at least as many steps as its longest client asks tokens."""
+    return sum(n for reqs in plan for _, n in reqs) / max(sum(n for _, n in reqs) for reqs in plan)
+
+
+def _step_ms(backend: HFChatBackend, batch: int, repeat: int = 1, steps: int = 16) -> float:
+    """Milliseconds per decode step at `batch` rows whose user turns say "Count to ten." `repeat`
+    times (prefill excluded: a one-step run's time subtracted)."""
+    convs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Count to ten. " * repeat + str(k)}]
+             for k in range(batch)]
+
+    def timed(n: int) -> float:
+        t = time.perf_counter()
+        backend.generate(ChatRequest(convs, Sampling(greedy=True, max_new_tokens=n, ignore_eos=True)))
+        return time.perf_counter() - t
+
+    timed(2)
+    return 1000 * min(timed(steps + 1) - timed(1) for _ in range(2)) / steps
+
+
+def _ceiling(backend: HFChatBackend, loads, longest: int, gap: float) -> Table:
+    table = Table("what bounds the throughput ratio", ["measure", "value"])
+    for clients, per_client in loads:
+        table.rows.append([f"rows per step at most, {clients} clients", f"{_rows_bound(_plan(clients, per_client, longest, gap)):.1f}"])
+    for b in BATCHES:
+        table.rows.append([f"ms per decode step, {b} rows", f"{_step_ms(backend, b):.0f}"])
+    long = backend.render([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Count to ten. " * LONG}])
+    table.rows.append([f"ms per decode step, 16 rows of {len(long.ids)} prompt tokens", f"{_step_ms(backend, 16, LONG):.0f}"])
+    return table
+
+
+class StepMeter:
+    """The decode steps of a load: their count, rows, cache slots and time, from timing
+    `_Decoding.feed` (a step's one forward pass) while the meter is entered."""
+
+    def __init__(self) -> None:
+        self.steps = self.rows = self.slots = 0
+        self.seconds = 0.0
+
+    def __enter__(self) -> StepMeter:
+        feed = self._feed = hf._Decoding.feed
+
+        def timed(run, nxt) -> None:
+            t = time.perf_counter()
+            feed(run, nxt)
+            self.seconds += time.perf_counter() - t
+            self.steps, self.rows, self.slots = self.steps + 1, self.rows + len(nxt), self.slots + run.mask.shape[1]
+
+        hf._Decoding.feed = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        hf._Decoding.feed = self._feed
+
+    def row(self) -> list[str]:
+        n = max(self.steps, 1)
+        return [str(self.steps), f"{self.rows / n:.1f}", f"{1000 * self.seconds / n:.0f}", f"{self.slots / n:.0f}",
+                f"{1000 * self.seconds / max(self.rows, 1):.1f}"]
+
+
+def _serve_loads(backend: HFChatBackend, loads, longest: int, gap: float, res: Result) -> dict:
+    """Every load under both modes (the order rotating), a row of `res` each; their measures."""
+    steps = Table("decode steps of each load (one forward pass each)",
+                  ["mode", "clients", "steps", "rows per step", "ms per step", "cache slots per step", "ms per row"])
     measured: dict[tuple[str, int], dict] = {}
     with contextlib.ExitStack() as stack:
         apps = {mode: create_app(backend, ServeSettings(max_wait_ms=10, batching=mode)) for mode in MODES}
@@ -119,18 +195,43 @@ def run(quick: bool = False, full: bool = False) -> Result:
             for mode in MODES[i % 2:] + MODES[: i % 2]:
                 batcher = apps[mode].state.batcher
                 before = batcher.n_admitted
-                m = measured[(mode, clients)] = asyncio.run(_load(urls[mode], backend.name, clients, per_client,
-                                                                 longest, gap))
+                with StepMeter() as meter:
+                    m = asyncio.run(_load(urls[mode], backend.name, clients, per_client, longest, gap))
+                measured[(mode, clients)] = m | {"rows per step": meter.rows / max(meter.steps, 1)}
                 res.rows.append([mode, f"{clients} x {per_client}", f"{m['tok/s']:.1f}", f"{m['p99 ttft']:.2f}",
                                  f"{m['p50 e2e']:.2f}", f"{m['p99 e2e']:.2f}", batcher.n_admitted - before])
-        short = {mode: asyncio.run(_short_after_long(urls[mode], backend.name)) for mode in MODES}
+                steps.rows.append([mode, clients, *meter.row()])
+        measured["short"] = {mode: asyncio.run(_short_after_long(urls[mode], backend.name)) for mode in MODES}
+    res.tables.append(steps)
+    return measured
+
+
+def run(quick: bool = False, full: bool = False) -> Result:
+    size = size_of(quick, full)
+    loads, longest, gap = SIZES[size]
+    backend = HFChatBackend("smollm2-135m", dtype="auto", prefix_cache_bytes=0)
+    dtype = str(backend.model.dtype).removeprefix("torch.")
+    res = Result(f"continuous vs static batching: smollm2-135m {dtype}, Poisson arrivals (mean gap {gap} s), "
+                 f"max_tokens 4-{longest}, three steers ({size} size)",
+                 ["mode", "clients x requests", "tok/s", "p99 TTFT s", "p50 end-to-end s", "p99 end-to-end s",
+                  "joined a running batch"])
+    measured = _serve_loads(backend, loads, longest, gap, res)
     for clients, _ in loads:
         c, s = measured[("continuous", clients)], measured[("static", clients)]
         res.results[f"continuous.throughput_{clients}"] = f"{c['tok/s'] / s['tok/s']:.2f}"
         res.results[f"continuous.p99_ttft_{clients}"] = f"{c['p99 ttft'] / s['p99 ttft']:.2f}"
         res.results[f"continuous.p99_e2e_{clients}"] = f"{c['p99 e2e'] / s['p99 e2e']:.2f}"
+        res.results[f"continuous.rows_per_step_{clients}"] = f"{c['rows per step']:.1f}"
+        res.results[f"static.rows_per_step_{clients}"] = f"{s['rows per step']:.1f}"
     for mode in MODES:
-        res.results[f"short_vs_long_{mode}"] = f"{short[mode]:.2f}"
+        res.results[f"short_vs_long_{mode}"] = f"{measured['short'][mode]:.2f}"
+    ceiling = _ceiling(backend, loads, longest, gap)
+    res.tables.append(ceiling)
+    for (clients, _), row in zip(loads, ceiling.rows, strict=False):
+        res.results[f"rows_bound_{clients}"] = row[1]
+    for b, row in zip(BATCHES, ceiling.rows[len(loads):], strict=False):
+        res.results[f"step_ms_{b}"] = row[1]
+    res.results["step_ms_16_long"] = ceiling.rows[-1][1]
     res.notes.append("short_vs_long: a 5-token request sent 100 ms after a 256-token one, its end-to-end time over "
                      "the long one's (continuous: it joins the running batch; static: it waits for it)")
     return res
