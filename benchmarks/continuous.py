@@ -1,6 +1,6 @@
 """Continuous vs static batching in `driftlab serve`, under arrivals spread in time.
 
-One model (smollm2-135m, the CPU's preferred dtype), one process, two apps on 127.0.0.1 that
+One model (smollm2-135m by default, the CPU's preferred dtype), one process, two apps on 127.0.0.1 that
 share the backend: `--batching continuous` (the default) and `--batching static`, run back to
 back on the same load, the order rotating from one load to the next.
 
@@ -33,7 +33,8 @@ Where the throughput goes, in two more tables:
   static batch's rows start together.
 
 Sizes: --quick 8 clients x 1, tokens 4-32; default 8 and 16 clients x 2, tokens 4-64; --full 8,
-16 and 32 clients x 3, tokens 4-256.
+16 and 32 clients x 3, tokens 4-256. BENCH_MODEL names another model (a preset or a directory;
+smollm2-135m by default).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import time
 
@@ -209,9 +211,10 @@ def _serve_loads(backend: HFChatBackend, loads, longest: int, gap: float, res: R
 def run(quick: bool = False, full: bool = False) -> Result:
     size = size_of(quick, full)
     loads, longest, gap = SIZES[size]
-    backend = HFChatBackend("smollm2-135m", dtype="auto", prefix_cache_bytes=0)
+    model = os.environ.get("BENCH_MODEL", "smollm2-135m")
+    backend = HFChatBackend(model, dtype="auto", prefix_cache_bytes=0)
     dtype = str(backend.model.dtype).removeprefix("torch.")
-    res = Result(f"continuous vs static batching: smollm2-135m {dtype}, Poisson arrivals (mean gap {gap} s), "
+    res = Result(f"continuous vs static batching: {model} {dtype}, Poisson arrivals (mean gap {gap} s), "
                  f"max_tokens 4-{longest}, three steers ({size} size)",
                  ["mode", "clients x requests", "tok/s", "p99 TTFT s", "p50 end-to-end s", "p99 end-to-end s",
                   "joined a running batch"])
