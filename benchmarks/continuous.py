@@ -1,8 +1,8 @@
 """Continuous vs static batching in `driftlab serve`, under arrivals spread in time.
 
-One model (smollm2-135m by default, the CPU's preferred dtype), one process, two apps on 127.0.0.1 that
-share the backend: `--batching continuous` (the default) and `--batching static`, run back to
-back on the same load, the order rotating from one load to the next.
+One model (smollm2-135m by default, the CPU's preferred dtype), one process, two apps on
+127.0.0.1 that share the backend: `--batching continuous` (the default) and `--batching static`,
+run back to back on the same load, the order rotating from one load to the next.
 
 A load: `clients` clients, each sending `per_client` streamed chat requests, waiting an
 exponential gap before each (Poisson arrivals, mean `gap` seconds; the same seeded gaps in
@@ -146,11 +146,13 @@ def _step_ms(backend: HFChatBackend, batch: int, repeat: int = 1, steps: int = 1
 def _ceiling(backend: HFChatBackend, loads, longest: int, gap: float) -> Table:
     table = Table("what bounds the throughput ratio", ["measure", "value"])
     for clients, per_client in loads:
-        table.rows.append([f"rows per step at most, {clients} clients", f"{_rows_bound(_plan(clients, per_client, longest, gap)):.1f}"])
+        bound = _rows_bound(_plan(clients, per_client, longest, gap))
+        table.rows.append([f"rows per step at most, {clients} clients", f"{bound:.1f}"])
     for b in BATCHES:
         table.rows.append([f"ms per decode step, {b} rows", f"{_step_ms(backend, b):.0f}"])
-    long = backend.render([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Count to ten. " * LONG}])
-    table.rows.append([f"ms per decode step, 16 rows of {len(long.ids)} prompt tokens", f"{_step_ms(backend, 16, LONG):.0f}"])
+    long = len(backend.render([{"role": "system", "content": SYSTEM},
+                               {"role": "user", "content": "Count to ten. " * LONG}]).ids)
+    table.rows.append([f"ms per decode step, 16 rows of {long} prompt tokens", f"{_step_ms(backend, 16, LONG):.0f}"])
     return table
 
 

@@ -1,7 +1,9 @@
 """Continuous batching: rows that join a running decode batch (`ChatRequest.admit`) get the tokens
-they get alone (their logits to float32 rounding, so a draw at a near tie may part), on the real model (float32), plain, under a key bias, along a persona direction,
-greedy and seeded; their KV goes to the prefix cache as a lone row's does; and over HTTP a short
-request sent while a long one decodes joins its batch and finishes first."""
+they get alone (their logits to float32 rounding, so a draw at a near tie may part), on the real
+model (float32), plain, under a key bias, along a persona direction, greedy and seeded; a batch
+keeps only the cache slots its live rows attend to; their KV goes to the prefix cache as a lone
+row's does; and over HTTP a short request sent while a long one decodes joins its batch and
+finishes first."""
 
 from __future__ import annotations
 

@@ -132,7 +132,9 @@ class Stub:
         if what == "empty":
             return JSONResponse({"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": []})
         if what == "hang":  # until the client gives up: its timeout, not ours, ends the attempt
-            while not await request.is_disconnected():
+            for _ in range(3000):  # at most a minute, should a client never give up
+                if await request.is_disconnected():
+                    break
                 await asyncio.sleep(0.02)
         text = "echo: " + body["messages"][-1]["content"]
         return JSONResponse({

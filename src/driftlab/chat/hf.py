@@ -1398,7 +1398,7 @@ class _Decoding:
         its cache would grow with the batch's age, not with its rows' lengths, and every step
         would attend over it and copy it (a dynamic cache appends by concatenation). Returns
         whether anything was dropped."""
-        first = min(self.pads[b] for b in self.live)
+        first = min((self.pads[b] for b in self.live), default=0)
         if first <= 0:
             return False
         for layer in self.cache.layers:
