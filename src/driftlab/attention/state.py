@@ -278,6 +278,12 @@ class AttentionState:
         self.mask_memo.clear()  # the engine's memo of which queries the floor is on
         self._floor_flags()
 
+    @property
+    def has_floors(self) -> bool:
+        """Whether some row has a pi floor: floors are set after a layout (`set_floors`), so laying
+        the rows out again would lose them."""
+        return any(self._floor_layers)
+
     def _floor_flags(self) -> None:
         """The host-side flags of the floors: per layer, and the first slot any floor acts at."""
         rows = [b for b, on in enumerate(self._floor_rows) if any(on)]

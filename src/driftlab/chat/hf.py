@@ -1323,8 +1323,10 @@ class _Decoding:
         self.n_cond = len(self.live) // 2 if self.guidance is not None else len(self.live)
         self.mask, self.positions = self.mask[index], self.positions[index]
         self.finished, self._finished_on_device = [self.finished[i] for i in keep], None
-        if self._trim_left() and self.state is not None:
-            self._lay_out_state()
+        # Only a batch rows can join outlives its rows; floors are set after a layout, not by one.
+        if self.admissible and (self.state is None or not self.state.has_floors) and self._trim_left():
+            if self.state is not None:
+                self._lay_out_state()
         return index
 
     @property
