@@ -213,7 +213,7 @@ def _serve_loads(backend: HFChatBackend, loads, longest: int, gap: float, res: R
 def run(quick: bool = False, full: bool = False) -> Result:
     size = size_of(quick, full)
     loads, longest, gap = SIZES[size]
-    model = os.environ.get("BENCH_MODEL", "smollm2-135m")
+    model = os.environ.get("BENCH_MODEL") or "smollm2-135m"  # unset or empty: the default
     backend = HFChatBackend(model, dtype="auto", prefix_cache_bytes=0)
     dtype = str(backend.model.dtype).removeprefix("torch.")
     res = Result(f"continuous vs static batching: {model} {dtype}, Poisson arrivals (mean gap {gap} s), "

@@ -1323,23 +1323,23 @@ class _Decoding:
         self.n_cond = len(self.live) // 2 if self.guidance is not None else len(self.live)
         self.mask, self.positions = self.mask[index], self.positions[index]
         self.finished, self._finished_on_device = [self.finished[i] for i in keep], None
-        # Only a batch rows can join outlives its rows; floors are set after a layout, not by one.
-        if self.admissible and (self.state is None or not self.state.has_floors) and self._trim_left():
-            if self.state is not None:
-                self._lay_out_state()
+        if self.admissible and self._trim_left() and self.state is not None:  # only such a batch outlives its rows
+            self._lay_out_state()
         return index
 
     @property
     def admissible(self) -> bool:
-        from transformers.cache_utils import DynamicLayer
-
         """Rows can join this batch between steps (continuous batching): a dynamic cache of plain
         layers, and nothing laid out per batch position or across the whole batch: no guidance
-        twins, pi trace, pi floor, JSON grammar, penalties or captured activations."""
+        twins, pi trace, pi floor, JSON grammar, penalties or captured activations. (Floors are set
+        after a layout, `AttentionState.has_floors`: laying the rows out again would lose them.)"""
+        from transformers.cache_utils import DynamicLayer
+
         state, residual = self.state, self.residual
         return (self.static is None and self.guidance is None and self.constraint is None
                 and self.penalties is None and self.compute_from is None
-                and (state is None or not ((state.trace and not self.segmented) or any(a.floors for a in state.rows)))
+                and (state is None or not ((state.trace and not self.segmented) or state.has_floors
+                                           or any(a.floors for a in state.rows)))
                 and (residual is None or not (residual.capture or residual.keep_prefill))
                 and all(type(layer) is DynamicLayer for layer in self.cache.layers))  # no sliding window
 
