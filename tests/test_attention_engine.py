@@ -591,3 +591,33 @@ def test_engine_refuses_a_module_without_layer_idx() -> None:
     q = k = v = torch.randn(1, 4, 6, 8, device=current())
     with pytest.raises(DriftlabError, match="no layer_idx"):
         engine_module.driftlab_attention(_Layer(None), q, k, v, None, driftlab=_state())
+
+
+@cpu_only("the CPU flash kernel reports the LSEs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_rep", [1, 3])
+def test_one_decode_call_attends_over_all_keys_and_over_the_system_keys(dtype: torch.dtype, n_rep: int) -> None:
+    """`attend_both` against a float64 softmax: row 0 left-padded with its system prompt at slots
+    2-5, row 1 without a system prompt (pi = 0)."""
+    gen = torch.Generator().manual_seed(0)
+    B, G, K, d = 2, 2, 11, 16
+    q = torch.randn(B, G * n_rep, 1, d, generator=gen).to(dtype)
+    k, v = (torch.randn(B, G, K, d, generator=gen).to(dtype) for _ in range(2))
+    visible = torch.ones(B, K, dtype=torch.bool)
+    visible[0, :2] = False
+    system = torch.zeros(B, K, dtype=torch.bool)
+    system[0, 2:6] = True
+    all_keys = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None, None, :]
+    out, o_sys, lse_all, lse_sys = kernels.attend_both(q, k, v, kernels.both_masks(all_keys, system, n_rep, dtype),
+                                                       0.25, n_rep)
+    kk, vv = (x.double().repeat_interleave(n_rep, dim=1) for x in (k, v))
+    logits = 0.25 * q.double() @ kk.transpose(-1, -2)  # [B, H, 1, K]
+    weights = logits.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
+    pi = (weights * system[:, None, None, :]).sum(-1)[..., 0]  # [B, H]
+    sys_weights = logits.masked_fill(~system[:, None, None, :], float("-inf")).softmax(-1)[0]
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.reshape(B, -1, d).double(), (weights @ vv)[:, :, 0], atol=atol, rtol=0)
+    torch.testing.assert_close(o_sys[0].reshape(-1, d).double(), (sys_weights @ vv[0])[:, 0], atol=atol, rtol=0)
+    got_pi = kernels.system_pi(lse_all, lse_sys).reshape(B, -1).double()
+    torch.testing.assert_close(got_pi, pi, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=0)
+    assert (got_pi[1] == 0).all() and (got_pi[0] > 0.05).all()

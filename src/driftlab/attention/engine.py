@@ -38,8 +38,10 @@ import torch
 
 from driftlab.attention import decode
 from driftlab.attention.kernels import (
+    attend_both,
     attend_sdpa,
     attend_with_mass,
+    both_masks,
     flash_ok,
     merge_fn,
     split_softmax,
@@ -187,6 +189,8 @@ def driftlab_attention(
     step = q if bias is None else max(1, _CHUNK_ELEMS // max(1, B * H * K))
     outs, pis = [], []
     need_sys = need_pi and sys_range is not None
+    if use_lse and q == 1 and bias is None and sys_range is not None:  # a decode step that needs pi
+        return _decode_with_pi(state, layer, query, key, value, base, sys_keys, split_heads, floor, scale, n_rep)
     for s in range(0, q, step):
         qs = query[:, :, s : s + step]
         qc = qs.shape[2]
@@ -260,6 +264,41 @@ def _decode_masks(state: AttentionState, base: torch.Tensor | None, sys_keys: to
     if held is None or held[0] != tag:
         held = state.mask_memo["decode"] = (tag, _float_masks(base, None, sys_keys, sys_range, False, dtype,
                                                               (1, K, 0, 1)))
+    return held[1]
+
+
+def _decode_with_pi(state: AttentionState, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    base: torch.Tensor | None, sys_keys: torch.Tensor, split_heads: torch.Tensor | None,
+                    floor: torch.Tensor | None, scale: float, n_rep: int):
+    """A one-token decode step without a key bias that traces pi or reweights it (split-softmax,
+    pi floor): both of its attentions in one kernel call (`attend_both`). Every op counts here
+    (drift telemetry runs this in every layer of every step), so a trace alone copies nothing but
+    its output into the model's layout."""
+    B, H, _, _ = query.shape
+    masks = _decode_both_masks(state, base, sys_keys, key.shape[2], n_rep, query.dtype)
+    out, o_sys, lse_all, lse_sys = attend_both(query, key, value, masks, scale, n_rep)
+    dv = out.shape[-1]
+    if split_heads is None:
+        pi = system_pi(lse_all, lse_sys).reshape(B, H, 1, 1)
+        out = out.reshape(B, 1, H, dv)  # the layout the model wants, in one copy
+    else:
+        pi, rest = system_share(lse_all.reshape(B, H, 1), lse_sys.reshape(B, H, 1))
+        out = split_softmax(out.reshape(B, H, 1, dv), o_sys.reshape(B, H, 1, dv), pi, rest, split_heads, floor)
+        out = out.transpose(1, 2).contiguous()
+    if state.trace:
+        state.record(layer, pi[..., 0])
+    return out, None
+
+
+def _decode_both_masks(state: AttentionState, base: torch.Tensor | None, sys_keys: torch.Tensor, K: int,
+                        n_rep: int, dtype: torch.dtype) -> torch.Tensor:
+    """`both_masks` of a decode step that needs pi, built by its first layer and reused by the others
+    (as `_decode_masks`)."""
+    tag = (None if base is None else (base.data_ptr(), tuple(base.shape)), K, state.kv_len, n_rep, dtype)
+    held = state.mask_memo.get("decode-both")
+    if held is None or held[0] != tag:
+        all_keys, _ = _float_masks(base, None, None, None, False, dtype, (1, K, 0, 1))
+        held = state.mask_memo["decode-both"] = (tag, both_masks(all_keys, sys_keys, n_rep, dtype))
     return held[1]
 
 

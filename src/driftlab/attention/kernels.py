@@ -1,5 +1,6 @@
 """The attention math the engine's paths share: an SDPA call that reports LSEs, pi from two
-calls' LSEs, and split-softmax from the two calls' outputs.
+calls' LSEs (or from one decode call that attends twice), and split-softmax from the two
+attentions' outputs.
 
 Why here: the engine (attention/engine.py: prefill, dynamic decode) and the steered decode
 step of a static layout (attention/decode.py) compute the same things; one copy each keeps
@@ -60,6 +61,36 @@ def attend_sdpa(
         out = out.reshape(B, H, 1, out.shape[-1])
         log_sum = log_sum.reshape(B, H, 1) if log_sum is not None else None
     return out, log_sum
+
+
+def attend_both(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, masks: torch.Tensor,
+                scale: float, n_rep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's attention over all keys and over the system keys alone, in one kernel call.
+
+    query [B, H, 1, d]; key/value [B, Hkv, K, dv]; `masks` [B, 1, 2 n_rep, K] additive, of the
+    query dtype (`both_masks`): its first n_rep rows the step's mask over all keys, the others
+    over the system keys alone. Each query head goes in twice, once under each mask, so the call
+    reads K/V once. A decode step's attention is a tiny kernel whose time is mostly per call,
+    which is why a second call over the system keys cost about as much as the step's own.
+    Returns views in grouped layout, head h = g n_rep + r at [:, g, r]: the outputs over all keys
+    and over the system keys [B, Hkv, n_rep, dv], and their float32 LSEs [B, Hkv, n_rep].
+    """
+    B, H, _, d = query.shape
+    G = H // n_rep
+    twice = query.reshape(B, G, 1, n_rep, d).expand(B, G, 2, n_rep, d).reshape(B, G, 2 * n_rep, d)
+    out, lse = CPU_FLASH(twice, key, value, 0.0, False, attn_mask=masks, scale=scale)
+    out, lse = out.view(B, G, 2, n_rep, out.shape[-1]), lse.view(B, G, 2, n_rep)
+    return out[:, :, 0], out[:, :, 1], lse[:, :, 0], lse[:, :, 1]
+
+
+def both_masks(all_keys: torch.Tensor | None, system_keys: torch.Tensor, n_rep: int, dtype: torch.dtype) -> torch.Tensor:
+    """`attend_both`'s masks [B, 1, 2 n_rep, K] from a decode step's additive mask over
+    all keys ([B, 1, 1, K] or None: every key visible) and its system keys [B, K] bool."""
+    neg = torch.finfo(dtype).min
+    visible = torch.zeros((), dtype=dtype, device=system_keys.device) if all_keys is None else all_keys
+    B, K = system_keys.shape
+    rows = (visible.expand(B, 1, 1, K), torch.where(system_keys[:, None, None, :], visible, neg).to(dtype))
+    return torch.cat([r.expand(B, 1, n_rep, K) for r in rows], dim=2).contiguous()
 
 
 def attend_with_mass(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
