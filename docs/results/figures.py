@@ -264,6 +264,33 @@ def gate_comparison(always: str, gated: str) -> str:
     return "\n".join(lines)
 
 
+def gate_rounds(always: str, gated: str) -> str:
+    """Mean probe score per round of plain, each point always on and gated, and the share of
+    probes the gate steered: where in the dialog a steer's gain lies, and whether a gate reaches it."""
+    from driftlab.protocol.dialog import RECORDS
+    from driftlab.protocol.sweep import point_dir
+    from driftlab.records.rundir import RunDir
+
+    def probes(run: Path) -> pd.DataFrame:
+        rows = [(r.round, r.score, (r.gate or {}).get("steered")) for r in RunDir(run / "selfchat").records(RECORDS)
+                if r.kind == "probe"]
+        return pd.DataFrame(rows, columns=["round", "score", "steered"]).groupby("round")
+
+    def cells(values: pd.Series, fmt: str) -> str:
+        return " | ".join(format(v, fmt) for v in values)
+
+    specs = [s for s in RunDir(HERE / gated).read_manifest()["points"] if s]
+    rounds = probes(point_dir(HERE / always, "plain"))["score"].mean()
+    lines = ["| probes | " + " | ".join(f"round {i}" for i in rounds.index) + " |", "|---" * (len(rounds) + 1) + "|",
+             f"| plain: mean score | {cells(rounds, '.2f')} |"]
+    for spec in specs:
+        on, gate = probes(point_dir(HERE / always, spec)), probes(point_dir(HERE / gated, spec))
+        lines += [f"| {LABELS[spec]} always on: mean score | {cells(on['score'].mean(), '.2f')} |",
+                  f"| {LABELS[spec]} gated: mean score | {cells(gate['score'].mean(), '.2f')} |",
+                  f"| {LABELS[spec]} gated: probes steered | {cells(gate['steered'].mean(), '.0%')} |"]
+    return "\n".join(lines)
+
+
 # -- llamacpp-smollm2 ------------------------------------------------------------------------
 def _jsonl(path: Path) -> list[dict]:
     import json
@@ -458,14 +485,18 @@ for run, block in (("demo-smollm2", three_ways), ("project-qwen-paper-20", three
 if finished("sweep-activation-20"):
     BLOCKS["sweep-activation-20-stability"] = lambda: sweep_stability("sweep-activation-20")
     BLOCKS["sweep-activation-20-mmlu"] = lambda: sweep_mmlu("sweep-activation-20")
-GATE = ("sweep-gate-smollm2-always", "sweep-gate-smollm2-when")
-for name in GATE:
-    if finished(name):
-        BLOCKS[f"{name}-stability"] = functools.partial(sweep_stability, name)
-        BLOCKS[f"{name}-mmlu"] = functools.partial(sweep_mmlu, name)
-if all(finished(name) for name in GATE):
-    BLOCKS["sweep-gate-smollm2"] = functools.partial(gate_comparison, *GATE)
-SWEEPS = [name for name in ("sweep-ref-20", "sweep-ref-20-h20", "sweep-activation-20", *GATE) if finished(name)]
+# Each gate comparison: a steer always on, and the same under when-drifting (one shared plain point).
+GATES = {model: (f"sweep-gate-{model}-always", f"sweep-gate-{model}-when") for model in ("smollm2", "qwen")}
+for pair_name, pair in GATES.items():
+    for name in pair:
+        if finished(name):
+            BLOCKS[f"{name}-stability"] = functools.partial(sweep_stability, name)
+            BLOCKS[f"{name}-mmlu"] = functools.partial(sweep_mmlu, name)
+    if all(finished(name) for name in pair):
+        BLOCKS[f"sweep-gate-{pair_name}"] = functools.partial(gate_comparison, *pair)
+        BLOCKS[f"sweep-gate-{pair_name}-rounds"] = functools.partial(gate_rounds, *pair)
+SWEEPS = [name for name in ("sweep-ref-20", "sweep-ref-20-h20", "sweep-activation-20", *sum(GATES.values(), ()))
+          if finished(name)]
 if finished("sweep-ref-20-h20"):
     BLOCKS["sweep-ref-20-h20-mmlu"] = lambda: sweep_mmlu("sweep-ref-20-h20")
 BLOCK = re.compile(r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(\n<!-- /figures:(?P=name) -->)", re.S)
