@@ -253,18 +253,32 @@ def _float_masks(m: torch.Tensor | None, bias: torch.Tensor | None, sys_keys: to
     return mf, torch.where(sys_slots, 0.0, neg).to(dtype)
 
 
+def _per_step(state: AttentionState, name: str, base: torch.Tensor | None, K: int, extra: tuple, build):
+    """`build()`'s masks of a one-token decode step, built by the first layer of the forward pass
+    and reused by the others (transformers hands every layer of a kind the same mask tensor; a tag
+    of the step's key count keeps one entry per `name`, the last step's)."""
+    tag = (None if base is None else (base.data_ptr(), tuple(base.shape)), K, state.kv_len, *extra)
+    held = state.mask_memo.get(name)
+    if held is None or held[0] != tag:
+        held = state.mask_memo[name] = (tag, build())
+    return held[1]
+
+
 def _decode_masks(state: AttentionState, base: torch.Tensor | None, sys_keys: torch.Tensor | None,
                   sys_range: tuple[int, int] | None, K: int, dtype: torch.dtype):
-    """`_float_masks` of a one-token decode step without a key bias, built by the first layer of
-    the forward pass and reused by the others (transformers hands every layer of a kind the same
-    mask tensor; a tag of the step's key count keeps one entry, the last step's)."""
-    tag = (None if base is None else (base.data_ptr(), tuple(base.shape)), K, state.kv_len, sys_range,
-           sys_keys is not None, dtype)
-    held = state.mask_memo.get("decode")
-    if held is None or held[0] != tag:
-        held = state.mask_memo["decode"] = (tag, _float_masks(base, None, sys_keys, sys_range, False, dtype,
-                                                              (1, K, 0, 1)))
-    return held[1]
+    """`_float_masks` of a one-token decode step without a key bias, once per step."""
+    return _per_step(state, "decode", base, K, (sys_range, sys_keys is not None, dtype),
+                     lambda: _float_masks(base, None, sys_keys, sys_range, False, dtype, (1, K, 0, 1)))
+
+
+def _decode_both_masks(state: AttentionState, base: torch.Tensor | None, sys_keys: torch.Tensor, K: int,
+                       n_rep: int, dtype: torch.dtype) -> torch.Tensor:
+    """`both_masks` of a one-token decode step that needs pi, once per step."""
+    def build() -> torch.Tensor:
+        all_keys, _ = _float_masks(base, None, None, None, False, dtype, (1, K, 0, 1))
+        return both_masks(all_keys, sys_keys, n_rep, dtype)
+
+    return _per_step(state, "decode-both", base, K, (n_rep, dtype), build)
 
 
 def _decode_with_pi(state: AttentionState, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -288,18 +302,6 @@ def _decode_with_pi(state: AttentionState, layer: int, query: torch.Tensor, key:
     if state.trace:
         state.record(layer, pi[..., 0])
     return out, None
-
-
-def _decode_both_masks(state: AttentionState, base: torch.Tensor | None, sys_keys: torch.Tensor, K: int,
-                        n_rep: int, dtype: torch.dtype) -> torch.Tensor:
-    """`both_masks` of a decode step that needs pi, built by its first layer and reused by the others
-    (as `_decode_masks`)."""
-    tag = (None if base is None else (base.data_ptr(), tuple(base.shape)), K, state.kv_len, n_rep, dtype)
-    held = state.mask_memo.get("decode-both")
-    if held is None or held[0] != tag:
-        all_keys, _ = _float_masks(base, None, None, None, False, dtype, (1, K, 0, 1))
-        held = state.mask_memo["decode-both"] = (tag, both_masks(all_keys, sys_keys, n_rep, dtype))
-    return held[1]
 
 
 def _pi_of_causal_prefill(state: AttentionState, layer: int, out: torch.Tensor, lse_all: torch.Tensor,
