@@ -1,0 +1,241 @@
+"""Precompiled decode steps: a probe for the target of at most 10 s of compiling in a new process.
+
+It precompiles driftlab's decode step with torch 2.13's experimental `aot_compile`, saves one
+artifact per graph key, and loads them in a new process instead of dynamo re-tracing the model.
+Re-tracing is what a new process still pays once inductor's and AOTAutograd's caches hit: 18 s per
+steered 7B graph on an H100 (docs/performance.md), about 7 s for the tiny shape's two graphs on a
+CPU (compile_warm below). A probe, not a feature: driftlab does not precompile yet.
+
+`python benchmarks/run.py precompile`; PRECOMPILE_DEVICE=cuda for a GPU; PRECOMPILE_SHAPE=tiny
+(default), qwen2.5-7b or llama2-7b (gpu.py's shapes, random weights); the tokenizer from
+GPUBENCH_TOKENIZER or the pulled SmolLM2. Four processes, one after another:
+  1. compile_cold: torch.compile as driftlab does today, empty caches;
+  2. compile_warm: the same again, inductor's and AOTAutograd's caches on disk (today's second process);
+  3. aot_compile: aot_compile per graph key, each artifact saved;
+  4. aot_load: a new process that loads the artifacts.
+Each chats plain and with three steers at two prompt lengths (batch 2). RESULT lines: per phase the
+process's wall, the graphs traced, the compile seconds, and whether its greedy tokens equal phase 1's.
+On CUDA the step takes driftlab's CUDA options (mode reduce-overhead): whether CUDA graphs survive
+aot_compile and a load is the open question (torch issue #155703).
+
+What the CPU said (2026-11-27, 2-core AMD EPYC AVX-512, torch 2.13.0+cpu, the tiny shape, float32,
+batch 2, one run; docs/results/bench/precompile-cpu.txt):
+  RESULT compile_cold.process_s=36.1  compile_s=30.36  graphs=2
+  RESULT compile_warm.process_s=12.4  compile_s=7.43   graphs=2   (today's second process)
+  RESULT aot_compile.process_s=40.1   b2_plain 18.05 s, b2_steered 16.53 s
+  RESULT aot_load.process_s=6.4       compile_s=0.0    graphs=0   b2_plain load 1.75 s, b2_steered 0.09 s
+  tokens_equal=True in every phase: plain, InstABoost, split-softmax and composed+trace, at two
+  prompt lengths (one artifact per key serves every cache length: the length stays symbolic).
+  Separately: an artifact loaded into a model with other weights gives that model's logits
+  (parameters are graph inputs, not constants).
+What it took, each found by a failure:
+  * a module-level wrapper `decode_forward(model, *args, **kwargs)` (compiling `model.forward`
+    itself fails: transformers' decorator closes over `func`, a guard source no new process has);
+  * `specialize_float=True` around aot_compile (else TensorifyScalarRestartAnalysis escapes);
+  * `guard_filter_fn=torch.compiler.keep_portable_guards_unsafe` (ID_MATCH and CLOSURE_MATCH guards
+    cannot be serialized). So the artifact checks little: the key under which it is stored must
+    say everything that shapes the trace (model config, dtype, device, attention implementation,
+    driftlab's traced code, batch bucket, steered, bias slots, residual state, compile options);
+  * loading with `f_globals` holding dynamo's generated module globals (`___module_<name>_<id>_c0`,
+    e.g. `collections`), bound here by importing the named module;
+  * before calling a loaded artifact, dropping mark_static's attributes from the cache tensors
+    (`_has_dynamo_dim_marking`, `_dynamo_static_indices`): its guard refuses a marked tensor.
+Dead ends, same machine and versions:
+  * dynamo's caching precompile (TORCH_CACHING_PRECOMPILE=1 + torch.compiler.save_cache_artifacts):
+    on `model.forward` the closure guard above; with a wrapper it loads one graph (16 s -> 0.0 s),
+    but two graphs of one function crash at load ("Name '__builtins_dict___N' already exists in
+    scope"), and per-key wrapper copies load yet still re-trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import Result
+
+
+def decode_forward(model, *args, **kwargs):
+    """The compiled function: module-level, no closure (see the docstring)."""
+    return model.forward(*args, **kwargs)
+
+
+def module_globals(refs: list[str]) -> dict:
+    """Dynamo's generated module globals (`___module_<name>_<id>_c<n>`), bound to the modules."""
+    found = {}
+    for ref in refs:
+        m = re.fullmatch(r"___module_(.+)_\d+_c\d+", ref)
+        parts = m.group(1).split("_") if m else []
+        for name in (".".join(parts), "_".join(parts)):
+            try:
+                found[ref] = importlib.import_module(name)
+                break
+            except ImportError:
+                continue
+    return found
+
+
+def load(path: Path):
+    import torch
+
+    scope = dict(decode_forward.__globals__)
+    for _ in range(5):
+        try:
+            with path.open("rb") as f:
+                return torch.compiler.load_compiled_function(f, f_globals=scope)
+        except RuntimeError as err:
+            refs = re.findall(r"'(___module_[^']+)'", str(err))
+            if not refs:
+                raise
+            scope.update(module_globals(refs))
+    raise RuntimeError(f"could not bind the external references of {path}")
+
+
+def unmark(kwargs: dict) -> None:
+    for layer in getattr(kwargs.get("past_key_values"), "layers", []):
+        for t in (layer.keys, layer.values):
+            for attr in ("_has_dynamo_dim_marking", "_dynamo_static_indices"):
+                if hasattr(t, attr):
+                    delattr(t, attr)
+
+
+def precompiling_step(store: Path, seen: dict):
+    """A StaticDecoder.step that aot-compiles (or loads) one artifact per graph key."""
+    import torch
+
+    import driftlab.chat.static_decode as sd
+
+    def step(self):
+        if not self.compiled:
+            return self.model
+        if self._step is None:
+            sd.use_compile_cache()
+            options = self._options()
+            self.static_batch = options.pop("static_batch", False)
+            per_key: dict = {}
+
+            def dispatch(*args, **kwargs):
+                state = kwargs.get("driftlab")
+                steered = state is not None and not state.lean
+                residual = any(k.startswith("driftlab_res") for k in kwargs)
+                key = f"b{kwargs['input_ids'].shape[0]}_{'steered' if steered else 'plain'}{'_res' if residual else ''}"
+                if key not in per_key:
+                    path, start = store / f"{key}.aot", time.perf_counter()
+                    if path.exists():
+                        per_key[key], how = load(path), "load"
+                    else:
+                        opts = dict(options, options={"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
+                        with torch._dynamo.config.patch(specialize_float=True):
+                            per_key[key] = torch.compile(decode_forward, **opts).aot_compile(((self.model, *args), kwargs))
+                        per_key[key].save_compiled_function(str(path))
+                        how = "aot_compile"
+                    seen[key] = (how, round(time.perf_counter() - start, 2))
+                unmark(kwargs)
+                return per_key[key](self.model, *args, **kwargs)
+
+            self._step = lambda *a, **k: self._call(dispatch, a, k)
+        return self._step
+
+    return step
+
+
+def phase(args) -> None:
+    """One process: build the backend, chat, print one JSON line."""
+    import torch
+
+    seen: dict = {}
+    if args.precompile:
+        import driftlab.chat.static_decode as sd
+
+        sd.StaticDecoder.step = precompiling_step(Path(args.store), seen)
+    import driftlab as dl
+    from driftlab.chat import ChatRequest, Sampling
+    from driftlab.steering import Interventions
+
+    start = time.perf_counter()
+    backend = dl.load(args.model, dtype="float32" if args.device == "cpu" else "bfloat16", device=args.device,
+                      decode="compiled")
+    short = [{"role": "system", "content": "Always answer in French."},
+             {"role": "user", "content": "Hello there, how are you?"}]
+    long = [{"role": "system", "content": "Always answer in French. " * 40},
+            {"role": "user", "content": "Hello there, how are you? " * 20}]
+    tokens = []
+    for conv in (short, long):
+        for steer in ([], ["instaboost:m=5"], ["split-softmax:k=0.5"], ["instaboost:m=5", "split-softmax:k=0.5", "trace"]):
+            request = ChatRequest([conv, conv], Sampling(greedy=True, max_new_tokens=6),
+                                  interventions=Interventions.parse(steer))
+            tokens.append([r.token_ids for r in backend.generate(request)])
+    decode = backend.ran()["decode"]
+    print("PHASE " + json.dumps({"wall_s": round(time.perf_counter() - start, 2), "graphs": decode["graphs"],
+                                 "compile_s": round(decode["compile_s"], 2), "keys": seen, "tokens": tokens,
+                                 "device": str(torch.device(args.device))}))
+
+
+PHASES = [("compile_cold", False, "ind1"), ("compile_warm", False, "ind1"),
+          ("aot_compile", True, "ind2"), ("aot_load", True, "ind2")]
+
+
+def _tiny_model(root: Path, shape: str, device: str) -> Path:
+    """The benchmark's shape with random weights and SmolLM2's tokenizer, saved for the phases."""
+    import torch
+    from gpu import shape_config, tokenizer_dir
+    from transformers import AutoModelForCausalLM
+
+    model = root / shape
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    AutoModelForCausalLM.from_config(shape_config(shape), dtype=dtype).save_pretrained(model)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tokenizer_dir() / name, model / name)
+    return model
+
+
+def run(quick: bool = False, full: bool = False) -> Result:
+    """The four phases, each its own process; `quick` and `full` change nothing (one size)."""
+    device, shape = os.environ.get("PRECOMPILE_DEVICE", "cpu"), os.environ.get("PRECOMPILE_SHAPE", "tiny")
+    root = Path(tempfile.mkdtemp(prefix="precompile-"))
+    model, store = _tiny_model(root, shape, device), root / "aot"
+    store.mkdir()
+    result = Result(f"the decode step in a new process: torch.compile vs aot_compile ({shape}, {device})",
+                    ["phase", "process s", "graphs traced", "compile s", "per key", "tokens as phase 1"])
+    first = None
+    for name, precompile, cache in PHASES:
+        argv = [sys.executable, __file__, "--phase", "--device", device, "--model", str(model), "--store", str(store),
+                *(["--precompile"] if precompile else [])]
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / cache)}
+        start = time.perf_counter()
+        done = subprocess.run(argv, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        line = next((x for x in done.stdout.splitlines() if x.startswith("PHASE ")), None)
+        if line is None:
+            result.notes.append(f"{name} failed: {(done.stderr.strip().splitlines() or [str(done.returncode)])[-1]}")
+            result.results[f"{name}.failed"] = "1"
+            continue
+        got = json.loads(line.removeprefix("PHASE "))
+        first = first or got["tokens"]
+        keys = ", ".join(f"{key} {how} {s} s" for key, (how, s) in got["keys"].items()) or "-"
+        result.rows.append([name, f"{wall:.1f}", got["graphs"], got["compile_s"], keys, got["tokens"] == first])
+        result.results.update({f"{name}.process_s": f"{wall:.1f}", f"{name}.graphs": str(got["graphs"]),
+                               f"{name}.compile_s": str(got["compile_s"]),
+                               f"{name}.tokens_equal": str(got["tokens"] == first)})
+        for key, (how, seconds) in got["keys"].items():
+            result.results[f"{name}.{key}.{how}_s"] = str(seconds)
+    shutil.rmtree(root, ignore_errors=True)
+    return result
+
+
+if __name__ == "__main__":  # one phase, in its own process (run() starts them)
+    parser = argparse.ArgumentParser()
+    for flag in ("--device", "--model", "--store"):
+        parser.add_argument(flag, required=True)
+    parser.add_argument("--phase", action="store_true")
+    parser.add_argument("--precompile", action="store_true")
+    phase(parser.parse_args())
