@@ -18,16 +18,14 @@ process's wall, the graphs traced, the compile seconds, and whether its greedy t
 On CUDA the step takes driftlab's CUDA options (mode reduce-overhead): whether CUDA graphs survive
 aot_compile and a load is the open question (torch issue #155703).
 
-What the CPU said (2026-11-27, 2-core AMD EPYC AVX-512, torch 2.13.0+cpu, the tiny shape, float32,
-batch 2, one run; docs/results/bench/precompile-cpu.txt):
-  RESULT compile_cold.process_s=36.1  compile_s=30.36  graphs=2
-  RESULT compile_warm.process_s=12.4  compile_s=7.43   graphs=2   (today's second process)
-  RESULT aot_compile.process_s=40.1   b2_plain 18.05 s, b2_steered 16.53 s
-  RESULT aot_load.process_s=6.4       compile_s=0.0    graphs=0   b2_plain load 1.75 s, b2_steered 0.09 s
-  tokens_equal=True in every phase: plain, InstABoost, split-softmax and composed+trace, at two
-  prompt lengths (one artifact per key serves every cache length: the length stays symbolic).
-  Separately: an artifact loaded into a model with other weights gives that model's logits
-  (parameters are graph inputs, not constants).
+What the CPU said (docs/results/bench/precompile-cpu.txt: 2026-11-27, a 2-core AMD EPYC with
+AVX-512, torch 2.13.0+cpu, the tiny shape in float32, one run): the new process that loads the
+artifacts took 6.4 s, tracing no graph (1.71 s and 0.09 s to load the plain and steered keys),
+against 13.0 s for today's second process (7.69 s of it re-tracing 2 graphs). Greedy tokens were
+the same in all four phases: plain, InstABoost, split-softmax, and both with pi tracing, at two
+prompt lengths (one artifact per key serves every cache length; the length stays symbolic). In a
+separate check, an artifact loaded into a model with other weights gave that model's logits: the
+parameters are graph inputs, not constants.
 What it took, each found by a failure:
   * a module-level wrapper `decode_forward(model, *args, **kwargs)` (compiling `model.forward`
     itself fails: transformers' decorator closes over `func`, a guard source no new process has);
@@ -38,7 +36,7 @@ What it took, each found by a failure:
     driftlab's traced code, batch bucket, steered, bias slots, residual state, compile options);
   * loading with `f_globals` holding dynamo's generated module globals (`___module_<name>_<id>_c0`,
     e.g. `collections`), bound here by importing the named module;
-  * before calling a loaded artifact, dropping mark_static's attributes from the cache tensors
+  * before calling a loaded artifact, dropping mark_static's attributes from the tensors driftlab marks
     (`_has_dynamo_dim_marking`, `_dynamo_static_indices`): its guard refuses a marked tensor.
 Dead ends, same machine and versions:
   * dynamo's caching precompile (TORCH_CACHING_PRECOMPILE=1 + torch.compiler.save_cache_artifacts):
@@ -61,6 +59,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from common import Result
 
 
@@ -85,8 +84,6 @@ def module_globals(refs: list[str]) -> dict:
 
 
 def load(path: Path):
-    import torch
-
     scope = dict(decode_forward.__globals__)
     for _ in range(5):
         try:
@@ -101,18 +98,31 @@ def load(path: Path):
 
 
 def unmark(kwargs: dict) -> None:
-    for layer in getattr(kwargs.get("past_key_values"), "layers", []):
-        for t in (layer.keys, layer.values):
-            for attr in ("_has_dynamo_dim_marking", "_dynamo_static_indices"):
-                if hasattr(t, attr):
-                    delattr(t, attr)
+    """Drop mark_static's attributes (driftlab's `_call` marks the cache and, with a static batch,
+    the row inputs): a loaded artifact's guard refuses a marked tensor."""
+    layers = getattr(kwargs.get("past_key_values"), "layers", [])
+    tensors = [t for layer in layers for t in (layer.keys, layer.values)]
+    tensors += [t for t in kwargs.values() if isinstance(t, torch.Tensor)]
+    for t in tensors:
+        for attr in ("_has_dynamo_dim_marking", "_dynamo_static_indices"):
+            if hasattr(t, attr):
+                delattr(t, attr)
+
+
+def aot_options(options: dict) -> dict:
+    """driftlab's torch.compile options for aot_compile: portable guards only (others cannot be
+    saved), and `mode` as inductor options, since torch.compile takes a mode or options, not both."""
+    options = dict(options)
+    inductor = {"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe}
+    if options.pop("mode", None) == "reduce-overhead":
+        inductor["triton.cudagraphs"] = True
+    return {**options, "options": inductor}
 
 
 def precompiling_step(store: Path, seen: dict):
     """A StaticDecoder.step that aot-compiles (or loads) one artifact per graph key."""
-    import torch
-
     import driftlab.chat.static_decode as sd
+    from driftlab.activation.state import KWARG as RESIDUAL_KWARG
 
     def step(self):
         if not self.compiled:
@@ -124,18 +134,20 @@ def precompiling_step(store: Path, seen: dict):
             per_key: dict = {}
 
             def dispatch(*args, **kwargs):
+                # driftlab's graph key (HFChatBackend._static_step): batch bucket, steered, bias slots,
+                # residual state; the model, dtype, device and code are this process's own.
                 state = kwargs.get("driftlab")
-                steered = state is not None and not state.lean
-                residual = any(k.startswith("driftlab_res") for k in kwargs)
-                key = f"b{kwargs['input_ids'].shape[0]}_{'steered' if steered else 'plain'}{'_res' if residual else ''}"
+                slots = state.bias_heads.shape[0] if state is not None and not state.lean else 0
+                residual = RESIDUAL_KWARG in kwargs
+                key = f"b{kwargs['input_ids'].shape[0]}_{f'steered{slots}' if slots else 'plain'}{'_res' if residual else ''}"
                 if key not in per_key:
                     path, start = store / f"{key}.aot", time.perf_counter()
                     if path.exists():
                         per_key[key], how = load(path), "load"
                     else:
-                        opts = dict(options, options={"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
                         with torch._dynamo.config.patch(specialize_float=True):
-                            per_key[key] = torch.compile(decode_forward, **opts).aot_compile(((self.model, *args), kwargs))
+                            compiled = torch.compile(decode_forward, **aot_options(options))
+                            per_key[key] = compiled.aot_compile(((self.model, *args), kwargs))
                         per_key[key].save_compiled_function(str(path))
                         how = "aot_compile"
                     seen[key] = (how, round(time.perf_counter() - start, 2))
@@ -150,8 +162,6 @@ def precompiling_step(store: Path, seen: dict):
 
 def phase(args) -> None:
     """One process: build the backend, chat, print one JSON line."""
-    import torch
-
     seen: dict = {}
     if args.precompile:
         import driftlab.chat.static_decode as sd
@@ -186,7 +196,6 @@ PHASES = [("compile_cold", False, "ind1"), ("compile_warm", False, "ind1"),
 
 def _tiny_model(root: Path, shape: str, device: str) -> Path:
     """The benchmark's shape with random weights and SmolLM2's tokenizer, saved for the phases."""
-    import torch
     from gpu import shape_config, tokenizer_dir
     from transformers import AutoModelForCausalLM
 
