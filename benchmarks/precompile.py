@@ -16,12 +16,12 @@ GPUBENCH_TOKENIZER or the pulled SmolLM2. Four processes, one after another:
 Each chats plain and with three steers at two prompt lengths (batch 2). RESULT lines: per phase the
 process's wall, the graphs traced, the compile seconds, and whether its greedy tokens equal phase 1's.
 On CUDA the step takes driftlab's CUDA options (mode reduce-overhead): whether CUDA graphs survive
-aot_compile and a load is the open question (torch issue #155703).
+aot_compile and a load is the open question (pytorch/pytorch#155703 on GitHub).
 
 What the CPU said (docs/results/bench/precompile-cpu.txt: 2026-11-27, a 2-core AMD EPYC with
 AVX-512, torch 2.13.0+cpu, the tiny shape in float32, one run): the new process that loads the
-artifacts took 6.4 s, tracing no graph (1.71 s and 0.09 s to load the plain and steered keys),
-against 13.0 s for today's second process (7.69 s of it re-tracing 2 graphs). Greedy tokens were
+artifacts took 6.4 s, tracing no graph (1.78 s and 0.09 s to load the plain and steered keys),
+against 12.7 s for today's second process (7.35 s of it re-tracing 2 graphs). Greedy tokens were
 the same in all four phases: plain, InstABoost, split-softmax, and both with pi tracing, at two
 prompt lengths (one artifact per key serves every cache length; the length stays symbolic). In a
 separate check, an artifact loaded into a model with other weights gave that model's logits: the
