@@ -7,8 +7,8 @@ steered 7B graph on an H100 (docs/performance.md), about 7 s for the tiny shape'
 CPU (compile_warm below). A probe, not a feature: driftlab does not precompile yet.
 
 `python benchmarks/run.py precompile`; PRECOMPILE_DEVICE=cuda for a GPU; PRECOMPILE_SHAPE=tiny
-(default), qwen2.5-7b or llama2-7b (gpu.py's shapes, random weights); the tokenizer from
-GPUBENCH_TOKENIZER or the pulled SmolLM2. Four processes, one after another:
+(default), qwen2.5-7b or llama2-7b (gpu.py's shapes, built on the device with the same seeded
+random weights in each process); the tokenizer from GPUBENCH_TOKENIZER or the pulled SmolLM2. Four processes, one after another:
   1. compile_cold: torch.compile as driftlab does today, empty caches;
   2. compile_warm: the same again, inductor's and AOTAutograd's caches on disk (today's second process);
   3. aot_compile: aot_compile per graph key, each artifact saved;
@@ -167,13 +167,15 @@ def phase(args) -> None:
         import driftlab.chat.static_decode as sd
 
         sd.StaticDecoder.step = precompiling_step(Path(args.store), seen)
-    import driftlab as dl
+    from gpu import build
+
     from driftlab.chat import ChatRequest, Sampling
     from driftlab.steering import Interventions
 
     start = time.perf_counter()
-    backend = dl.load(args.model, dtype="float32" if args.device == "cpu" else "bfloat16", device=args.device,
-                      decode="compiled")
+    device = torch.device(args.device)  # the same seeded random weights in every phase
+    backend, _ = build(args.shape, device, torch.float32 if device.type == "cpu" else torch.bfloat16,
+                       decode="compiled")
     short = [{"role": "system", "content": "Always answer in French."},
              {"role": "user", "content": "Hello there, how are you?"}]
     long = [{"role": "system", "content": "Always answer in French. " * 40},
@@ -194,30 +196,17 @@ PHASES = [("compile_cold", False, "ind1"), ("compile_warm", False, "ind1"),
           ("aot_compile", True, "ind2"), ("aot_load", True, "ind2")]
 
 
-def _tiny_model(root: Path, shape: str, device: str) -> Path:
-    """The benchmark's shape with random weights and SmolLM2's tokenizer, saved for the phases."""
-    from gpu import shape_config, tokenizer_dir
-    from transformers import AutoModelForCausalLM
-
-    model = root / shape
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    AutoModelForCausalLM.from_config(shape_config(shape), dtype=dtype).save_pretrained(model)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(tokenizer_dir() / name, model / name)
-    return model
-
-
 def run(quick: bool = False, full: bool = False) -> Result:
     """The four phases, each its own process; `quick` and `full` change nothing (one size)."""
     device, shape = os.environ.get("PRECOMPILE_DEVICE", "cpu"), os.environ.get("PRECOMPILE_SHAPE", "tiny")
     root = Path(tempfile.mkdtemp(prefix="precompile-"))
-    model, store = _tiny_model(root, shape, device), root / "aot"
+    store = root / "aot"
     store.mkdir()
     result = Result(f"the decode step in a new process: torch.compile vs aot_compile ({shape}, {device})",
                     ["phase", "process s", "graphs traced", "compile s", "per key", "tokens as phase 1"])
     first = None
     for name, precompile, cache in PHASES:
-        argv = [sys.executable, __file__, "--phase", "--device", device, "--model", str(model), "--store", str(store),
+        argv = [sys.executable, __file__, "--phase", "--device", device, "--shape", shape, "--store", str(store),
                 *(["--precompile"] if precompile else [])]
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / cache)}
         start = time.perf_counter()
@@ -243,7 +232,7 @@ def run(quick: bool = False, full: bool = False) -> Result:
 
 if __name__ == "__main__":  # one phase, in its own process (run() starts them)
     parser = argparse.ArgumentParser()
-    for flag in ("--device", "--model", "--store"):
+    for flag in ("--device", "--shape", "--store"):
         parser.add_argument(flag, required=True)
     parser.add_argument("--phase", action="store_true")
     parser.add_argument("--precompile", action="store_true")
