@@ -8,13 +8,15 @@ CPU (compile_warm below). A probe, not a feature: driftlab does not precompile y
 
 `python benchmarks/run.py precompile`; PRECOMPILE_DEVICE=cuda for a GPU; PRECOMPILE_SHAPE=tiny
 (default), qwen2.5-7b or llama2-7b (gpu.py's shapes, built on the device with the same seeded
-random weights in each process); the tokenizer from GPUBENCH_TOKENIZER or the pulled SmolLM2. Four processes, one after another:
+random weights in each process); the tokenizer from GPUBENCH_TOKENIZER or the pulled SmolLM2.
+Four phases, each a process, one after another:
   1. compile_cold: torch.compile as driftlab does today, empty caches;
   2. compile_warm: the same again, inductor's and AOTAutograd's caches on disk (today's second process);
   3. aot_compile: aot_compile per graph key, each artifact saved;
   4. aot_load: a new process that loads the artifacts.
 Each chats plain and with three steers at two prompt lengths (batch 2). RESULT lines: per phase the
-process's wall, the graphs traced, the compile seconds, and whether its greedy tokens equal phase 1's.
+process's wall, the graphs traced, the compile seconds, and whether its greedy tokens equal phase 1's;
+then a fifth process runs a model of other weights through the artifacts, against the dynamic loop.
 On CUDA the step takes driftlab's CUDA options (mode reduce-overhead): whether CUDA graphs survive
 aot_compile and a load is the open question (pytorch/pytorch#155703 on GitHub).
 
@@ -23,9 +25,9 @@ AVX-512, torch 2.13.0+cpu, the tiny shape in float32, one run): the new process 
 artifacts took 7.1 s, tracing no graph (1.86 s and 0.09 s to load the plain and steered keys),
 against 13.6 s for today's second process (7.81 s of it re-tracing 2 graphs). Greedy tokens were
 the same in all four phases: plain, InstABoost, split-softmax, and both with pi tracing, at two
-prompt lengths (one artifact per key serves every cache length; the length stays symbolic). In a
-separate check, an artifact loaded into a model with other weights gave that model's logits: the
-parameters are graph inputs, not constants.
+prompt lengths (one artifact per key serves every cache length; the length stays symbolic). And
+the loaded artifacts run a model of other weights as the dynamic loop does (RESULT
+aot_other_weights.*): the parameters are graph inputs, not constants.
 What it took, each found by a failure:
   * a module-level wrapper `decode_forward(model, *args, **kwargs)` (compiling `model.forward`
     itself fails: transformers' decorator closes over `func`, a guard source no new process has);
@@ -160,22 +162,11 @@ def precompiling_step(store: Path, seen: dict):
     return step
 
 
-def phase(args) -> None:
-    """One process: build the backend, chat, print one JSON line."""
-    seen: dict = {}
-    if args.precompile:
-        import driftlab.chat.static_decode as sd
-
-        sd.StaticDecoder.step = precompiling_step(Path(args.store), seen)
-    from gpu import build
-
+def chats(backend) -> list:
+    """Greedy tokens of two rows, plain and under three steers, at two prompt lengths."""
     from driftlab.chat import ChatRequest, Sampling
     from driftlab.steering import Interventions
 
-    start = time.perf_counter()
-    device = torch.device(args.device)  # the same seeded random weights in every phase
-    backend, _ = build(args.shape, device, torch.float32 if device.type == "cpu" else torch.bfloat16,
-                       decode="compiled")
     short = [{"role": "system", "content": "Always answer in French."},
              {"role": "user", "content": "Hello there, how are you?"}]
     long = [{"role": "system", "content": "Always answer in French. " * 40},
@@ -186,18 +177,71 @@ def phase(args) -> None:
             request = ChatRequest([conv, conv], Sampling(greedy=True, max_new_tokens=6),
                                   interventions=Interventions.parse(steer))
             tokens.append([r.token_ids for r in backend.generate(request)])
+    return tokens
+
+
+def other_weights(shape: str, device: torch.device, dtype: torch.dtype) -> dict:
+    """A model of other (seed 1) weights through the step, loaded or compiled, and through the
+    dynamic loop: the same tokens if the step reads a model's own weights."""
+    from gpu import build, shape_config
+    from transformers import AutoModelForCausalLM
+
+    tokens = {}
+    for decode in ("compiled", "dynamic"):
+        torch.manual_seed(1)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(shape_config(shape), dtype=dtype).eval()
+        tokens[decode] = chats(build(shape, device, dtype, model=model, decode=decode)[0])
+    return tokens
+
+
+def phase(args) -> None:
+    """One process: build the backend (the same seeded random weights in every phase), chat, and
+    print one JSON line; with --other, a model of other weights instead (`other_weights`)."""
+    seen: dict = {}
+    if args.precompile:
+        import driftlab.chat.static_decode as sd
+
+        sd.StaticDecoder.step = precompiling_step(Path(args.store), seen)
+    from gpu import build
+
+    device = torch.device(args.device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if args.other:
+        print("PHASE " + json.dumps({"other": other_weights(args.shape, device, dtype), "keys": dict(seen)}))
+        return
+    start = time.perf_counter()
+    backend, _ = build(args.shape, device, dtype, decode="compiled")
+    tokens = chats(backend)
     decode = backend.ran()["decode"]
     print("PHASE " + json.dumps({"wall_s": round(time.perf_counter() - start, 2), "graphs": decode["graphs"],
-                                 "compile_s": round(decode["compile_s"], 2), "keys": seen, "tokens": tokens,
-                                 "device": str(torch.device(args.device))}))
+                                 "compile_s": round(decode["compile_s"], 2), "keys": dict(seen), "tokens": tokens}))
 
 
 PHASES = [("compile_cold", False, "ind1"), ("compile_warm", False, "ind1"),
           ("aot_compile", True, "ind2"), ("aot_load", True, "ind2")]
+# Then the artifacts again, in a fifth process, on a model of other weights.
+
+
+def _phase(result: Result, name: str, device: str, shape: str, store: Path, cache: Path, *, precompile: bool,
+           other: bool = False) -> dict | None:
+    """One phase in its own process (its inductor cache at `cache`): its PHASE facts, with its
+    wall as `process_s`, or None (a note and a `<name>.failed` RESULT) if it failed."""
+    argv = [sys.executable, __file__, "--phase", "--device", device, "--shape", shape, "--store", str(store),
+            *(["--precompile"] if precompile else []), *(["--other"] if other else [])]
+    start = time.perf_counter()
+    done = subprocess.run(argv, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}, capture_output=True, text=True)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("PHASE ")), None)
+    if line is None:
+        result.notes.append(f"{name} failed: {(done.stderr.strip().splitlines() or [str(done.returncode)])[-1]}")
+        result.results[f"{name}.failed"] = "1"
+        return None
+    return {**json.loads(line.removeprefix("PHASE ")), "process_s": f"{time.perf_counter() - start:.1f}"}
 
 
 def run(quick: bool = False, full: bool = False) -> Result:
-    """The four phases, each its own process; `quick` and `full` change nothing (one size)."""
+    """The four phases and the other-weights check, each its own process; `quick` and `full` change
+    nothing (one size)."""
     device, shape = os.environ.get("PRECOMPILE_DEVICE", "cpu"), os.environ.get("PRECOMPILE_SHAPE", "tiny")
     root = Path(tempfile.mkdtemp(prefix="precompile-"))
     store = root / "aot"
@@ -206,26 +250,26 @@ def run(quick: bool = False, full: bool = False) -> Result:
                     ["phase", "process s", "graphs traced", "compile s", "per key", "tokens as phase 1"])
     first = None
     for name, precompile, cache in PHASES:
-        argv = [sys.executable, __file__, "--phase", "--device", device, "--shape", shape, "--store", str(store),
-                *(["--precompile"] if precompile else [])]
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / cache)}
-        start = time.perf_counter()
-        done = subprocess.run(argv, env=env, capture_output=True, text=True)
-        wall = time.perf_counter() - start
-        line = next((x for x in done.stdout.splitlines() if x.startswith("PHASE ")), None)
-        if line is None:
-            result.notes.append(f"{name} failed: {(done.stderr.strip().splitlines() or [str(done.returncode)])[-1]}")
-            result.results[f"{name}.failed"] = "1"
+        got = _phase(result, name, device, shape, store, root / cache, precompile=precompile)
+        if got is None:
             continue
-        got = json.loads(line.removeprefix("PHASE "))
         first = first or got["tokens"]
         keys = ", ".join(f"{key} {how} {s} s" for key, (how, s) in got["keys"].items()) or "-"
-        result.rows.append([name, f"{wall:.1f}", got["graphs"], got["compile_s"], keys, got["tokens"] == first])
-        result.results.update({f"{name}.process_s": f"{wall:.1f}", f"{name}.graphs": str(got["graphs"]),
+        result.rows.append([name, got["process_s"], got["graphs"], got["compile_s"], keys, got["tokens"] == first])
+        result.results.update({f"{name}.process_s": got["process_s"], f"{name}.graphs": str(got["graphs"]),
                                f"{name}.compile_s": str(got["compile_s"]),
                                f"{name}.tokens_equal": str(got["tokens"] == first)})
         for key, (how, seconds) in got["keys"].items():
             result.results[f"{name}.{key}.{how}_s"] = str(seconds)
+    got = _phase(result, "aot_other_weights", device, shape, store, root / "ind2", precompile=True, other=True)
+    if got is not None:
+        other = got["other"]
+        # Teeth: the other weights give other tokens than phase 1's, so equal tokens are not the artifact's own.
+        result.results["aot_other_weights.loaded"] = str(bool(got["keys"]) and all(how == "load" for how, _ in got["keys"].values()))
+        result.results["aot_other_weights.tokens_as_dynamic"] = str(other["compiled"] == other["dynamic"])
+        result.results["aot_other_weights.tokens_differ_from_phase_1"] = str(other["dynamic"] != first)
+        result.notes.append("a model of other weights through the loaded artifacts: tokens as the dynamic loop's "
+                            f"{other['compiled'] == other['dynamic']}, unlike phase 1's {other['dynamic'] != first}")
     shutil.rmtree(root, ignore_errors=True)
     return result
 
@@ -236,4 +280,5 @@ if __name__ == "__main__":  # one phase, in its own process (run() starts them)
         parser.add_argument(flag, required=True)
     parser.add_argument("--phase", action="store_true")
     parser.add_argument("--precompile", action="store_true")
+    parser.add_argument("--other", action="store_true")
     phase(parser.parse_args())
