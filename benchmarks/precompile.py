@@ -59,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -121,45 +122,46 @@ def aot_options(options: dict) -> dict:
     return {**options, "options": inductor}
 
 
-def precompiling_step(store: Path, seen: dict):
-    """A StaticDecoder.step that aot-compiles (or loads) one artifact per graph key."""
+def precompile_calls(store: Path, seen: dict) -> None:
+    """Make every StaticDecoder call its step through one aot-compiled (or loaded) artifact per graph
+    key instead of its torch.compile'd forward, which is then never traced. The decoder's own
+    `_call` still marks the inputs and patches dynamo's configs around the call."""
     import driftlab.chat.static_decode as sd
     from driftlab.activation.state import KWARG as RESIDUAL_KWARG
 
-    def step(self):
-        if not self.compiled:
-            return self.model
-        if self._step is None:
-            sd.use_compile_cache()
-            options = self._options()
-            self.static_batch = options.pop("static_batch", False)
-            per_key: dict = {}
+    marked_call = sd.StaticDecoder._call
 
-            def dispatch(*args, **kwargs):
-                # driftlab's graph key (HFChatBackend._static_step): batch bucket, steered, bias slots,
-                # residual state; the model, dtype, device and code are this process's own.
-                state = kwargs.get("driftlab")
-                slots = state.bias_heads.shape[0] if state is not None and not state.lean else 0
-                residual = RESIDUAL_KWARG in kwargs
-                key = f"b{kwargs['input_ids'].shape[0]}_{f'steered{slots}' if slots else 'plain'}{'_res' if residual else ''}"
-                if key not in per_key:
-                    path, start = store / f"{key}.aot", time.perf_counter()
-                    if path.exists():
-                        per_key[key], how = load(path), "load"
-                    else:
-                        with torch._dynamo.config.patch(specialize_float=True):
-                            compiled = torch.compile(decode_forward, **aot_options(options))
-                            per_key[key] = compiled.aot_compile(((self.model, *args), kwargs))
-                        per_key[key].save_compiled_function(str(path))
-                        how = "aot_compile"
-                    seen[key] = (how, round(time.perf_counter() - start, 2))
-                unmark(kwargs)
-                return per_key[key](self.model, *args, **kwargs)
+    def artifact(self, args: tuple, kwargs: dict) -> Callable:
+        # driftlab's graph key (HFChatBackend._static_step): batch bucket, steered, bias slots,
+        # residual state; the model, dtype, device and code are this process's own.
+        state = kwargs.get("driftlab")
+        slots = state.bias_heads.shape[0] if state is not None and not state.lean else 0
+        residual = "_res" if RESIDUAL_KWARG in kwargs else ""
+        key = f"b{kwargs['input_ids'].shape[0]}_{f'steered{slots}' if slots else 'plain'}{residual}"
+        held = self.__dict__.setdefault("_artifacts", {})
+        if key not in held:
+            path, start = store / f"{key}.aot", time.perf_counter()
+            if path.exists():
+                held[key], how = load(path), "load"
+            else:
+                options = {k: v for k, v in self._options().items() if k != "static_batch"}
+                with torch._dynamo.config.patch(specialize_float=True):
+                    compiled = torch.compile(decode_forward, **aot_options(options))
+                    held[key] = compiled.aot_compile(((self.model, *args), kwargs))
+                held[key].save_compiled_function(str(path))
+                how = "aot_compile"
+            seen[key] = (how, round(time.perf_counter() - start, 2))
+        return held[key]
 
-            self._step = lambda *a, **k: self._call(dispatch, a, k)
-        return self._step
+    def call(self, compiled: Callable, args: tuple, kwargs: dict):
+        def step(*args, **kwargs):
+            fn = artifact(self, args, kwargs)
+            unmark(kwargs)
+            return fn(self.model, *args, **kwargs)
 
-    return step
+        return marked_call(self, step, args, kwargs)
+
+    sd.StaticDecoder._call = call
 
 
 def chats(backend) -> list:
@@ -200,9 +202,7 @@ def phase(args) -> None:
     print one JSON line; with --other, a model of other weights instead (`other_weights`)."""
     seen: dict = {}
     if args.precompile:
-        import driftlab.chat.static_decode as sd
-
-        sd.StaticDecoder.step = precompiling_step(Path(args.store), seen)
+        precompile_calls(Path(args.store), seen)
     from gpu import build
 
     device = torch.device(args.device)
@@ -239,10 +239,33 @@ def _phase(result: Result, name: str, device: str, shape: str, store: Path, cach
     return {**json.loads(line.removeprefix("PHASE ")), "process_s": f"{time.perf_counter() - start:.1f}"}
 
 
+def settings() -> tuple[str, str]:
+    """PRECOMPILE_DEVICE and PRECOMPILE_SHAPE, and the tokenizer, checked before any process starts:
+    one line for a bad one (a device this machine lacks, an unknown shape, no tokenizer)."""
+    from gpu import shape_config, tokenizer_dir
+
+    from driftlab.chat.loading import pick_device
+    from driftlab.errors import DriftlabError
+
+    device, shape = os.environ.get("PRECOMPILE_DEVICE", "cpu"), os.environ.get("PRECOMPILE_SHAPE", "tiny")
+    try:
+        shape_config(shape)
+    except ValueError as err:
+        raise SystemExit(f"PRECOMPILE_SHAPE={shape!r}: {err}.") from None
+    try:
+        picked = str(pick_device(device))
+    except DriftlabError as err:
+        raise SystemExit(f"PRECOMPILE_DEVICE={device!r}: {err.message} Use cpu or cuda[:N].") from None
+    if picked.startswith("mps"):
+        raise SystemExit(f"PRECOMPILE_DEVICE={device!r}: use cpu or cuda[:N].")
+    tokenizer_dir()
+    return picked, shape
+
+
 def run(quick: bool = False, full: bool = False) -> Result:
     """The four phases and the other-weights check, each its own process; `quick` and `full` change
     nothing (one size)."""
-    device, shape = os.environ.get("PRECOMPILE_DEVICE", "cpu"), os.environ.get("PRECOMPILE_SHAPE", "tiny")
+    device, shape = settings()
     root = Path(tempfile.mkdtemp(prefix="precompile-"))
     store = root / "aot"
     store.mkdir()
