@@ -3,7 +3,7 @@
 It precompiles driftlab's decode step with torch 2.13's experimental `aot_compile`, saves one
 artifact per graph key, and loads them in a new process instead of dynamo re-tracing the model.
 Re-tracing is what a new process still pays once inductor's and AOTAutograd's caches hit: 18 s per
-steered 7B graph on an H100 (docs/performance.md), about 7 s for the tiny shape's two graphs on a
+steered 7B graph on an H100 (docs/performance.md), about 8 s for the tiny shape's two graphs on a
 CPU (compile_warm below). A probe, not a feature: driftlab does not precompile yet.
 
 `python benchmarks/run.py precompile`; PRECOMPILE_DEVICE=cuda for a GPU; PRECOMPILE_SHAPE=tiny
@@ -22,8 +22,8 @@ aot_compile and a load is the open question (pytorch/pytorch#155703 on GitHub).
 
 What the CPU said (docs/results/bench/precompile-cpu.txt: 2026-11-27, a 2-core AMD EPYC with
 AVX-512, torch 2.13.0+cpu, the tiny shape in float32, one run): the new process that loads the
-artifacts took 7.0 s, tracing no graph (1.92 s and 0.09 s to load the plain and steered keys),
-against 13.1 s for today's second process (7.24 s of it re-tracing 2 graphs). Greedy tokens were
+artifacts took 8.1 s, tracing no graph (1.93 s and 0.10 s to load the plain and steered keys),
+against 13.5 s for today's second process (7.69 s of it re-tracing 2 graphs). Greedy tokens were
 the same in all four phases: plain, InstABoost, split-softmax, and both with pi tracing, at two
 prompt lengths (one artifact per key serves every cache length; the length stays symbolic). And
 the loaded artifacts run a model of other weights as the dynamic loop does (RESULT
