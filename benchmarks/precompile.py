@@ -86,7 +86,9 @@ def module_globals(refs: list[str]) -> dict:
     return found
 
 
-def load(path: Path):
+def load(path: Path) -> Callable:
+    """A saved artifact, its missing module globals bound (load_compiled_function names them in
+    its error, one set per attempt)."""
     scope = dict(decode_forward.__globals__)
     for _ in range(5):
         try:
