@@ -10,6 +10,7 @@ draws the same layers.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,10 @@ def _imports(module: str) -> set[str]:
     return out - {module}
 
 
-GRAPH = {m: _imports(m) for m in MODULES}
+@functools.cache
+def _graph() -> dict[str, set[str]]:
+    """driftlab's import graph, parsed when a test asks (not at collection, which every xdist worker pays)."""
+    return {m: _imports(m) for m in MODULES}
 
 
 def test_every_package_has_a_layer() -> None:
@@ -86,7 +90,7 @@ def _upward(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_imports_only_point_down() -> None:
-    upward = _upward(GRAPH)
+    upward = _upward(_graph())
     assert not upward, "imports that run up or sideways between packages:\n" + "\n".join(upward)
 
 
@@ -126,7 +130,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_circles() -> None:
-    circles = _cycles(GRAPH)
+    circles = _cycles(_graph())
     assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
 
 
@@ -141,8 +145,9 @@ def test_the_circle_finder_finds_circles(graph, expect) -> None:
 
 def test_an_upward_or_sideways_import_would_be_seen() -> None:
     """The checks are not vacuous: imports are read, and a wrong one is named."""
-    assert "driftlab.protocol.runner" in GRAPH["driftlab.protocol.selfchat"]
-    assert "driftlab.chat.hf" in GRAPH["driftlab.chat"]  # a lazy import inside a function counts
-    bad = {**GRAPH, "driftlab.records.rundir": GRAPH["driftlab.records.rundir"] | {"driftlab.protocol.runner"},
-           "driftlab.stats": GRAPH["driftlab.stats"] | {"driftlab.bench"}}
+    graph = _graph()
+    assert "driftlab.protocol.runner" in graph["driftlab.protocol.selfchat"]
+    assert "driftlab.chat.hf" in graph["driftlab.chat"]  # a lazy import inside a function counts
+    bad = {**graph, "driftlab.records.rundir": graph["driftlab.records.rundir"] | {"driftlab.protocol.runner"},
+           "driftlab.stats": graph["driftlab.stats"] | {"driftlab.bench"}}
     assert _upward(bad) == ["driftlab.records.rundir -> driftlab.protocol.runner", "driftlab.stats -> driftlab.bench"]

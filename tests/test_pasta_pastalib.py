@@ -15,15 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-pasta_module = pytest.importorskip(
-    "pastalib.pasta", reason="pastalib is not installed: pip install -e '.[test]' installs pastalib==0.1.3"
-)
-
-from devices import backend_device, tol  # noqa: E402
-from driftlab.attention import ATTENTION_NAME, register  # noqa: E402
-from driftlab.chat import ChatRequest, Sampling  # noqa: E402
-from driftlab.chat.hf import HFChatBackend  # noqa: E402
-from driftlab.steering import Interventions, Pasta  # noqa: E402
+from devices import backend_device, tol
+from driftlab.attention import ATTENTION_NAME, register
+from driftlab.chat import ChatRequest, Sampling
+from driftlab.chat.hf import HFChatBackend
+from driftlab.steering import Interventions, Pasta
 
 pytestmark = pytest.mark.model
 
@@ -38,6 +34,14 @@ LOGIT_TOL = 2e-3  # eager matmul+softmax vs fused SDPA over 30 layers, fp32 logi
 
 
 @pytest.fixture(scope="module")
+def pastalib():
+    """pastalib.pasta, imported when a test runs, not when the suite is collected: importing it
+    loads transformers' model classes (~3 s), which every xdist worker would pay at collection."""
+    return pytest.importorskip(
+        "pastalib.pasta", reason="pastalib is not installed: pip install -e '.[test]' installs pastalib==0.1.3")
+
+
+@pytest.fixture(scope="module")
 def eager() -> HFChatBackend:
     register()  # driftlab's attention, swapped in for our side of each comparison
     return HFChatBackend("smollm2-135m", dtype="float32", device=backend_device(), prefix_cache_bytes=0,
@@ -48,8 +52,8 @@ def _steer() -> Interventions:
     return Interventions.of(Pasta(heads=tuple((layer, h) for layer, hs in HEADS.items() for h in hs), alpha=ALPHA))
 
 
-def _pastalib(backend: HFChatBackend, texts: list[str], n_new: int):
-    steerer = pasta_module.PASTA(backend.model, backend.tokenizer, head_config=HEADS, alpha=ALPHA,
+def _pastalib(pastalib, backend: HFChatBackend, texts: list[str], n_new: int):
+    steerer = pastalib.PASTA(backend.model, backend.tokenizer, head_config=HEADS, alpha=ALPHA,
                                  scale_position="exclude")
     inputs, offsets = steerer.inputs_from_batch(texts, device=backend.device)
     with steerer.apply_steering(backend.model, strings=texts, substrings=EMPHASIS[: len(texts)],
@@ -61,11 +65,11 @@ def _pastalib(backend: HFChatBackend, texts: list[str], n_new: int):
     return inputs, logits, out[:, inputs["input_ids"].shape[1]:].tolist(), ranges
 
 
-def test_logits_and_greedy_text_match_pastalib(eager: HFChatBackend) -> None:
+def test_logits_and_greedy_text_match_pastalib(pastalib, eager: HFChatBackend) -> None:
     iv = _steer()
     rendered = [eager.render(c, interventions=iv) for c in CONVS]
     texts = [r.text for r in rendered]
-    inputs, want, want_tokens, ranges = _pastalib(eager, texts, n_new=12)
+    inputs, want, want_tokens, ranges = _pastalib(pastalib, eager, texts, n_new=12)
     T = inputs["input_ids"].shape[1]
     pads = [T - len(r.ids) for r in rendered]
     # Same tokens, same emphasised token ranges (pastalib's ranges are in padded positions).
