@@ -114,8 +114,10 @@ Settings (environment variables; run.py takes no others):
                         and <shape>.graphs_compiled how many graphs a compiled step compiled;
                         <shape>.graphs.batch<B>.<plain|steered>.<attention> per batch bucket,
                         <shape>.decode_kernel the attention kernel asked for (CUDA: flex's
-                        split-KV decoding kernel), <shape>.cudagraph_skips and
-                        <shape>.cache_evictions (also for .selfchat and paper).
+                        split-KV decoding kernel), <shape>.cudagraph_skips,
+                        <shape>.cudagraph_recordings and <shape>.cache_evictions (also for
+                        .selfchat and paper); <shape>.cudagraph_recordings_in_timing says if a
+                        CUDA graph was recorded during the timed rounds.
   GPUBENCH_PAPER_MODES  --paper: comma list of modes (default plain,split)
   GPUBENCH_PAPER_BATCH  --paper: conversations per batch (default 16 on CUDA, 4 on a CPU)
 """
@@ -870,6 +872,7 @@ def run(quick: bool = False, full: bool = False, paper: bool = False) -> Result:
                     elif spent > slow_s:
                         slow.add((v, c))  # timed once only, so that one slow path cannot eat the run
             warm_graphs = backend.ran()["decode"].get("graphs", 0)
+            warm_recordings = backend.ran()["decode"].get("cudagraph_recordings", 0)
             for r in range(repeats):
                 order = variants[r % len(variants):] + variants[: r % len(variants)]
                 progress(f"{shape}: timed round {r + 1} of {repeats}")
@@ -894,6 +897,12 @@ def run(quick: bool = False, full: bool = False, paper: bool = False) -> Result:
                 if ran["graphs"] > warm_graphs:
                     notes.append(f"{shape}: {ran['graphs'] - warm_graphs} graphs compiled during the timed rounds (the "
                                  "warm-up did not cover their shapes): those rounds include compile time.")
+            if "cudagraph_recordings" in ran:  # a recording in a timed round is a stall the times include
+                late = ran["cudagraph_recordings"] - warm_recordings
+                results[f"{shape}.cudagraph_recordings_in_timing"] = str(late)
+                if late:
+                    notes.append(f"{shape}: {late} CUDA graphs recorded during the timed rounds (a held cache "
+                                 "was let go, or a shape the warm-up did not cover): those rounds include recording.")
             results[f"{shape}.loop_ran"] = ran["loop"]
             if "graphs" in ran:
                 results[f"{shape}.graphs_compiled"] = str(ran["graphs"])
@@ -1086,14 +1095,14 @@ def pastalib_run(backend, conv, heads: dict[str, list[int]], n_new: int) -> tupl
 def decode_facts(label: str, ran: dict, results: dict) -> None:
     """What the compiled loop ran, as RESULT lines: the attention kernel of its decode steps (flex's
     split-KV decoding kernel, asked for by name: a step it cannot serve fails its compile), the
-    graphs per key (batch bucket, plain or steered), graphs CUDA graphs skipped, and the held
-    caches let go for another bucket's."""
+    graphs per key (batch bucket, plain or steered), graphs CUDA graphs skipped, CUDA graphs
+    recorded, and the held caches let go for another bucket's."""
     if "decode_kernel" in ran:
         results[f"{label}.decode_kernel"] = ran["decode_kernel"]
     for key in ran.get("graph_keys", []):
         kind = "steered" if key["steered"] else "plain"
         results[f"{label}.graphs.batch{key['batch']}.{kind}.{key['attention']}"] = str(key["graphs"])
-    for name in ("cudagraph_skips", "cache_evictions"):
+    for name in ("cudagraph_skips", "cudagraph_recordings", "cache_evictions"):
         if name in ran:
             results[f"{label}.{name}"] = str(ran[name])
 

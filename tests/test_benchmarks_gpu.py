@@ -135,6 +135,7 @@ def test_every_mode_has_a_finite_positive_time(bench):
     assert float(r["tiny.64.plain.decode_vs_plain"]) == 1.0
     assert r["tiny.loop_ran"] == r["loop"] == "compiled"  # the loop that decoded, as the backend says
     assert r["tiny.graphs_compiled_in_timing"] == "0"  # the warm-up compiled everything the timing ran
+    assert r["tiny.cudagraph_recordings"] == r["tiny.cudagraph_recordings_in_timing"] == "0"  # none on a CPU
     assert float(r["bandwidth_gb_s"]) > 0 and float(r["tiny.64.floor_ms"]) > 0
     if importlib.util.find_spec("pastalib") is not None:
         assert float(r["tiny.64.pastalib.total_ms"]) > 0

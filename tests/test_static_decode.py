@@ -400,6 +400,43 @@ def test_compiled_step_is_one_graph_not_recompiled_per_step_or_call(backends, ke
                       sampling=Sampling(greedy=True, max_new_tokens=9)), got)
 
 
+def test_cuda_graph_recordings_are_counted_inside_a_decoders_own_steps_only() -> None:
+    """`StaticDecoder` counts the CUDA graphs recorded during its steps from the announcement
+    inductor's CUDA-graph trees make for each recording (dynamo's compile callbacks; simulated here,
+    since a CPU records none: the CUDA test below sees real ones). A dynamo compile's announcement
+    and a recording outside the decoder's steps do not count."""
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    from driftlab.chat.static_decode import CudaGraphRecordings, StaticDecoder
+
+    def announce(trigger: CallbackTrigger) -> None:
+        with callback_handler.install_callbacks(trigger, "0/0"):
+            pass
+
+    decoder, key = StaticDecoder(model=None, compiled=True), (1, False, 0, "sdpa", False)
+    assert CudaGraphRecordings.watch()  # a second watch below must not count twice
+    callback_handler.remove_start_callback(CudaGraphRecordings._seen)  # what torch._dynamo.reset() does to it
+    decoder.run(lambda: announce(CallbackTrigger.CUDAGRAPH_RECORDING), key, say=print)
+    decoder.run(lambda: announce(CallbackTrigger.DYNAMO), key, say=print)
+    announce(CallbackTrigger.CUDAGRAPH_RECORDING)
+    assert decoder.cudagraph_recordings == 1 and decoder.recordings_watched
+
+
+@pytest.mark.compile
+def test_a_bucket_in_hand_replays_its_cuda_graphs_without_recording(backends, device) -> None:
+    """A call of a batch bucket whose prompts fit the cache in hand replays the CUDA graphs its
+    first calls recorded (StaticDecoder keeps the cache and the attention state's tensors for this):
+    no new recording, whatever the steer's strength. On a CPU the compiled step records none."""
+    compiled = backends["compiled"]
+    specs, sampling = ["split-softmax:k=0.5", "trace"], Sampling(greedy=True, max_new_tokens=6)
+    for _ in range(2):  # CUDA-graph trees warm a graph up on its first run and record it on a later one
+        _run(compiled, specs, sampling=sampling)
+    recorded = compiled.ran()["decode"]["cudagraph_recordings"]
+    assert recorded > 0 if device.type == "cuda" else recorded == 0
+    _run(compiled, ["split-softmax:k=0.8", "trace"], sampling=Sampling(greedy=True, max_new_tokens=9))
+    assert compiled.ran()["decode"]["cudagraph_recordings"] == recorded
+
+
 @pytest.mark.parametrize("mode", ["static", COMPILED])
 def test_row_limits_cancellation_and_early_handover(backends, mode: str) -> None:
     convs = [[{"role": "user", "content": f"Count from {i} to one hundred."}] for i in (1, 5, 9)]

@@ -81,6 +81,35 @@ COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
 BIAS_SLOTS = 4
 
 
+class CudaGraphRecordings:
+    """CUDA graphs recorded in this process. Inductor's CUDA-graph trees announce each recording
+    through dynamo's compile callbacks (CallbackTrigger.CUDAGRAPH_RECORDING); counting them shows a
+    recording that lands inside a timed run, a stall of tens of milliseconds that no compile counter
+    sees (the graph was compiled long before)."""
+
+    count = 0
+    _seen: Callable[[Any], None] | None = None
+
+    @classmethod
+    def watch(cls) -> bool:
+        """Count recordings from now on: installs the callback, again after `torch._dynamo.reset()`
+        (which drops every callback). False where torch has no such trigger."""
+        from torch._dynamo import callback
+
+        trigger = getattr(getattr(callback, "CallbackTrigger", None), "CUDAGRAPH_RECORDING", None)
+        if trigger is None:
+            return False
+        if cls._seen is None:
+            def seen(args: Any) -> None:
+                if args.callback_trigger is trigger:
+                    cls.count += 1
+
+            cls._seen = seen
+        if cls._seen not in callback.callback_handler.start_callbacks:
+            callback.callback_handler.register_start_callback(cls._seen)
+        return True
+
+
 def auto_decode(device: torch.device) -> str:
     """The loop `--decode auto` means on `device`."""
     return "compiled" if device.type == "cuda" else "dynamic"
@@ -241,6 +270,8 @@ class StaticDecoder:
         self.eager_reason: str | None = None
         self.evictions = 0  # held caches let go for another bucket's (KEEP_CACHES or the memory budget)
         self.cudagraph_skips = 0  # compiled graphs inductor did not capture in a CUDA graph
+        self.cudagraph_recordings = 0  # CUDA graphs recorded during this decoder's steps (CudaGraphRecordings)
+        self.recordings_watched = False
 
     def ran(self) -> dict[str, Any]:
         """The loop that decoded: `compiled` (with the graphs compiled, their keys, compile
@@ -255,6 +286,8 @@ class StaticDecoder:
             facts["compile_cache"] = {"hits": self.cache_hits, "misses": self.cache_misses,
                                       **{f"aot_{k}": n for k, n in self.aot_cache.items()}}
             facts["cudagraph_skips"] = self.cudagraph_skips
+            if self.recordings_watched:
+                facts["cudagraph_recordings"] = self.cudagraph_recordings
             if self.decode_kernel:
                 facts["decode_kernel"] = "flex_decoding (split over keys)"
         facts["cache_evictions"] = self.evictions
@@ -378,11 +411,14 @@ class StaticDecoder:
         hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
         aot = {k: counters["aot_autograd"][f"autograd_cache_{k}"] for k in self.aot_cache}
         failed = {code: len(reasons) for code, reasons in guard_failures.items()}
+        self.recordings_watched = CudaGraphRecordings.watch() or self.recordings_watched
+        recorded = CudaGraphRecordings.count
         start = time.perf_counter()
         try:
             return forward()
         finally:
             self.cudagraph_skips += counters["inductor"]["cudagraph_skips"] - skips
+            self.cudagraph_recordings += CudaGraphRecordings.count - recorded
             for k, before in aot.items():
                 self.aot_cache[k] += counters["aot_autograd"][f"autograd_cache_{k}"] - before
             new = counters["stats"]["unique_graphs"] - graphs
