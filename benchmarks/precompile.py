@@ -18,7 +18,10 @@ Each chats plain and with three steers at two prompt lengths (batch 2). RESULT l
 process's wall, the graphs traced, the compile seconds, and whether its greedy tokens equal phase 1's;
 then a fifth process runs a model of other weights through the artifacts, against the dynamic loop.
 On CUDA the step takes driftlab's CUDA options (mode reduce-overhead): whether CUDA graphs survive
-aot_compile and a load is the open question (pytorch/pytorch#155703 on GitHub).
+aot_compile and a load is the open question (pytorch/pytorch#155703 on GitHub). Each phase says
+how many CUDA graphs its steps recorded (`ran()`'s cudagraph_recordings: none on a CPU) and then
+times a plain call of 32 tokens on the warmed step (ms/token): on CUDA, aot_load recording graphs
+and decoding as fast as compile_warm is the answer yes.
 
 What the CPU said (docs/results/bench/precompile-cpu.txt: 2026-11-27, a 2-core AMD EPYC with
 AVX-512, torch 2.13.0+cpu, the tiny shape in float32, one run): the new process that loads the
@@ -215,9 +218,24 @@ def phase(args) -> None:
     start = time.perf_counter()
     backend, _ = build(args.shape, device, dtype, decode="compiled")
     tokens = chats(backend)
+    wall = time.perf_counter() - start
     decode = backend.ran()["decode"]
-    print("PHASE " + json.dumps({"wall_s": round(time.perf_counter() - start, 2), "graphs": decode["graphs"],
-                                 "compile_s": round(decode["compile_s"], 2), "keys": dict(seen), "tokens": tokens}))
+    print("PHASE " + json.dumps({"wall_s": round(wall, 2), "graphs": decode["graphs"],
+                                 "compile_s": round(decode["compile_s"], 2), "keys": dict(seen), "tokens": tokens,
+                                 "recordings": decode.get("cudagraph_recordings", 0),
+                                 "ms_per_token": round(ms_per_token(backend), 2)}))
+
+
+def ms_per_token(backend, n: int = 32) -> float:
+    """A plain call of `n` greedy tokens on the warmed step, per token: whether a loaded artifact
+    decodes as fast as a compiled one (on CUDA, replaying its CUDA graphs or not)."""
+    from driftlab.chat import ChatRequest, Sampling
+
+    conv = [{"role": "system", "content": "Always answer in French."},
+            {"role": "user", "content": "Hello there, how are you?"}]
+    start = time.perf_counter()
+    backend.generate(ChatRequest([conv, conv], Sampling(greedy=True, max_new_tokens=n, ignore_eos=True)))
+    return (time.perf_counter() - start) * 1000 / n
 
 
 PHASES = [("compile_cold", False, "ind1"), ("compile_warm", False, "ind1"),
@@ -272,7 +290,8 @@ def run(quick: bool = False, full: bool = False) -> Result:
     store = root / "aot"
     store.mkdir()
     result = Result(f"the decode step in a new process: torch.compile vs aot_compile ({shape}, {device})",
-                    ["phase", "process s", "graphs traced", "compile s", "per key", "tokens as phase 1"])
+                    ["phase", "process s", "graphs traced", "compile s", "per key", "tokens as phase 1",
+                     "CUDA graphs recorded", "ms/token"])
     first = None
     for name, precompile, cache in PHASES:
         got = _phase(result, name, device, shape, store, root / cache, precompile=precompile)
@@ -280,10 +299,13 @@ def run(quick: bool = False, full: bool = False) -> Result:
             continue
         first = first or got["tokens"]
         keys = ", ".join(f"{key} {how} {s} s" for key, (how, s) in got["keys"].items()) or "-"
-        result.rows.append([name, got["process_s"], got["graphs"], got["compile_s"], keys, got["tokens"] == first])
+        result.rows.append([name, got["process_s"], got["graphs"], got["compile_s"], keys, got["tokens"] == first,
+                            got["recordings"], got["ms_per_token"]])
         result.results.update({f"{name}.process_s": got["process_s"], f"{name}.graphs": str(got["graphs"]),
                                f"{name}.compile_s": str(got["compile_s"]),
-                               f"{name}.tokens_equal": str(got["tokens"] == first)})
+                               f"{name}.tokens_equal": str(got["tokens"] == first),
+                               f"{name}.cudagraph_recordings": str(got["recordings"]),
+                               f"{name}.ms_per_token": str(got["ms_per_token"])})
         for key, (how, seconds) in got["keys"].items():
             result.results[f"{name}.{key}.{how}_s"] = str(seconds)
     got = _phase(result, "aot_other_weights", device, shape, store, root / "ind2", precompile=True, other=True)
