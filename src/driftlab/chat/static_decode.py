@@ -84,8 +84,8 @@ BIAS_SLOTS = 4
 class CudaGraphRecordings:
     """CUDA graphs recorded in this process. Inductor's CUDA-graph trees announce each recording
     through dynamo's compile callbacks (CallbackTrigger.CUDAGRAPH_RECORDING); counting them shows a
-    recording that lands inside a timed run, a stall of tens of milliseconds that no compile counter
-    sees (the graph was compiled long before)."""
+    recording that lands inside a timed run, a stall no compile counter sees (the graph was compiled
+    long before)."""
 
     count = 0
     _seen: Callable[[Any], None] | None = None
