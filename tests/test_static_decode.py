@@ -431,7 +431,9 @@ def test_a_bucket_in_hand_replays_its_cuda_graphs_without_recording(backends, de
     specs, sampling = ["split-softmax:k=0.5", "trace"], Sampling(greedy=True, max_new_tokens=6)
     for _ in range(2):  # CUDA-graph trees warm a graph up on its first run and record it on a later one
         _run(compiled, specs, sampling=sampling)
-    recorded = compiled.ran()["decode"]["cudagraph_recordings"]
+    recorded = compiled.ran()["decode"].get("cudagraph_recordings")
+    if recorded is None:  # torch's CallbackTrigger.CUDAGRAPH_RECORDING is newer than this torch
+        pytest.skip("this torch does not announce CUDA-graph recordings")
     assert recorded > 0 if device.type == "cuda" else recorded == 0
     _run(compiled, ["split-softmax:k=0.8", "trace"], sampling=Sampling(greedy=True, max_new_tokens=9))
     assert compiled.ran()["decode"]["cudagraph_recordings"] == recorded
