@@ -54,7 +54,7 @@ def _steer() -> Interventions:
 
 def _pastalib(pastalib, backend: HFChatBackend, texts: list[str], n_new: int):
     steerer = pastalib.PASTA(backend.model, backend.tokenizer, head_config=HEADS, alpha=ALPHA,
-                                 scale_position="exclude")
+                             scale_position="exclude")
     inputs, offsets = steerer.inputs_from_batch(texts, device=backend.device)
     with steerer.apply_steering(backend.model, strings=texts, substrings=EMPHASIS[: len(texts)],
                                 model_input=inputs, offsets_mapping=offsets), torch.inference_mode():
