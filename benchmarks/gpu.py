@@ -75,8 +75,9 @@ PASTA alpha=1) against plain's log-probabilities.
 --paper: the persona-drift paper's experiment at full scale on the Llama-2-7B shape: 100 pairs x 8
 rounds, 200-token turns, 400-token probes, for each mode of GPUBENCH_PAPER_MODES (default
 plain,split; one per 10-minute command if need be), batch GPUBENCH_PAPER_BATCH (default 16; the
-KV cache of MHA 7B at ~3.5k tokens is ~1.8 GB per row: 32 rows would not fit in 80 GB); on a CPU the tiny shape at 4 x 2 x 16
-(probes 16), to check the path.
+KV cache of MHA 7B at ~3.5k tokens is ~1.8 GB per row: 32 rows would not fit in 80 GB, and a batch
+that cannot fit is refused in one line before the model is built, `paper_fits`); on a CPU the tiny
+shape at 4 x 2 x 16 (probes 16), to check the path.
 
 Targets (H100-class GPU; "n/a (not a GPU)" elsewhere): every mode's decode <= 1.15x plain and
 prefill <= 1.3x at 2k and 8k (both shapes), CFG's <= 1.3x and <= 2.1x (it runs a twin row);
@@ -119,7 +120,8 @@ Settings (environment variables; run.py takes no others):
                         .selfchat and paper); <shape>.cudagraph_recordings_in_timing says if a
                         CUDA graph was recorded during the timed rounds.
   GPUBENCH_PAPER_MODES  --paper: comma list of modes (default plain,split)
-  GPUBENCH_PAPER_BATCH  --paper: conversations per batch (default 16 on CUDA, 4 on a CPU)
+  GPUBENCH_PAPER_BATCH  --paper: conversations per batch (default 16 on CUDA, 4 on a CPU; one that
+                        cannot fit in the device's memory is refused before the model is built)
 """
 
 from __future__ import annotations
@@ -593,6 +595,8 @@ def paper_run(device: torch.device, dtype: torch.dtype, results: dict, notes: li
     names = _env_list("GPUBENCH_PAPER_MODES", ["plain", "split"])
     if unknown := [m for m in names if m not in PAPER_MODES]:
         raise SystemExit(f"GPUBENCH_PAPER_MODES: unknown mode {unknown[0]!r}; use {', '.join(PAPER_MODES)}.")
+    twins = any(s.startswith("cfg:") for m in names for s in PAPER_MODES[m])  # CFG decodes a twin per row
+    paper_fits(shape, batch, twins, rounds * 2 * tokens + probe, dtype, device)
     backend, build_s = build(shape, device, dtype)
     backend.prefix_cache.max_bytes = (8 << 30) if CUDA else (1 << 30)
     table = Table(title=f"the persona-drift paper's experiment, {shape} shape: {pairs} pairs x {rounds} rounds, "
@@ -625,6 +629,34 @@ def paper_run(device: torch.device, dtype: torch.dtype, results: dict, notes: li
     notes.append(f"paper: {shape} built in {build_s:.1f} s; {ran['loop']} loop, {ran.get('graphs', 0)} graphs "
                  f"compiled in {ran.get('compile_s', 0.0):.1f} s over the whole run")
     return table
+
+
+def paper_fits(shape: str, batch: int, twins: bool, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Stop in one line, before the model is built, where the paper's batch cannot fit: the weights
+    and the static KV cache of `batch` rows (twice that with CFG's `twins`), padded to their batch
+    bucket and holding at least `tokens` tokens (every turn of both sides, then a probe's reply),
+    with the margin StaticDecoder keeps for a step's activations, beyond the device's memory (a
+    GPU's total, a CPU's RAM). Without it the run fails minutes in, out of memory."""
+    from transformers import AutoModelForCausalLM
+
+    from driftlab.chat.static_decode import batch_bucket, cache_bytes, cache_length
+
+    cfg, itemsize = shape_config(shape), torch.empty((), dtype=dtype).element_size()
+    with torch.device("meta"):
+        weights = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg, dtype=dtype).parameters()) * itemsize
+    slots, rows = cache_length(tokens), batch * (2 if twins else 1)
+    total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else \
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    per_row = 1.25 * cache_bytes(cfg, 1, slots, itemsize)  # StaticDecoder._fits' margin
+    if weights + batch_bucket(rows) * per_row <= total:
+        return
+    fit = int((total - weights) // per_row) if total > weights else 0
+    most = (1 << (fit.bit_length() - 1)) // (2 if twins else 1) if fit else 0
+    raise SystemExit(
+        f"GPUBENCH_PAPER_BATCH={batch}: {batch_bucket(rows)} rows of the {shape} shape need "
+        f"{(weights + batch_bucket(rows) * per_row) / 1e9:.1f} GB (weights, and KV caches of {slots} slots with "
+        f"a 25% margin), and this {device.type} has {total / 1e9:.1f} GB: "
+        + (f"use at most {most}." if most else "not even one conversation fits."))
 
 
 # -- targets -----------------------------------------------------------------------------------------

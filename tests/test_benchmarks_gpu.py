@@ -189,6 +189,11 @@ def test_the_paper_size_runs_its_tiny_check_on_a_cpu(tmp_path, smol_dir, scripts
     assert float(r["paper.plain.s"]) > 0 and "n/a (not a GPU)" in proc.stdout
     bad = scripts.run(["gpu", "--paper"], script=RUN, cwd=ROOT, env={**env, "GPUBENCH_PAPER_MODES": "plain,fast"})
     assert bad.returncode != 0 and "unknown mode 'fast'" in bad.stdout + bad.stderr
+    # A batch whose KV caches cannot fit in the machine's memory: one line, before any model is built.
+    huge = scripts.run(["gpu", "--paper"], script=RUN, cwd=ROOT, env={**env, "GPUBENCH_PAPER_BATCH": str(10**9)})
+    said = huge.stdout + huge.stderr
+    assert huge.returncode != 0 and "GPUBENCH_PAPER_BATCH=1000000000: 1073741824 rows" in said and "use at most" in said
+    assert "Traceback" not in said and "RESULT" not in huge.stdout
 
 
 @pytest.mark.parametrize("model", ["nope", "/no/such/model/dir"])

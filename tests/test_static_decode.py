@@ -480,6 +480,18 @@ def test_prefix_cache_hit_fills_the_static_cache(tiny_dir: Path, backends, mode:
     _assert_same(_run(backends["dynamic"], specs), first)
 
 
+def test_cache_bytes_is_what_a_static_cache_allocates(backends) -> None:
+    """`cache_bytes` (the memory budget's and the paper benchmark's estimate) against the bytes a
+    real static cache of the model holds after a call: its keys and values, every layer."""
+    from driftlab.chat.static_decode import cache_bytes
+
+    backend = backends["static"]
+    _run(backend, [], convs=CONVS * 2)  # bucket 4
+    static = backend._static
+    held = sum(t.nbytes for layer in static.cache.layers for t in (layer.keys, layer.values))
+    assert held == cache_bytes(backend.model.config, 4, static.length, backend.model.dtype.itemsize) > 0
+
+
 def test_alternating_batch_buckets_keep_their_caches(backends) -> None:
     """A self-chat with CFG cycles through three batch sizes (the user's turns, the agent's, and
     CFG's agent turns with twice the rows): each bucket keeps its own cache, so none is reallocated

@@ -141,6 +141,15 @@ def warm_buckets(batches: Any) -> list[int]:
     return sorted({batch_bucket(n) for n in sizes})
 
 
+def cache_bytes(config: Any, batch: int, length: int, itemsize: int) -> int:
+    """Bytes of the keys and values of a static cache of `batch` rows and `length` slots for a
+    model of `config`, `itemsize` bytes an element."""
+    cfg = config.get_text_config(decoder=True)
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * batch * heads * length * head_dim * itemsize
+
+
 def bias_slots(n: int) -> int:
     """Key-bias slots of a steered graph for `n` distinct head selections in a row: BIAS_SLOTS,
     or the power of two above it that holds them."""
@@ -321,11 +330,7 @@ class StaticDecoder:
         return cache
 
     def _cache_bytes(self, batch: int, length: int) -> int:
-        """Bytes of the keys and values of a static cache of `batch` rows and `length` slots."""
-        cfg = self.model.config.get_text_config(decoder=True)
-        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return 2 * cfg.num_hidden_layers * batch * heads * length * head_dim * self.model.dtype.itemsize
+        return cache_bytes(self.model.config, batch, length, self.model.dtype.itemsize)
 
     def _fits(self, need: int) -> bool:
         """Whether `need` bytes fit in the device's free memory (and the allocator's free blocks),
