@@ -126,6 +126,7 @@ Settings (environment variables; run.py takes no others):
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import math
@@ -631,22 +632,31 @@ def paper_run(device: torch.device, dtype: torch.dtype, results: dict, notes: li
     return table
 
 
-def paper_fits(shape: str, batch: int, twins: bool, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+@functools.cache
+def parameters(shape: str) -> int:
+    """The parameter count of `shape`, from a model built on the meta device (no memory, no init)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(shape_config(shape)).parameters())
+
+
+def paper_fits(shape: str, batch: int, twins: bool, tokens: int, dtype: torch.dtype, device: torch.device,
+               total: int | None = None) -> None:
     """Stop in one line, before the model is built, where the paper's batch cannot fit: the weights
     and the static KV cache of `batch` rows (twice that with CFG's `twins`), padded to their batch
     bucket and holding at least `tokens` tokens (every turn of both sides, then a probe's reply),
     with the margin StaticDecoder keeps for a step's activations, beyond the device's memory (a
-    GPU's total, a CPU's RAM). Without it the run fails minutes in, out of memory."""
-    from transformers import AutoModelForCausalLM
-
+    GPU's total, a CPU's RAM; `total` bytes instead, for a test). Without it the run fails minutes
+    in, out of memory."""
     from driftlab.chat.static_decode import batch_bucket, cache_bytes, cache_length
 
     cfg, itemsize = shape_config(shape), torch.empty((), dtype=dtype).element_size()
-    with torch.device("meta"):
-        weights = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg, dtype=dtype).parameters()) * itemsize
+    weights = parameters(shape) * itemsize
     slots, rows = cache_length(tokens), batch * (2 if twins else 1)
-    total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else \
-        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if total is None:
+        total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else \
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     per_row = 1.25 * cache_bytes(cfg, 1, slots, itemsize)  # StaticDecoder._fits' margin
     if weights + batch_bucket(rows) * per_row <= total:
         return

@@ -196,6 +196,23 @@ def test_the_paper_size_runs_its_tiny_check_on_a_cpu(tmp_path, smol_dir, scripts
     assert "Traceback" not in said and "RESULT" not in huge.stdout
 
 
+def test_the_paper_batch_that_fits_an_80_gb_gpu(monkeypatch) -> None:
+    """The paper's Llama-2-7B run in bf16 (8 rounds of 200-token turns, 400-token probes): 16
+    conversations fit 80 GiB, 32 do not (their KV caches alone take ~64 GB), nor 16 with CFG's twin
+    rows; all fit 141 GiB (an H200). The arithmetic `--paper` checks before it builds the model."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu import paper_fits
+
+    tokens, cuda = 8 * 2 * 200 + 400, torch.device("cuda")
+    paper_fits("llama2-7b", 16, False, tokens, torch.bfloat16, cuda, total=80 << 30)
+    for batch, twins, most in ((32, False, 16), (16, True, 8)):
+        with pytest.raises(SystemExit, match=rf"GPUBENCH_PAPER_BATCH={batch}: 32 rows .* use at most {most}\.$"):
+            paper_fits("llama2-7b", batch, twins, tokens, torch.bfloat16, cuda, total=80 << 30)
+        paper_fits("llama2-7b", batch, twins, tokens, torch.bfloat16, cuda, total=141 << 30)
+
+
 @pytest.mark.parametrize("model", ["nope", "/no/such/model/dir"])
 def test_a_bad_benchmark_setting_is_one_error_line(model: str, scripts) -> None:
     """`run.py` prints a DriftlabError from any benchmark (here generation's GENBENCH_MODEL) as
