@@ -66,20 +66,48 @@ def test_nucleus_sampling_matches_a_slow_reference_distribution():
     assert (freq - expected).abs().max() < 0.03
 
 
+@pytest.mark.parametrize("first_k", [8, None])
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.99])
 @pytest.mark.parametrize("scale", [0.1, 1.0, 4.0, 20.0])
-def test_nucleus_keeps_the_tokens_transformers_top_p_keeps(top_p, scale):
+def test_nucleus_keeps_the_tokens_transformers_top_p_keeps(top_p, scale, first_k):
     """Flat (scale 0.1: the nucleus is most of the vocabulary, so the top-k widens) to peaked logits,
-    with a -inf row part as top-k leaves it: the same kept set and values as TopPLogitsWarper."""
+    with a -inf row part as top-k leaves it: the same kept set and values as TopPLogitsWarper,
+    widening from 8 candidates (a CPU's way) or selecting the whole vocabulary at once (a GPU's)."""
     from transformers import TopPLogitsWarper
 
     gen = torch.Generator().manual_seed(int(top_p * 100 + scale))
     logits = torch.randn((6, 3000), generator=gen) * scale
     logits[5, 100:] = float("-inf")  # as after a top-k warper
     want = TopPLogitsWarper(top_p)(None, logits.clone())
-    got = Nucleus(top_p, first_k=8)(None, logits.clone())
+    got = Nucleus(top_p, first_k=first_k)(None, logits.clone())
     assert torch.equal(got.isfinite(), want.isfinite())
     assert torch.equal(got[got.isfinite()], want[want.isfinite()])
+
+
+def test_nucleus_off_the_cpu_reads_nothing_back_from_the_device():
+    """Off the CPU (here the meta device: shapes only, so a value read there would raise) the
+    nucleus is one selection of the whole vocabulary and reads no value on the host; on a CPU a
+    flat row widens, reading a flag back each time. Counted through a dispatch mode, as
+    tests/test_static_decode.py counts a decode step's host reads."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
+            if name in ("_local_scalar_dense", "is_nonzero"):
+                self.seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    flat = torch.randn((4, 49152), generator=torch.Generator().manual_seed(0)) * 0.1
+    with Reads() as on_meta:
+        Nucleus(0.9)(None, flat.to("meta"))
+    with Reads() as on_cpu:
+        Nucleus(0.9)(None, flat)
+    assert on_meta.seen == [] and len(on_cpu.seen) >= 4
 
 
 def test_nucleus_on_a_tiny_vocabulary_and_a_tie():

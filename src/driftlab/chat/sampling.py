@@ -18,6 +18,11 @@ nucleus might reach past it. It keeps the same tokens as the warper's definition
 stays iff the probability mass of the tokens strictly more likely than it is below top_p
 (the most likely token always stays). `tests/test_sampling.py` checks it against
 `TopPLogitsWarper` on random and peaked logits.
+
+Off the CPU it selects the whole vocabulary at once. There a sort is cheap, and each widening
+check reads a flag back, waiting for the device. A flat distribution (a model of random weights,
+as benchmarks/gpu.py builds) took six selections a step over SmolLM2's vocabulary (64 candidates,
+4x more each time), five of them followed by a wait.
 """
 
 from __future__ import annotations
@@ -30,15 +35,17 @@ FIRST_K = 64  # candidates of the first try; 4x more on each retry (a flat distr
 
 
 class Nucleus:
-    """Top-p filtering (a `LogitsProcessor`: called as `warper(input_ids, scores)`)."""
+    """Top-p filtering (a `LogitsProcessor`: called as `warper(input_ids, scores)`). `first_k`: the
+    candidates of the first try on a CPU; None, or scores off the CPU, take the whole vocabulary
+    in one selection, which reads nothing back from the device (see the module docstring)."""
 
-    def __init__(self, top_p: float, first_k: int = FIRST_K) -> None:
+    def __init__(self, top_p: float, first_k: int | None = FIRST_K) -> None:
         self.top_p, self.first_k = top_p, first_k
 
     def __call__(self, input_ids: torch.Tensor | None, scores: torch.Tensor) -> torch.Tensor:
         V = scores.shape[-1]
         log_total = scores.float().logsumexp(-1, keepdim=True)
-        k = min(self.first_k, V)
+        k = V if self.first_k is None or scores.device.type != "cpu" else min(self.first_k, V)
         while True:
             values, index = scores.topk(k, dim=-1)  # most likely first
             probs = (values.float() - log_total).exp()
