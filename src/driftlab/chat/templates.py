@@ -66,7 +66,9 @@ class Renderer:
 
     def prompt_ids(self, text: str) -> list[int]:
         """Tokens of a rendered prompt: `encode`, with BOS first where the model expects one."""
-        ids = self.encode(text)
+        return self._with_bos(self.encode(text))
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
         return self.bos + ids if self.bos and ids[: len(self.bos)] != self.bos else ids
 
     def render(
@@ -78,14 +80,17 @@ class Renderer:
         """Tokens of a conversation, with its system span and, given each message's emphasised
         character spans (`driftlab.steering.emphasis.strip_emphasis`), their token ranges."""
         text = self.text(conversation, add_generation_prompt)
-        ids = self.prompt_ids(text)
+        # One tokenizer call gives the ids and the offsets both spans read: a second full encode
+        # cost as much again (a self-chat renders every row of every call).
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = self._with_bos(enc["input_ids"])
+        offsets = ([tuple(o) for o in enc["offset_mapping"]], len(ids) - len(enc["input_ids"]))
         span = None
         if conversation and conversation[0]["role"] == "system":
-            span = self._system_span(conversation[0], text, ids)
+            span = self._system_span(conversation[0], text, ids, offsets)
         marked: tuple[tuple[int, int], ...] = ()
         if emphasis is not None and any(emphasis):
-            offsets, shift = self._offsets(text, ids)
-            marked = tuple(token_spans(text, [m["content"] for m in conversation], emphasis, offsets, shift))
+            marked = tuple(token_spans(text, [m["content"] for m in conversation], emphasis, *offsets))
         return Rendered(ids=ids, text=text, system_span=span, emphasis=marked)
 
     def first_turn(self, conversation: Sequence[Message], ids: list[int]) -> int | None:
@@ -98,17 +103,14 @@ class Renderer:
         head = self.prompt_ids(self.text(conversation[: k + 1], add_generation_prompt=True))
         return len(head) - 1 if ids[: len(head)] == head else None
 
-    def _offsets(self, text: str, ids: list[int]) -> tuple[list[tuple[int, int]], int]:
-        """Character offsets of `text`'s tokens, and how many tokens `prompt_ids` put before them."""
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return [tuple(o) for o in enc["offset_mapping"]], len(ids) - len(enc["input_ids"])
-
-    def _system_span(self, system: Message, text: str, ids: list[int]) -> tuple[int, int]:
+    def _system_span(self, system: Message, text: str, ids: list[int],
+                     offsets: tuple[list[tuple[int, int]], int]) -> tuple[int, int]:
         """Token span of the system prompt: the rendered system turn, or only its text.
 
         `prefix` = the tokens of the chat template applied to the system message alone, from
         position 0 (includes the template header and any BOS, which is often an attention
-        sink). `content` = only the tokens overlapping the system prompt's characters.
+        sink). `content` = only the tokens overlapping the system prompt's characters. `offsets`:
+        the character offsets of `text`'s tokens, and how many tokens (BOS) `ids` has before them.
         A template that folds the system prompt into the first user turn (Llama-2-chat:
         `[INST] <<SYS>>\n...\n<</SYS>>\n\n{user}`) renders nothing for the system message
         alone: there `prefix` runs from position 0 to the end of the system prompt's text.
@@ -116,7 +118,7 @@ class Renderer:
         if self.span_mode == "prefix":
             alone = self.text([system], add_generation_prompt=False)
             if system["content"] and system["content"] not in alone:
-                return (0, self._content_span(system, text, ids)[1])
+                return (0, self._content_span(system, text, offsets)[1])
             sys_ids = self.prompt_ids(alone)
             n = 0
             for a, b in zip(sys_ids, ids, strict=False):
@@ -124,14 +126,13 @@ class Renderer:
                     break
                 n += 1
             return (0, n)
-        return self._content_span(system, text, ids)
+        return self._content_span(system, text, offsets)
 
-    def _content_span(self, system: Message, text: str, ids: list[int]) -> tuple[int, int]:
+    def _content_span(self, system: Message, text: str, offsets: tuple[list[tuple[int, int]], int]) -> tuple[int, int]:
         content = system["content"]
         if not content or content not in text:
             return (0, 0)
-        offsets, shift = self._offsets(text, ids)
-        found = token_spans(text, [content], [[(0, len(content))]], offsets, shift)
+        found = token_spans(text, [content], [[(0, len(content))]], *offsets)
         return found[0] if found else (0, 0)
 
     def eos_ids(self, model_config, generation_config) -> set[int]:
