@@ -437,7 +437,7 @@ def test_sigterm_drains_finishes_what_it_can_ends_the_rest_cleanly_and_exits_0(s
                 # cannot join a batch that is already decoding); SIGTERM comes while all are in flight.
                 # The holder asks for the most tokens the server allows: it must outlast the four's
                 # arrival however fast the server decodes, and `tokens` follows a speed measured in
-                # this process, which a busy machine can overstate (a CI run saw the holder finish
+                # this process, which a busy machine measures low (a CI run saw the holder finish
                 # first: /health said 2 batches, 2 in flight, none waiting). Leaving the block ends it.
                 async with holding_the_model(client, url, LONGEST):
                     tasks = [asyncio.create_task(c) for c in (
