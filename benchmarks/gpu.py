@@ -649,7 +649,7 @@ def paper_fits(shape: str, batch: int, twins: bool, tokens: int, dtype: torch.dt
     with the margin StaticDecoder keeps for a step's activations, beyond the device's memory (a
     GPU's total, a CPU's RAM; `total` bytes instead, for a test). Without it the run fails minutes
     in, out of memory."""
-    from driftlab.chat.static_decode import batch_bucket, cache_bytes, cache_length
+    from driftlab.chat.static_decode import CACHE_MARGIN, batch_bucket, cache_bytes, cache_length
 
     cfg, itemsize = shape_config(shape), torch.empty((), dtype=dtype).element_size()
     weights = parameters(shape) * itemsize
@@ -657,7 +657,7 @@ def paper_fits(shape: str, batch: int, twins: bool, tokens: int, dtype: torch.dt
     if total is None:
         total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else \
             os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    per_row = 1.25 * cache_bytes(cfg, 1, slots, itemsize)  # StaticDecoder._fits' margin
+    per_row = CACHE_MARGIN * cache_bytes(cfg, 1, slots, itemsize)
     if weights + batch_bucket(rows) * per_row <= total:
         return
     fit = int((total - weights) // per_row) if total > weights else 0

@@ -169,17 +169,19 @@ def precompile_calls(store: Path, seen: dict) -> None:
     sd.StaticDecoder._call = call
 
 
+SHORT = [{"role": "system", "content": "Always answer in French."},
+         {"role": "user", "content": "Hello there, how are you?"}]
+
+
 def chats(backend) -> list:
     """Greedy tokens of two rows, plain and under three steers, at two prompt lengths."""
     from driftlab.chat import ChatRequest, Sampling
     from driftlab.steering import Interventions
 
-    short = [{"role": "system", "content": "Always answer in French."},
-             {"role": "user", "content": "Hello there, how are you?"}]
     long = [{"role": "system", "content": "Always answer in French. " * 40},
             {"role": "user", "content": "Hello there, how are you? " * 20}]
     tokens = []
-    for conv in (short, long):
+    for conv in (SHORT, long):
         for steer in ([], ["instaboost:m=5"], ["split-softmax:k=0.5"], ["instaboost:m=5", "split-softmax:k=0.5", "trace"]):
             request = ChatRequest([conv, conv], Sampling(greedy=True, max_new_tokens=6),
                                   interventions=Interventions.parse(steer))
@@ -231,10 +233,8 @@ def ms_per_token(backend, n: int = 32) -> float:
     decodes as fast as a compiled one (on CUDA, replaying its CUDA graphs or not)."""
     from driftlab.chat import ChatRequest, Sampling
 
-    conv = [{"role": "system", "content": "Always answer in French."},
-            {"role": "user", "content": "Hello there, how are you?"}]
     start = time.perf_counter()
-    backend.generate(ChatRequest([conv, conv], Sampling(greedy=True, max_new_tokens=n, ignore_eos=True)))
+    backend.generate(ChatRequest([SHORT, SHORT], Sampling(greedy=True, max_new_tokens=n, ignore_eos=True)))
     return (time.perf_counter() - start) * 1000 / n
 
 

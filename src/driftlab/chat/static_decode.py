@@ -79,6 +79,9 @@ COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
 # Head-selection slots of key biases in a steered graph: a fixed count, so InstABoost, PASTA and a
 # head-restricted bias composed share the graph of every other steer (see the module docstring).
 BIAS_SLOTS = 4
+# A held cache must fit in free device memory with this much more for a step's activations
+# (StaticDecoder._fits; benchmarks/gpu.py's paper check uses the same margin).
+CACHE_MARGIN = 1.25
 
 
 class CudaGraphRecordings:
@@ -89,24 +92,27 @@ class CudaGraphRecordings:
 
     count = 0
     _seen: Callable[[Any], None] | None = None
+    _handler: Any = None  # dynamo's callback handler, once torch has the trigger
 
     @classmethod
     def watch(cls) -> bool:
         """Count recordings from now on: installs the callback, again after `torch._dynamo.reset()`
-        (which drops every callback). False where torch has no such trigger."""
-        from torch._dynamo import callback
-
-        trigger = getattr(getattr(callback, "CallbackTrigger", None), "CUDAGRAPH_RECORDING", None)
-        if trigger is None:
-            return False
+        (which drops every callback). False where torch has no such trigger. Runs every compiled
+        step, so after the first call it is one membership check."""
         if cls._seen is None:
+            from torch._dynamo import callback
+
+            trigger = getattr(getattr(callback, "CallbackTrigger", None), "CUDAGRAPH_RECORDING", None)
+            if trigger is None:
+                return False
+
             def seen(args: Any) -> None:
                 if args.callback_trigger is trigger:
                     cls.count += 1
 
-            cls._seen = seen
-        if cls._seen not in callback.callback_handler.start_callbacks:
-            callback.callback_handler.register_start_callback(cls._seen)
+            cls._seen, cls._handler = seen, callback.callback_handler
+        if cls._seen not in cls._handler.start_callbacks:
+            cls._handler.register_start_callback(cls._seen)
         return True
 
 
@@ -340,7 +346,7 @@ class StaticDecoder:
             return True
         free, _ = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return need * 1.25 <= free
+        return need * CACHE_MARGIN <= free
 
     @property
     def cache(self) -> Any:
