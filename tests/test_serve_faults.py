@@ -73,12 +73,12 @@ async def until(client: httpx.AsyncClient, url: str, done: Callable[[dict], bool
 async def holding_the_model(client: httpx.AsyncClient, url: str, tokens: int = 4000):
     """A streamed `tokens`-token request that keeps the model busy for the whole block.
 
-    Enters once its first text arrived, so it is decoding: requests sent inside the block
-    queue behind it (it asks for log-probs, which puts it in a batch lane of its own: the
-    tests' requests cannot join its batch, as a request of the same lane would under
-    continuous batching) and the test decides when they run, however slow the machine. Leaving the block closes the stream,
-    so its row leaves the batch at the next step and the queued requests run (as one batch,
-    up to the server's --max-batch-size).
+    Enters once its first text arrived, so it is decoding, and reads its stream meanwhile.
+    Requests sent inside the block queue behind it: it asks for log-probs, which puts it in a
+    batch lane of its own, so they cannot join its batch as a request of the same lane would
+    under continuous batching. The test decides when they run, however slow the machine.
+    Leaving the block closes the stream, so its row leaves the batch at the next step and the
+    queued requests run (as one batch, up to the server's --max-batch-size).
     """
     decoding, release = asyncio.Event(), asyncio.Event()
 
@@ -86,17 +86,21 @@ async def holding_the_model(client: httpx.AsyncClient, url: str, tokens: int = 4
         payload = long_body(tokens, stream=True, logprobs=True)
         async with client.stream("POST", f"{url}/v1/chat/completions", json=payload) as r:
             assert r.status_code == 200, await r.aread()
+            # Read every event until released: a line iterator dropped mid-stream is closed by
+            # the event loop, and closing it closes the connection, so the server would drop
+            # the row at once (this hold once lasted a fraction of a second, unseen: the tests
+            # passed only while their requests happened to arrive within one gathering window).
             async for line in r.aiter_lines():
+                if release.is_set():
+                    return  # leaving the stream's block closes it: the row leaves the batch
                 if not line.startswith("data:"):
                     continue
                 event = line.removeprefix("data:").strip()
-                assert event != "[DONE]" and "error" not in json.loads(event), event
+                assert event != "[DONE]" and "error" not in json.loads(event), \
+                    f"the holding request ended before the test let it go ({tokens} tokens): {event}"
                 if json.loads(event)["choices"][0]["delta"].get("content"):
-                    break
-            else:
-                raise AssertionError("the holding request's stream closed before it decoded anything")
-            decoding.set()
-            await release.wait()
+                    decoding.set()
+        raise AssertionError("the holding request's stream closed before the test let it go")
 
     holder = asyncio.create_task(hold())
     started = asyncio.create_task(decoding.wait())
@@ -435,16 +439,13 @@ def test_sigterm_drains_finishes_what_it_can_ends_the_rest_cleanly_and_exits_0(s
 
                 # The four queue up while the model is busy, so they share the next batch (a request
                 # cannot join a batch that is already decoding); SIGTERM comes while all are in flight.
-                # The holder asks for the most tokens the server allows: it must outlast the four's
-                # arrival however fast the server decodes, and `tokens` follows a speed measured in
-                # this process, which a busy machine measures low (a CI run saw the holder finish
-                # first: /health said 2 batches, 2 in flight, none waiting). Leaving the block ends it.
-                async with holding_the_model(client, url, LONGEST):
+                async with holding_the_model(client, url):
                     tasks = [asyncio.create_task(c) for c in (
                         plain(long_body(short_tokens)), stream(long_body(short_tokens, stream=True)),
                         plain(long_body(tokens)), stream(long_body(tokens, stream=True)))]
-                    await until(client, url, lambda h: h["waiting"] + sum(t.done() for t in tasks) == 4,
-                                "the 4 requests queued")
+                    queued = await until(client, url, lambda h: h["waiting"] + sum(t.done() for t in tasks) == 4,
+                                         "the 4 requests queued")
+                    assert queued["in_flight"] == 5 and queued["batches"] == 1, queued  # the holder still decodes
                     proc.send_signal(signal.SIGTERM)
                     await until(client, url, lambda h: h["status"] == "draining", "draining")
                     late = await client.post(f"{url}/v1/chat/completions", json=body())
