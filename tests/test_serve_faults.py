@@ -61,10 +61,14 @@ LONGEST = 8000  # ignore_eos tokens that fit the 8192-token context after long_b
 
 
 async def until(client: httpx.AsyncClient, url: str, done: Callable[[dict], bool], what: str) -> dict:
-    """Poll /health until `done(health)` holds (gating on the server's state, not on time)."""
-    give_up = time.monotonic() + TIMEOUT
+    """Poll /health until `done(health)` holds (gating on the server's state, not on time). A
+    failure lists every state the server passed through, with its second: the last state alone
+    can hide how it got there."""
+    start, seen = time.monotonic(), []
     while not done(health := (await client.get(f"{url}/health")).json()):
-        assert time.monotonic() < give_up, f"the server never reached: {what} (last /health: {health})"
+        if not seen or seen[-1][1] != health:
+            seen.append((round(time.monotonic() - start, 2), health))
+        assert time.monotonic() < start + TIMEOUT, f"the server never reached: {what} (/health over time: {seen})"
         await asyncio.sleep(0.02)
     return health
 
