@@ -8,8 +8,6 @@ each baseline really prompts differently — not the model's accuracy.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -133,10 +131,6 @@ def test_profile_config_takes_layers_only() -> None:
 
 
 # -- real runs on SmolLM2 -----------------------------------------------------------------------
-def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "driftlab", *args], capture_output=True, text=True, **kw)
-
-
 @pytest.mark.model
 def test_eval_runs_every_baseline_and_resumes(tmp_path, smol32) -> None:
     from driftlab.pasta.evaluate import PastaEval, summarize
