@@ -658,14 +658,16 @@ def paper_fits(shape: str, batch: int, twins: bool, tokens: int, dtype: torch.dt
         total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else \
             os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     per_row = CACHE_MARGIN * cache_bytes(cfg, 1, slots, itemsize)
-    if weights + batch_bucket(rows) * per_row <= total:
+    bucket = batch_bucket(rows)
+    need = weights + bucket * per_row
+    if need <= total:
         return
     fit = int((total - weights) // per_row) if total > weights else 0
     most = (1 << (fit.bit_length() - 1)) // (2 if twins else 1) if fit else 0
     raise SystemExit(
-        f"GPUBENCH_PAPER_BATCH={batch}: {batch_bucket(rows)} rows of the {shape} shape need "
-        f"{(weights + batch_bucket(rows) * per_row) / 1e9:.1f} GB (weights, and KV caches of {slots} slots with "
-        f"a 25% margin), and this {device.type} has {total / 1e9:.1f} GB: "
+        f"GPUBENCH_PAPER_BATCH={batch}: {bucket} rows of the {shape} shape need "
+        f"{need / 1e9:.1f} GB (weights, and KV caches of {slots} slots with "
+        f"a {CACHE_MARGIN - 1:.0%} margin), and this {device.type} has {total / 1e9:.1f} GB: "
         + (f"use at most {most}." if most else "not even one conversation fits."))
 
 
@@ -913,8 +915,8 @@ def run(quick: bool = False, full: bool = False, paper: bool = False) -> Result:
                         best[(v, c)] = rec
                     elif spent > slow_s:
                         slow.add((v, c))  # timed once only, so that one slow path cannot eat the run
-            warm_graphs = backend.ran()["decode"].get("graphs", 0)
-            warm_recordings = backend.ran()["decode"].get("cudagraph_recordings", 0)
+            warm = backend.ran()["decode"]
+            warm_graphs, warm_recordings = warm.get("graphs", 0), warm.get("cudagraph_recordings", 0)
             for r in range(repeats):
                 order = variants[r % len(variants):] + variants[: r % len(variants)]
                 progress(f"{shape}: timed round {r + 1} of {repeats}")

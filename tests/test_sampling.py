@@ -89,23 +89,13 @@ def test_nucleus_off_the_cpu_reads_nothing_back_from_the_device():
     nucleus is one selection of the whole vocabulary and reads no value on the host; on a CPU a
     flat row widens, reading a flag back each time. Counted through a dispatch mode, as
     tests/test_static_decode.py counts a decode step's host reads."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from host_reads import HostReads
 
-    class Reads(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.seen: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
-            if name in ("_local_scalar_dense", "is_nonzero"):
-                self.seen.append(name)
-            return func(*args, **(kwargs or {}))
-
+    reads = ("_local_scalar_dense", "is_nonzero")
     flat = torch.randn((4, 49152), generator=torch.Generator().manual_seed(0)) * 0.1
-    with Reads() as on_meta:
+    with HostReads(reads) as on_meta:
         Nucleus(0.9)(None, flat.to("meta"))
-    with Reads() as on_cpu:
+    with HostReads(reads) as on_cpu:
         Nucleus(0.9)(None, flat)
     assert on_meta.seen == [] and len(on_cpu.seen) >= 4
 

@@ -280,31 +280,17 @@ def test_a_static_decode_step_never_waits_for_the_device(backends, kernel: str, 
     on the host: no .item()/bool()/int() (aten._local_scalar_dense, is_nonzero), no torch.equal,
     no nonzero, no .tolist()/.numpy(), counted through a dispatch mode, with every engine mode on."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from host_reads import HostReads
 
     if kernel == "flex":
         request.getfixturevalue("flex_kernel")
-    host = ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "allclose")
-
-    class Syncs(TorchDispatchMode):
-        supports_higher_order_operators = True  # flex_attention passes through
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.seen: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
-            if name in host:
-                self.seen.append(name)
-            return func(*args, **(kwargs or {}))
-
     backend, per_step = backends["static"], []
     step, current = backend._static_step, None
 
     def counted(*args, **kwargs):
         nonlocal current
-        with Syncs() as syncs:
+        with HostReads() as syncs:
             current = syncs.seen
             out = step(*args, **kwargs)
         per_step.append(current)
@@ -335,24 +321,14 @@ def test_a_dynamic_decode_step_reads_the_device_once(backends, kernel: str, spec
     sampled tokens: which rows are done is kept on the host, and a decode step's mask is built
     without reading the padding on the host (transformers' causal-skip check)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     import driftlab.chat.hf as hf
+    from host_reads import HOST_READS, HostReads
 
     if kernel == "flex":
         request.getfixturevalue("flex_kernel")
-    host = ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "allclose", "item")
     per_step: list[list[str]] = []
     inside = []  # a step method is running
-
-    class Syncs(TorchDispatchMode):
-        supports_higher_order_operators = True
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
-            if name in host:
-                per_step[-1].append(name)
-            return func(*args, **(kwargs or {}))
 
     def host_read(method: str):
         original = getattr(torch.Tensor, method)
@@ -371,7 +347,7 @@ def test_a_dynamic_decode_step_reads_the_device_once(backends, kernel: str, spec
                 per_step.append([])
             inside.append(_name)
             try:
-                with Syncs():
+                with HostReads((*HOST_READS, "item"), record=lambda op: per_step[-1].append(op)):
                     return _method(self, *args, **kwargs)
             finally:
                 inside.pop()
