@@ -16,6 +16,7 @@ that compiles is marked `compile`, out of the fast part on the CPU (tests/confte
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -156,6 +157,22 @@ def test_inductors_own_default_in_the_environment_is_not_the_users_choice(tmp_pa
     assert users_cache_dir(default_cache_dir()) is None
     assert users_cache_dir(default_cache_dir() + "/") is None  # (the same directory)
     assert users_cache_dir(str(tmp_path)) == str(tmp_path)
+
+
+@pytest.mark.process
+def test_a_set_inductor_cache_is_judged_when_compiling_not_at_import(tmp_path) -> None:
+    """A process whose parent compiled inherits TORCHINDUCTOR_CACHE_DIR (inductor wrote its default
+    there). Importing the HF backend must not import inductor to judge it: a second of imports in
+    every such child, a server's or a sweep's, that never compiles. The choice is still honoured."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys, driftlab.chat.hf; from driftlab.chat import static_decode as s; "
+            "print('torch._inductor' in sys.modules, s.use_compile_cache())")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", str(tmp_path)]
 
 
 def test_unknown_decode_mode_is_refused() -> None:

@@ -191,14 +191,16 @@ def users_cache_dir(value: str | None) -> str | None:
     return None if os.path.abspath(value) == os.path.abspath(default_cache_dir()) else value
 
 
-# The user's own inductor cache, if they chose one (read before inductor sets its default there).
-_USER_CACHE_DIR = users_cache_dir(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+# TORCHINDUCTOR_CACHE_DIR as driftlab's import found it, before inductor writes its default there.
+# Judged (users_cache_dir) only when compiling: that imports inductor, a second in every process
+# whose parent had compiled (the variable is then set), such as a server's or a sweep's children.
+_CACHE_DIR_AT_IMPORT = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 
 def use_compile_cache() -> Path:
     """Point inductor's caches at `compile_cache_dir`, unless the user set TORCHINDUCTOR_CACHE_DIR.
     Inductor reads the variable at each use (and writes its /tmp default there on first use)."""
-    if _USER_CACHE_DIR is None:
+    if users_cache_dir(_CACHE_DIR_AT_IMPORT) is None:
         path = compile_cache_dir()
         if os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(path):
             path.mkdir(parents=True, exist_ok=True)
