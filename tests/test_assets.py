@@ -301,3 +301,38 @@ def test_truncated_weights_are_named_with_the_repair(smol_dir, tmp_path, size):
     with pytest.raises(DriftlabError) as err:
         load_model(str(copy), dtype="float32", device="cpu")
     assert "save the model directory again" in err.value.hint
+
+
+def test_a_load_pauses_garbage_collection_and_gives_it_back_as_it_was(smol_dir, tmp_path, monkeypatch):
+    """load_model runs transformers' load without cyclic garbage collection (the full collections
+    it saves: benchmarks/loading.py), and leaves collection as it found it: on after a load and
+    after a failed one, still off where the caller had turned it off."""
+    import gc
+
+    from transformers import AutoModelForCausalLM
+
+    from driftlab.chat.loading import load_model
+
+    real, seen = AutoModelForCausalLM.from_pretrained, []
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    assert gc.isenabled()
+    load_model(str(smol_dir), dtype="float32", device="cpu")
+    assert seen == [False] and gc.isenabled()
+
+    broken = linked_copy(smol_dir, tmp_path / "broken", leave_out="config.json")
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    with pytest.raises(DriftlabError, match="Could not load a causal language model"):
+        load_model(str(broken), dtype="float32", device="cpu")
+    assert seen == [False, False] and gc.isenabled()
+
+    gc.disable()
+    try:
+        load_model(str(smol_dir), dtype="float32", device="cpu")
+        assert seen == [False, False, False] and not gc.isenabled()
+    finally:
+        gc.enable()
