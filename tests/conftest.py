@@ -150,6 +150,23 @@ def smol_bf16(smol_dir, device):
     return HFChatBackend(str(smol_dir), dtype="bfloat16", device=str(device))
 
 
+@pytest.fixture
+def holm_reference(monkeypatch):
+    """statsmodels' Holm adjustment, the independent reference for driftlab's: p-values -> adjusted.
+    Its Holm branch ends with gc.collect(), a full collection of the test worker's whole heap
+    (a second or more once models and compiled graphs are in it); the numbers do not depend on it."""
+    import gc
+
+    from statsmodels.stats.multitest import multipletests
+
+    def adjusted(p) -> list[float]:
+        with monkeypatch.context() as patch:  # (it imports gc inside the function)
+            patch.setattr(gc, "collect", lambda *args: 0)
+            return list(multipletests(p, method="holm")[1])
+
+    return adjusted
+
+
 def unwritable_dir(base: Path, request) -> Path:
     """A directory nobody can write: `base`/read-only (chmod 555), or, as root (who ignores
     permission bits), a directory of a kernel filesystem. Skips where neither exists."""

@@ -93,7 +93,7 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.model
-def test_tiny_sweep_end_to_end_and_resume(tiny, tmp_path):
+def test_tiny_sweep_end_to_end_and_resume(tiny, tmp_path, holm_reference):
     cfg = SweepConfig(backend=BackendSpec(model=tiny.name),
                       grid={"split-softmax": ["split-softmax:k=0.5"], "spr": ["spr:p=1"]},
                       pair_ids=paper_pairs()[:2], rounds=2, sampling=Sampling(max_new_tokens=4), probe_tokens=4, mmlu_n=4,
@@ -107,14 +107,12 @@ def test_tiny_sweep_end_to_end_and_resume(tiny, tmp_path):
     assert table.loc[0, "stability_gain"] == 0.0
     assert (table.stability_gain - (table.stability - table.loc[0, "stability"])).abs().max() < 1e-9
     # each point against plain on the same pairs and questions, Holm over the sweep's points
-    from statsmodels.stats.multitest import multipletests
-
     steered = table.iloc[1:]
     assert (steered.gain_method.str.startswith("Wilcoxon signed-rank")).all()
     assert (steered.mmlu_method == "exact McNemar").all() and (table.mmlu_n == 4).all() and (table.gain_n == 2).all()
     assert table.loc[0, ["gain_p", "mmlu_p"]].isna().all()  # plain is the baseline, not a comparison
     for col in ("gain_p", "mmlu_p"):
-        assert list(steered[f"{col}_holm"]) == pytest.approx(list(multipletests(steered[col], method="holm")[1]))
+        assert list(steered[f"{col}_holm"]) == pytest.approx(holm_reference(steered[col]))
     assert (steered.mmlu_drop == (steered.mmlu_lost - steered.mmlu_gained) / 4).all()
     assert (steered.gain_better + steered.gain_worse + steered.gain_tied == 2).all()
     assert steered.warning.str.contains("too few pairs|tied").all()  # 2 pairs and 4 questions support nothing
@@ -291,7 +289,7 @@ def test_a_stale_point_is_refused_by_the_table_then_moved_aside_and_redone(swept
 
 
 @pytest.mark.model
-def test_more_points_join_a_finished_sweep_and_none_can_be_dropped(swept, tiny, tmp_path, capsys):
+def test_more_points_join_a_finished_sweep_and_none_can_be_dropped(swept, tiny, tmp_path, capsys, holm_reference):
     """A resume with a larger grid runs only the new point (the finished ones are kept byte for byte)
     and the table tests all of them as one Holm family; a grid without a recorded point is refused."""
     import shutil
@@ -310,10 +308,8 @@ def test_more_points_join_a_finished_sweep_and_none_can_be_dropped(swept, tiny, 
     assert manifest["config"]["grid"]["spr"] == ["spr:p=1.0,seed=0"]
     table = sweep_table(out)
     assert list(table.spec) == ["plain", "split-softmax:k=0.5,heads=all", "spr:p=1.0,seed=0"]
-    from statsmodels.stats.multitest import multipletests
-
     steered = table.iloc[1:]
-    assert list(steered.mmlu_p_holm) == pytest.approx(list(multipletests(steered.mmlu_p, method="holm")[1]))
+    assert list(steered.mmlu_p_holm) == pytest.approx(holm_reference(steered.mmlu_p))
     with pytest.raises(DriftlabError, match="holds the point\\(s\\) spr:p=1.0,seed=0, which this sweep's grid lacks"):
         run_protocol(Sweep(_tiny_config(tiny), tiny), out, progress=False)
     assert _manifest(out)["points"] == manifest["points"]  # the refused resume changed nothing
