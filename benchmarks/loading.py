@@ -40,8 +40,15 @@ print(json.dumps({"seconds": time.perf_counter() - start, "full_collections": fu
 def _load(mode: str) -> dict:
     done = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, env=os.environ,
                           timeout=600, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {mode} load failed: {done.stderr[-1500:]}")
+    if done.returncode != 0:  # one line, through run.py: the child's last line says why
+        from driftlab.errors import DriftlabError
+
+        lines = done.stderr.strip().splitlines() or ["no output"]
+        why = next((line for line in reversed(lines) if "Error" in line), lines[-1]).removeprefix(
+            "driftlab.errors.DriftlabError: ")
+        hint = next((line.removeprefix("Hint: ") for line in lines if line.startswith("Hint: ")),
+                    "Check that `driftlab models pull smollm2-135m` succeeds here.")
+        raise DriftlabError(f"The {mode} load of smollm2-135m failed: {why}", hint=hint)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -17,6 +17,8 @@ that compiles is marked `compile`, out of the fast part on the CPU (tests/confte
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -164,9 +166,6 @@ def test_a_set_inductor_cache_is_judged_when_compiling_not_at_import(tmp_path) -
     """A process whose parent compiled inherits TORCHINDUCTOR_CACHE_DIR (inductor wrote its default
     there). Importing the HF backend must not import inductor to judge it: a second of imports in
     every such child, a server's or a sweep's, that never compiles. The choice is still honoured."""
-    import subprocess
-    import sys
-
     code = ("import os, sys, driftlab.chat.hf; from driftlab.chat import static_decode as s; "
             "print('torch._inductor' in sys.modules, s.use_compile_cache())")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
