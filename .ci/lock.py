@@ -1,8 +1,13 @@
 #!/usr/bin/env python3
-"""The locked test environment: `test-lock.txt`, a pip constraints file CI installs with.
+"""The locked test environments: `test-lock.txt` and `vllm-lock.txt`, pip constraints files CI installs with.
 
-    python3 .ci/lock.py check      # is the lock current with pyproject.toml? (CI's first step)
-    python3 .ci/lock.py refresh    # resolve again in a new virtualenv and rewrite the lock
+    python3 .ci/lock.py check      # are the locks current with pyproject.toml? (CI's first step)
+    python3 .ci/lock.py refresh    # resolve again in new virtualenvs and rewrite the locks
+    python3 .ci/lock.py refresh --lock vllm-lock.txt   # one of them
+
+Two environments because vLLM 0.32 (the `vllm` extra) pins transformers below 5.20, and the main
+suite runs on 5.23: `test-lock.txt` is `.[test]`, `vllm-lock.txt` is `.[vllm,test]` (CI runs the
+vLLM tests there, `pytest -m vllm`).
 
 Why a lock: `pip install -e ".[test]"` takes whatever the registries serve on the day, so a
 release of any of ~150 transitive dependencies could break CI with no change here, and no one
@@ -33,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "test-lock.txt"
+LOCKS = {"test-lock.txt": "test", "vllm-lock.txt": "vllm,test"}  # lock file -> the extras it installs
 PYPROJECT = ROOT / "pyproject.toml"
 TORCH = "torch==2.13.0"  # the README's first install step (the CPU build on these machines)
 DIGEST_KEY = "# pyproject-dependencies-sha256: "
@@ -80,7 +86,7 @@ def recorded_digest(lock: Path) -> str | None:
 
 def check(pyproject: Path = PYPROJECT, lock: Path = LOCK) -> str | None:
     """None if the lock is current; else the one-line reason it is not."""
-    refresh = "run `python3 .ci/lock.py refresh` and commit test-lock.txt"
+    refresh = f"run `python3 .ci/lock.py refresh --lock {lock.name}` and commit {lock.name}"
     if not lock.is_file():
         return f"{lock.name} is missing: {refresh}"
     recorded = recorded_digest(lock)
@@ -102,13 +108,19 @@ def _pinned(freeze: str) -> list[str]:
     return sorted(pins, key=str.lower)
 
 
+def extras_of(lock: Path) -> str:
+    """The extras a lock file installs (by its name; an unknown name locks the test extra)."""
+    return LOCKS.get(lock.name, "test")
+
+
 def refresh(pyproject: Path = PYPROJECT, lock: Path = LOCK) -> None:
-    """Resolve the test extra in a new virtualenv (the README's install) and write the lock."""
+    """Resolve the lock's extras in a new virtualenv (the README's install) and write the lock."""
     digest = dependency_digest(pyproject)  # a missing or broken pyproject fails before any install
+    extras = extras_of(lock)
     with tempfile.TemporaryDirectory(prefix="driftlab-lock-") as tmp:
         py = str(Path(tmp) / "bin" / "python")
         subprocess.run([sys.executable, "-m", "venv", tmp], check=True)
-        for args in (["install", TORCH], ["install", "-e", f"{pyproject.parent}[test]"]):
+        for args in (["install", TORCH], ["install", "-e", f"{pyproject.parent}[{extras}]"]):
             print(f"pip {' '.join(args)}", file=sys.stderr, flush=True)
             if subprocess.run([py, "-m", "pip", "-q", *args]).returncode:
                 raise LockError(f"`pip {' '.join(args)}` failed (its output is above); the lock is unchanged")
@@ -118,12 +130,12 @@ def refresh(pyproject: Path = PYPROJECT, lock: Path = LOCK) -> None:
                                      text=True).stdout.split()[1]
     pins = _pinned(freeze)
     header = [
-        "# The test environment CI installs (.ci/run): what `pip install -e \".[test]\"` resolved to",
+        f"# A test environment CI installs (.ci/run): what `pip install -e \".[{extras}]\"` resolved to",
         f"# after `pip install {TORCH}`, in a new virtualenv on {datetime.date.today().isoformat()}:",
         f"# Python {platform.python_version()}, {platform.system()} {platform.machine()}, pip {pip_version}.",
         "# torch and driftlab are not pinned here (each has its own install step).",
-        "# Use:     pip install -e \".[test]\" -c test-lock.txt",
-        "# Refresh: python3 .ci/lock.py refresh   (after any change to pyproject.toml's dependencies)",
+        f"# Use:     pip install -e \".[{extras}]\" -c {lock.name}",
+        f"# Refresh: python3 .ci/lock.py refresh --lock {lock.name}   (after any change to pyproject.toml's dependencies)",
         f"{DIGEST_KEY}{digest}",
     ]
     lock.write_text("\n".join(header + pins) + "\n")
@@ -134,19 +146,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["check", "refresh"])
     parser.add_argument("--pyproject", type=Path, default=PYPROJECT)
-    parser.add_argument("--lock", type=Path, default=LOCK)
+    parser.add_argument("--lock", type=Path, default=None, help="one lock file (default: every lock)")
     args = parser.parse_args(argv)
+    locks = [args.lock] if args.lock is not None else [args.pyproject.parent / name for name in LOCKS]
     try:
         if args.command == "refresh":
-            refresh(args.pyproject, args.lock)
+            for lock in locks:
+                refresh(args.pyproject, lock)
             return 0
-        reason = check(args.pyproject, args.lock)
+        reasons = [reason for lock in locks if (reason := check(args.pyproject, lock))]
     except LockError as err:
-        reason = str(err)
-    if reason:
-        print(f"error: {reason}", file=sys.stderr)
+        reasons = [str(err)]
+    if reasons:
+        print(f"error: {reasons[0]}", file=sys.stderr)
         return 1
-    print(f"{args.lock.name} is current with {args.pyproject.name}")
+    print(f"{', '.join(lock.name for lock in locks)} {'is' if len(locks) == 1 else 'are'} current with "
+          f"{args.pyproject.name}")
     return 0
 
 

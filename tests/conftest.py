@@ -12,6 +12,7 @@ tests/devices.py holds the device and the per-device tolerances (docs/testing.md
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import signal
@@ -356,7 +357,16 @@ def pytest_collection_modifyitems(config, items):
     a GPU run is for (docs/performance.md).
     """
     cpu = config.getoption("--device") == "cpu"
+    no_vllm = pytest.mark.skip(reason="vLLM is not installed here; CI runs the vllm tests in its second environment "
+                                      "(pip install -e \".[vllm,test]\", .ci/run)")
+    has_vllm = None
     for item in items:
+        if item.get_closest_marker("vllm"):
+            item.add_marker(pytest.mark.model)
+            if has_vllm is None:
+                has_vllm = importlib.util.find_spec("vllm") is not None
+            if not has_vllm:
+                item.add_marker(no_vllm)
         params = getattr(getattr(item, "callspec", None), "params", {})
         if (MODEL_FIXTURES & set(item.fixturenames) or "smollm2" in params.values()
                 or cpu and any(item.get_closest_marker(name) for name in CPU_SLOW_MARKS)):

@@ -31,7 +31,7 @@ LAYERS: list[set[str]] = [
     {"activation", "attention", "theory"},
     {"assets", "bench", "messages", "records", "stats"},
     {"plugins"},
-    {"console", "errors"},
+    {"console", "environment", "errors"},
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 

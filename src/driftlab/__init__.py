@@ -9,7 +9,10 @@ The names below are the Python API (driftlab.api; docs/tutorial.md). Heavy depen
 `import driftlab` and the data-only CLI commands stay fast.
 """
 
+from driftlab.environment import hide_mismatched_builds
 from driftlab.errors import DriftlabError
+
+hide_mismatched_builds()  # CUDA builds of torchvision & co. beside a CPU torch (the vllm extra): see there
 
 __version__ = "0.1.0"
 

@@ -159,22 +159,12 @@ class ResidualState:
         adds, caps = self.static or self._adds[layer], self.static or self._caps[layer]
         if not (adds or caps or self._reads):
             return h
-        v = self.unit_h[:, layer, None, :]  # [B, 1, d]
-        if adds:
-            h = h + self.add[:, layer, None, None] * v
-        if caps or self.keep_prefill:  # every position's projection
-            p = torch.einsum("bqd,bd->bq", h.float(), self.unit[:, layer])
-            if caps:
-                lift = (self.tau[:, layer, None] - p).clamp_min(0.0)
-                h = h + lift[..., None].to(h.dtype) * v
-                p = p + lift
-            if self.prefilling and self.keep_prefill:
-                self.prefill_proj[layer] = p
-            last = p[:, -1]
-        else:
-            last = torch.linalg.vecdot(h[:, -1].float(), self.unit[:, layer])
+        h, p = steer_stream(h, self.unit[:, layer], self.unit_h[:, layer], self.add[:, layer], self.tau[:, layer],
+                            adds=adds, caps=caps, every=caps or self.keep_prefill)
+        if self.prefilling and self.keep_prefill:
+            self.prefill_proj[layer] = p
         if self.static or self._reads:
-            self._record(layer, h, last)
+            self._record(layer, h, p[:, -1])
         return h
 
     def _record(self, layer: int, h: torch.Tensor, last: torch.Tensor) -> None:
@@ -198,22 +188,51 @@ class ResidualState:
 
     # -- results -------------------------------------------------------------------------------------
     def summaries(self, rows: Sequence[int] | None = None) -> list[dict[str, Any] | None]:
-        """Per row (of the call as given; all, or `rows`), per layer and normalised (0: like without
-        the system prompt, 1: like with it): `reply` the mean over the reply's positions, `prompt` the
-        last prompt position's, `last` the last reply position's; None for rows without a direction."""
+        """Per row (of the call as given; all, or `rows`): `projection_summary` of what it summed;
+        None for rows without a direction."""
         rows = list(range(len(self.has))) if rows is None else list(rows)
-        index = torch.tensor(rows, dtype=torch.long)
-        low, span = self.low[index], (self.high - self.low)[index]
-        n = self.positions[index.to(self.device)].clamp_min(1.0)[:, None].cpu()
-        pick = {name: getattr(self, name)[index.to(self.device)].cpu() for name in ("proj_sum", "proj_prompt", "proj_last")}
-        values = {"reply": (pick["proj_sum"] / n - low) / span, "prompt": (pick["proj_prompt"] - low) / span,
-                  "last": (pick["proj_last"] - low) / span}
-        return [{"direction": self.named[b][0], "band": self.named[b][1], **{k: _round(v[i]) for k, v in values.items()}}
+        at = torch.tensor(rows, dtype=torch.long, device=self.device)
+        pick = {name: getattr(self, name)[at].cpu() for name in ("proj_sum", "proj_prompt", "proj_last", "positions")}
+        return [projection_summary(pick["proj_sum"][i], pick["proj_prompt"][i], pick["proj_last"][i],
+                                   pick["positions"][i], self.low[b], self.high[b], *self.named[b])
                 if self.has[b] else None for i, b in enumerate(rows)]
 
     def mean_activations(self) -> torch.Tensor:
         """[B, L, d] each row's mean hidden state over its reply positions (`capture`)."""
         return (self.act_sum / self.positions.clamp_min(1.0)[:, None, None]).cpu()
+
+
+def steer_stream(h: torch.Tensor, unit: torch.Tensor, unit_h: torch.Tensor, add: torch.Tensor, tau: torch.Tensor,
+                 *, adds: bool, caps: bool, every: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual steers' arithmetic, one definition for every engine: rows' streams h [B, q, d]
+    (the transformers engine: batch rows and their positions; vLLM's: one token per row), each
+    row's unit direction `unit` [B, d] (float32) and `unit_h` (in h's dtype), `add` [B] (h's dtype)
+    and the cap `tau` [B] (float32; -inf: none). `adds` and `caps` say whether to do each (a
+    layer where no row does skips the ops). Returns (h steered, p): p [B, q] every position's
+    projection after steering with `every` (capping needs them anyway), else [B, 1] the last's."""
+    v = unit_h[:, None, :]
+    if adds:
+        h = h + add[:, None, None] * v
+    if not (caps or every):
+        return h, torch.linalg.vecdot(h[:, -1].float(), unit)[:, None]
+    p = torch.einsum("bqd,bd->bq", h.float(), unit)
+    if caps:
+        lift = (tau[:, None] - p).clamp_min(0.0)
+        h = h + lift[..., None].to(h.dtype) * v
+        p = p + lift
+    return h, p
+
+
+def projection_summary(proj_sum: torch.Tensor, proj_prompt: torch.Tensor, proj_last: torch.Tensor,
+                       positions: torch.Tensor | float, low: torch.Tensor, high: torch.Tensor, direction: str,
+                       band: Sequence[int]) -> dict[str, Any]:
+    """A reply's projections per layer, normalised (0: like without the system prompt, 1: like with
+    it): `reply` the mean over the positions that generated it, `prompt` the last prompt position's,
+    `last` the last reply position's; with the direction's id and band (`Reply.activation`)."""
+    span = high - low
+    n = torch.as_tensor(positions, dtype=torch.float32).clamp_min(1.0)
+    values = {"reply": (proj_sum / n - low) / span, "prompt": (proj_prompt - low) / span, "last": (proj_last - low) / span}
+    return {"direction": direction, "band": list(band), **{k: _round(v) for k, v in values.items()}}
 
 
 def _round(values: torch.Tensor) -> list[float]:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_SEED", "Capabilities", "ChatBackend", "ChatRequest", "Conversation", "LogLikelihood", "Message",
     "ModelShape", "Rendered", "Reply", "Sampling", "ScoringBackend", "TokenBackend", "TokenLogprob", "chat",
-    "token_backend", "validate_conversation",
+    "model_shape", "system_of", "token_backend", "validate_conversation",
 ]
 
 MAX_SEED = 2**63 - 1
@@ -380,6 +380,26 @@ class ModelShape:
     @property
     def sliding_layers(self) -> int:
         return sum(t == "sliding_attention" for t in self.layer_types)
+
+
+def model_shape(config) -> ModelShape:
+    """The shape of a model from its transformers config (every local engine reads the same one)."""
+    text = config.get_text_config()
+    return ModelShape(
+        layers=text.num_hidden_layers, heads=text.num_attention_heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        max_context=getattr(config, "max_position_embeddings", None),
+        layer_types=tuple(getattr(text, "layer_types", None) or ()),
+        sliding_window=getattr(text, "sliding_window", None),
+        vocab_size=getattr(text, "vocab_size", None),
+    )
+
+
+def system_of(conversation: Conversation | Rendered) -> str | None:
+    """The system prompt a conversation starts with (what picks its persona direction), else None."""
+    if isinstance(conversation, Rendered) or not conversation or conversation[0]["role"] != "system":
+        return None
+    return conversation[0]["content"]
 
 
 @runtime_checkable

@@ -26,14 +26,16 @@ from driftlab.chat.base import (
     ChatRequest,
     Conversation,
     LogLikelihood,
-    ModelShape,
     Rendered,
     Reply,
     Sampling,
     TokenLogprob,
+    model_shape,
+    system_of,
     validate_conversation,
 )
 from driftlab.chat.constrain import JsonConstraint
+from driftlab.chat.directions import row_directions
 from driftlab.chat.guidance import guide
 from driftlab.chat.loading import input_device, load_model
 from driftlab.chat.prefix_cache import PrefixCache
@@ -54,7 +56,6 @@ from driftlab.chat.static_decode import (
 from driftlab.chat.templates import Renderer
 from driftlab.chat.trace import Trace
 from driftlab.errors import DriftlabError
-from driftlab.steering.emphasis import strip_emphasis
 from driftlab.steering.interventions import KINDS, Interventions
 from driftlab.steering.interventions import Trace as TraceIntervention
 
@@ -127,7 +128,7 @@ class HFChatBackend:
         self.eos_ids = self.renderer.eos_ids(config_model.config, config_model.generation_config)
         self.stop_ids = frozenset(self.eos_ids)
         self.stop_strings = self.renderer.stop_strings
-        self.shape = _shape(config_model.config)
+        self.shape = model_shape(config_model.config)
         self.d_model = int(config_model.config.get_text_config(decoder=True).hidden_size)
         self.directions = None
         from driftlab.activation import hooks
@@ -266,7 +267,7 @@ class HFChatBackend:
         self.capabilities.require(self.name, iv)
         convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in request.conversations]
         rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
-        ivs, gates = self._gated(rendered, iv, [_system_of(c) for c in convs])
+        ivs, gates = self._gated(rendered, iv, [system_of(c) for c in convs])
         seeds, store = request.row_seeds(), request.cache_store
         alpha = iv.guidance()
         if alpha is not None:
@@ -302,7 +303,7 @@ class HFChatBackend:
                                 "log-probs and prompt tracing, and cannot bring CFG's twin rows.")
         convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in more.conversations]
         rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
-        ivs, gates = self._gated(rendered, iv, [_system_of(c) for c in convs])
+        ivs, gates = self._gated(rendered, iv, [system_of(c) for c in convs])
         return _Decoding(self, [r.ids for r in rendered], more.sampling, seeds=more.row_seeds(),
                          interventions=ivs, gates=gates, spans=[r.spans() for r in rendered],
                          cache_store=more.cache_store, guidance=None, logprobs=more.logprobs, on_finish=None,
@@ -320,7 +321,7 @@ class HFChatBackend:
                                 hint="Compute activations without --steer cfg.")
         convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in request.conversations]
         rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
-        ivs, gates = self._gated(rendered, iv, [_system_of(c) for c in convs])
+        ivs, gates = self._gated(rendered, iv, [system_of(c) for c in convs])
         return self._decode([r.ids for r in rendered], request.sampling, seeds=request.row_seeds(),
                             interventions=ivs, gates=gates, spans=[r.spans() for r in rendered],
                             cache_store=request.cache_store, residual=self._residual_of(convs, iv, ivs), capture=True)
@@ -361,7 +362,7 @@ class HFChatBackend:
         """One-line errors, before any work, for a conversation a steer cannot act on: a vector or cap
         steer without a direction for its system prompt, a pi floor or `when-drifting` without a system
         prompt or first turn. What a server asks of each request, so that one request never fails a batch."""
-        self.residual_rows([_system_of(conversation)], interventions)
+        self.residual_rows([system_of(conversation)], interventions)
         if interventions.kinds & {"pi-floor", "when-drifting"}:
             rendered = self.render(interventions.model_view(conversation), interventions=interventions)
             if "pi-floor" in interventions.kinds:
@@ -369,42 +370,23 @@ class HFChatBackend:
             if "when-drifting" in interventions.kinds:
                 _first_turn_end(rendered.spans())
                 if interventions.get("when-drifting").by == "projection":
-                    self._gate_direction(_system_of(conversation))
+                    self._gate_direction(system_of(conversation))
 
     def _residual_of(self, convs, iv: Interventions, ivs: Sequence[Interventions]) -> list[ResidualRow | None]:
         """Each conversation's residual state under its own interventions (`_gated`: a row the gate
         leaves plain is only monitored), after the request's one-line errors for every row."""
-        systems = [_system_of(c) for c in convs]
+        systems = [system_of(c) for c in convs]
         rows = self.residual_rows(systems, iv)
         if all(v is iv for v in ivs):
             return rows
         return [self.residual_rows([system], v)[0] for system, v in zip(systems, ivs, strict=True)]
 
     def residual_rows(self, systems: Sequence[str | None], interventions: Interventions) -> list[ResidualRow | None]:
-        """Each row's residual-stream state, from its system prompt: its persona's direction (or the
-        file's axis) under the vector and cap steers asked; None where nothing is recorded or steered.
-        A steer with no directions, or a row whose persona has none, is a one-line error before any work."""
+        """Each row's residual-stream state (`row_directions`: its persona's direction, or the file's axis)
+        under the vector and cap steers asked; None where nothing is recorded or steered."""
         config = interventions.residual()
-        if config is not None and config.steers and self.directions is None:
-            kinds = ", ".join(i.kind for i in interventions.by_hook("residual"))
-            raise DriftlabError(f"--steer {kinds} acts along a persona's direction, and {self.name} was given none.",
-                                hint="Compute them with `driftlab directions --model MODEL --out DIR`, then pass "
-                                     "--directions DIR.")
-        if self.directions is None:
-            return [None] * len(systems)
-        if config is not None:
-            self.directions.check_layers(config)
-        rows = []
-        for i, system in enumerate(systems):
-            found = self.directions.for_system(system)
-            if found is None and config is not None and config.steers:
-                shown = "no system prompt" if system is None else f"system prompt {system[:60]!r}"
-                raise DriftlabError(f"Conversation {i} has {shown}, and the directions at {self.directions.path} hold "
-                                    f"none for it (they hold: {', '.join(sorted(self.directions.personas))}).",
-                                    hint="Compute directions for this prompt: driftlab directions --system TEXT, "
-                                         "or --personas ID,...")
-            rows.append(None if found is None else found.row(config))
-        return rows
+        return [None if found is None else found.row(config)
+                for found in row_directions(self.directions, systems, interventions, self.name)]
 
     def describe(self) -> dict[str, Any]:
         if self._attachment is not None:
@@ -465,17 +447,8 @@ class HFChatBackend:
 
     def render(self, conversation: Conversation, add_generation_prompt: bool = True,
                interventions: Interventions | None = None) -> Rendered:
-        """The tokens the model is given; with PASTA on marked text (in `interventions`), the
-        markers are removed and become emphasis spans."""
-        marker = interventions.emphasis_marker() if interventions is not None else None
-        if marker is None:
-            rendered = self.renderer.render(conversation, add_generation_prompt)
-        else:
-            clean, emphasis = strip_emphasis(conversation, marker)
-            rendered = self.renderer.render(clean, add_generation_prompt, emphasis=emphasis)
-        if interventions is not None and interventions.kinds & {"pi-floor", "when-drifting"}:  # their reference turn
-            rendered = replace(rendered, first_turn=self.renderer.first_turn(conversation, rendered.ids))
-        return rendered
+        """The tokens the model is given (`Renderer.render_for`)."""
+        return self.renderer.render_for(conversation, add_generation_prompt, interventions)
 
     @torch.inference_mode()
     def loglikelihood(
@@ -503,7 +476,7 @@ class HFChatBackend:
         alpha = interventions.guidance()
         steers = interventions.residual() is not None and interventions.residual().steers
         # Nothing to record in a score: the residual stream matters here only where it is steered.
-        residual = self.residual_rows([_system_of(c) for c in contexts], interventions) if steers else None
+        residual = self.residual_rows([system_of(c) for c in contexts], interventions) if steers else None
         rows, plain_rows, spans, n_cont = [], [], [], []
         for i, (conv, cont) in enumerate(zip(contexts, continuations, strict=True)):
             validate_conversation(conv, i)
@@ -550,7 +523,7 @@ class HFChatBackend:
         for i, conv in enumerate(contexts):
             validate_conversation(conv, i)
         rendered = [self.render(interventions.model_view(c), interventions=interventions) for c in contexts]
-        ivs, _ = self._gated(rendered, interventions, [_system_of(c) for c in contexts])
+        ivs, _ = self._gated(rendered, interventions, [system_of(c) for c in contexts])
         out: dict[int, LogLikelihood] = {}
         for iv in {id(v): v for v in ivs}.values():  # the steer, its off half: one call each
             rows = [i for i, v in enumerate(ivs) if v is iv]
@@ -977,10 +950,6 @@ class HFChatBackend:
         tail = self.tokenizer.decode(tokens[-8:], skip_special_tokens=True)
         return any(s in tail for s in self.renderer.stop_strings)
 
-    def _cut_stop(self, text: str) -> str:
-        cut = min((text.find(s) for s in self.renderer.stop_strings if s in text), default=-1)
-        return text[:cut] if cut >= 0 else text
-
     def _pad_id(self) -> int:
         for cand in (self.tokenizer.pad_token_id, self.model.generation_config.pad_token_id):
             if isinstance(cand, int):
@@ -1044,25 +1013,6 @@ class HFChatBackend:
 def _check_decode(decode: str) -> None:
     if decode not in DECODE_MODES:
         raise DriftlabError(f"Unknown decode mode {decode!r}.", hint=f"Use one of {', '.join(DECODE_MODES)}.")
-
-
-def _shape(config) -> ModelShape:
-    text = config.get_text_config()
-    return ModelShape(
-        layers=text.num_hidden_layers, heads=text.num_attention_heads,
-        kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-        max_context=getattr(config, "max_position_embeddings", None),
-        layer_types=tuple(getattr(text, "layer_types", None) or ()),
-        sliding_window=getattr(text, "sliding_window", None),
-        vocab_size=getattr(text, "vocab_size", None),
-    )
-
-
-def _system_of(conversation: Conversation | Rendered) -> str | None:
-    """The system prompt a conversation starts with (what picks its persona direction), else None."""
-    if isinstance(conversation, Rendered) or not conversation or conversation[0]["role"] != "system":
-        return None
-    return conversation[0]["content"]
 
 
 def _without_system(conversation: Conversation) -> Conversation:
@@ -1460,7 +1410,7 @@ class _Decoding:
         toks = sampled[:-1] if ended else sampled
         text = backend.tokenizer.decode(toks, skip_special_tokens=True)
         if backend.renderer.stop_strings:
-            text = backend._cut_stop(text)
+            text = backend.renderer.cut_stop(text)
         return Reply(text=text.strip(), n_tokens=len(toks), finish_reason=self.reasons[b], token_ids=toks,
                      trace=trace, n_prompt_tokens=len(self.prompts[b]), activation=self._activation(b),
                      gate=self.gates[b],

@@ -20,6 +20,13 @@ from driftlab.errors import DriftlabError
 SpanMode = Literal["prefix", "content"]
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 REMOTE_PREFIX = "openai:"
+VLLM_PREFIX = "vllm:"  # a model run in vLLM's engine in this process (chat.vllm_backend)
+#: Steer kinds vLLM's engine cannot apply, and why (refused in one line, by configs and the backend).
+VLLM_REFUSED = {
+    "cfg": "cfg mixes each step's next-token distribution with a twin row's (the conversation without its "
+           "system prompt), and vLLM samples every request on its own",
+    "when-drifting": "when-drifting decides per turn from a traced prefill the vLLM backend does not run yet",
+}
 # A model the user built or loaded in Python and handed over (`driftlab.from_model`): manifests
 # record it as memory:NAME; only that object can run it, so it cannot be loaded by name.
 MEMORY_PREFIX = "memory:"
@@ -35,18 +42,22 @@ def _model_name(v: str) -> str:
         if not v[len(REMOTE_PREFIX) :].strip():
             raise ValueError("'openai:' needs the served model's name, e.g. openai:Qwen/Qwen2.5-7B-Instruct")
         return v
+    local = v[len(VLLM_PREFIX):] if v.startswith(VLLM_PREFIX) else v
+    if not local.strip():
+        raise ValueError("'vllm:' needs a model: a preset, a local directory or a Hub id, e.g. vllm:smollm2-135m")
     # A malformed Hub id is refused here, by string rules alone (no torch, no hub), unless a
     # directory of that name exists: a local directory comes before a Hub id.
-    if v not in PRESETS and not Path(v).expanduser().exists():
+    if local not in PRESETS and not Path(local).expanduser().exists():
         try:
-            parse_hub_id(v)
+            parse_hub_id(local)
         except DriftlabError as err:
             raise ValueError(err.message.rstrip(".")) from None  # the CLI's error line adds its own
     return v
 
 
 # A preset, a local HF model directory, a Hub id org/name[@revision], or openai:NAME for a model
-# behind an OpenAI-compatible server (resolution order: driftlab.assets.resolve).
+# behind an OpenAI-compatible server (resolution order: driftlab.assets.resolve); vllm: before any
+# local one runs it in vLLM's engine.
 ModelName = Annotated[str, Field(min_length=1), AfterValidator(_model_name)]
 Quantize = Literal["8bit", "4bit"]
 # How a local model decodes (driftlab.chat.static_decode): auto = dynamic until the GPU benchmark decides.
@@ -90,6 +101,14 @@ class Runtime(BaseModel):
     max_retries: int = Field(5, ge=0, le=50, description="retries on 429, 5xx and connection errors")
     ray: str | None = Field(None, min_length=1, description="Ray cluster address ('local' starts one here)")
     actors: int | None = Field(None, ge=1, le=4096, description="Ray actors (default: one per GPU, else 2)")
+    # vLLM's engine (vllm: models)
+    tensor_parallel: int = Field(1, ge=1, le=64, description="vllm: GPUs one model is split over (tensor parallelism)")
+    memory_fraction: float | None = Field(
+        None, gt=0.0, le=1.0, allow_inf_nan=False,
+        description="vllm: share of the GPU's memory (a CPU host's) the engine takes (default: vLLM's 0.92 on a GPU, "
+                    "a 2 GiB KV cache on a CPU)")
+    max_model_len: int | None = Field(None, ge=16, le=1 << 24, description="vllm: longest context (default: the model's)")
+    prefix_caching: bool = Field(True, description="vllm: reuse the KV cache of shared prompt prefixes")
 
     @field_validator("base_url")
     @classmethod
@@ -110,7 +129,8 @@ class BackendSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: ModelName = Field(
-        DEFAULT_MODEL, description="preset, local HF model directory, Hub id org/name[@rev] or openai:NAME")
+        DEFAULT_MODEL, description="preset, local HF model directory, Hub id org/name[@rev] or openai:NAME; "
+                                   "vllm:MODEL runs a local one in vLLM's engine")
     dtype: Dtype = "auto"
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     span: SpanMode = Field("content", description="which tokens are the system prompt: its text or its whole turn")
@@ -127,6 +147,10 @@ class BackendSpec(BaseModel):
     @property
     def remote(self) -> bool:
         return self.model.startswith(REMOTE_PREFIX)
+
+    @property
+    def vllm(self) -> bool:
+        return self.model.startswith(VLLM_PREFIX)
 
     @field_validator("directions")
     @classmethod

@@ -13,11 +13,13 @@ template that dropped it) the renderer prepends it, so every prompt starts as in
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from driftlab.chat.base import Rendered
 from driftlab.errors import DriftlabError
 from driftlab.messages import Message
-from driftlab.steering.emphasis import token_spans
+from driftlab.steering.emphasis import strip_emphasis, token_spans
+from driftlab.steering.interventions import Interventions
 
 PLAIN_TEMPLATE = (
     "{%- for m in messages -%}"
@@ -92,6 +94,27 @@ class Renderer:
         if emphasis is not None and any(emphasis):
             marked = tuple(token_spans(text, [m["content"] for m in conversation], emphasis, *offsets))
         return Rendered(ids=ids, text=text, system_span=span, emphasis=marked)
+
+    def render_for(self, conversation: Sequence[Message], add_generation_prompt: bool = True,
+                   interventions: Interventions | None = None) -> Rendered:
+        """The tokens a local engine gives the model under `interventions`: with PASTA on marked text,
+        the markers removed and turned into emphasis spans; with a pi floor or `when-drifting`, the
+        first turn marked (their reference). Every engine renders through this, so their tokens and
+        spans are the same."""
+        marker = interventions.emphasis_marker() if interventions is not None else None
+        if marker is None:
+            rendered = self.render(conversation, add_generation_prompt)
+        else:
+            clean, emphasis = strip_emphasis(conversation, marker)
+            rendered = self.render(clean, add_generation_prompt, emphasis=emphasis)
+        if interventions is not None and interventions.kinds & {"pi-floor", "when-drifting"}:
+            rendered = replace(rendered, first_turn=self.first_turn(conversation, rendered.ids))
+        return rendered
+
+    def cut_stop(self, text: str) -> str:
+        """A reply's text up to the first stop string (a base model's next speaker), if any."""
+        cut = min((text.find(s) for s in self.stop_strings if s in text), default=-1)
+        return text[:cut] if cut >= 0 else text
 
     def first_turn(self, conversation: Sequence[Message], ids: list[int]) -> int | None:
         """The token index, in `ids` (the conversation's rendering), of the last prompt token of its

@@ -97,6 +97,17 @@ MaxRetriesOpt = Annotated[int, typer.Option(
 RayOpt = Annotated[str | None, typer.Option(
     "--ray", help="Shard a local model's work over Ray actors: 'local' starts a cluster here, else its address.")]
 ActorsOpt = Annotated[int | None, typer.Option(help="Ray actors (default: one per GPU, else 2).")]
+# vLLM's engine (chat.spec.Runtime): a vllm:MODEL
+TensorParallelOpt = Annotated[int, typer.Option(
+    "--tensor-parallel", help="vllm: models: GPUs the model is split over (vLLM's tensor parallelism).")]
+MemoryFractionOpt = Annotated[float | None, typer.Option(
+    help="vllm: models: share of the GPU's memory (a CPU host's) vLLM's engine takes (default: 0.92 on a GPU, "
+         "a 2 GiB KV cache on a CPU).")]
+MaxModelLenOpt = Annotated[int | None, typer.Option(help="vllm: models: longest context the engine serves "
+                                                         "(default: the model's).")]
+PrefixCachingOpt = Annotated[bool, typer.Option(
+    "--prefix-caching/--no-prefix-caching",
+    help="vllm: models: reuse the KV cache of shared prompt prefixes (a steered request only reuses its own steer's).")]
 
 
 # name -> (annotation, default) of each option that chooses a backend, by group
@@ -107,18 +118,21 @@ _SPAN = {"span": (SpanOpt, "content")}
 _REMOTE = {"base_url": (BaseUrlOpt, None), "api_key_env": (ApiKeyEnvOpt, "OPENAI_API_KEY"),
            "concurrency": (ConcurrencyOpt, 8), "timeout": (TimeoutOpt, 300.0), "max_retries": (MaxRetriesOpt, 5)}
 _RAY = {"ray": (RayOpt, None), "actors": (ActorsOpt, None)}
+_VLLM = {"tensor_parallel": (TensorParallelOpt, 1), "memory_fraction": (MemoryFractionOpt, None),
+         "max_model_len": (MaxModelLenOpt, None), "prefix_caching": (PrefixCachingOpt, True)}
 
 
 def backend_options(*, span: bool = True, remote: bool = False, ray: bool = False) -> Callable[[F], F]:
     """Give a command the options that choose its backend, as one validated `backend: BackendSpec`.
 
-    --model, --dtype, --device, --device-map, --quantize, --decode and --directions always; --span (which tokens are the
+    --model, --dtype, --device, --device-map, --quantize, --decode and --directions always, and vLLM's engine
+    options (--tensor-parallel, --memory-fraction, --max-model-len, --prefix-caching); --span (which tokens are the
     system prompt) unless `span=False`; --base-url, --api-key-env, --concurrency, --timeout and
     --max-retries for commands that may run on an OpenAI-compatible server (`remote`); --ray
     and --actors for those that can shard a local model over Ray (`ray`). The command declares
     a `backend` parameter; the options take its place in the signature Typer reads.
     """
-    options = {**_LOCAL, **(_SPAN if span else {}), **(_REMOTE if remote else {}), **(_RAY if ray else {})}
+    options = {**_LOCAL, **_VLLM, **(_SPAN if span else {}), **(_REMOTE if remote else {}), **(_RAY if ray else {})}
     if remote:
         options["model"] = (RemoteModelOpt, DEFAULT_MODEL)
 

@@ -218,7 +218,10 @@ def report(
             typer.echo(str(path))
         typer.echo(_status(run_dir, manifest))
     else:
-        from driftlab.report.html import SUMMARY_CSV, write_report  # matplotlib and pandas: after the manifest
+        from driftlab.report.html import (  # matplotlib and pandas: after the manifest
+            SUMMARY_CSV,
+            write_report,
+        )
 
         console = Console()
         summary = print_summary(run_dir, console)

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter
 
 from driftlab.bench.probes import PROBE_VERSION_ALIASES
 from driftlab.chat.base import ChatBackend
-from driftlab.chat.spec import BackendSpec
+from driftlab.chat.spec import VLLM_REFUSED, BackendSpec
 from driftlab.console import WorkProgress, err_console
 from driftlab.errors import DriftlabError
 from driftlab.records.rundir import RunDir
@@ -59,8 +59,14 @@ class ProtocolConfig(BaseModel):
 
 def directions_given(backend: BackendSpec, steers: Iterable[Any]) -> None:
     """A config's check: residual-stream steers (vector, cap) and a gate by projection need the
-    backend's persona directions.
+    backend's persona directions, and a vllm: model refuses the kinds vLLM cannot apply.
     Raised in a config validator, so a run without them stops in one line before anything loads."""
+    steers = list(steers)
+    if backend.vllm:
+        refused = sorted({s.kind for s in steers} & VLLM_REFUSED.keys())
+        if refused:
+            raise ValueError(f"{backend.model} cannot apply --steer {refused[0]}: {VLLM_REFUSED[refused[0]]}; "
+                             "run it on the transformers engine (drop 'vllm:')")
     kinds = sorted({s.kind for s in steers if getattr(s, "hook", None) == "residual"}
                    | {"when-drifting:by=projection" for s in steers if getattr(s, "by", None) == "projection"})
     if kinds and not backend.directions:

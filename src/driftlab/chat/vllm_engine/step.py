@@ -1,0 +1,369 @@
+"""vLLM's batch, mapped onto driftlab's per-row state: one `StepPlan` per forward pass.
+
+vLLM runs a flat batch: the scheduled tokens of every request back to back (`query_start_loc`),
+each request's keys in the paged KV cache (`block_table`, `seq_lens`), requests in the order of
+the model runner's input batch (`input_batch.req_ids`). A plan, built at the first driftlab call
+of a pass (an attention layer), finds the requests that carry a `SteerPayload` and lays them out
+the way driftlab's state objects expect a batch:
+
+* attention: rows with the same number of queries in this step form a group; each group's keys
+  are gathered from the paged cache into a left-padded [B, Hkv, K, d] layout (the transformers
+  engine's own), with an `AttentionState` and a key mask, and `attention.engine.driftlab_attention`
+  computes them as it does for the transformers engine (key biases, split-softmax, pi floor, pi);
+* the residual stream: each steered row's tokens and its direction (`steer_stream`, the one
+  definition of vector and cap), and the last token of each row, whose projection is recorded.
+
+What a pass recorded (pi per layer and head, projections, sums of activations) is folded into the
+requests' `Record`s when the pass is over (the next plan, or `Engine.take`), for the steps that
+produced a token: a prompt's last chunk and every decode step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from driftlab.activation.state import ResidualRow, steer_stream
+from driftlab.attention.config import AttentionConfig
+from driftlab.attention.state import AttentionState
+from driftlab.chat.vllm_engine.payload import SteerPayload
+from driftlab.errors import DriftlabError
+from driftlab.steering.interventions import Interventions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Record:
+    """What the worker recorded of one request, per step that produced a token, until the driftlab
+    process takes it (`Engine.take`). Per step, not summed: the backend keeps the first n, the
+    steps of the n tokens the request returned (an engine that schedules ahead may run one more)."""
+
+    pi: list[torch.Tensor] = field(default_factory=list)  # [L, H] at the query predicting each token
+    prefill_pi: list[torch.Tensor] = field(default_factory=list)  # prompt chunks: [q, L, H] (trace:prefill)
+    proj: list[torch.Tensor] = field(default_factory=list)  # [L] at the position predicting each token
+    prefill_proj: list[torch.Tensor] = field(default_factory=list)  # prompt chunks: [q, L] (keep_prefill)
+    acts: list[torch.Tensor] = field(default_factory=list)  # [L, d] hidden state there (capture)
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        """The non-empty fields, stacked (steps first) or, for prompt chunks, concatenated."""
+        out = {name: torch.stack(getattr(self, name)) for name in ("pi", "proj", "acts") if getattr(self, name)}
+        out.update({name: torch.cat(getattr(self, name)) for name in ("prefill_pi", "prefill_proj")
+                    if getattr(self, name)})
+        return out
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A payload read once: its attention config (None: plain attention) and residual row (None: no
+    direction), kept per payload (a request's payload is the same at every step)."""
+
+    payload: SteerPayload
+    attention: AttentionConfig | None
+    residual: ResidualRow | None
+
+
+@dataclass
+class Row:
+    """One steered request in this pass: where its tokens are and what they are."""
+
+    index: int  # its position in vLLM's batch
+    parsed: Parsed
+    start: int  # its tokens in the flat batch: [start, start + q)
+    q: int
+    seq_len: int  # its keys after this step
+    produces: bool  # this step's last query predicts a token (the prompt is complete)
+    prompt_queries: int  # how many of this step's queries are prompt tokens (a prefill's: all)
+
+    @property
+    def first_step(self) -> bool:
+        return self.seq_len == self.q
+
+
+class AttentionGroup:
+    """Rows with the same query count (and prefill tracing), laid out as the transformers engine lays out
+    a left-padded batch: row b's keys fill slots [pads[b], K), its queries are the last q slots."""
+
+    def __init__(self, rows: list[Row], block_table: torch.Tensor, block_size: int, n_layers: int, n_heads: int,
+                 device: torch.device) -> None:
+        self.rows = rows
+        q = rows[0].q
+        K = max(r.seq_len for r in rows)
+        pads = [K - r.seq_len for r in rows]
+        configs = [r.parsed.attention or AttentionConfig() for r in rows]
+        spans = [r.parsed.payload.spans for r in rows]
+        state = AttentionState(configs, spans, n_layers, n_heads, device)
+        state.on_layout(pads, K, K, ends=[p + r.parsed.payload.prompt_len for p, r in zip(pads, rows, strict=True)])
+        floored = [r for r in rows if r.parsed.payload.floors is not None]
+        if floored:
+            values = torch.zeros(len(rows), n_layers, n_heads)
+            for b, r in enumerate(rows):
+                if r.parsed.payload.floors is not None:
+                    values[b] = torch.tensor(r.parsed.payload.floors)
+            state.set_floors(values, [r.parsed.payload.first_query for r in rows])
+        if not all(r.first_step for r in rows):
+            state.resume()  # a decode step (or a later chunk): not the call's prefill
+        state.forward_kwargs(K)
+        self.state = state
+        # Where each row's keys sit in the paged cache: block and offset per slot (padding: slot 0, masked).
+        slots = torch.arange(K)[None, :] - torch.tensor(pads)[:, None]  # [B, K] token index per slot
+        real = slots >= 0
+        token = slots.clamp_min(0)
+        table = block_table[[r.index for r in rows]].to(torch.long)  # [B, max blocks]
+        self.block = torch.where(real, table.gather(1, token // block_size), 0).to(device)
+        self.offset = torch.where(real, token % block_size, 0).to(device)
+        self.queries = (torch.tensor([r.start for r in rows])[:, None] + torch.arange(q)[None, :]).to(device)  # [B, q]
+        query_slots = torch.arange(K - q, K)[:, None]  # [q, 1]
+        self.mask = (real[:, None, :] & (torch.arange(K)[None, None, :] <= query_slots[None])).to(device)[:, None]
+
+    def gather(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' keys and values [B, Hkv, K, d] from vLLM's CPU cache (`cache_regions`)."""
+        keys, values = cache_regions(kv_cache)
+        return keys[self.block, :, :, self.offset].transpose(1, 2), values[self.block, :, self.offset].transpose(1, 2)
+
+
+def cache_regions(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's CPU KV cache [blocks, Hkv, block_size, 2 d] as its kernel lays it out ('vec' ISA): per block
+    and head, the keys transposed [d, block_size], then the values [block_size, d]. Returns views
+    ([blocks, Hkv, d, block_size], [blocks, Hkv, block_size, d]); `Engine.check_layout` verifies them."""
+    n_blocks, n_kv, block_size, two_d = kv_cache.shape
+    d = two_d // 2
+    regions = kv_cache.view(n_blocks, n_kv, 2, block_size * d)
+    return regions[:, :, 0].view(n_blocks, n_kv, d, block_size), regions[:, :, 1].view(n_blocks, n_kv, block_size, d)
+
+
+class ResidualPlan:
+    """The residual stream's part of a pass: the tokens of rows with a direction, their rows' knobs per
+    token, and each row's last token (whose projection is recorded)."""
+
+    def __init__(self, rows: list[Row], n_layers: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.rows = rows
+        tokens, owner = [], []
+        for i, r in enumerate(rows):
+            tokens.append(torch.arange(r.start, r.start + r.q))
+            owner.append(torch.full((r.q,), i))
+        self.tokens = torch.cat(tokens).to(device)  # [n] flat-batch index of every token of these rows
+        owner_t = torch.cat(owner)
+        self.last = torch.tensor([r.start + r.q - 1 for r in rows], device=device)  # [R]
+        self.last_local = torch.tensor([sum(x.q for x in rows[: i + 1]) - 1 for i in range(len(rows))], device=device)
+        unit = torch.stack([r.parsed.residual.unit for r in rows]).float()  # [R, L, d]
+        add = torch.stack([r.parsed.residual.add for r in rows])  # [R, L]
+        tau = torch.stack([r.parsed.residual.tau for r in rows])
+        self.unit = unit.to(device)
+        self.unit_h = self.unit.to(dtype)
+        self.unit_tok = unit[owner_t].to(device)  # [n, L, d]
+        self.unit_tok_h = self.unit_tok.to(dtype)
+        self.add_tok = add[owner_t].to(device=device, dtype=dtype)  # [n, L]
+        self.tau_tok = tau[owner_t].to(device)
+        self.adds = (add != 0).any(0).tolist()  # per layer: some row adds or caps there
+        self.caps = torch.isfinite(tau).any(0).tolist()
+        self.every = any(r.parsed.payload.keep_prefill for r in rows)
+        self.capture = any(r.parsed.payload.capture for r in rows)
+        self.proj = torch.zeros(len(rows), n_layers, device=device)  # [R, L] at each row's last token
+        self.all_proj: list[torch.Tensor | None] = [None] * n_layers  # [n] every token's (keep_prefill)
+        self.acts: torch.Tensor | None = None  # [R, L, d] hidden state at each row's last token (capture)
+
+    def apply(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        """Layer `layer`'s output, the stream hidden + residual ([N, d] each, vLLM's fused-add form):
+        steered in place where a row steers (hidden zeroed, residual the steered stream, so the next
+        layer's fused add reads it exactly), and its projections recorded."""
+        adds, caps = self.adds[layer], self.caps[layer]
+        steers = adds or caps
+        every = steers or self.every
+        at = self.tokens if every else self.last
+        h = (hidden[at] + residual[at])[:, None, :]  # [n, 1, d]
+        if every:
+            knobs = (self.unit_tok[:, layer], self.unit_tok_h[:, layer], self.add_tok[:, layer], self.tau_tok[:, layer])
+        else:  # read only: each row's last token, as the transformers engine reads a pass
+            knobs = (self.unit[:, layer], self.unit_h[:, layer], None, None)
+        h, p = steer_stream(h, *knobs, adds=adds, caps=caps, every=every)
+        if steers:
+            hidden[at] = 0
+            residual[at] = h[:, 0]
+        p = p[:, 0]
+        if every:
+            if self.every:
+                self.all_proj[layer] = p
+            last_p, last_h = p[self.last_local], h[self.last_local, 0]
+        else:
+            last_p, last_h = p, h[:, 0]
+        self.proj[:, layer] = last_p
+        if self.capture:
+            if self.acts is None:
+                self.acts = torch.zeros(len(self.rows), len(self.adds), h.shape[-1], device=h.device)
+            self.acts[:, layer] = last_h.float()
+
+
+class StepPlan:
+    """The driftlab rows of one forward pass, laid out for attention and the residual stream."""
+
+    def __init__(self, context: Any, rows: list[Row], groups: list[AttentionGroup],
+                 residual: ResidualPlan | None) -> None:
+        self.context = context  # vLLM's ForwardContext of the pass (identity: a new pass, a new plan)
+        self.rows, self.groups, self.residual = rows, groups, residual
+
+    def fold(self, records: dict[str, Record], n_layers: int) -> None:
+        """The pass's recordings into each request's Record (the steps that produced a token)."""
+        for group in self.groups:
+            state = group.state
+            if not state.trace or not state.records[0]:
+                continue
+            pis = torch.stack([recs[-1] for recs in state.records], dim=0)  # [L, B, H, q|1]
+            for b, row in enumerate(group.rows):
+                if not (row.parsed.attention and row.parsed.attention.trace):
+                    continue
+                rec = records.setdefault(row.parsed.payload.id, Record())
+                if state.config.trace_prefill and row.prompt_queries and state.prefilling:
+                    rec.prefill_pi.append(pis[:, b, :, : row.prompt_queries].permute(2, 0, 1).cpu())
+                if row.produces:
+                    rec.pi.append(pis[:, b, :, -1].cpu())
+        plan = self.residual
+        if plan is None:
+            return
+        offset = 0
+        for i, row in enumerate(plan.rows):
+            rec = records.setdefault(row.parsed.payload.id, Record())
+            if row.parsed.payload.keep_prefill and row.prompt_queries and plan.all_proj[0] is not None:
+                per_layer = torch.stack([p[offset : offset + row.prompt_queries] for p in plan.all_proj], dim=-1)
+                rec.prefill_proj.append(per_layer.cpu())
+            offset += row.q
+            if row.produces:
+                rec.proj.append(plan.proj[i].cpu())
+                if plan.acts is not None and row.parsed.payload.capture:
+                    rec.acts.append(plan.acts[i].cpu())
+
+
+class Engine:
+    """driftlab's state in one vLLM worker: the model's shape, the directions, each pass's plan and the
+    requests' records. The attention backend and the residual op ask it for the current plan."""
+
+    def __init__(self, runner: Any, n_layers: int, n_heads: int, d_model: int) -> None:
+        self.runner = runner
+        self.n_layers, self.n_heads, self.d_model = n_layers, n_heads, d_model
+        self.directions = None
+        self.records: dict[str, Record] = {}
+        self._parsed: OrderedDict[str, Parsed] = OrderedDict()
+        self._plan: StepPlan | None = None
+        self._layout_checked = False
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+
+    # -- from the driftlab process (collective_rpc) -------------------------------------------------------
+    def use_directions(self, path: str | None) -> None:
+        from driftlab.activation.directions import Directions
+
+        self.directions = Directions.load(path) if path else None
+        self._parsed.clear()
+
+    def take(self, ids: list[str]) -> list[dict[str, Any] | None]:
+        """Each request's record (None: nothing recorded), handed over and forgotten."""
+        self._close()
+        return [rec.as_dict() if (rec := self.records.pop(i, None)) is not None else None for i in ids]
+
+    # -- per pass ------------------------------------------------------------------------------------------
+    def plan(self) -> StepPlan | None:
+        """The current pass's plan (None: no request of the batch carries a steer), built once per pass."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return None
+        context = get_forward_context()
+        if self._plan is not None and self._plan.context is context:
+            return self._plan
+        self._close()
+        self._plan = self._build(context)
+        return self._plan
+
+    def check_layout(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                     metadata: Any) -> None:
+        """Once per process, before the first steered attention: the keys and values this pass wrote
+        must read back from the cache as `cache_regions` reads them, or the engine stops with one line
+        (another kernel ISA, another vLLM) instead of steering from the wrong numbers."""
+        if self._layout_checked:
+            return
+        slots = metadata.slot_mapping[: metadata.num_actual_tokens].to(torch.long)
+        keys, values = cache_regions(kv_cache)
+        block_size = kv_cache.shape[2]
+        block, offset = slots // block_size, slots % block_size
+        n = len(slots)
+        same = torch.equal(keys[block, :, :, offset], key[:n].to(keys.dtype)) and \
+            torch.equal(values[block, :, offset], value[:n].to(values.dtype))
+        if not same:
+            raise DriftlabError(f"vLLM's paged KV cache on this machine (attention ISA {getattr(layer, 'isa', '?')}) is "
+                                "not laid out as driftlab reads it, so attention steers and pi cannot run here.",
+                                hint="Run without attention steers and trace, or on the transformers engine.")
+        self._layout_checked = True
+
+    def _close(self) -> None:
+        if self._plan is not None:
+            self._plan.fold(self.records, self.n_layers)
+            self._plan = None
+
+    def _build(self, context: Any) -> StepPlan | None:
+        metadata = context.attn_metadata
+        if isinstance(metadata, dict):
+            metadata = next(iter(metadata.values()), None)
+        if metadata is None or not hasattr(metadata, "query_start_loc"):
+            return None
+        runner = self.runner
+        batch = runner.input_batch
+        n = len(metadata.seq_lens)
+        req_ids = batch.req_ids[:n]
+        starts = metadata.query_start_loc.tolist()
+        seq_lens = metadata.seq_lens.tolist()
+        rows = []
+        for i, req_id in enumerate(req_ids):
+            state = runner.requests.get(req_id)
+            params = getattr(state, "sampling_params", None)
+            payload = SteerPayload.of(getattr(params, "extra_args", None))
+            if payload is None:
+                continue
+            q = starts[i + 1] - starts[i]
+            before = seq_lens[i] - q
+            prompt = state.num_prompt_tokens
+            rows.append(Row(index=i, parsed=self._parse(payload), start=starts[i], q=q, seq_len=seq_lens[i],
+                            produces=seq_lens[i] >= prompt, prompt_queries=max(0, min(q, prompt - before))))
+        if not rows:
+            return None
+        groups = self._groups(rows, metadata)
+        steered = [r for r in rows if r.parsed.residual is not None]
+        residual = ResidualPlan(steered, self.n_layers, self.device, self.dtype) if steered else None
+        return StepPlan(context, rows, groups, residual)
+
+    def _groups(self, rows: list[Row], metadata: Any) -> list[AttentionGroup]:
+        active = [r for r in rows if r.parsed.attention is not None and r.parsed.attention.active]
+        by_shape: dict[tuple, list[Row]] = {}
+        for r in active:
+            by_shape.setdefault((r.q, r.first_step, r.parsed.attention.shared()), []).append(r)
+        block_size = self.block_size
+        return [AttentionGroup(group, metadata.block_table, block_size, self.n_layers, self.n_heads, self.device)
+                for group in by_shape.values()]
+
+    @property
+    def block_size(self) -> int:
+        return int(self.runner.cache_config.block_size)
+
+    def _parse(self, payload: SteerPayload) -> Parsed:
+        key = payload.model_dump_json()
+        held = self._parsed.get(key)
+        if held is None:
+            iv = Interventions.parse(list(payload.steer))
+            config = iv.attention()
+            residual = None
+            if payload.direction is not None:
+                if self.directions is None or payload.direction not in self.directions.personas:
+                    raise DriftlabError(f"The vLLM worker holds no direction {payload.direction!r}.",
+                                        hint="Start the engine with the directions the request names.")
+                residual = self.directions.personas[payload.direction].row(iv.residual())
+            held = self._parsed[key] = Parsed(payload, config, residual)
+            while len(self._parsed) > 4096:
+                self._parsed.popitem(last=False)
+        return held
+
+
+#: The engine of this process's worker (set when the worker loads its model; None elsewhere).
+ENGINE: Engine | None = None

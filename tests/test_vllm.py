@@ -1,0 +1,263 @@
+"""driftlab inside vLLM (`--model vllm:NAME`): every steer and every measure against the transformers engine.
+
+vLLM's engine and driftlab's transformers engine run SmolLM2-135M in float32 side by side; for
+each steer kind, greedy replies must be token for token the same, each token's log-probability
+within 1e-3, pi within 1e-4 and the persona projections within 1e-4 (relative to the projection's
+own scale: the two engines' float32 kernels round differently, and a late layer's stream is
+O(10)). These need vLLM (the vllm extra): where it is not installed they are skipped, and CI runs
+them in its second environment (.ci/run). The engines start once per module (vLLM eager: ~10 s).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from driftlab.chat import BackendSpec, ChatRequest, Sampling, make_backend
+from driftlab.chat.base import Rendered
+from driftlab.errors import DriftlabError
+from driftlab.records.rundir import RunDir
+from driftlab.steering import Interventions
+from test_activation import FRENCH, PIRATE, synthetic
+from vllm_replies import as_json
+
+pytestmark = pytest.mark.vllm
+
+GREEDY = Sampling(greedy=True, max_new_tokens=16)
+LOGPROB_TOL, PI_TOL, PROJ_TOL = 1e-3, 1e-4, 1e-4
+# Every kind the vLLM backend applies, alone and composed (heads and layers spelt out, as requests do).
+STEERS = {
+    "plain": [],
+    "trace": ["trace"],
+    "split-softmax": ["split-softmax:k=0.6", "trace"],
+    "split-softmax-heads": ["split-softmax:k=0.3,heads=0-5+9.1"],
+    "instaboost": ["instaboost:m=5", "trace"],
+    "bias": ["bias:value=2.0,heads=3+5.1", "trace"],
+    "pasta": ["pasta:heads=3.1+5.2+11,span=system", "trace"],
+    "pasta-all": ["pasta:heads=3.1+5.2,span=system,scope=all,alpha=0.05"],
+    "pi-floor": ["pi-floor:f=0.9", "trace"],
+    "vector": ["vector:alpha=2"],
+    "cap": ["cap:q=0.9", "trace"],
+    "composed": ["vector:alpha=-2,layers=2-20", "split-softmax:k=0.7", "instaboost:m=2", "trace"],
+    "spr": ["spr:p=1.0", "trace"],
+}
+
+
+def _conv(system: str, user: str) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+DIALOG = [*_conv(FRENCH, "What do you do in London as a tourist?"),
+          {"role": "assistant", "content": "Bonjour ! Je visite les musées."}, {"role": "user", "content": "And then?"}]
+CONVS = [_conv(FRENCH, "What do you do in London as a tourist?"), _conv(PIRATE, "Hello there, how are you?"), DIALOG]
+# Prompts past vLLM's 128-token blocks, sharing a system prompt: what its prefix cache keeps.
+RULES = FRENCH + " " + " ".join(f"Rule {i}: answer politely and briefly." for i in range(30))
+LONG = [_conv(RULES, "What do you do in London?"), _conv(RULES, "What is your name?")]
+
+
+@pytest.fixture(scope="module")
+def directions(tmp_path_factory) -> Path:
+    """Synthetic persona directions for FRENCH, PIRATE and RULES on SmolLM2's shape, on disk (vLLM's worker reads them)."""
+    out = tmp_path_factory.mktemp("dirs")
+    synthetic(30, 576, [FRENCH, PIRATE, RULES]).save(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(directions):
+    """(transformers engine, vLLM engine), both float32, both given the directions."""
+    hf = make_backend(BackendSpec(model="smollm2-135m", dtype="float32", directions=str(directions)))
+    vl = make_backend(BackendSpec(model="vllm:smollm2-135m", dtype="float32", directions=str(directions)))
+    return hf, vl
+
+
+def _same_reply(a, b, what: str) -> None:
+    """Replies (`Reply`s, or their JSON from a fresh process: vllm_replies.as_json) that agree as the module says."""
+    a, b = (r if isinstance(r, dict) else as_json(r) for r in (a, b))
+    assert a["token_ids"] == b["token_ids"], f"{what}: {a['text']!r} vs {b['text']!r}"
+    assert a["text"] == b["text"] and a["finish_reason"] == b["finish_reason"]
+    if a["logprobs"] is not None:
+        gaps = np.abs(np.array(a["logprobs"]) - np.array(b["logprobs"]))
+        assert gaps.max(initial=0.0) < LOGPROB_TOL, (what, gaps.max())
+    assert (a["pi"] is None) == (b["pi"] is None), what
+    if a["pi"] is not None:
+        np.testing.assert_allclose(np.array(b["pi"]), np.array(a["pi"]), atol=PI_TOL, rtol=0, err_msg=what)
+    assert (a["activation"] is None) == (b["activation"] is None), what
+    if a["activation"] is not None:
+        for key in ("reply", "prompt", "last"):
+            x, y = np.array(a["activation"][key]), np.array(b["activation"][key])
+            np.testing.assert_allclose(y, x, atol=PROJ_TOL * max(1.0, float(np.abs(x).max())), rtol=0,
+                                       err_msg=f"{what} {key}")
+
+
+def _elsewhere(tmp_path: Path, spec: dict, kinds: list[str], convs: str = "CONVS") -> dict:
+    """An engine of other options in a fresh process (vLLM keeps one engine per process): its replies
+    to the conversations named `convs` under each steer of `kinds`, and its describe()."""
+    out = tmp_path / "replies.json"
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_replies.py")), json.dumps(spec),
+                           json.dumps([STEERS[k] for k in kinds]), convs, str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("kind", list(STEERS))
+def test_every_steer_in_vllm_matches_the_transformers_engine(engines, kind) -> None:
+    hf, vl = engines
+    request = ChatRequest(CONVS, GREEDY, interventions=Interventions.parse(STEERS[kind]), logprobs=3)
+    for i, (a, b) in enumerate(zip(hf.generate(request), vl.generate(request), strict=True)):
+        _same_reply(a, b, f"{kind} row {i}")
+        assert [alt for alt, _ in a.logprobs[0].top] == [alt for alt, _ in b.logprobs[0].top]
+        if a.end is not None:
+            assert b.end is not None and abs(a.end.logprob - b.end.logprob) < LOGPROB_TOL
+
+
+def test_mixed_steers_in_one_vllm_batch_equal_each_alone_and_a_plain_row_equals_plain(engines) -> None:
+    """Rows of different steers share vLLM's batch (one generate_tokens call, a steer per row): each
+    reply equals the same row run alone, and the unsteered row equals a plain run."""
+    _, vl = engines
+    prompt = vl.render(CONVS[0])
+    rows = [Interventions.parse(STEERS[k]) for k in ("plain", "split-softmax", "instaboost", "pi-floor", "trace")]
+    rows[3] = Interventions.parse(["bias:value=-1.5", "trace"])  # (a floor needs a first turn: generate() marks it)
+    together = vl.generate_tokens([prompt] * len(rows), GREEDY, interventions=rows, logprobs=0)
+    for i, iv in enumerate(rows):
+        (alone,) = vl.generate_tokens([prompt], GREEDY, interventions=iv, logprobs=0)
+        _same_reply(alone, together[i], f"row {i}")
+    assert len({tuple(r.token_ids) for r in together}) >= 3  # the steers do differ
+
+
+def test_prefix_cache_on_equals_off_for_steered_and_plain_rows_sharing_a_system_prompt(engines, directions,
+                                                                                       tmp_path) -> None:
+    """The same requests twice on an engine with prefix caching (the second time from cached blocks:
+    vLLM counts them) and once on an engine without: the same replies, pi and projections."""
+    _, vl = engines
+    kinds = ["trace", "split-softmax", "plain", "cap"]
+    first = [vl.generate(ChatRequest(LONG, GREEDY, interventions=Interventions.parse(STEERS[k]), logprobs=0))
+             for k in kinds]
+    cached_before = vl.cached_prompt_tokens
+    again = [vl.generate(ChatRequest(LONG, GREEDY, interventions=Interventions.parse(STEERS[k]), logprobs=0))
+             for k in kinds]
+    assert vl.cached_prompt_tokens - cached_before >= 128 * len(LONG) * len(kinds)  # every row read cached blocks
+    off = _elsewhere(tmp_path, {"model": "vllm:smollm2-135m", "dtype": "float32", "directions": str(directions),
+                                "runtime": {"prefix_caching": False}}, kinds, "LONG")
+    for s, kind in enumerate(kinds):
+        for i in range(len(LONG)):
+            _same_reply(off["replies"][s][i], first[s][i], f"{kind} row {i} first")
+            _same_reply(off["replies"][s][i], again[s][i], f"{kind} row {i} cached")
+
+
+def test_scores_traces_projections_and_activations_in_vllm_match_the_transformers_engine(engines) -> None:
+    """The other local contracts: log-likelihoods (MMLU, PASTA scoring), a prefill trace (decay),
+    teacher-forced projections (project) and mean activations (directions)."""
+    hf, vl = engines
+    iv = Interventions.parse(["split-softmax:k=0.6"])
+    for a, b in zip(hf.loglikelihood(CONVS[:2], [" Bonjour", " Arr"], iv), vl.loglikelihood(CONVS[:2], [" Bonjour", " Arr"], iv),
+                    strict=True):
+        assert abs(a.logprob - b.logprob) < LOGPROB_TOL and a.n_tokens == b.n_tokens and a.is_greedy == b.is_greedy
+    a, b = hf.trace(DIALOG), vl.trace(DIALOG)
+    np.testing.assert_allclose(b.prefill, a.prefill, atol=PI_TOL, rtol=0)
+    prompts = [hf.render(DIALOG, add_generation_prompt=False)]
+    ((_, pa),), ((_, pb),) = hf.project_prompts(prompts, [FRENCH]), vl.project_prompts(prompts, [FRENCH])
+    np.testing.assert_allclose(pb.numpy(), pa.numpy(), atol=PROJ_TOL * max(1.0, float(pa.abs().max())), rtol=0)
+    request = ChatRequest(CONVS[:2], GREEDY)
+    (ra, ma), (rb, mb) = hf.generate_activations(request), vl.generate_activations(request)
+    assert [r.token_ids for r in ra] == [r.token_ids for r in rb]
+    np.testing.assert_allclose(mb.numpy(), ma.numpy(), atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.compile
+def test_vllm_compiled_equals_eager(engines, directions, tmp_path) -> None:
+    """vLLM's compiled mode (torch.compile of the forward pass, driftlab's residual op inside it):
+    the same replies as eager, for residual and attention steers and telemetry."""
+    _, eager = engines
+    kinds = ["plain", "composed", "cap", "pasta"]
+    compiled = _elsewhere(tmp_path, {"model": "vllm:smollm2-135m", "dtype": "float32", "decode": "compiled",
+                                     "directions": str(directions)}, kinds)
+    assert compiled["describe"]["compiled"] and not eager.describe()["compiled"]
+    for s, kind in enumerate(kinds):
+        request = ChatRequest(CONVS, GREEDY, interventions=Interventions.parse(STEERS[kind]), logprobs=0)
+        for i, reply in enumerate(eager.generate(request)):
+            _same_reply(reply, compiled["replies"][s][i], f"{kind} row {i}")
+
+
+def test_what_vllm_cannot_do_is_one_line_before_any_work(engines, tmp_path, monkeypatch) -> None:
+    from driftlab.chat.vllm_engine import install
+    from tiny_models import make_tiny_model
+
+    _, vl = engines
+    with pytest.raises(DriftlabError, match="cannot apply --steer cfg: cfg mixes"):
+        vl.generate(ChatRequest(CONVS[:1], GREEDY, interventions=Interventions.parse(["cfg:alpha=1.5"])))
+    with pytest.raises(ValueError, match="vllm:smollm2-135m cannot apply --steer cfg"):
+        from driftlab.protocol.selfchat import SelfChatConfig
+
+        SelfChatConfig(backend=BackendSpec(model="vllm:smollm2-135m"), steer=["cfg:alpha=1.5"])
+    tiny = make_tiny_model("llama", tmp_path / "tiny")  # head size 16
+    with pytest.raises(DriftlabError, match="heads of size 16, which vLLM's CPU attention kernel does not take"):
+        make_backend(BackendSpec(model=f"vllm:{tiny}", dtype="float32"))
+    monkeypatch.setattr(install, "TESTED", ("0.0.1",))
+    with pytest.raises(DriftlabError, match=r"vLLM 0\.32\.0 is installed; driftlab's vLLM adapter is tested with 0\.0\.1"):
+        install.check_version()
+
+
+def test_a_selfchat_on_vllm_resumes_after_kill_9_and_reports_three_ways(commands, tmp_path) -> None:
+    """`driftlab run --model vllm:...` with directions and trace: killed after its first durable
+    batch, the same command resumes it to the uninterrupted run's records (greedy), and its report
+    shows the probe, pi and the projection."""
+    from driftlab.bench import get_persona
+
+    directions = synthetic(30, 576, [get_persona(p).system_prompt for p in ("reply-in-french", "all-caps")]).save(
+        tmp_path / "dirs").parent
+    args = ["run", "--model", "vllm:smollm2-135m", "--dtype", "float32", "--pair", "reply-in-french:very-happy",
+            "--pair", "all-caps:teen-slang", "--pairs", "0", "--rounds", "2", "--max-new-tokens", "8",
+            "--probe-tokens", "8", "--greedy", "--steer", "trace", "--directions", str(directions)]
+    ref = commands.run([*args, "--out", str(tmp_path / "ref")])
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = commands.run([*args, "--out", str(tmp_path / "run")], kill_after=1)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    kept = (tmp_path / "run" / "records.jsonl").read_bytes()
+    done = commands.run([*args, "--out", str(tmp_path / "run")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "run" / "records.jsonl").read_bytes().startswith(kept)
+    # The resumed run's dialogs are the uninterrupted one's; its pi and projections agree to the engines'
+    # tolerance (the resumed engine computes from an empty prefix cache, in batches of other rows).
+    key = lambda r: (r["kind"], r["pair"], r["round"], r.get("speaker"), r.get("persona"))  # noqa: E731
+    ref_records = {key(r): r for r in RunDir(tmp_path / "ref").records()}
+    resumed = {key(r): r for r in RunDir(tmp_path / "run").records()}
+    assert resumed.keys() == ref_records.keys() and len(resumed) == 10
+    for k, r in resumed.items():
+        want = ref_records[k]
+        assert r["text"] == want["text"], k
+        assert (r["pi"] is None) == (want["pi"] is None) and (r["activation"] is None) == (want["activation"] is None), k
+        if r["pi"] is not None:
+            np.testing.assert_allclose(r["pi"], want["pi"], atol=PI_TOL, rtol=0)
+        if r["activation"] is not None:
+            np.testing.assert_allclose(r["activation"]["reply"], want["activation"]["reply"], atol=1e-3, rtol=1e-4)
+    agent = [r for r in RunDir(tmp_path / "ref").records() if r["kind"] == "turn" and r["speaker"] == "agent"]
+    assert agent and all(r["pi"] and r["activation"] for r in agent)
+    assert RunDir(tmp_path / "ref").read_manifest()["models"]["agent"]["backend"] == "vllm"
+    page = (tmp_path / "ref" / "report.html").read_text()
+    assert "Drift three ways" in page
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    from conftest import CommandServer
+
+    server = CommandServer(tmp_path_factory.mktemp("commands"), ["driftlab.cli"])
+    yield server
+    server.close()
+
+
+def test_a_rendered_prompt_without_a_system_span_runs_plain_in_vllm(engines) -> None:
+    """A raw token prompt (no system span) under trace: pi is zero, the reply the plain one's."""
+    hf, vl = engines
+    ids = vl.render(CONVS[0]).ids
+    raw = Rendered(ids=ids, text="", system_span=None)
+    (a,), (b,) = (be.generate_tokens([raw], GREEDY, interventions=Interventions.parse(["trace"])) for be in (hf, vl))
+    _same_reply(a, b, "raw")
+    assert float(np.abs(b.trace.decode).max()) == 0.0
