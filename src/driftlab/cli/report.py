@@ -218,10 +218,7 @@ def report(
             typer.echo(str(path))
         typer.echo(_status(run_dir, manifest))
     else:
-        from driftlab.report.html import (  # matplotlib and pandas: after the manifest
-            SUMMARY_CSV,
-            write_report,
-        )
+        from driftlab.report.html import SUMMARY_CSV, write_report  # matplotlib and pandas: after the manifest
 
         console = Console()
         summary = print_summary(run_dir, console)
