@@ -261,3 +261,48 @@ def test_a_rendered_prompt_without_a_system_span_runs_plain_in_vllm(engines) -> 
     (a,), (b,) = (be.generate_tokens([raw], GREEDY, interventions=Interventions.parse(["trace"])) for be in (hf, vl))
     _same_reply(a, b, "raw")
     assert float(np.abs(b.trace.decode).max()) == 0.0
+
+
+def test_driftlab_serve_on_vllm_batches_requests_of_different_steers_with_telemetry(engines) -> None:
+    """`driftlab serve --model vllm:...`: concurrent requests, each with its own steer, decode in
+    vLLM's running batch (continuous batching), each as the engine alone replies to it, with pi
+    telemetry where asked; a stream reassembles to the whole reply."""
+    import asyncio
+
+    import httpx
+
+    from driftlab.serve import ServeSettings, create_app
+    from driftlab.serve.background import background
+
+    _, vl = engines
+    steers = [None, "split-softmax:k=0.6", "instaboost:m=5", "vector:alpha=2", "trace"] * 2
+    body = lambda steer, i: {"model": vl.name, "messages": CONVS[i % 2], "max_tokens": 12, "temperature": 0,  # noqa: E731
+                             **({"driftlab": {"steer": steer, "telemetry": True}} if steer else {})}
+    app = create_app(vl, ServeSettings(max_batch_size=16, max_wait_ms=200, max_tokens_limit=64))
+    with background(app) as url:
+        before, joined = app.state.batcher.n_batches, app.state.batcher.n_admitted
+
+        async def ask_all():
+            async with httpx.AsyncClient(timeout=300) as client:
+                return await asyncio.gather(*[client.post(f"{url}/v1/chat/completions", json=body(s, i))
+                                              for i, s in enumerate(steers)])
+
+        answers = asyncio.run(ask_all())
+        assert [a.status_code for a in answers] == [200] * len(steers), answers[0].text
+        for i, (steer, answer) in enumerate(zip(steers, answers, strict=True)):
+            iv = Interventions.parse([steer] if steer else [])
+            (alone,) = vl.generate(ChatRequest([CONVS[i % 2]], Sampling(greedy=True, max_new_tokens=12), interventions=iv))
+            got = answer.json()
+            assert got["choices"][0]["message"]["content"] == alone.text, steer
+            if steer:
+                telemetry = got["driftlab"]["telemetry"]
+                assert telemetry["pi"]["first"] > 0 and telemetry["projection"] is not None, steer
+        sizes = app.state.batcher.sizes_since(before)
+        admitted = app.state.batcher.n_admitted - joined  # rows that joined a running batch
+        assert sum(sizes) + admitted == len(steers) and len(sizes) < len(steers), (sizes, admitted)
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body("trace", 0), "stream": True},
+                          timeout=300) as streamed:
+            pieces = [json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                      for line in streamed.iter_lines() if line.startswith("data: {") and '"choices"' in line]
+        assert len([p for p in pieces if p]) > 3
+        assert "".join(pieces) == answers[4].json()["choices"][0]["message"]["content"]

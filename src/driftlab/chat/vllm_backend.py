@@ -70,9 +70,9 @@ class VLLMChatBackend:
     def __init__(self, model: str, *, dtype: str = "auto", span_mode: str = "content", decode: str = "auto",
                  directions: str | None = None, runtime: Runtime = Runtime(), seed: int = 0) -> None:
         """`model` is what follows `vllm:` (a preset, a local HF directory or a Hub id). `decode`
-        `compiled` runs vLLM's compiled mode (torch.compile; CUDA graphs on a GPU), anything else
-        eager on a CPU and vLLM's default on a GPU. `runtime` holds the engine's options
-        (tensor-parallel size, memory fraction, longest context, prefix caching)."""
+        `compiled` runs vLLM's compiled mode (torch.compile of the forward pass; minutes to start on
+        a CPU), anything else eager. `runtime` holds the engine's options (tensor-parallel size,
+        memory fraction, longest context, prefix caching)."""
         from driftlab.assets import resolve_model
         from driftlab.chat.loading import pick_dtype
 
@@ -88,12 +88,16 @@ class VLLMChatBackend:
         text = config.get_text_config()
         self.d_model = int(text.hidden_size)
         head_dim = int(getattr(text, "head_dim", None) or self.d_model // self.shape.heads)
-        on_cpu = not torch.cuda.is_available()
-        if on_cpu and head_dim not in CPU_HEAD_SIZES:
+        if torch.cuda.is_available():
+            raise DriftlabError("driftlab's vLLM adapter maps vLLM's CPU backend only; on a GPU its attention backend "
+                                "and worker would need their own mapping (docs/vllm.md, 'On a GPU').",
+                                hint="On a GPU, serve with `vllm serve` and measure it as openai:NAME, or run the "
+                                     "transformers engine (drop 'vllm:').")
+        if head_dim not in CPU_HEAD_SIZES:
             raise DriftlabError(f"{model} has attention heads of size {head_dim}, which vLLM's CPU attention kernel "
                                 f"does not take (it takes {', '.join(map(str, CPU_HEAD_SIZES))}).",
-                                hint="Run it on the transformers engine (drop 'vllm:'), or on a GPU.")
-        torch_dtype = pick_dtype(dtype, torch.device("cpu" if on_cpu else "cuda"))
+                                hint="Run it on the transformers engine (drop 'vllm:').")
+        torch_dtype = pick_dtype(dtype, torch.device("cpu"))
         self.renderer = Renderer(self.tokenizer, span_mode)
         try:
             generation = GenerationConfig.from_pretrained(path, local_files_only=True)
@@ -112,10 +116,10 @@ class VLLMChatBackend:
             raise DriftlabError(f"{held.name} already runs in vLLM's engine in this process, and vLLM keeps one engine "
                                 "per process.", hint="Close it first (backend.close()), or run the other in its own process.")
         memory = ({"gpu_memory_utilization": runtime.memory_fraction} if runtime.memory_fraction is not None else
-                  {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES} if on_cpu else {})
+                  {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES})
         self.llm = vllm.LLM(
             model=str(path), tokenizer=str(path), dtype=str(torch_dtype).removeprefix("torch."), seed=seed,
-            enforce_eager=decode != "compiled" and on_cpu, max_model_len=runtime.max_model_len,
+            enforce_eager=decode != "compiled", max_model_len=runtime.max_model_len,
             enable_prefix_caching=runtime.prefix_caching, tensor_parallel_size=runtime.tensor_parallel,
             worker_cls=WORKER, disable_log_stats=True, **memory)
         self._closed = False
@@ -481,8 +485,8 @@ class _Run:
                  on_logprob=None, on_finish=None, cancelled=None, admit=None) -> None:
         self.backend, self.engine = backend, backend.llm.llm_engine
         self.ignore_eos, self.logprobs = ignore_eos, logprobs
-        self.on_token, self.on_logprob, self.on_finish, self.cancelled, self.admit = \
-            on_token, on_logprob, on_finish, cancelled, admit
+        self.on_token, self.on_logprob, self.on_finish, self.cancelled = on_token, on_logprob, on_finish, cancelled
+        self.admit = admit  # () -> rows joining the running batch (`VLLMChatBackend._admitted`), or none
         self.rows: list[_Row] = []
         self.live: dict[str, int] = {}  # engine request id -> row
 
@@ -510,8 +514,8 @@ class _Run:
                         self.backend.cached_prompt_tokens += out.num_cached_tokens or 0
                         done.append((out.request_id, b, "stop" if out.outputs[0].finish_reason == "stop" else "length"))
             self._finish(done)
-            if self.admit is not None and (more := self.admit()) is not None and more.conversations:
-                self.add(self.backend._admitted(more))
+            if self.admit is not None and (joining := self.admit()):
+                self.add(joining)
 
     def _tokens(self, b: int, completion) -> None:
         row = self.rows[b]
