@@ -306,3 +306,6 @@ def test_driftlab_serve_on_vllm_batches_requests_of_different_steers_with_teleme
                       for line in streamed.iter_lines() if line.startswith("data: {") and '"choices"' in line]
         assert len([p for p in pieces if p]) > 3
         assert "".join(pieces) == answers[4].json()["choices"][0]["message"]["content"]
+        echo = httpx.post(f"{url}/v1/completions", json={"model": vl.name, "prompt": "Hi", "max_tokens": 1, "echo": True,
+                                                         "logprobs": 1}, timeout=300)  # scoring a prompt: refused
+        assert echo.status_code == 422 and "does not" in echo.json()["error"]["message"], echo.text

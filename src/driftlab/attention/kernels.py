@@ -131,6 +131,25 @@ def system_pi(lse_all: torch.Tensor, lse_sys: torch.Tensor) -> torch.Tensor:
     return (lse_sys - lse_all).clamp(max=0.0).exp()[..., None]
 
 
+def decode_lses(query: torch.Tensor, keys_t: torch.Tensor, visible: torch.Tensor, system_keys: torch.Tensor,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-sum-exps of one decode query per row over all its visible keys and over its system keys,
+    from the logits alone (no values, no output): what pi needs where an engine's own kernel already
+    made the output and returns no LSE (vLLM's CPU kernel).
+
+    query [B, G, r, d] (the r query heads of each of G KV heads); keys_t [B, G, d, K], the keys
+    transposed (vLLM's CPU cache stores them so); visible [B, K] bool, system [B, K] (bool or 0/1
+    float). Returns float32 (LSE_all, LSE_sys) [B, G, r]; feed them to `system_pi`. One batched
+    matmul and a few reductions sharing one max and one exp: a decode step's attention is tiny, and
+    what it costs is mostly per call (two logsumexp calls took half again as long)."""
+    logits = torch.matmul(query.float(), keys_t.float()).mul_(scale)  # [B, G, r, K]
+    logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
+    top = logits.amax(dim=-1, keepdim=True)
+    weights = torch.exp(logits - top)
+    top = top[..., 0]
+    return weights.sum(-1).log() + top, (weights * system_keys[:, None, None, :]).sum(-1).log() + top
+
+
 def _f32(x: torch.Tensor) -> torch.Tensor:
     """`x` as float32 (itself where it is already: no op in a decode step's graph)."""
     return x if x.dtype == torch.float32 else x.float()

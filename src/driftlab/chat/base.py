@@ -263,12 +263,14 @@ class Capabilities:
 
     `interventions`: the intervention kinds it applies (see driftlab.steering.KINDS);
     `loglikelihood`: it can score continuations (MMLU, PASTA evaluation);
-    `tokens`: it is a `TokenBackend` (a local model whose tokens protocols may see).
+    `tokens`: it is a `TokenBackend` (a local model whose tokens protocols may see);
+    `prompt_scores`: it scores every token of a prompt (`chat.text.score`: /v1/completions with echo).
     """
 
     interventions: frozenset[str] = frozenset()
     loglikelihood: bool = False
     tokens: bool = False
+    prompt_scores: bool = False
 
     def require(self, backend_name: str, interventions: Interventions) -> None:
         """Refuse, in one line, interventions this backend cannot apply."""

@@ -423,7 +423,8 @@ class VLLMChatBackend:
         unique = record.pop("unique")
         payload = self._payload(rendered, iv, system, **record)
         params = SamplingParams(**_sampling(sampling, limit, seed, logprobs), detokenize=bool(self.stop_strings),
-                                stop_token_ids=sorted(self.stop_ids), stop=list(self.stop_strings) or None,
+                                stop_token_ids=None if sampling.ignore_eos else sorted(self.stop_ids),
+                                stop=list(self.stop_strings) or None,
                                 output_kind=RequestOutputKind.DELTA,
                                 extra_args=payload.extra_args() if payload is not None else None)
         return _Row(rendered, payload, self._prompt(rendered.ids, payload, iv, unique=unique), params)

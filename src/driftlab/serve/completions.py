@@ -139,6 +139,9 @@ class Completions:
             gens = [None] * req.n  # type: ignore[list-item]
         scored = None
         if req.echo and req.logprobs is not None:
+            if not state.backend.capabilities.prompt_scores:
+                raise APIError(422, f"echo with logprobs scores the prompt's tokens, which {state.backend.name} does not; "
+                                    "ask without echo, or serve the transformers engine.", param="echo")
             scored = Job(prompt, Sampling(max_new_tokens=1), 0, steer, req.logprobs, score=True)
         for job in [*gens, scored]:
             if job is not None:

@@ -44,15 +44,21 @@ class DriftlabCPUAttentionImpl(CPUAttentionBackendImpl):
         if plan is None or not plan.groups:
             return out
         engine.check_layout(layer, key, value, kv_cache, attn_metadata)
-        index = extract_layer_index(layer.layer_name)
-        module = _Layer(index)
+        module = self._driftlab_layer = getattr(self, "_driftlab_layer", None) or _Layer(extract_layer_index(layer.layer_name))
+        index = module.layer_idx
         for group in plan.groups:
             if not group.state.acts_on(index):
+                continue
+            if group.reads_only:  # pi alone: every layer's at once, after the last (AttentionGroup.stash)
+                group.stash(index, query, kv_cache, self.scale)
                 continue
             keys, values = group.gather(kv_cache)
             queries = query[group.queries].transpose(1, 2)  # [B, H, q, d]
             steered, _ = driftlab_attention(module, queries, keys, values, group.mask, self.scale, driftlab=group.state)
-            output[group.queries] = steered.to(output.dtype)  # [B, q, H, d]
+            if group.decode:
+                output[group.queries[:, 0]] = steered[:, 0].to(output.dtype)
+            else:  # [B, q, H, d], of which the real queries go back
+                output[group.queries[group.real]] = steered[group.real].to(output.dtype)
         return out
 
 

@@ -21,7 +21,9 @@ produced a token: a prompt's last chunk and every decode step.
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +31,7 @@ import torch
 
 from driftlab.activation.state import ResidualRow, steer_stream
 from driftlab.attention.config import AttentionConfig
+from driftlab.attention.kernels import decode_lses, system_pi
 from driftlab.attention.state import AttentionState
 from driftlab.chat.vllm_engine.payload import SteerPayload
 from driftlab.errors import DriftlabError
@@ -85,21 +88,35 @@ class Row:
 
 
 class AttentionGroup:
-    """Rows with the same query count (and prefill tracing), laid out as the transformers engine lays out
-    a left-padded batch: row b's keys fill slots [pads[b], K), its queries are the last q slots."""
+    """Steered rows of one pass, laid out as the transformers engine lays out a batch: row b's keys at
+    slots [pads[b], pads[b] + seq_len), its queries the last of them.
+
+    Decode rows (one query each) form right-padded groups (pads 0): their keys come from the paged
+    cache whole blocks at a time (one contiguous copy per block, `gather`), which a per-token gather
+    would take several times as long over; the key mask hides each row's tail. The other rows (a
+    prompt's first pass, or the new part of a prompt whose prefix was cached) form one left-padded
+    group, as the engine's causal prefill path expects: q is the most queries of any row, every row's
+    queries end at the last slot, and a row with fewer fills the front with queries whose results are
+    dropped (`real`)."""
 
     def __init__(self, rows: list[Row], block_table: torch.Tensor, block_size: int, n_layers: int, n_heads: int,
-                 device: torch.device) -> None:
-        self.rows = rows
-        q = rows[0].q
+                 device: torch.device, scratch: Callable[[str, tuple, torch.dtype], torch.Tensor]) -> None:
+        """`scratch(name, shape, dtype)` lends a buffer kept from pass to pass (`Engine.scratch`)."""
+        self.rows, self.scratch = rows, scratch
+        # Rows that only read pi at their last query (trace, no steer, no prompt tracing): the kernel's output
+        # stands; only that query's log-sum-exps are computed (`attention.kernels.decode_lses`), from the keys
+        # alone, on a prompt's pass as on a decode step.
+        self.reads_only = all(_reads_last(r) for r in rows)
+        self.decode = self.reads_only or all(r.q == 1 for r in rows)  # one query per row
+        q = 1 if self.decode else max(r.q for r in rows)
         K = max(r.seq_len for r in rows)
-        pads = [K - r.seq_len for r in rows]
+        lengths = torch.tensor([r.seq_len for r in rows])
+        pads = [0] * len(rows) if self.decode else [K - r.seq_len for r in rows]
         configs = [r.parsed.attention or AttentionConfig() for r in rows]
         spans = [r.parsed.payload.spans for r in rows]
         state = AttentionState(configs, spans, n_layers, n_heads, device)
         state.on_layout(pads, K, K, ends=[p + r.parsed.payload.prompt_len for p, r in zip(pads, rows, strict=True)])
-        floored = [r for r in rows if r.parsed.payload.floors is not None]
-        if floored:
+        if any(r.parsed.payload.floors is not None for r in rows):
             values = torch.zeros(len(rows), n_layers, n_heads)
             for b, r in enumerate(rows):
                 if r.parsed.payload.floors is not None:
@@ -108,22 +125,84 @@ class AttentionGroup:
         if not all(r.first_step for r in rows):
             state.resume()  # a decode step (or a later chunk): not the call's prefill
         state.forward_kwargs(K)
-        self.state = state
-        # Where each row's keys sit in the paged cache: block and offset per slot (padding: slot 0, masked).
-        slots = torch.arange(K)[None, :] - torch.tensor(pads)[:, None]  # [B, K] token index per slot
-        real = slots >= 0
-        token = slots.clamp_min(0)
+        self.state, self.q, self.K, self.block_size = state, q, K, block_size
+        self.kept: tuple[torch.Tensor, torch.Tensor] | None = None  # a reads-only group's queries and keys (`stash`)
         table = block_table[[r.index for r in rows]].to(torch.long)  # [B, max blocks]
-        self.block = torch.where(real, table.gather(1, token // block_size), 0).to(device)
-        self.offset = torch.where(real, token % block_size, 0).to(device)
-        self.queries = (torch.tensor([r.start for r in rows])[:, None] + torch.arange(q)[None, :]).to(device)  # [B, q]
+        slot = torch.arange(K)[None, :]
+        # Query j of the group is row b's query j - (q - q_b): a real one from there on (`real`); with one query
+        # per row, each row's last.
+        lead = torch.tensor([q - min(q, r.q) for r in rows])[:, None]
+        starts = torch.tensor([r.start + r.q - min(q, r.q) for r in rows])[:, None]
+        self.real = torch.arange(q)[None, :] >= lead  # [B, q]
+        self.queries = (starts + (torch.arange(q)[None, :] - lead).clamp_min(0)).to(device)  # [B, q] the flat batch's
+        # token of each (a dropped one: the row's first)
+        self.real = self.real.to(device)
+        if self.decode:
+            n_blocks = -(-K // block_size)
+            used = torch.arange(n_blocks)[None, :] < (-(-lengths // block_size))[:, None]
+            self.blocks = torch.where(used, table[:, :n_blocks], 0).flatten().to(device)  # [B * n_blocks]
+            self.visible = (slot < lengths[:, None]).to(device)  # [B, K]
+            self.mask = self.visible[:, None, None, :]  # [B, 1, 1, K]
+            return
+        token = slot - torch.tensor(pads)[:, None]  # [B, K] token index per slot
+        present = token >= 0
+        token = token.clamp_min(0)
+        self.block = torch.where(present, table.gather(1, token // block_size), 0).to(device)
+        self.offset = torch.where(present, token % block_size, 0).to(device)
         query_slots = torch.arange(K - q, K)[:, None]  # [q, 1]
-        self.mask = (real[:, None, :] & (torch.arange(K)[None, None, :] <= query_slots[None])).to(device)[:, None]
+        self.mask = (present[:, None, :] & (slot[None] <= query_slots[None])).to(device)[:, None]
+
+    def first_real(self, b: int) -> int:
+        """Index of row b's first real query among the group's q."""
+        return self.q - min(self.q, self.rows[b].q)
+
+    def stash(self, layer: int, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> None:
+        """A reads-only group's layer: its rows' queries and key blocks copied aside (two small copies), and
+        after the last layer pi of every layer at once (`_layers_pi`): one batched computation a pass instead
+        of a dozen small ops in each layer, which is what a trace costs on a small model."""
+        keys, _ = cache_regions(kv_cache)
+        if self.kept is None:
+            L = self.state.n_layers
+            self.kept = (self.scratch("queries", (L, len(self.rows), *query.shape[1:]), query.dtype),
+                         self.scratch("keys", (L, len(self.blocks), *keys.shape[1:]), keys.dtype))
+        torch.index_select(query, 0, self.queries[:, 0], out=self.kept[0][layer])
+        torch.index_select(keys, 0, self.blocks, out=self.kept[1][layer])
+        if layer == self.state.n_layers - 1:
+            self._layers_pi(scale)
+
+    def _layers_pi(self, scale: float) -> None:
+        """pi [B, H] of every layer from the kept queries and key blocks (`attention.kernels.decode_lses`)."""
+        query, blocks = self.kept
+        L, B, (n_kv, d, bs) = query.shape[0], len(self.rows), blocks.shape[2:]
+        k = blocks.view(L, B, -1, n_kv, d, bs).permute(0, 1, 3, 4, 2, 5)  # [L, B, Hkv, d, n, bs]
+        keys_t = self.scratch("keys_t", k.shape, k.dtype).copy_(k).view(L, B, n_kv, d, -1)[..., : self.K]
+        lse_all, lse_sys = decode_lses(query.view(L, B, n_kv, -1, d), keys_t, self.visible, self.state.system_keys,
+                                       scale)
+        pi = system_pi(lse_all, lse_sys).reshape(L, B, -1, 1)
+        for layer in range(L):
+            self.state.record(layer, pi[layer])
 
     def gather(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' keys and values [B, Hkv, K, d] from vLLM's CPU cache (`cache_regions`)."""
         keys, values = cache_regions(kv_cache)
-        return keys[self.block, :, :, self.offset].transpose(1, 2), values[self.block, :, self.offset].transpose(1, 2)
+        if not self.decode:
+            return keys[self.block, :, :, self.offset].transpose(1, 2), values[self.block, :, self.offset].transpose(1, 2)
+        B, n_kv, d, bs = len(self.rows), keys.shape[1], keys.shape[2], self.block_size
+        n = len(self.blocks)
+        k = torch.index_select(keys, 0, self.blocks, out=self.scratch("k.blocks", (n, *keys.shape[1:]), keys.dtype))
+        v = torch.index_select(values, 0, self.blocks, out=self.scratch("v.blocks", (n, *values.shape[1:]), values.dtype))
+        # Keys laid out d-contiguous (one copy): torch's fused CPU attention computes wrong outputs from keys
+        # whose last dimension is strided, as a view of the transposed cache would be (seen here, torch 2.13).
+        k = k.view(B, -1, n_kv, d, bs).permute(0, 2, 1, 4, 3)  # [B, Hkv, n, bs, d]
+        k = self.scratch("k", k.shape, k.dtype).copy_(k).view(B, n_kv, -1, d)[:, :, : self.K]
+        v = v.view(B, -1, n_kv, bs, d).transpose(1, 2)
+        return k, v.reshape(B, n_kv, -1, d)[:, :, : self.K]
+
+
+def _reads_last(row: Row) -> bool:
+    """Whether a row's attention only reads pi at its last query (`AttentionGroup.reads_only`)."""
+    config = row.parsed.attention
+    return not config.changes_outputs and not any(config.shared())
 
 
 def cache_regions(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +297,8 @@ class StepPlan:
                     continue
                 rec = records.setdefault(row.parsed.payload.id, Record())
                 if state.config.trace_prefill and row.prompt_queries and state.prefilling:
-                    rec.prefill_pi.append(pis[:, b, :, : row.prompt_queries].permute(2, 0, 1).cpu())
+                    first = group.first_real(b)
+                    rec.prefill_pi.append(pis[:, b, :, first : first + row.prompt_queries].permute(2, 0, 1).cpu())
                 if row.produces:
                     rec.pi.append(pis[:, b, :, -1].cpu())
         plan = self.residual
@@ -249,6 +329,7 @@ class Engine:
         self._parsed: OrderedDict[str, Parsed] = OrderedDict()
         self._plan: StepPlan | None = None
         self._layout_checked = False
+        self._scratch: dict[str, torch.Tensor] = {}
         self.device = torch.device("cpu")
         self.dtype = torch.float32
 
@@ -335,13 +416,26 @@ class Engine:
         return StepPlan(context, rows, groups, residual)
 
     def _groups(self, rows: list[Row], metadata: Any) -> list[AttentionGroup]:
+        """Decode rows that only read pi, decode rows that steer, and the rest (prompts), each one group
+        (rows tracing their prompts apart from the others: one setting per group, `AttentionConfig.shared`)."""
         active = [r for r in rows if r.parsed.attention is not None and r.parsed.attention.active]
-        by_shape: dict[tuple, list[Row]] = {}
+        by_kind: dict[tuple, list[Row]] = {}
         for r in active:
-            by_shape.setdefault((r.q, r.first_step, r.parsed.attention.shared()), []).append(r)
-        block_size = self.block_size
-        return [AttentionGroup(group, metadata.block_table, block_size, self.n_layers, self.n_heads, self.device)
-                for group in by_shape.values()]
+            prefill_trace = r.parsed.attention.shared()
+            by_kind.setdefault((_reads_last(r), r.q == 1, prefill_trace, r.first_step if any(prefill_trace) else None),
+                               []).append(r)
+        return [AttentionGroup(group, metadata.block_table, self.block_size, self.n_layers, self.n_heads, self.device,
+                               self.scratch) for group in by_kind.values()]
+
+    def scratch(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of `shape` for `name`, the same memory from pass to pass while it fits: a fresh tens-of-MB
+        allocation each pass cost more in page faults than the copies into it."""
+        size = math.prod(shape)
+        held = self._scratch.get(name)
+        if held is None or held.dtype != dtype or held.numel() < size:
+            held = self._scratch[name] = torch.empty(max(size, 2 * (held.numel() if held is not None else 0)),
+                                                     dtype=dtype, device=self.device)
+        return held[:size].view(shape)
 
     @property
     def block_size(self) -> int:
