@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_SEED", "Capabilities", "ChatBackend", "ChatRequest", "Conversation", "LogLikelihood", "Message",
     "ModelShape", "Rendered", "Reply", "Sampling", "ScoringBackend", "TokenBackend", "TokenLogprob", "chat",
-    "model_shape", "system_of", "token_backend", "validate_conversation",
+    "model_shape", "system_of", "token_backend", "validate_conversation", "without_system",
 ]
 
 MAX_SEED = 2**63 - 1
@@ -395,6 +395,22 @@ def model_shape(config) -> ModelShape:
         sliding_window=getattr(text, "sliding_window", None),
         vocab_size=getattr(text, "vocab_size", None),
     )
+
+
+def without_system(conversation: Conversation) -> Conversation:
+    """The unconditional conversation of CFG: the system prompt emptied, its repeated copies (SPR) removed.
+
+    Emptied, not dropped: without a system message some chat templates insert their own
+    default (Qwen2.5's "You are Qwen, created by Alibaba Cloud...", SmolLM2's "You are a
+    helpful AI assistant named SmolLM..."), and guidance would then contrast the persona
+    with the template's default persona instead of with no instruction at all. The
+    empty-user ablation keeps an empty system message for the same reason. A conversation
+    without a system message is its own unconditional version.
+    """
+    rest = [m for m in conversation if m["role"] != "system"]
+    if len(rest) == len(conversation):
+        return rest
+    return [{"role": "system", "content": ""}, *rest]
 
 
 def system_of(conversation: Conversation | Rendered) -> str | None:

@@ -33,6 +33,7 @@ from driftlab.chat.base import (
     model_shape,
     system_of,
     validate_conversation,
+    without_system,
 )
 from driftlab.chat.constrain import JsonConstraint
 from driftlab.chat.directions import row_directions
@@ -273,7 +274,7 @@ class HFChatBackend:
         if alpha is not None:
             # An emptied system prompt is no prompt to steer towards: the unconditional rows have no system span.
             rendered += [c.without_system() if isinstance(c, Rendered) else
-                         replace(self.render(_without_system(c), interventions=iv), system_span=None) for c in convs]
+                         replace(self.render(without_system(c), interventions=iv), system_span=None) for c in convs]
             seeds, store = seeds * 2, (list(store) * 2 if store is not None else None)
         # CFG's unconditional twins have no system prompt, hence no persona to steer towards.
         residual = self._residual_of(convs, iv, ivs) + [None] * (len(rendered) - len(convs))
@@ -357,6 +358,27 @@ class HFChatBackend:
             values = per_slot[b, run.pads[b] + first - run.S :]
             out.append((first, (values - state.low[b]) / (state.high[b] - state.low[b])))
         return out
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, prompts: Sequence[Rendered], keep: Sequence[int], *,
+                        interventions: Interventions = Interventions(),
+                        cache_store: Sequence[bool] | None = None) -> list[torch.Tensor]:
+        """Teacher-forced next-token log-probabilities [keep[b], V] (float32) at the last keep[b] positions of
+        each rendered prompt: row j is the distribution of the token after position T - keep[b] + j.
+        Those positions are computed; what precedes them may come from the prefix cache (a prompt that
+        extends one seen before computes only its new tokens), and `cache_store[b]` keeps row b's KV
+        there for the next. What the distribution measures (`protocol.kl`) read."""
+        if any(not 1 <= k <= len(p.ids) for k, p in zip(keep, prompts, strict=True)):
+            raise DriftlabError("Each prompt's positions must lie within it.")
+        run = _Decoding(self, [p.ids for p in prompts], Sampling(greedy=True, max_new_tokens=1), seeds=None,
+                        interventions=[interventions] * len(prompts), spans=[p.spans() for p in prompts],
+                        cache_store=cache_store, guidance=None, logprobs=None, on_finish=None,
+                        residual=self.residual_rows([None] * len(prompts), interventions) if interventions.residual()
+                        else None, compute_from=[len(p.ids) - k for p, k in zip(prompts, keep, strict=True)],
+                        keep_logits=max(keep))
+        run._store(at=dict(enumerate(run.live)))
+        logits = run.logits if run.logits.dim() == 3 else run.logits[:, None]
+        return [torch.log_softmax(logits[b, logits.shape[1] - k :].float(), dim=-1).cpu() for b, k in enumerate(keep)]
 
     def check_steer(self, conversation: Conversation, interventions: Interventions) -> None:
         """One-line errors, before any work, for a conversation a steer cannot act on: a vector or cap
@@ -489,7 +511,7 @@ class HFChatBackend:
             spans.append(rendered.spans())
             n_cont.append(len(cont_ids))
             if alpha is not None:
-                plain_rows.append(np.asarray(self.render(_without_system(conv), interventions=interventions).ids + cont_ids))
+                plain_rows.append(np.asarray(self.render(without_system(conv), interventions=interventions).ids + cont_ids))
         # One pass per distinct row-without-its-last-token: the positions read never see that token.
         members: dict[tuple[bytes, int], list[int]] = {}
         for i, (row, n) in enumerate(zip(rows, n_cont, strict=True)):
@@ -1015,23 +1037,6 @@ def _check_decode(decode: str) -> None:
         raise DriftlabError(f"Unknown decode mode {decode!r}.", hint=f"Use one of {', '.join(DECODE_MODES)}.")
 
 
-def _without_system(conversation: Conversation) -> Conversation:
-    """The unconditional conversation of CFG: the system prompt emptied, its repeated copies (SPR) removed.
-
-    Emptied, not dropped: without a system message some chat templates insert their own
-    default (Qwen2.5's "You are Qwen, created by Alibaba Cloud...", SmolLM2's "You are a
-    helpful AI assistant named SmolLM..."), and guidance would then contrast the persona
-    with the template's default persona instead of with no instruction at all. The
-    empty-user ablation keeps an empty system message for the same reason. A conversation
-    without a system message is its own unconditional version.
-    """
-    rest = [m for m in conversation if m["role"] != "system"]
-    if len(rest) == len(conversation):
-        return rest
-    return [{"role": "system", "content": ""}, *rest]
-
-
-
 class _Decoding:
     """One call of `HFChatBackend._decode`: the batch's layout, cache and per-row progress.
 
@@ -1048,7 +1053,8 @@ class _Decoding:
                  guidance: float | None, logprobs: int | None, on_finish: Callable[[int, Reply], None] | None,
                  residual: Sequence[ResidualRow | None] | None = None, capture: bool = False,
                  keep_prefill: bool = False, compute_from: Sequence[int] | None = None,
-                 row_max_tokens: Sequence[int] | None = None, gates: Sequence[dict | None] | None = None) -> None:
+                 row_max_tokens: Sequence[int] | None = None, gates: Sequence[dict | None] | None = None,
+                 keep_logits: int = 1) -> None:
         if any(len(p) == 0 for p in prompts):
             raise DriftlabError("A prompt rendered to zero tokens.", hint="Give a non-empty conversation.")
         seeds = list(seeds) if seeds is not None else list(range(len(prompts)))
@@ -1102,7 +1108,7 @@ class _Decoding:
         self.live, self.n_cond = list(range(B)), self.real
         self.n_fed = 0  # decode steps run: sampled[b][:n_fed] have their KV in the cache
         self.logits = backend._forward(self.ids[:, self.S :], self.mask, self.positions[:, self.S :], self.cache,
-                                       self.state, residual=self.residual)[:B]
+                                       self.state, keep=keep_logits, residual=self.residual)[:B]  # [B, (keep,) V]
 
     def _layout(self, interventions: Sequence[Interventions], residual: Sequence[ResidualRow | None] | None,
                 capture: bool, keep_prefill: bool = False) -> None:

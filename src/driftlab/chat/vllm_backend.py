@@ -315,6 +315,12 @@ class VLLMChatBackend:
             out.append((0, (values - direction.low) / (direction.high - direction.low)))
         return out
 
+    def prompt_logprobs(self, prompts: Sequence[Rendered], keep: Sequence[int], **_: Any) -> list[torch.Tensor]:
+        """Refused in one line: vLLM returns the top log-probabilities of a prompt's positions, not whole
+        distributions, and the distribution measures (`driftlab kl`) compare whole distributions."""
+        raise DriftlabError(f"{self.name} returns a prompt's top log-probabilities only; driftlab kl compares whole "
+                            "next-token distributions.", hint="Run driftlab kl on the transformers engine (drop 'vllm:').")
+
     def check_steer(self, conversation: Conversation, interventions: Interventions) -> None:
         """One-line errors, before any work, for a conversation a steer cannot act on (a kind vLLM cannot
         apply, a residual steer without a direction for its system prompt, a pi floor without a first

@@ -16,6 +16,7 @@ from driftlab.cli.chat import chat
 from driftlab.cli.decay import decay
 from driftlab.cli.demo import demo
 from driftlab.cli.directions import directions
+from driftlab.cli.kl import kl
 from driftlab.cli.mmlu import mmlu
 from driftlab.cli.project import project
 from driftlab.cli.report import report
@@ -43,6 +44,7 @@ app.command("report")(report)
 app.command("decay")(decay)
 app.command("directions")(directions)
 app.command("project")(project)
+app.command("kl")(kl)
 app.command("mmlu")(mmlu)
 app.command("calibrate")(calibrate)
 app.command("sweep")(sweep)

@@ -72,38 +72,7 @@ class Project(Protocol[ProjectConfig]):
         token_backend(self.backend, "driftlab project")
 
     def _dialogs(self) -> list[dict[str, Any]]:
-        """Each recorded dialog (condition 'persona') with its agent turns and agent probes."""
-        rd = RunDir(self.config.from_run)
-        if not (rd.path / "manifest.json").is_file():
-            raise DriftlabError(f"{rd.path} is not a run directory.", hint="Give the --out of a driftlab run.")
-        manifest = rd.read_manifest()
-        if manifest.get("protocol", "selfchat") != "selfchat":
-            raise DriftlabError(f"{rd.path} is a {manifest.get('protocol')} run, not a self-chat.")
-        config = config_of(manifest)
-        records = rd.records(DIALOG_RECORDS)
-        dialogs = Dialog.from_records(pairs_from_manifest(manifest), ["persona"], records)
-        ends = {(r.pair, r.round, r.kind): r.finish_reason for r in records
-                if r.condition == "persona" and (r.kind == "turn" and r.speaker == "agent" or
-                                                  r.kind == "probe" and r.target == "agent" and r.repeat == 0)}
-        probes = {(r.pair, r.round): r.text for r in records if r.kind == "probe" and r.condition == "persona"
-                  and r.target == "agent" and r.repeat == 0}
-        after = int(config.get("probe_after", "user") == "agent")
-        out = []
-        for d in dialogs[: self.config.dialogs]:
-            n = d.rounds_complete()
-            if not n:
-                continue
-            out.append({
-                "pair": d.pair.index, "system": d.pair.agent.system_prompt, "probe": d.pair.agent.probe,
-                "a": [d.a[i] for i in range(1, n + 1)], "b": [d.b[i] for i in range(1, n + 1)],
-                "turn_ends": [ends[(d.pair.index, i, "turn")] for i in range(1, n + 1)],
-                "probes": [{"round": i, "reply": probes[(d.pair.index, i)], "end": ends[(d.pair.index, i, "probe")],
-                            "view": i + after} for i in range(1, n + 1) if (d.pair.index, i) in probes
-                           and i + after <= n + 1],
-            })
-        if not out:
-            raise DriftlabError(f"{rd.path} has no complete agent turns to project.")
-        return out
+        return recorded_dialogs(self.config.from_run, self.config.dialogs)
 
     def plan(self) -> dict[str, Any]:
         return {"dialogs": self._dialogs()}
@@ -154,3 +123,39 @@ class Project(Protocol[ProjectConfig]):
 
 def _round(values) -> list[float]:
     return [round(float(x), 5) for x in values]
+
+
+def recorded_dialogs(from_run: str | Path, limit: int | None = None, what: str = "project") -> list[dict[str, Any]]:
+    """Each recorded self-chat dialog (condition 'persona') with its agent turns, how each ended, and its
+    agent probes, up to its last complete round: what the teacher-forced protocols read again."""
+    rd = RunDir(from_run)
+    if not (rd.path / "manifest.json").is_file():
+        raise DriftlabError(f"{rd.path} is not a run directory.", hint="Give the --out of a driftlab run.")
+    manifest = rd.read_manifest()
+    if manifest.get("protocol", "selfchat") != "selfchat":
+        raise DriftlabError(f"{rd.path} is a {manifest.get('protocol')} run, not a self-chat.")
+    config = config_of(manifest)
+    records = rd.records(DIALOG_RECORDS)
+    dialogs = Dialog.from_records(pairs_from_manifest(manifest), ["persona"], records)
+    ends = {(r.pair, r.round, r.kind): r.finish_reason for r in records
+            if r.condition == "persona" and (r.kind == "turn" and r.speaker == "agent" or
+                                              r.kind == "probe" and r.target == "agent" and r.repeat == 0)}
+    probes = {(r.pair, r.round): r.text for r in records if r.kind == "probe" and r.condition == "persona"
+              and r.target == "agent" and r.repeat == 0}
+    after = int(config.get("probe_after", "user") == "agent")
+    out = []
+    for d in dialogs[:limit]:
+        n = d.rounds_complete()
+        if not n:
+            continue
+        out.append({
+            "pair": d.pair.index, "system": d.pair.agent.system_prompt, "probe": d.pair.agent.probe,
+            "a": [d.a[i] for i in range(1, n + 1)], "b": [d.b[i] for i in range(1, n + 1)],
+            "turn_ends": [ends[(d.pair.index, i, "turn")] for i in range(1, n + 1)],
+            "probes": [{"round": i, "reply": probes[(d.pair.index, i)], "end": ends[(d.pair.index, i, "probe")],
+                        "view": i + after} for i in range(1, n + 1) if (d.pair.index, i) in probes
+                       and i + after <= n + 1],
+        })
+    if not out:
+        raise DriftlabError(f"{rd.path} has no complete agent turns to {what}.")
+    return out

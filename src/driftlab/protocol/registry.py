@@ -33,6 +33,7 @@ MODULES = (
     "driftlab.protocol.decay",
     "driftlab.protocol.directions",
     "driftlab.protocol.project",
+    "driftlab.protocol.kl",
     "driftlab.pasta.evaluate",
     "driftlab.pasta.profile",
     "driftlab.pasta.tune",
