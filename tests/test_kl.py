@@ -4,7 +4,6 @@ exactly 0 where the system prompt already stands before the turn, kill -9 and re
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
@@ -16,9 +15,8 @@ from driftlab.api import spec_of
 from driftlab.errors import DriftlabError
 from driftlab.protocol.kl import KL, KLConfig
 from driftlab.records.rundir import RunDir
-from test_resume import _Commands
+from test_directions import commands  # noqa: F401 (its command server)
 
-TESTS = Path(__file__).parent
 PAIRS = ["reply-in-french:very-happy", "all-caps:teen-slang"]
 
 
@@ -35,20 +33,6 @@ def measured(smol32, recorded, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("kl") / "kl"
     run = dl.run(KL(KLConfig(backend=spec_of(smol32), from_run=str(recorded)), smol32), out=out, progress=False)
     return run.records
-
-
-def _reference(model, backend, conv: list[dict], context: list[dict], n: int) -> torch.Tensor:
-    """float64 log-probabilities [n, V] at the positions generating the last assistant turn's first n
-    tokens, from one full forward pass of `context` (which ends with that turn)."""
-    ids = backend.render(context, add_generation_prompt=False).ids
-    start = len(backend.render(context[:-1], add_generation_prompt=True).ids)
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].double()
-    return torch.log_softmax(logits, dim=-1)[start - 1 : start - 1 + n]
-
-
-def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
-    return float((p.exp() * (p - q)).sum(-1).mean())
 
 
 def test_each_kl_matches_full_forward_passes_of_transformers_in_float64(smol32, smol_dir, recorded, measured) -> None:
@@ -108,16 +92,8 @@ def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
-@pytest.fixture(scope="module")
-def commands(tmp_path_factory):
-    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
-    server = _Commands(tmp_path_factory.mktemp("commands"), {**os.environ, "PYTHONPATH": path})
-    yield server
-    server.close()
-
-
 @pytest.mark.slow
-def test_a_killed_kl_run_resumes_to_the_records_of_an_uninterrupted_one(commands, recorded, tmp_path) -> None:
+def test_a_killed_kl_run_resumes_to_the_records_of_an_uninterrupted_one(commands, recorded, tmp_path) -> None:  # noqa: F811
     args = ["kl", "--from-run", str(recorded), "--dtype", "float32"]
     ref = commands.run([*args, "--out", str(tmp_path / "ref")])
     assert ref.returncode == 0, ref.stderr[-2000:]

@@ -77,7 +77,7 @@ def test_cfg_unconditional_rows_keep_an_empty_system_message_under_qwens_templat
     repeated copies; rendered with Qwen2.5's real template, no "You are Qwen" appears."""
     from transformers import AutoTokenizer
 
-    from driftlab.chat.hf import _without_system
+    from driftlab.chat.base import without_system
     from driftlab.chat.templates import Renderer
     from driftlab.steering import Interventions
 
@@ -86,7 +86,7 @@ def test_cfg_unconditional_rows_keep_an_empty_system_message_under_qwens_templat
     renderer = Renderer(tok)
     conv = Interventions.parse(["spr:p=1"]).model_view(_dialog().agent_view(3, "a3"))
     assert sum(m["role"] == "system" for m in conv) == 3  # s_B and SPR's copies before user turns 2 and 3
-    uncond = _without_system(conv)
+    uncond = without_system(conv)
     assert uncond[0] == {"role": "system", "content": ""} and all(m["role"] != "system" for m in uncond[1:])
     assert uncond[1:] == [m for m in conv if m["role"] != "system"]
     text = renderer.text(uncond)
@@ -94,7 +94,7 @@ def test_cfg_unconditional_rows_keep_an_empty_system_message_under_qwens_templat
     assert _dialog().pair.agent.system_prompt not in text
     assert "You are Qwen" in renderer.text([m for m in conv if m["role"] != "system"])  # the old behaviour
     no_system = [{"role": "user", "content": "hi"}]
-    assert _without_system(no_system) == no_system  # nothing to remove: the same as the conditional row
+    assert without_system(no_system) == no_system  # nothing to remove: the same as the conditional row
 
 
 def test_item_seeds_are_stable_and_distinct():

@@ -6,21 +6,21 @@ the model runner's input batch (`input_batch.req_ids`). A plan, built at the fir
 of a pass (an attention layer), finds the requests that carry a `SteerPayload` and lays them out
 the way driftlab's state objects expect a batch:
 
-* attention: rows with the same number of queries in this step form a group; each group's keys
-  are gathered from the paged cache into a left-padded [B, Hkv, K, d] layout (the transformers
-  engine's own), with an `AttentionState` and a key mask, and `attention.engine.driftlab_attention`
-  computes them as it does for the transformers engine (key biases, split-softmax, pi floor, pi);
+* attention: steered rows form a group per kind (decode rows that only trace, decode rows that steer,
+  prompts), each with an `AttentionState` and a key mask over its keys, gathered from the paged
+  cache into the transformers engine's [B, Hkv, K, d] layout; `attention.engine.driftlab_attention`
+  computes them as it does for the transformers engine (key biases, split-softmax, pi floor, pi),
+  and rows that only trace get pi from each layer's logits after the pass (`AttentionGroup.stash`);
 * the residual stream: each steered row's tokens and its direction (`steer_stream`, the one
   definition of vector and cap), and the last token of each row, whose projection is recorded.
 
-What a pass recorded (pi per layer and head, projections, sums of activations) is folded into the
+What a pass recorded (pi per layer and head, projections, activations) is folded into the
 requests' `Record`s when the pass is over (the next plan, or `Engine.take`), for the steps that
 produced a token: a prompt's last chunk and every decode step.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -36,8 +36,6 @@ from driftlab.attention.state import AttentionState
 from driftlab.chat.vllm_engine.payload import SteerPayload
 from driftlab.errors import DriftlabError
 from driftlab.steering.interventions import Interventions
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -285,7 +283,7 @@ class StepPlan:
         self.context = context  # vLLM's ForwardContext of the pass (identity: a new pass, a new plan)
         self.rows, self.groups, self.residual = rows, groups, residual
 
-    def fold(self, records: dict[str, Record], n_layers: int) -> None:
+    def fold(self, records: dict[str, Record]) -> None:
         """The pass's recordings into each request's Record (the steps that produced a token)."""
         for group in self.groups:
             state = group.state
@@ -381,7 +379,7 @@ class Engine:
 
     def _close(self) -> None:
         if self._plan is not None:
-            self._plan.fold(self.records, self.n_layers)
+            self._plan.fold(self.records)
             self._plan = None
 
     def _build(self, context: Any) -> StepPlan | None:
