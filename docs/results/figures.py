@@ -455,6 +455,31 @@ def separation(name: str) -> str:
     return _markdown(separation_table(HERE / name))
 
 
+def engines(vllm: str = "vllm-qwen-selfchat", hf: str = "hf-qwen-selfchat") -> str:
+    """The same greedy self-chat on vLLM and on the transformers engine: per kind of record, how many texts
+    are the same, and how far pi and the projections of the records with the same text lie apart."""
+    a = {_key(r): r for r in _jsonl(HERE / vllm / "records.jsonl")}
+    b = {_key(r): r for r in _jsonl(HERE / hf / "records.jsonl")}
+    lines = ["| records | same text | largest pi gap (same text) | largest projection gap (same text) |",
+             "|---|---|---|---|"]
+    for label, kinds in (("agent turns", {("turn", "agent")}), ("user turns", {("turn", "user")}),
+                         ("probe replies", {("probe", None)})):
+        keys = sorted(k for k in a if (k[0], k[3]) in kinds and k in b)
+        same = [k for k in keys if a[k]["text"] == b[k]["text"]]
+        pi = max((abs(x - y) for k in same if a[k].get("pi") for x, y in zip(a[k]["pi"], b[k]["pi"], strict=True)),
+                 default=float("nan"))
+        proj = max((abs(x - y) for k in same if a[k].get("activation")
+                    for x, y in zip(a[k]["activation"]["reply"], b[k]["activation"]["reply"], strict=True)),
+                   default=float("nan"))
+        gap = lambda x: "not recorded" if x != x else f"{x:.1e}"  # noqa: E731 (NaN: nothing traced)
+        lines.append(f"| {label} | {len(same)} of {len(keys)} | {gap(pi)} | {gap(proj)} |")
+    return "\n".join(lines)
+
+
+def _key(r: dict) -> tuple:
+    return (r["kind"], r["pair"], r["round"], r.get("speaker"), r.get("target"), r.get("repeat"))
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
     "llamacpp-smollm2": llamacpp,
     "qwen-paper-20-rounds": qwen_paper_rounds,
@@ -478,6 +503,8 @@ def finished(name: str) -> bool:
     return path.exists() and json.loads(path.read_text()).get("completed") is True
 
 
+if finished("vllm-qwen-selfchat") and finished("hf-qwen-selfchat"):
+    BLOCKS["vllm-qwen-engines"] = engines
 for run, block in (("demo-smollm2", three_ways), ("project-qwen-paper-20", three_ways),
                    ("directions-qwen-sweep", separation), ("directions-qwen-paper", separation)):
     if finished(run):

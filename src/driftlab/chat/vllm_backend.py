@@ -42,7 +42,7 @@ from driftlab.chat.base import (
     validate_conversation,
 )
 from driftlab.chat.directions import row_directions
-from driftlab.chat.spec import VLLM_REFUSED, Runtime
+from driftlab.chat.spec import VLLM_PREFIX, VLLM_REFUSED, Runtime
 from driftlab.chat.templates import Renderer
 from driftlab.chat.trace import Trace
 from driftlab.chat.vllm_engine.install import load_vllm
@@ -53,7 +53,6 @@ from driftlab.steering.interventions import Trace as TraceIntervention
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "vllm:"
 WORKER = "driftlab.chat.vllm_engine.worker.DriftlabWorker"
 # Head sizes vLLM 0.32's CPU attention kernel takes (CPUAttentionBackend.get_supported_head_sizes).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -76,7 +75,7 @@ class VLLMChatBackend:
         from driftlab.assets import resolve_model
         from driftlab.chat.loading import pick_dtype
 
-        self.name = PREFIX + model
+        self.name = VLLM_PREFIX + model
         self._closed = True  # until the engine stands
         vllm = load_vllm()
         path = Path(resolve_model(model))
@@ -162,7 +161,7 @@ class VLLMChatBackend:
         from driftlab.assets import pulled_info
         from driftlab.chat.vllm_engine.install import installed_version
 
-        name = self.name[len(PREFIX):]
+        name = self.name[len(VLLM_PREFIX):]
         meta: dict[str, Any] = {"name": self.name, "backend": "vllm", "vllm": installed_version(), "path": str(self.path),
                                 "dtype": str(self.dtype).removeprefix("torch."), "span_mode": self.renderer.span_mode,
                                 "max_context": self.max_context,
