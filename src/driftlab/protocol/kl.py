@@ -31,6 +31,7 @@ import torch
 from pydantic import BaseModel, Field, TypeAdapter
 
 from driftlab.chat.base import Conversation, token_backend, without_system
+from driftlab.errors import DriftlabError
 from driftlab.protocol.decay import agent_conversation
 from driftlab.protocol.project import recorded_dialogs
 from driftlab.protocol.registry import register
@@ -74,7 +75,10 @@ class KL(Protocol[KLConfig]):
         self._dialogs()
 
     def require(self) -> None:
-        token_backend(self.backend, "driftlab kl")
+        backend = token_backend(self.backend, "driftlab kl")
+        if not backend.capabilities.prompt_scores:
+            raise DriftlabError(f"{backend.name} gives no whole next-token distributions at a prompt's positions, and "
+                                "driftlab kl compares them.", hint="Run driftlab kl on the transformers engine.")
 
     def _dialogs(self) -> list[dict[str, Any]]:
         return recorded_dialogs(self.config.from_run, self.config.dialogs, what="read again")
