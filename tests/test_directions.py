@@ -157,7 +157,7 @@ def test_the_demo_measures_drift_three_ways_into_one_report(monkeypatch, tmp_pat
     done = CliRunner().invoke(app, ["demo", "--model", str(model), "--dtype", "float32", "--out", str(tmp_path / "demo")])
     assert done.exit_code == 0, (done.output[-3000:], done.exception)
     page = (tmp_path / "demo" / "report.html").read_text()
-    assert "Drift three ways" in page and "drift signals, tested per conversation" in page
+    assert "Drift measured side by side" in page and "drift signals, tested per conversation" in page
     assert (tmp_path / "demo" / "three_ways.png").is_file()
     assert Directions.load(tmp_path / "demo" / "directions").meta["n_layers"] == 3
     records = RunDir(tmp_path / "demo").records()

@@ -22,17 +22,23 @@ PAIRS = ["reply-in-french:very-happy", "all-caps:teen-slang"]
 
 @pytest.fixture(scope="module")
 def recorded(smol32, tmp_path_factory) -> Path:
-    """A greedy self-chat of two pairs over three rounds, with probes after the agent's turns."""
+    """A greedy self-chat of two pairs over three rounds, with probes after the agent's turns, and the live KL."""
     out = tmp_path_factory.mktemp("kl") / "run"
-    dl.selfchat(smol32, pair=PAIRS, rounds=3, max_new_tokens=10, probe_tokens=6, greedy=True, out=out, progress=False)
+    dl.selfchat(smol32, pair=PAIRS, rounds=3, max_new_tokens=10, probe_tokens=6, greedy=True, kl=True, out=out,
+                progress=False)
     return out
 
 
 @pytest.fixture(scope="module")
-def measured(smol32, recorded, tmp_path_factory) -> list[dict]:
+def kl_run(smol32, recorded, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("kl") / "kl"
-    run = dl.run(KL(KLConfig(backend=spec_of(smol32), from_run=str(recorded)), smol32), out=out, progress=False)
-    return run.records
+    dl.run(KL(KLConfig(backend=spec_of(smol32), from_run=str(recorded)), smol32), out=out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured(kl_run) -> list[dict]:
+    return RunDir(kl_run).records()
 
 
 def test_each_kl_matches_full_forward_passes_of_transformers_in_float64(smol32, smol_dir, recorded, measured) -> None:
@@ -61,6 +67,43 @@ def test_each_kl_matches_full_forward_passes_of_transformers_in_float64(smol32, 
         assert rec["reminded"] > 1e-4 and rec["prompt"] > 1e-4  # (not vacuous)
         checked += 1
     assert checked == 4  # 2 pairs x rounds 2 and 3
+
+
+def test_the_live_kl_of_a_self_chat_is_driftlab_kl_of_its_records(recorded, measured) -> None:
+    """`--kl` measures each agent reply right after it is generated (prefix cache warm from generation, all
+    replies of a round in one pass); `driftlab kl` reads the finished dialog again, turn by turn. Same
+    divergences, every turn and probe reply."""
+    live = {(r["pair"], r["round"], r["kind"]): r["kl"] for r in RunDir(recorded).records()
+            if r["kind"] == "probe" or r["speaker"] == "agent"}
+    assert all(kl is not None for kl in live.values()) and len(live) == len(measured) == 2 * 3 + 2 * 3
+    for rec in measured:
+        kl = live[(rec["pair"], rec["round"], rec["what"])]
+        assert kl["positions"] == rec["positions"], rec
+        assert abs(kl["reminded"] - rec["reminded"]) < 1e-5 and abs(kl["prompt"] - rec["prompt"]) < 1e-5, (kl, rec)
+    user = [r for r in RunDir(recorded).records() if r["kind"] == "turn" and r["speaker"] == "user"]
+    assert user and all(r.get("kl") is None for r in user)  # the user LM is not the model under test
+
+
+def test_every_measure_side_by_side_from_the_live_run_or_joined_from_a_kl_run(recorded, kl_run) -> None:
+    """The report's frame reads the live KLs from the self-chat's records, and the same from a `driftlab kl`
+    run joined to the self-chat it read (probe scores from there); each turn meets the next probe's score
+    (probes follow the agent's turn: the same round's), and the agreement table's rho is scipy's."""
+    from scipy.stats import spearmanr
+
+    from driftlab.report.activation import agreement_table, measures_frame, turn_frame
+
+    live, joined = measures_frame(recorded), measures_frame(kl_run)
+    assert len(live) == len(joined) == 12
+    for column in ("score", "reminded", "influence"):
+        assert (live[column].fillna(-1) - joined[column].fillna(-1)).abs().max() < 1e-5, column
+    turns = turn_frame(live)
+    scores = {(r["pair"], r["round"]): r["score"] for r in RunDir(recorded).records() if r["kind"] == "probe"}
+    assert [scores[(p, r)] for p, r in zip(turns.pair, turns["round"], strict=True)] == list(turns.next_score)
+    table = agreement_table(live)
+    row = next(r for r in table.rows if r[0] == "reminded KL ~ prompt influence")
+    expected = spearmanr(turns.reminded, turns.influence).statistic
+    assert row[1].startswith(f"Spearman {expected:.2f}"), (row, expected)
+    assert any("predicts the next probe's pass" in r[0] for r in table.rows)
 
 
 def test_the_reminded_kl_is_exactly_zero_where_the_prompt_already_stands_before_the_turn(smol32, recorded,
@@ -105,7 +148,37 @@ def test_a_killed_kl_run_resumes_to_the_records_of_an_uninterrupted_one(commands
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "run" / "records.jsonl").read_bytes().startswith(kept)
     assert sorted(map(str, RunDir(tmp_path / "run").records())) == sorted(map(str, RunDir(tmp_path / "ref").records()))
-    assert "reminded KL" in done.stderr and "prompt influence" in done.stderr  # the per-round table
+    assert "reminded KL" in done.stderr and "how far the measures agree" in done.stderr  # the per-round tables
+
+
+def test_what_a_live_kl_cannot_measure_is_one_line_before_any_work(smol32, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "unused")
+    with pytest.raises(DriftlabError, match="--steer cfg mixes or switches distributions"):
+        dl.selfchat(smol32, pair=PAIRS[:1], rounds=1, steer="cfg:alpha=1.5", kl=True, out=tmp_path / "cfg",
+                    progress=False)
+    from driftlab.chat import BackendSpec
+    from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
+
+    remote = BackendSpec(model="openai:x", runtime={"base_url": "http://127.0.0.1:9/v1"})
+    with pytest.raises(DriftlabError, match="openai:x is not a local model; --kl needs its tokens"):
+        dl.run(SelfChat(SelfChatConfig(backend=remote, pair_ids=[tuple(PAIRS[0].split(":"))], pairs=0, rounds=1,
+                                       kl=True)), out=tmp_path / "remote", progress=False)
+    assert not (tmp_path / "cfg" / "records.jsonl").exists() and not (tmp_path / "remote" / "records.jsonl").exists()
+
+
+def test_a_dialog_that_could_pass_the_context_window_is_refused_with_its_round(smol32, tmp_path) -> None:
+    """SmolLM2's window is 8192 tokens: 80-token turns and probe replies can pass it in round 48 (every turn
+    at its limit), so 100 rounds are refused before any generation, and 47 are not."""
+    with pytest.raises(DriftlabError, match=r"--rounds 100 can pass the model's context window of 8192 tokens at "
+                                            r"round 48 \(\d+ tokens"):
+        dl.selfchat(smol32, pair=PAIRS[:1], rounds=100, max_new_tokens=80, probe_tokens=80, out=tmp_path / "long",
+                    progress=False)
+    assert not (tmp_path / "long" / "records.jsonl").exists()
+    from driftlab.protocol.selfchat import SelfChat, SelfChatConfig
+
+    fits = SelfChat(SelfChatConfig(backend=spec_of(smol32), pair_ids=[tuple(PAIRS[0].split(":"))], pairs=0, rounds=47,
+                                   sampling={"max_new_tokens": 80}, probe_tokens=80), smol32)
+    fits.require()  # (no error)
 
 
 def test_what_driftlab_kl_cannot_read_is_one_line_before_any_work(recorded, tmp_path, monkeypatch) -> None:

@@ -208,10 +208,11 @@ def t_interval(values: Iterable[float] | np.ndarray, confidence: float = CONFIDE
 
 def mean_interval(values: Iterable[float | bool] | np.ndarray, *, confidence: float = CONFIDENCE,
                   rng: np.random.Generator | int | None = 0, proportion: Literal["wilson", "exact"] = "wilson",
-                  n_resamples: int = N_RESAMPLES) -> Interval:
+                  n_resamples: int = N_RESAMPLES, graded: bool = False) -> Interval:
     """The mean of `values` (NaNs dropped) with the interval the data and n support.
 
-    0/1 values: Wilson (or `proportion="exact"`: Clopper-Pearson) at any n; graded values:
+    0/1 values: Wilson (or `proportion="exact"`: Clopper-Pearson) at any n, unless `graded` says they
+    are no proportion however they fell (a KL of exactly 0 where nothing changed); graded values:
     t below BOOTSTRAP_MIN_N, BCa bootstrap (seeded by `rng`) from there; n < 2: no interval;
     constant graded values: zero width at the value.
     """
@@ -219,7 +220,7 @@ def mean_interval(values: Iterable[float | bool] | np.ndarray, *, confidence: fl
     n = x.size
     if n == 0:
         return Interval(float("nan"), float("nan"), float("nan"), 0, "none", confidence)
-    if is_binary(x):
+    if is_binary(x) and not graded:
         return proportion_interval(int(x.sum()), n, proportion, confidence)
     if n < BOOTSTRAP_MIN_N:
         return t_interval(x, confidence)

@@ -1,4 +1,4 @@
-"""`driftlab demo`: drift measured three ways on the default model, in one command."""
+"""`driftlab demo`: drift measured five ways on the default model, in one command."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ STARTERS, DIRECTION_TOKENS = 8, 32
 def demo_options() -> dict:
     """The self-chat the demo runs: `driftlab run` with these options (and --directions)."""
     return {"pair": list(PAIRS), "rounds": ROUNDS, "max_new_tokens": TURN_TOKENS, "probe_tokens": PROBE_TOKENS,
-            "user_probe": True, "steer": ["trace"], "seed": 0}
+            "user_probe": True, "steer": ["trace"], "kl": True, "seed": 0}
 
 
 @backend_options(span=False)
@@ -31,16 +31,17 @@ def demo(
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write it (created, or resumed).")] = Path(
         "runs/demo"),
 ) -> None:
-    """Measure instruction drift three ways on the default model, in one command.
+    """Measure instruction drift five ways on the default model, in one command.
 
     First the persona directions of three agents (OUT/directions), then their self-chats of four
-    rounds, probed every round, with the attention on the system prompt (pi) and the projection on
-    each persona's direction recorded. Writes OUT/report.html. The same as `driftlab directions`
+    rounds, probed every round, with the attention on the system prompt (pi), the projection on
+    each persona's direction and the two KLs of each reply (to the dialog with the prompt restated,
+    and without it) recorded. Prints them per round and how far they agree. Writes OUT/report.html. The same as `driftlab directions`
     and `driftlab run` with the settings in docs/results/demo-smollm2; re-running resumes.
     """
     from driftlab.api.options import FLAGS, directions_config, selfchat_config
     from driftlab.api.runs import execute
-    from driftlab.cli.finish import say_results
+    from driftlab.cli.finish import print_measures, say_results
     from driftlab.cli.report import print_summary
     from driftlab.protocol.directions import DirectionsProtocol
     from driftlab.protocol.selfchat import SelfChat
@@ -52,5 +53,6 @@ def demo(
     steered = backend.model_copy(update={"directions": str(found.path)})
     rundir = execute(SelfChat(selfchat_config(steered, FLAGS, demo_options())), out)
     summary = print_summary(rundir.path)
+    print_measures(rundir.path)
     typer.echo(f"report: {write_report(rundir.path, summary=summary)}")
     say_results(rundir.path)

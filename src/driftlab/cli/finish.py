@@ -31,3 +31,17 @@ def print_text_table(table) -> None:
     for row in table.rows:
         shown.add_row(*(Text(cell) for cell in row))
     Console(stderr=True).print(shown)
+
+
+def print_measures(*run_dirs: Path, figure_title: str = "") -> None:
+    """Print the drift measures of runs over the same dialogs side by side (per round, how far they
+    agree, the projection's checks) and draw their figure into the first run, where any measure beside
+    the probe score was taken (`report.activation`)."""
+    from driftlab.report.activation import FIGURE, measure_tables, measured, measures_frame, three_ways_figure
+
+    frame = measures_frame(*run_dirs)
+    if not measured(frame):
+        return
+    for table in measure_tables(frame):
+        print_text_table(table)
+    typer.echo(str(three_ways_figure(frame, Path(run_dirs[0]) / FIGURE, title=figure_title)))

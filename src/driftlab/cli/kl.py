@@ -23,15 +23,16 @@ def kl(
     Per agent turn and probe reply, the KL divergence of the model's next-token distributions over the
     reply's tokens between the dialog as it was and (1) the same dialog with the system prompt restated
     just before the turn (the reminded KL of Dongre et al., "Drift No More?"), (2) the same dialog
-    with its system prompt emptied (the prompt's influence). Prints both per round.
+    with its system prompt emptied (the prompt's influence). Prints both per round beside the run's
+    other measures (probe score; pi and the projection where it took them) and how far they agree,
+    and draws them into OUT/three_ways.png.
 
     Re-running the same command on the same --out resumes.
     """
     from driftlab.api.runs import execute
-    from driftlab.cli.finish import print_text_table
+    from driftlab.cli.finish import print_measures
     from driftlab.protocol.kl import KL, KLConfig
-    from driftlab.report.measures import kl_round_table
 
     config = build(KLConfig, backend=backend, from_run=str(from_run), dialogs=dialogs)
     rundir = execute(KL(config), out)
-    print_text_table(kl_round_table(rundir.path))
+    print_measures(rundir.path, figure_title=str(from_run))

@@ -27,20 +27,9 @@ def project(
     Re-running the same command on the same --out resumes.
     """
     from driftlab.api.runs import execute
-    from driftlab.cli.finish import print_text_table
+    from driftlab.cli.finish import print_measures
     from driftlab.protocol.project import Project, ProjectConfig
-    from driftlab.report.activation import (
-        FIGURE,
-        checks,
-        checks_table,
-        measures_frame,
-        round_table,
-        three_ways_figure,
-    )
 
     config = build(ProjectConfig, backend=backend, from_run=str(from_run), dialogs=dialogs)
     rundir = execute(Project(config), out)
-    frame = measures_frame(rundir.path)
-    print_text_table(round_table(frame))
-    print_text_table(checks_table(checks(frame)))
-    typer.echo(str(three_ways_figure(frame, rundir.path / FIGURE, title=str(from_run))))
+    print_measures(rundir.path, figure_title=str(from_run))

@@ -213,6 +213,11 @@ def report(
         from driftlab.cli.mmlu import print_mmlu
 
         print_mmlu(run_dir)
+    elif protocol in ("kl", "project"):  # a recorded self-chat's measures, read again: beside its own
+        from driftlab.cli.finish import print_measures
+
+        print_measures(run_dir)
+        typer.echo(_status(run_dir, manifest))
     elif protocol != "selfchat":
         for path in _figures(protocol, run_dir):
             typer.echo(str(path))
@@ -220,8 +225,11 @@ def report(
     else:
         from driftlab.report.html import SUMMARY_CSV, write_report  # matplotlib and pandas: after the manifest
 
+        from driftlab.cli.finish import print_measures
+
         console = Console()
         summary = print_summary(run_dir, console)
+        print_measures(run_dir)
         path = write_report(run_dir, errors=ErrorDisplay(errors).value, summary=summary, max_pairs=transcripts)
         console.print(f"Report: [bold]{escape(str(path))}[/]", highlight=False)
         console.print(f"Per-round summary: {escape(str(run_dir / SUMMARY_CSV))}", highlight=False)

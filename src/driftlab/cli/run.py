@@ -68,6 +68,10 @@ def run(
     judge: Annotated[str | None, typer.Option(
         help="Also rate every probe reply with a judge model, beside its measure, and report how the two agree: "
              "a model (preset, directory, Hub id, openai:NAME) or model=...,rubric=...,base_url=....")] = None,
+    kl: Annotated[bool, typer.Option(
+        "--kl", help="Also measure drift in what the model would say, as each agent reply is generated: the "
+                     "KL to the dialog with its system prompt restated before the turn, and to the dialog without "
+                     "it (docs/measures.md). Local models only.")] = False,
     batch_size: Annotated[int, typer.Option(help="Most conversations generated together in one batch.")] = 32,
     report: Annotated[bool, typer.Option(help="Write report.html at the end.")] = True,
 ) -> None:
@@ -85,9 +89,11 @@ def run(
     rundir = execute(SelfChat(config), out)
     typer.echo(f"records: {rundir.records_path}")
     if report and any(r["kind"] == "probe" for r in rundir.records()):
+        from driftlab.cli.finish import print_measures
         from driftlab.cli.report import print_summary
         from driftlab.report.html import write_report
 
         summary = print_summary(rundir.path)
+        print_measures(rundir.path)
         typer.echo(f"report: {write_report(rundir.path, summary=summary)}")
         say_results(rundir.path)

@@ -42,6 +42,10 @@ class _Record(BaseModel):
     # Under `--steer when-drifting:r=R`: its decision for this reply, {"r", "pi_ratio", "steered"}
     # (`by=projection`: "by", "projection_first", "projection", "projection_ratio" for "pi_ratio").
     gate: dict[str, Any] | None = None
+    # With `--kl` (agent side only): the reply's drift in next-token distributions (`protocol.divergence`),
+    # {"reminded", "prompt", "positions"}: KL to the system prompt restated before the turn, KL to the
+    # dialog without its system prompt, in nats per reply token, and how many positions they average.
+    kl: dict[str, float | int] | None = None
 
 
 class TurnRecord(_Record):

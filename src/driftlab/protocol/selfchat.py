@@ -45,6 +45,8 @@ from driftlab.bench.starters import StarterSetName
 from driftlab.chat.base import MAX_SEED, ChatBackend, ChatRequest, Conversation, Sampling
 from driftlab.chat.spec import BackendSpec, ModelName
 from driftlab.errors import DriftlabError
+from driftlab.protocol import divergence
+from driftlab.protocol.context import first_overflow
 from driftlab.protocol.dialog import RECORDS, Dialog, Pair, ProbeRecord, TurnRecord, pairs_from_manifest
 from driftlab.protocol.judge import Ask, Judges
 from driftlab.protocol.registry import register
@@ -105,11 +107,14 @@ class SelfChatConfig(ProtocolConfig):
     judge: JudgeParams | None = Field(None, description="also rate every probe reply with this judge model (a model "
                                       "name, or model=...,rubric=...), beside its persona's measure: the report "
                                       "shows how well the two agree")
+    kl: bool = Field(False, description="measure each agent reply's drift in next-token distributions as it is "
+                                        "generated (`protocol.divergence`): its record's kl holds the reminded KL and "
+                                        "the prompt's influence")
 
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size", "persona_file")
     # What a run recorded before the option existed meant: the probe replaced a_i; probes had a turn's budget.
     LEGACY: ClassVar[dict[str, Any]] = {"probe_after": "user", "probe_tokens": "turn", "personas": [], "agents": None,
-                                        "judge": None}
+                                        "judge": None, "kl": False}
 
     _probe_budget = field_validator("probe_tokens", mode="before")(probe_budget)
 
@@ -120,6 +125,8 @@ class SelfChatConfig(ProtocolConfig):
         if self.probe_tokens == self.sampling.max_new_tokens:
             object.__setattr__(self, "probe_tokens", "turn")
         directions_given(self.backend, self.steer.items)
+        if self.kl:
+            divergence.measured_steer(self.steer)
         return self
 
     @field_validator("categories")
@@ -299,6 +306,25 @@ class SelfChat(Protocol[SelfChatConfig]):
     def require(self) -> None:
         cfg = self.config
         self.backend.capabilities.require(self.backend.name, cfg.steer)
+        if cfg.kl:
+            divergence.require(self.backend, "--kl")
+        if self.backend.capabilities.tokens:
+            self._fits_context()
+
+    def _fits_context(self) -> None:
+        """One line, before any work, where a dialog could pass the model's context window (`protocol.context`)."""
+        cfg = self.config
+        probes = lambda p: [p.agent.probe] + ([user_probe(p.user, cfg.user_probe_version, seed=cfg.seed).probe]  # noqa: E731
+                                              if cfg.user_probe else [])
+        found = first_overflow(self.backend, [(p.agent.system_prompt, p.starter, probes(p)) for p in draw_pairs(cfg)],
+                               cfg.rounds, cfg.sampling.max_new_tokens, cfg.probe_sampling().max_new_tokens,
+                               cfg.probe_rounds())
+        if found is not None:
+            raise DriftlabError(
+                f"--rounds {cfg.rounds} can pass the model's context window of {found.window} tokens at round "
+                f"{found.round} ({found.tokens} tokens where every turn reaches --max-new-tokens "
+                f"{cfg.sampling.max_new_tokens}).",
+                hint=f"Use --rounds {found.round - 1} or fewer, or shorter turns.")
         max_ctx = self.backend.describe().get("max_context")
         for option, tokens in (("--max-new-tokens", cfg.sampling.max_new_tokens),
                                ("--probe-tokens", cfg.probe_sampling().max_new_tokens)):
@@ -387,10 +413,11 @@ class SelfChat(Protocol[SelfChatConfig]):
         replies = (self.backend if agent_side else self.user).generate(request)
         records: list[TurnRecord | ProbeRecord] = []
         scores = iter(self._scores([(j, r) for j, r in zip(chunk, replies, strict=True) if j.persona is not None]))
+        kls = iter(self._divergences(chunk, replies) if agent_side and self.config.kl else [{}] * len(chunk))
         for job, reply in zip(chunk, replies, strict=True):
             fields = {**job.record, "text": reply.text, "n_tokens": reply.n_tokens,
                       "finish_reason": reply.finish_reason, "seed": job.seed,
-                      **(measured(reply) if agent_side else {})}
+                      **(measured(reply) if agent_side else {}), **({"kl": kl} if (kl := next(kls)) else {})}
             if job.persona is not None:
                 records.append(ProbeRecord(**fields, **next(scores)))
                 continue
@@ -399,6 +426,14 @@ class SelfChat(Protocol[SelfChatConfig]):
             d = self._by_key[(rec.pair, rec.condition)]
             (d.a if rec.speaker == "user" else d.b)[rec.round] = reply.text
         return records
+
+    def _divergences(self, chunk: list[Job], replies: list[Any]) -> list[dict[str, float | int]]:
+        """Each agent reply's reminded KL and prompt influence, read teacher-forced right after it was
+        generated (its dialog's KV is still in the prefix cache)."""
+        found = divergence.divergences(
+            self.backend, [(j.conversation + [{"role": "assistant", "content": r.text}], r.finish_reason)
+                           for j, r in zip(chunk, replies, strict=True)], divergence.measured_steer(self.config.steer))
+        return [d.fields() for d in found]
 
     def _scores(self, probes: list[tuple[Job, Any]]) -> list[dict[str, Any]]:
         """Each probe reply's score fields: its persona's measure (a judge's rating for a judge

@@ -1,10 +1,18 @@
-"""Drift three ways on the same dialogs: probe scores, pi, and the projection onto the persona's
-direction, per round; and the three tests of the projection as a drift signal.
+"""Drift five ways on the same dialogs: probe scores, pi, the projection onto the persona's direction,
+the reminded KL and the prompt's influence, per round; how far they agree; and the three tests of the
+projection as a drift signal.
 
-Input is a run's records: a self-chat run with `--directions` (and `--steer trace` for pi), or a
-`driftlab project` run of a recorded self-chat (its probe scores read from that run). The
+Input is a run's records: a self-chat run with `--directions`, `--steer trace` (pi) or `--kl`, a
+`driftlab project` or `driftlab kl` run of a recorded self-chat (the rest read from that run), or
+several of these over the same dialogs, joined (`measures_frame(run, its_kl_run, ...)`). The
 projection of a record is its band mean: the mean over the direction's default layers of the
 normalised projection (0: like without the system prompt, 1: like with it).
+
+Agreement, over agent turns (a conversation's round is an item, the conversation the unit of the
+bootstrap): Spearman's rho of every two measures, the probe score being that of the next probe (the
+first whose view holds the turn); and how well each turn measure predicts that probe's pass (AUROC,
+oriented so that 0.5 is chance and 1 means "more faithful by the measure, passes": pi, the projection
+and the prompt's influence as they are, the reminded KL negated, since a larger one means more drift).
 
 The tests, per conversation (the unit; turns and probes of one dialog are not independent):
 * does the projection fall (and pi, where traced)? round 1's agent turn against the last round's
@@ -19,7 +27,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -43,40 +50,71 @@ def _band(values: list[float] | None, band: list[int] | None) -> float:
     return float(np.mean(picked))
 
 
-def measures_frame(run_dir: str | Path) -> pd.DataFrame:
+KEY = ["pair", "round", "what"]
+COLUMNS = [*KEY, "score", "pi", "projection", "prompt_projection", "reminded", "influence"]
+#: The measures per agent turn: column, label, and the sign that makes larger mean more faithful.
+TURN_MEASURES = (("pi", "pi", 1), ("projection", "projection", 1), ("reminded", "reminded KL", -1),
+                 ("influence", "prompt influence", 1))
+
+
+def measures_frame(*run_dirs: str | Path) -> pd.DataFrame:
     """One row per agent turn and agent probe reply (repeat 0, condition persona): pair, round,
     what (turn|probe), score (probes), pi (mean over layers, where traced), projection and
-    prompt_projection (band means, where measured)."""
-    rd = RunDir(run_dir)
+    prompt_projection (band means, where measured), reminded and influence (KL, nats per token, where
+    measured). Several runs over the same dialogs (a self-chat, its `project` and `kl` runs) are
+    joined: each value from the first run that has it. `attrs["probe_after"]`: the self-chat's."""
+    frames = [_frame(RunDir(path)) for path in run_dirs]
+    joined = frames[0]
+    for frame in frames[1:]:
+        joined = joined.set_index(KEY).combine_first(frame.set_index(KEY)).reset_index()
+    joined = joined[COLUMNS].sort_values(KEY, kind="stable").reset_index(drop=True)
+    joined.attrs["probe_after"] = frames[0].attrs["probe_after"]
+    return joined
+
+
+def _frame(rd: RunDir) -> pd.DataFrame:
+    """One run's measures: a self-chat's own, or a `project` / `kl` run's joined to its self-chat's."""
     manifest = rd.read_manifest()
-    if manifest.get("protocol") == "project":
-        return _projected(rd, manifest)
+    protocol = manifest.get("protocol")
+    if protocol in ("project", "kl"):
+        source = _frame(RunDir(config_of(manifest)["from_run"]))
+        own = (_projected if protocol == "project" else _divergences)(rd).set_index(KEY)
+        frame = own.combine_first(source.set_index(KEY)).reset_index()[COLUMNS]
+        frame.attrs["probe_after"] = source.attrs["probe_after"]
+        return frame
     rows = []
     for r in rd.records(DIALOG_RECORDS):
         if r.condition != "persona" or (r.kind == "turn" and r.speaker != "agent") or \
                 (r.kind == "probe" and (r.target != "agent" or r.repeat)):
             continue
-        act = r.activation or {}
+        act, kl = r.activation or {}, getattr(r, "kl", None) or {}
         rows.append({"pair": r.pair, "round": r.round, "what": r.kind,
                      "score": getattr(r, "score", None) if r.kind == "probe" else None,
                      "pi": float(np.mean(r.pi)) if r.pi else float("nan"),
                      "projection": _band(act.get("reply"), act.get("band")),
-                     "prompt_projection": _band(act.get("prompt"), act.get("band"))})
-    return pd.DataFrame(rows, columns=["pair", "round", "what", "score", "pi", "projection", "prompt_projection"])
+                     "prompt_projection": _band(act.get("prompt"), act.get("band")),
+                     "reminded": kl.get("reminded", float("nan")), "influence": kl.get("prompt", float("nan"))})
+    frame = pd.DataFrame(rows, columns=COLUMNS).astype({c: float for c in COLUMNS[3:]})
+    frame.attrs["probe_after"] = config_of(manifest).get("probe_after", "user")
+    return frame
 
 
-def _projected(rd: RunDir, manifest: dict[str, Any]) -> pd.DataFrame:
-    """A `driftlab project` run's records, with the probe scores of the run it projected."""
+def _projected(rd: RunDir) -> pd.DataFrame:
+    """A `driftlab project` run's projections (the other measures come from the run it projected)."""
     from driftlab.protocol.project import Project
 
-    source = measures_frame(config_of(manifest)["from_run"])
-    scores = {(r.pair, r.round): r.score for r in source.itertuples() if r.what == "probe"}
-    pis = {(r.pair, r.round, r.what): r.pi for r in source.itertuples()}
-    rows = [{"pair": r.pair, "round": r.round, "what": r.what, "score": scores.get((r.pair, r.round))
-             if r.what == "probe" else None, "pi": pis.get((r.pair, r.round, r.what), float("nan")),
-             "projection": _band(r.reply, r.band), "prompt_projection": _band(r.prompt, r.band)}
-            for r in rd.records(Project.records)]
-    return pd.DataFrame(rows, columns=source.columns)
+    return pd.DataFrame([{"pair": r.pair, "round": r.round, "what": r.what, "projection": _band(r.reply, r.band),
+                          "prompt_projection": _band(r.prompt, r.band)} for r in rd.records(Project.records)],
+                        columns=[*KEY, "projection", "prompt_projection"])
+
+
+def _divergences(rd: RunDir) -> pd.DataFrame:
+    """A `driftlab kl` run's divergences (the other measures come from the run it read)."""
+    from driftlab.protocol.kl import KL
+
+    return pd.DataFrame([{"pair": r.pair, "round": r.round, "what": r.what, "reminded": r.reminded,
+                          "influence": r.prompt} for r in rd.records(KL.records)],
+                        columns=[*KEY, "reminded", "influence"])
 
 
 @dataclass(frozen=True)
@@ -120,19 +158,76 @@ def round_table(frame: pd.DataFrame) -> TextTable:
     """Per round: the agent probe score (stability), pi and the projection of agent turns and probe
     replies, each a mean over conversations with its interval."""
     columns = [("score", "probe", "stability (probe score)"), ("pi", "turn", "pi (agent turns)"),
-               ("projection", "turn", "projection (agent turns)"), ("projection", "probe", "projection (probe replies)")]
+               ("projection", "turn", "projection (agent turns)"), ("projection", "probe", "projection (probe replies)"),
+               ("reminded", "turn", "reminded KL (agent turns)"), ("influence", "turn", "prompt influence (agent turns)")]
     shown = [c for c in columns if frame[frame.what == c[1]][c[0]].notna().any()]
     rows = []
     for rnd in sorted(frame["round"].unique()):
         row = [str(rnd)]
         for value, what, _ in shown:
-            cell = mean_interval(frame[(frame["round"] == rnd) & (frame.what == what)][value].astype(float).dropna())
+            cell = mean_interval(frame[(frame["round"] == rnd) & (frame.what == what)][value].astype(float).dropna(),
+                                 graded=value != "score")
             row.append(fmt_cell(*cell.as_tuple()) + f" (n={cell.n})")
         rows.append(row)
-    return TextTable("drift three ways, per round", ["round", *[c[2] for c in shown]], rows,
+    return TextTable(f"drift {len(shown)} ways, per round", ["round", *[c[2] for c in shown]], rows,
                      "Means over conversations with their 95% intervals. Projection: band mean of the normalised "
                      "projection onto the agent persona's direction (0: like without its system prompt, 1: like "
-                     "with it). pi: attention mass on the system prompt, mean over layers, heads and reply tokens.")
+                     "with it). pi: attention mass on the system prompt, mean over layers, heads and reply tokens. "
+                     "Reminded KL: KL(dialog as it was || system prompt restated before the turn); prompt "
+                     "influence: KL(dialog as it was || system prompt emptied), nats per reply token.")
+
+
+def turn_frame(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per agent turn: its measures and the score of the next probe (the first whose view holds
+    the turn: the same round's where probes follow the agent's turn, the next round's where they replace
+    the user's), as `next_score`."""
+    lag = 0 if frame.attrs.get("probe_after") == "agent" else 1
+    scores = frame[frame.what == "probe"].set_index(["pair", "round"])["score"]
+    turns = frame[frame.what == "turn"].copy()
+    probe_rounds = np.array(sorted(scores.index.get_level_values("round").unique()))
+    nxt = [probe_rounds[probe_rounds >= r + lag].min(initial=np.iinfo(int).max) for r in turns["round"]]
+    turns["next_score"] = [scores.get((p, r), np.nan) for p, r in zip(turns.pair, nxt, strict=True)]
+    return turns
+
+
+def agreement_table(frame: pd.DataFrame) -> TextTable | None:
+    """Spearman's rho of every two measures over agent turns, and each turn measure's AUROC for the next
+    probe's pass (module docstring); None where fewer than two measures were taken."""
+    turns = turn_frame(frame)
+    measures = [("next_score", "probe score (next probe)", 1)] + [m for m in TURN_MEASURES if turns[m[0]].notna().any()]
+    if len(measures) < 2:
+        return None
+    rows = []
+    for i, (a, label_a, _) in enumerate(measures):
+        for b, label_b, _ in measures[i + 1 :]:
+            both = turns[[a, b, "pair"]].dropna()
+            rho = spearman_interval(both[a].to_numpy(), both[b].to_numpy(), both.pair.to_numpy())
+            rows.append([f"{label_a} ~ {label_b}", f"Spearman {rho.cell(2)}", f"n = {rho.n} turns"])
+    for column, label, sign in measures[1:]:
+        both = turns[[column, "next_score", "pair"]].dropna()
+        auc = auroc_interval(sign * both[column].to_numpy(), both.next_score.to_numpy() >= PASS, both.pair.to_numpy())
+        rows.append([f"{label} predicts the next probe's pass", f"AUROC {auc.cell(2)}", f"n = {auc.n} turns"])
+    return TextTable("how far the measures agree", ["pair of measures / question", "estimate [95% CI]", "n"], rows,
+                     "Over agent turns, each conversation a unit of the bootstrap (interval over conversations). "
+                     f"A probe passes with a score of at least {PASS}. AUROC is oriented so 0.5 is chance and 1 "
+                     "means the measure's more faithful turns pass: the reminded KL enters negated (larger is more "
+                     "drift), the prompt influence as it is (larger: the prompt still matters).")
+
+
+def measured(frame: pd.DataFrame) -> bool:
+    """Whether the frame holds any measure beside the probe score (pi, a projection, a KL)."""
+    return not frame.empty and frame[[m[0] for m in TURN_MEASURES]].notna().any().any()
+
+
+def measure_tables(frame: pd.DataFrame) -> list[TextTable]:
+    """What a report and the terminal show of a frame's measures: per round, how far they agree, and
+    with projections, the projection's checks."""
+    tables = [round_table(frame)]
+    if (agree := agreement_table(frame)) is not None:
+        tables.append(agree)
+    if frame.projection.notna().any():
+        tables.append(checks_table(checks(frame)))
+    return tables
 
 
 def checks_table(result: Checks) -> TextTable:
@@ -157,24 +252,28 @@ def _fall_row(what: str, fall: PairedTest | None, result: Checks) -> list[str]:
 
 
 def three_ways_figure(frame: pd.DataFrame, path: str | Path, title: str = "") -> Path:
-    """Probe score, pi and projection per round, side by side: each conversation a thin line, their
-    mean with its 95% interval as a band (clipped to [0, 1] for the score and pi, which live there)."""
-    panels = [("score", "probe", "stability (probe score)", True),
-              ("pi", "turn", "pi: attention on the system prompt", True),
-              ("projection", "turn", "projection on the persona direction", False)]
+    """Probe score, pi, projection and the two KLs per round, side by side (those measured): each
+    conversation a thin line, their mean with its 95% interval as a band (clipped to [0, 1] for the
+    score and pi, which live there, and at 0 for the KLs)."""
+    panels = [("score", "probe", "stability (probe score)", (0, 1)),
+              ("pi", "turn", "pi: attention on the system prompt", (0, 1)),
+              ("projection", "turn", "projection on the persona direction", None),
+              ("reminded", "turn", "reminded KL (nats/token)", (0, None)),
+              ("influence", "turn", "prompt influence, KL (nats/token)", (0, None))]
     panels = [p for p in panels if frame[frame.what == p[1]][p[0]].notna().any()]
     fig = Figure(figsize=(3.3 * len(panels), 3.0), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(panels)))
-    for ax, (value, what, label, unit) in zip(axes, panels, strict=True):
+    for ax, (value, what, label, bounds) in zip(axes, panels, strict=True):
         part = frame[(frame.what == what) & frame[value].notna()]
         rounds = sorted(part["round"].unique())
         for _, one in part.groupby("pair"):
             one = one.groupby("round")[value].mean()
             ax.plot(one.index, one.to_numpy(dtype=float), color="0.75", lw=0.7)
-        cells = [mean_interval(part[part["round"] == r][value].astype(float)).as_tuple() for r in rounds]
+        cells = [mean_interval(part[part["round"] == r][value].astype(float), graded=value != "score").as_tuple()
+                 for r in rounds]
         mean, low, high = (np.array(x, dtype=float) for x in zip(*cells, strict=True))
-        if unit:
-            low, high = np.clip(low, 0, 1), np.clip(high, 0, 1)
+        if bounds:  # where the measure lives: a probability, a divergence
+            low, high = np.clip(low, *bounds), np.clip(high, *bounds)
         ax.plot(rounds, mean, marker="o", color="#1f77b4", label="mean over conversations")
         ax.fill_between(rounds, low, high, alpha=0.2, color="#1f77b4", label="95% interval")
         ax.set(title=label, xlabel="round", xticks=rounds)

@@ -318,8 +318,8 @@ def render_html(
     measured: list[TextTable] = (),
 ) -> str:
     """The report page as a string (figures read from `figures` and embedded); `measured` are the
-    tables of drift measured three ways (`three_ways`), shown first where the run measured pi or
-    the projection."""
+    tables of the other measures (`three_ways`), shown first where the run measured pi, the
+    projection or the KLs."""
     import jinja2
 
     env = jinja2.Environment(
@@ -336,7 +336,8 @@ def render_html(
         header=header_rows(summary.manifest),
         progress=progress(summary),
         figures=[
-            *([{"title": "Drift three ways: probe score, pi and the projection on the persona's direction",
+            *([{"title": "Drift measured side by side: the probe score with pi, the projection on the persona's "
+                         "direction and the KLs, those the run measured",
                 "src": _png_data_uri(figures["three_ways"]), "caption": measured[0].note}]
               if "three_ways" in figures else []),
             {"title": "Figure 3: drift over rounds", "src": _png_data_uri(figures["drift"]), "caption": note},
@@ -367,19 +368,15 @@ def render_html(
 
 
 def three_ways(run_dir: Path, figures: dict[str, Path]) -> list[TextTable]:
-    """Where the run measured pi (`--steer trace`) or projections (`--directions`): the three-ways
-    figure (added to `figures`), its per-round table and, with projections, the projection's checks."""
-    from driftlab.report.activation import FIGURE, checks, checks_table, measures_frame, three_ways_figure
-    from driftlab.report.activation import round_table as measured_rounds
+    """Where the run measured pi (`--steer trace`), projections (`--directions`) or KLs (`--kl`): the
+    measures figure (added to `figures`), and `report.activation.measure_tables`."""
+    from driftlab.report.activation import FIGURE, measure_tables, measured, measures_frame, three_ways_figure
 
     frame = measures_frame(run_dir)
-    if frame.empty or not frame[["pi", "projection"]].notna().any().any():
+    if not measured(frame):
         return []
     figures["three_ways"] = three_ways_figure(frame, run_dir / FIGURE)
-    tables = [measured_rounds(frame)]
-    if frame.projection.notna().any():
-        tables.append(checks_table(checks(frame)))
-    return tables
+    return measure_tables(frame)
 
 
 def write_report(

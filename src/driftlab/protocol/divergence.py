@@ -1,0 +1,126 @@
+"""Drift in what the model would say: the two KL divergences of one agent reply, read teacher-forced.
+
+One definition, shared by `driftlab kl` (a recorded run, read again) and a self-chat's live `--kl`
+(each reply as soon as it is generated). Per reply, the recorded tokens are read again under three
+contexts and the model's next-token distributions compared at the positions that generated them
+(the last prompt token, then every reply token but the last; the end-of-turn token too where the
+reply ended with it), averaged over them:
+
+* reminded KL, D_t = KL(q_t || p_t) (Dongre et al. 2025, "Drift No More?"): q_t is the model in the
+  dialog as it was (the model under test), p_t the same dialog with the system prompt restated just
+  before the user turn the reply answers (the goal-consistent reference). Where the system prompt
+  already stands right before that turn (the first turn; a turn SPR reminded), the two contexts are
+  the same and D_t is exactly 0.
+* prompt influence, KL(p_with || p_without): the dialog as it was against the same dialog with its
+  system prompt emptied (`chat.base.without_system`, CFG's unconditional context): how much the
+  prompt still changes what the model says; 0 is the no-persona baseline of Persistent Personas.
+
+The run's conversation steers (SPR) shape every context as they shaped what the model saw; its
+other steers act in every context. The as-is and prompt-less contexts are kept in the prefix cache,
+so the next turn's contexts, which extend them, compute only their new tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from driftlab.chat.base import Conversation, token_backend, without_system
+from driftlab.errors import DriftlabError
+from driftlab.steering.interventions import Interventions
+
+#: Steers under which the model's own next-token distribution is not what a reply was drawn from.
+UNMEASURED = ("cfg", "when-drifting")
+#: Replies read in one forward pass (three contexts each): bounds the logits kept, [n, V] per context.
+CHUNK = 8
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """One reply's divergences, each the mean over its positions (nats per token)."""
+
+    reminded: float  # KL(as it was || system prompt restated before the turn)
+    prompt: float  # KL(as it was || system prompt emptied)
+    positions: int
+
+    def fields(self) -> dict[str, float | int]:
+        return {"reminded": round(self.reminded, 6), "prompt": round(self.prompt, 6), "positions": self.positions}
+
+
+def require(backend, who: str) -> None:
+    """One line where `backend` cannot give whole next-token distributions at a prompt's positions."""
+    backend = token_backend(backend, who)
+    if not backend.capabilities.prompt_scores:
+        raise DriftlabError(f"{backend.name} gives no whole next-token distributions at a prompt's positions, and "
+                            f"{who} compares them.", hint="Measure the KL on the transformers engine (a local "
+                            "model name or path, without openai: or vllm:).")
+
+
+def measured_steer(steer: Interventions) -> Interventions:
+    """The steers every context is read under (the run's, but its trace), or one line for a steer
+    whose replies were not drawn from the model's own next-token distribution."""
+    found = sorted(steer.kinds & set(UNMEASURED))
+    if found:
+        raise DriftlabError(f"--steer {found[0]} mixes or switches distributions, so the KL of the model's own "
+                            "next-token distributions does not describe its replies.",
+                            hint=f"Measure the KL on a run without {' or '.join(UNMEASURED)}.")
+    return steer.without("trace")
+
+
+def divergences(backend, replies: Sequence[tuple[Conversation, str]], steer: Interventions,
+                chunk: int = CHUNK) -> list[Divergence]:
+    """Each (conversation ending with an assistant reply, its finish reason) -> its `Divergence`,
+    `chunk` replies per forward pass (1 where each reply's contexts extend the last one's, which the
+    prefix cache then serves)."""
+    out: list[Divergence] = []
+    for first in range(0, len(replies), chunk):
+        contexts, ends, groups = [], [], []
+        for conv, end in replies[first : first + chunk]:
+            as_is = steer.model_view(conv)
+            reminded = remind(as_is)
+            group = [as_is, without_system(as_is)] + ([reminded] if reminded is not None else [])
+            groups.append((len(contexts), len(group)))
+            contexts += group
+            ends += [end] * len(group)
+        store = [k - s < 2 for s, n in groups for k in range(s, s + n)]  # not the reminded one: no turn extends it
+        lps = reply_logprobs(backend, contexts, steer, ends, store)
+        for s, n in groups:
+            (a, positions), (b, _) = lps[s], lps[s + 1]
+            out.append(Divergence(kl_mean(a, lps[s + 2][0]) if n == 3 else 0.0, kl_mean(a, b), positions))
+    return out
+
+
+def remind(conversation: Conversation) -> Conversation | None:
+    """The conversation with its system prompt restated (a system message) just before its last user
+    turn; None where it already stands there (then the reminded context is the conversation itself)."""
+    last_user = max(i for i, m in enumerate(conversation) if m["role"] == "user")
+    system = conversation[0]
+    if system["role"] != "system" or conversation[last_user - 1] == system:
+        return None
+    return [*conversation[:last_user], dict(system), *conversation[last_user:]]
+
+
+def reply_logprobs(backend, contexts: list[Conversation], steer: Interventions, ends: Sequence[str],
+                   store: Sequence[bool]) -> list[tuple[torch.Tensor, int]]:
+    """Per context (each ending with an assistant reply): the next-token log-probabilities [n, V] at the
+    n positions that generated the reply (its end-of-turn token only where `ends` says it ended with it)."""
+    prompts, keeps, windows = [], [], []
+    for conv, end in zip(contexts, ends, strict=True):
+        rendered = backend.render(conv, add_generation_prompt=False, interventions=steer)
+        start = len(backend.render(conv[:-1], add_generation_prompt=True, interventions=steer).ids)
+        ids = rendered.ids
+        stop = next((i + 1 for i in range(start, len(ids)) if ids[i] in backend.stop_ids), len(ids))
+        stop = stop if end == "stop" else stop - 1  # a cut reply never generated its end-of-turn token
+        prompts.append(rendered)
+        keeps.append(len(ids) - (start - 1))
+        windows.append(stop - start)  # positions start - 1 .. stop - 2 predict the reply's tokens
+    lps = backend.prompt_logprobs(prompts, keeps, interventions=steer.without("spr"), cache_store=list(store))
+    return [(lp[:n], n) for lp, n in zip(lps, windows, strict=True)]
+
+
+def kl_mean(p: torch.Tensor, q: torch.Tensor) -> float:
+    """The mean over positions of KL(P || Q), from log-probabilities [n, V], in float64."""
+    p64, q64 = p.double(), q.double()
+    return float((p64.exp() * (p64 - q64)).sum(-1).clamp_min(0.0).mean())
