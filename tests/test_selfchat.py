@@ -479,3 +479,25 @@ def test_a_resume_computes_in_the_dtype_the_run_was_computed_in(tmp_path):
     with pytest.raises(DriftlabError, match="dtype: 'auto' -> 'float16'"):
         run_protocol(SelfChat(cfg.model_copy(update={"rounds": 1, "backend": BackendSpec(dtype="float16")}),
                               _Described("float16")), out, progress=False)
+
+
+def test_drift_pushing_users_are_drawn_as_users_only_each_with_its_source_and_the_default_draw_is_unchanged(
+        tmp_path):
+    """--users drift-pushing draws every user from the shipped set (the Assistant Axis paper's drift kinds and
+    role-play), never an agent; the default run draws and hashes exactly the 100 personas, as before the set."""
+    from driftlab.bench import drift_users, load_personas
+    from driftlab.bench.personas import drift_user_sources
+    from driftlab.protocol.selfchat import digest, draw_pairs, input_hashes
+
+    users = {p.id for p in drift_users()}
+    sources = drift_user_sources()
+    assert len(users) == 5 and set(sources) == users and all(s["source"] for s in sources.values())
+    assert not users & {p.id for p in load_personas()}
+    pushed = draw_pairs(SelfChatConfig(pairs=40, seed=1, users="drift-pushing"))
+    assert {p.user.id for p in pushed} == users and not {p.agent.id for p in pushed} & users
+    plain = SelfChatConfig(pairs=40, seed=1)
+    assert {p.user.id for p in draw_pairs(plain)} <= {p.id for p in load_personas()}
+    assert input_hashes(plain)["personas"] == digest([p.model_dump() for p in load_personas()])
+    records = _scripted_run(tmp_path / "run", users="drift-pushing", ablation=False)
+    asked = {r.persona for r in records if r.kind == "probe" and r.target == "user"}
+    assert asked and asked <= users  # --user-probe asks each drift-pushing user's own probe

@@ -11,8 +11,10 @@ from driftlab.bench.judge import JUDGE, JudgeParams
 from driftlab.bench.measures import MEASURES, register_custom
 from driftlab.bench.personas import (
     CATEGORIES,
+    USER_SETS,
     MeasureError,
     Persona,
+    drift_users,
     get_persona,
     load_personas,
     load_user_personas,
@@ -29,7 +31,9 @@ __all__ = [
     "STARTERS",
     "STARTER_SETS",
     "USER_PROBE_VERSIONS",
+    "USER_SETS",
     "Persona",
+    "drift_users",
     "get_persona",
     "load_personas",
     "load_user_personas",

@@ -140,6 +140,30 @@ def _builtin() -> tuple[Persona, ...]:
     return tuple(_parse_jsonl(source.read_text(encoding="utf-8"), "built-in personas.jsonl", builtin=True))
 
 
+#: The user sets a self-chat draws its users from (`SelfChatConfig.users`): the 100 personas (the
+#: papers'), or users of the kinds that push a model off its persona, shipped apart so that the
+#: default draw and its data hash stay as they were.
+USER_SETS = ("personas", "drift-pushing")
+
+
+@functools.cache
+def _drift_users() -> tuple[Persona, ...]:
+    source = resources.files("driftlab.bench") / "data" / "drift_users.jsonl"
+    return tuple(_parse_jsonl(source.read_text(encoding="utf-8"), "drift_users.jsonl", builtin=True))
+
+
+def drift_users() -> list[Persona]:
+    """The drift-pushing users: the four user-message kinds the Assistant Axis paper found to move a model
+    off its Assistant persona (its Table 5), and role-play requests. Each one's source and the paper's
+    example message: `drift_user_sources()`."""
+    return [p.model_copy(deep=True) for p in _drift_users()]
+
+
+def drift_user_sources() -> dict[str, dict[str, str | None]]:
+    """persona id -> {"source", "category" (the source's name for the kind), "example" (its message, or None)}."""
+    return json.loads((resources.files("driftlab.bench") / "data" / "drift_users_sources.json").read_text("utf-8"))
+
+
 def load_personas(category: str | None = None, extra: str | Path | None = None) -> list[Persona]:
     """The 100 built-in personas, plus the entries of a user file `extra`, optionally of one category."""
     # Copies: Persona is frozen but `params` is a dict; a caller changing it must not change the cache.

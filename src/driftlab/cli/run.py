@@ -43,6 +43,11 @@ def run(
              "'crafted-or-generic' (the rule of the revised paper, Li et al., COLM 2024: a probe crafted to break "
              "the persona where the paper prints one, a generic question drawn from a set where the persona's own "
              "probe is generic). Runs recorded under the names earlier versions used resume as these.")] = "own",
+    users: Annotated[str, typer.Option(
+        help="Where user personas are drawn from: 'personas' (the 100 built-ins, as the papers) or 'drift-pushing' "
+             "(users who push for meta-reflection, demand phenomenological accounts, ask for authorial voices, "
+             "disclose vulnerability, or ask for role-play; docs/personas.md says where each comes from).")
+    ] = "personas",
     starters: Annotated[str, typer.Option(
         help="Conversation starters a_1: 'reference' (the reference code's 45 topics) or 'driftlab'.")] = "reference",
     ablation: Annotated[bool, typer.Option(help="Also run each pair with an empty user system prompt.")] = False,

@@ -39,7 +39,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from driftlab.bench import JUDGE, JudgeParams, Persona, load_personas, starters, user_probe
+from driftlab.bench import JUDGE, JudgeParams, Persona, drift_users, load_personas, starters, user_probe
 from driftlab.bench.probes import ProbeVersion
 from driftlab.bench.starters import StarterSetName
 from driftlab.chat.base import MAX_SEED, ChatBackend, ChatRequest, Conversation, Sampling
@@ -103,6 +103,10 @@ class SelfChatConfig(ProtocolConfig):
     personas: list[Persona] = Field(default_factory=list, description="personas defined in code (driftlab.Persona), "
                                     "beside the built-ins and persona_file; their measures must be registered")
     agents: list[str] | None = Field(None, description="draw agent personas from these ids only")
+    users: Literal["personas", "drift-pushing"] = Field(
+        "personas", description="draw user personas from the 100 personas (the papers') or from the drift-pushing "
+                                "users (meta-reflection, phenomenology, authorial voices, vulnerable disclosure, "
+                                "role-play; `driftlab.bench.drift_users`)")
     batch_size: int = Field(32, ge=1, le=4096, description="most conversations per generate call")
     judge: JudgeParams | None = Field(None, description="also rate every probe reply with this judge model (a model "
                                       "name, or model=...,rubric=...), beside its persona's measure: the report "
@@ -114,7 +118,7 @@ class SelfChatConfig(ProtocolConfig):
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size", "persona_file")
     # What a run recorded before the option existed meant: the probe replaced a_i; probes had a turn's budget.
     LEGACY: ClassVar[dict[str, Any]] = {"probe_after": "user", "probe_tokens": "turn", "personas": [], "agents": None,
-                                        "judge": None, "kl": False}
+                                        "judge": None, "kl": False, "users": "personas"}
 
     _probe_budget = field_validator("probe_tokens", mode="before")(probe_budget)
 
@@ -171,7 +175,7 @@ class SelfChatConfig(ProtocolConfig):
                 raise DriftlabError(f"no persona with id {pid!r}", hint=f"did you mean {', '.join(close)}?" if close
                                     else "`driftlab personas list` shows the built-in ids")
         agents = [p for p in pool if (self.categories is None or p.category in self.categories)
-                  and (self.agents is None or p.id in self.agents)]
+                  and (self.agents is None or p.id in self.agents) and p.category != "drift-pushing"]
         if self.pairs and not agents:
             raise DriftlabError(f"No personas in categories {self.categories}.", hint="See `driftlab personas list`.")
         if not self.pair_ids and not self.pairs:
@@ -194,8 +198,9 @@ def measured(reply: Any) -> dict[str, Any]:
 
 
 def all_personas(config: SelfChatConfig) -> list[Persona]:
-    """The built-in personas, those of `persona_file` and those given in code (ids unique)."""
-    pool = load_personas(extra=config.persona_file)
+    """The built-in personas, those of `persona_file` and those given in code (ids unique); the
+    drift-pushing users where the run draws its users from them."""
+    pool = load_personas(extra=config.persona_file) + (drift_users() if config.users == "drift-pushing" else [])
     taken = {p.id for p in pool}
     for p in config.personas:
         if p.id in taken:
@@ -206,8 +211,10 @@ def all_personas(config: SelfChatConfig) -> list[Persona]:
 
 
 def draw_pairs(config: SelfChatConfig) -> list[Pair]:
-    """Explicit pairs first, then `pairs` random ones (agent from `categories`, user != agent)."""
+    """Explicit pairs first, then `pairs` random ones (agent from `categories`, user != agent, from
+    the run's user set)."""
     pool, agents = config.persona_pool()
+    users = drift_users() if config.users == "drift-pushing" else pool
     by_id = {p.id: p for p in pool}
     rng = random.Random(config.seed)
     topics = starters(config.starters)
@@ -216,7 +223,7 @@ def draw_pairs(config: SelfChatConfig) -> list[Pair]:
         out.append(Pair(len(out), by_id[a], by_id[u], rng.choice(topics)))
     for _ in range(config.pairs):
         agent = rng.choice(agents)
-        user = rng.choice([p for p in pool if p.id != agent.id])
+        user = rng.choice([p for p in users if p.id != agent.id])
         out.append(Pair(len(out), agent, user, rng.choice(topics)))
     return out
 
