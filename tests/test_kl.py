@@ -69,10 +69,10 @@ def test_each_kl_matches_full_forward_passes_of_transformers_in_float64(smol32, 
     assert checked == 4  # 2 pairs x rounds 2 and 3
 
 
-def test_the_live_kl_of_a_self_chat_is_driftlab_kl_of_its_records(recorded, measured) -> None:
+def test_the_live_kl_of_a_self_chat_is_driftlab_kl_of_its_records(smol32, recorded, measured, tmp_path) -> None:
     """`--kl` measures each agent reply right after it is generated (prefix cache warm from generation, all
     replies of a round in one pass); `driftlab kl` reads the finished dialog again, turn by turn. Same
-    divergences, every turn and probe reply."""
+    divergences, every turn and probe reply; and the dialog itself is the one a run without --kl writes."""
     live = {(r["pair"], r["round"], r["kind"]): r["kl"] for r in RunDir(recorded).records()
             if r["kind"] == "probe" or r["speaker"] == "agent"}
     assert all(kl is not None for kl in live.values()) and len(live) == len(measured) == 2 * 3 + 2 * 3
@@ -82,6 +82,10 @@ def test_the_live_kl_of_a_self_chat_is_driftlab_kl_of_its_records(recorded, meas
         assert abs(kl["reminded"] - rec["reminded"]) < 1e-5 and abs(kl["prompt"] - rec["prompt"]) < 1e-5, (kl, rec)
     user = [r for r in RunDir(recorded).records() if r["kind"] == "turn" and r["speaker"] == "user"]
     assert user and all(r.get("kl") is None for r in user)  # the user LM is not the model under test
+    plain = dl.selfchat(smol32, pair=PAIRS, rounds=3, max_new_tokens=10, probe_tokens=6, greedy=True,
+                        out=tmp_path / "plain", progress=False)
+    texts = lambda records: sorted((r["pair"], r["round"], r["kind"], r["text"]) for r in records)  # noqa: E731
+    assert texts(plain.records) == texts(RunDir(recorded).records())
 
 
 def test_every_measure_side_by_side_from_the_live_run_or_joined_from_a_kl_run(recorded, kl_run) -> None:

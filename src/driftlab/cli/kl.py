@@ -17,6 +17,7 @@ def kl(
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory: the divergences per turn.")],
     backend: BackendSpec,
     dialogs: Annotated[int | None, typer.Option(help="At most this many dialogs (default: all).")] = None,
+    batch_size: Annotated[int, typer.Option(help="Dialogs read together, turn by turn.")] = 8,
 ) -> None:
     """Measure drift in what the model would say, teacher-forced on a recorded self-chat: no generation.
 
@@ -33,6 +34,7 @@ def kl(
     from driftlab.cli.finish import print_measures
     from driftlab.protocol.kl import KL, KLConfig
 
-    config = build(KLConfig, backend=backend, from_run=str(from_run), dialogs=dialogs)
+    config = build(KLConfig, backend=backend, from_run=str(from_run), dialogs=dialogs,
+                   batch_size=batch_size)
     rundir = execute(KL(config), out)
     print_measures(rundir.path, figure_title=str(from_run))

@@ -70,10 +70,11 @@ def measured_steer(steer: Interventions) -> Interventions:
 
 
 def divergences(backend, replies: Sequence[tuple[Conversation, str]], steer: Interventions,
-                chunk: int = CHUNK) -> list[Divergence]:
+                chunk: int = CHUNK, keep_as_is: bool = True) -> list[Divergence]:
     """Each (conversation ending with an assistant reply, its finish reason) -> its `Divergence`,
-    `chunk` replies per forward pass (1 where each reply's contexts extend the last one's, which the
-    prefix cache then serves)."""
+    `chunk` replies per forward pass. The prompt-less context is kept in the prefix cache for the
+    next turn's to extend; the as-is one too unless `keep_as_is` is False (a live run: there the
+    generation's own cache entry serves the next turn, which then decodes exactly as without KL)."""
     out: list[Divergence] = []
     for first in range(0, len(replies), chunk):
         contexts, ends, groups = [], [], []
@@ -84,7 +85,8 @@ def divergences(backend, replies: Sequence[tuple[Conversation, str]], steer: Int
             groups.append((len(contexts), len(group)))
             contexts += group
             ends += [end] * len(group)
-        store = [k - s < 2 for s, n in groups for k in range(s, s + n)]  # not the reminded one: no turn extends it
+        keep = (keep_as_is, True, False)  # as-is, prompt-less, reminded (no later turn extends that one)
+        store = [keep[k - s] for s, n in groups for k in range(s, s + n)]
         lps = reply_logprobs(backend, contexts, steer, ends, store)
         for s, n in groups:
             (a, positions), (b, _) = lps[s], lps[s + 1]

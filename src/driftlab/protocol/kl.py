@@ -1,9 +1,9 @@
 """`driftlab kl`: a recorded self-chat's drift in its next-token distributions, teacher-forced.
 
 Per agent turn (and agent probe reply) of every dialog, the reminded KL and the prompt's influence
-(`protocol.divergence`, the one definition a live `--kl` run shares), one record each. A dialog's
-turns are read in order, each on its own, so each turn's contexts extend the last turn's in the
-prefix cache and only their new tokens are computed.
+(`protocol.divergence`, the one definition a live `--kl` run shares), one record each. A batch of
+dialogs is read turn by turn, the same turn of every dialog in one pass: each turn's contexts extend
+its dialog's last ones in the prefix cache, so only their new tokens are computed.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ class KLConfig(ProtocolConfig):
 
     from_run: str = Field(description="a self-chat run directory")
     dialogs: int | None = Field(None, ge=1, description="at most this many dialogs (default: all)")
+    batch_size: int = Field(8, ge=1, le=1024, description="dialogs read together, turn by turn")
 
-    RESUME_IGNORES: ClassVar[tuple[str, ...]] = ProtocolConfig.RESUME_IGNORES
+    RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size")
 
 
 class KLRecord(BaseModel):
@@ -75,27 +76,33 @@ class KL(Protocol[KLConfig]):
     def expected(cls, manifest: dict[str, Any]) -> dict[str, int]:
         return {"kl": sum(len(d["a"]) + len(d["probes"]) for d in manifest["dialogs"])}
 
-    def units(self, state: RunState) -> Iterable[tuple[dict[str, Any], Interventions]]:
+    def units(self, state: RunState) -> Iterable[tuple[list[dict[str, Any]], Interventions]]:
         steer = Interventions.parse(state.manifest["steer"])
-        for d in state.manifest["dialogs"]:
-            if ("kl", d["pair"], 1, "turn") not in state.done:
-                yield d, steer
+        todo = [d for d in state.manifest["dialogs"] if ("kl", d["pair"], 1, "turn") not in state.done]
+        for first in range(0, len(todo), self.config.batch_size):
+            yield todo[first : first + self.config.batch_size], steer
 
-    def run_unit(self, unit: tuple[dict[str, Any], Interventions]) -> list[KLRecord]:
-        """Every agent turn of the dialog, in order (each context extends the last turn's), then its probes."""
-        d, steer = unit
-        dialog = agent_conversation(d["system"], d["a"], d["b"])
-        records = [self._turn(d, dialog[: 1 + 2 * i], steer, "turn", i, end)
-                   for i, end in enumerate(d["turn_ends"], 1)]
-        for probe in d["probes"]:
-            k = probe["view"] - 1  # exchanges before the probe
-            conv = dialog[: 1 + 2 * k] + [{"role": "user", "content": d["probe"]},
-                                          {"role": "assistant", "content": probe["reply"]}]
-            records.append(self._turn(d, conv, steer, "probe", probe["round"], probe["end"]))
+    def run_unit(self, unit: tuple[list[dict[str, Any]], Interventions]) -> list[KLRecord]:
+        """Every reply of the dialogs, the k-th of each dialog in one pass (its turns in order, then its probes)."""
+        dialogs, steer = unit
+        replies = [list(_replies(d)) for d in dialogs]
+        records: list[KLRecord] = []
+        for k in range(max(map(len, replies))):
+            step = [(d, r[k]) for d, r in zip(dialogs, replies, strict=True) if k < len(r)]
+            found = divergence.divergences(self.backend, [(conv, end) for _, (_, _, conv, end) in step], steer,
+                                           chunk=len(step))
+            records += [KLRecord(pair=d["pair"], round=rnd, what=what, **f.fields())
+                        for (d, (what, rnd, _, _)), f in zip(step, found, strict=True)]
         return records
 
-    def _turn(self, d: dict[str, Any], conv: Conversation, steer: Interventions, what: str, rnd: int,
-              end: str) -> KLRecord:
-        """The KL divergences at the last assistant turn of `conv`."""
-        found = divergence.divergences(self.backend, [(conv, end)], steer, chunk=1)[0]
-        return KLRecord(pair=d["pair"], round=rnd, what=what, **found.fields())
+
+def _replies(d: dict[str, Any]) -> Iterable[tuple[str, int, Conversation, str]]:
+    """(what, round, the conversation up to the reply, how it ended) of each agent turn in order, then each probe."""
+    dialog = agent_conversation(d["system"], d["a"], d["b"])
+    for i, end in enumerate(d["turn_ends"], 1):
+        yield "turn", i, dialog[: 1 + 2 * i], end
+    for probe in d["probes"]:
+        k = probe["view"] - 1  # exchanges before the probe
+        yield "probe", probe["round"], dialog[: 1 + 2 * k] + [{"role": "user", "content": d["probe"]},
+                                                              {"role": "assistant", "content": probe["reply"]}], \
+            probe["end"]

@@ -439,7 +439,8 @@ class SelfChat(Protocol[SelfChatConfig]):
         generated (its dialog's KV is still in the prefix cache)."""
         found = divergence.divergences(
             self.backend, [(j.conversation + [{"role": "assistant", "content": r.text}], r.finish_reason)
-                           for j, r in zip(chunk, replies, strict=True)], divergence.measured_steer(self.config.steer))
+                           for j, r in zip(chunk, replies, strict=True)], divergence.measured_steer(self.config.steer),
+            keep_as_is=False)
         return [d.fields() for d in found]
 
     def _scores(self, probes: list[tuple[Job, Any]]) -> list[dict[str, Any]]:

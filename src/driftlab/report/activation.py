@@ -169,7 +169,8 @@ def round_table(frame: pd.DataFrame) -> TextTable:
                                  graded=value != "score")
             row.append(fmt_cell(*cell.as_tuple()) + f" (n={cell.n})")
         rows.append(row)
-    return TextTable(f"drift {len(shown)} ways, per round", ["round", *[c[2] for c in shown]], rows,
+    return TextTable(f"drift measured {len({c[0] for c in shown})} ways, per round", ["round", *[c[2] for c in shown]],
+                     rows,
                      "Means over conversations with their 95% intervals. Projection: band mean of the normalised "
                      "projection onto the agent persona's direction (0: like without its system prompt, 1: like "
                      "with it). pi: attention mass on the system prompt, mean over layers, heads and reply tokens. "
