@@ -140,7 +140,7 @@ def _directions(backend, tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_the_demo_measures_drift_three_ways_into_one_report(monkeypatch, tmp_path) -> None:
+def test_the_demo_measures_drift_five_ways_into_one_report(monkeypatch, tmp_path) -> None:
     """The demo's command, in this process, at the smallest sizes that still give a drift to
     report (two rounds: the first and the last): what it writes does not depend on its sizes."""
     import importlib
@@ -162,4 +162,4 @@ def test_the_demo_measures_drift_three_ways_into_one_report(monkeypatch, tmp_pat
     assert Directions.load(tmp_path / "demo" / "directions").meta["n_layers"] == 3
     records = RunDir(tmp_path / "demo").records()
     agent = [r for r in records if r["kind"] == "turn" and r["speaker"] == "agent"]
-    assert agent and all(r["pi"] and r["activation"] for r in agent)
+    assert agent and all(r["pi"] and r["activation"] and r["kl"] for r in agent)

@@ -198,3 +198,21 @@ def test_what_driftlab_kl_cannot_read_is_one_line_before_any_work(recorded, tmp_
     with pytest.raises(DriftlabError, match="openai:x is not a local model; driftlab kl needs its tokens"):
         dl.run(KL(KLConfig(backend=BackendSpec(model="openai:x", runtime={"base_url": "http://127.0.0.1:9/v1"}),
                            from_run=str(recorded))), out=tmp_path / "remote", progress=False)
+
+
+def test_driftlab_equilibrium_fits_the_kl_series_of_runs_and_compares_two(recorded, kl_run) -> None:
+    """The series are each conversation's agent turns from round 2, from the live records or a kl run alike;
+    the table fits each run and, for two, compares their D* (here the same dialogs: a difference of 0)."""
+    from typer.testing import CliRunner
+
+    from driftlab.cli import app
+    from driftlab.report.equilibrium import equilibrium_table, series
+
+    live = {(r["pair"], r["round"]): r["kl"]["reminded"] for r in RunDir(recorded).records()
+            if r["kind"] == "turn" and r["speaker"] == "agent"}
+    assert series(recorded) == [[live[(p, 2)], live[(p, 3)]] for p in (0, 1)]
+    assert [pytest.approx(one, abs=1e-5) for one in series(recorded)] == series(kl_run)
+    table = equilibrium_table([recorded, kl_run], n_boot=50)
+    assert len(table.rows) == 3 and abs(float(table.rows[2][1].split()[0])) < 1e-3, table.rows
+    done = CliRunner().invoke(app, ["equilibrium", str(recorded), str(kl_run), str(recorded)])
+    assert done.exit_code != 0 and "the fit takes one, or two to compare" in str(done.exception) + done.output

@@ -432,7 +432,7 @@ def judge(name: str = "judge-smollm2-qwen-20") -> str:
     return "\n".join(lines)
 
 
-# -- drift three ways: the demo, the projection study, directions ----------------------------------
+# -- drift side by side: the demo, the projection study, directions ----------------------------------
 def _markdown(table) -> str:
     """A report's TextTable as a markdown table."""
     lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
@@ -440,12 +440,12 @@ def _markdown(table) -> str:
 
 
 def three_ways(name: str) -> str:
-    """Probe score, pi and projection per round, and the projection's three checks, of a run that
-    measured them (a self-chat with --directions and --steer trace, or a `driftlab project` run)."""
-    from driftlab.report.activation import checks, checks_table, measures_frame, round_table
+    """Every measure a run took per round (probe score, pi, projection, the KLs), how far they agree, and
+    the projection's three checks (a self-chat with --directions, --steer trace or --kl, or a `driftlab
+    project` run)."""
+    from driftlab.report.activation import measure_tables, measures_frame
 
-    frame = measures_frame(HERE / name)
-    return _markdown(round_table(frame)) + "\n\n" + _markdown(checks_table(checks(frame)))
+    return "\n\n".join(_markdown(table) for table in measure_tables(measures_frame(HERE / name)))
 
 
 def separation(name: str) -> str:

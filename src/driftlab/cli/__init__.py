@@ -16,6 +16,7 @@ from driftlab.cli.chat import chat
 from driftlab.cli.decay import decay
 from driftlab.cli.demo import demo
 from driftlab.cli.directions import directions
+from driftlab.cli.equilibrium import equilibrium
 from driftlab.cli.kl import kl
 from driftlab.cli.mmlu import mmlu
 from driftlab.cli.project import project
@@ -45,6 +46,7 @@ app.command("decay")(decay)
 app.command("directions")(directions)
 app.command("project")(project)
 app.command("kl")(kl)
+app.command("equilibrium")(equilibrium)
 app.command("mmlu")(mmlu)
 app.command("calibrate")(calibrate)
 app.command("sweep")(sweep)

@@ -77,20 +77,19 @@ def divergences(backend, replies: Sequence[tuple[Conversation, str]], steer: Int
     generation's own cache entry serves the next turn, which then decodes exactly as without KL)."""
     out: list[Divergence] = []
     for first in range(0, len(replies), chunk):
-        contexts, ends, groups = [], [], []
-        for conv, end in replies[first : first + chunk]:
-            as_is = steer.model_view(conv)
-            reminded = remind(as_is)
-            group = [as_is, without_system(as_is)] + ([reminded] if reminded is not None else [])
-            groups.append((len(contexts), len(group)))
-            contexts += group
-            ends += [end] * len(group)
-        keep = (keep_as_is, True, False)  # as-is, prompt-less, reminded (no later turn extends that one)
-        store = [keep[k - s] for s, n in groups for k in range(s, s + n)]
-        lps = reply_logprobs(backend, contexts, steer, ends, store)
-        for s, n in groups:
-            (a, positions), (b, _) = lps[s], lps[s + 1]
-            out.append(Divergence(kl_mean(a, lps[s + 2][0]) if n == 3 else 0.0, kl_mean(a, b), positions))
+        batch = replies[first : first + chunk]
+        as_is = [steer.model_view(conv) for conv, _ in batch]
+        ends = [end for _, end in batch]
+        reminded = [remind(conv) for conv in as_is]
+        # One pass per kind of context: a batch computes, for every row, the longest uncached suffix of
+        # any row, and each kind's rows miss about as much of the cache as each other.
+        a = reply_logprobs(backend, as_is, steer, ends, store=keep_as_is)
+        b = reply_logprobs(backend, [without_system(conv) for conv in as_is], steer, ends, store=True)
+        due = [k for k, conv in enumerate(reminded) if conv is not None]
+        c = dict(zip(due, reply_logprobs(backend, [reminded[k] for k in due], steer, [ends[k] for k in due],
+                                         store=False), strict=True))
+        out += [Divergence(kl_mean(a[k][0], c[k][0]) if k in c else 0.0, kl_mean(a[k][0], b[k][0]), a[k][1])
+                for k in range(len(batch))]
     return out
 
 
@@ -105,9 +104,12 @@ def remind(conversation: Conversation) -> Conversation | None:
 
 
 def reply_logprobs(backend, contexts: list[Conversation], steer: Interventions, ends: Sequence[str],
-                   store: Sequence[bool]) -> list[tuple[torch.Tensor, int]]:
+                   store: bool) -> list[tuple[torch.Tensor, int]]:
     """Per context (each ending with an assistant reply): the next-token log-probabilities [n, V] at the
-    n positions that generated the reply (its end-of-turn token only where `ends` says it ended with it)."""
+    n positions that generated the reply (its end-of-turn token only where `ends` says it ended with it);
+    `store`: keep the contexts' KV in the prefix cache."""
+    if not contexts:
+        return []
     prompts, keeps, windows = [], [], []
     for conv, end in zip(contexts, ends, strict=True):
         rendered = backend.render(conv, add_generation_prompt=False, interventions=steer)
@@ -118,7 +120,7 @@ def reply_logprobs(backend, contexts: list[Conversation], steer: Interventions, 
         prompts.append(rendered)
         keeps.append(len(ids) - (start - 1))
         windows.append(stop - start)  # positions start - 1 .. stop - 2 predict the reply's tokens
-    lps = backend.prompt_logprobs(prompts, keeps, interventions=steer.without("spr"), cache_store=list(store))
+    lps = backend.prompt_logprobs(prompts, keeps, interventions=steer.without("spr"), cache_store=[store] * len(prompts))
     return [(lp[:n], n) for lp, n in zip(lps, windows, strict=True)]
 
 
