@@ -15,6 +15,10 @@ comparison runs once, the order rotating each round; per variant the best wall t
 are best against best, and per round (paired, back to back).
 
 Sizes (PAIRS x ROUNDS x TOKENS, repeats): --quick 2x2x8 (1), default 8x4x32 (2), --full 16x8x48 (3).
+The default size took about 15 minutes on this project's 2-core CPU (docs/results/bench/kl-cpu.txt:
+kl 3.8x project, live kl 2.1x plain, CFG 1.4x; both targets missed). Why: per reply, kl reads the
+reply, the user turn and the reply again, and the restated prompt, the user turn and the reply, about
+five reply lengths, where project reads the dialog once and a plain self-chat generates the reply once.
 """
 
 from __future__ import annotations
