@@ -33,7 +33,7 @@ from driftlab.steering.interventions import Interventions
 
 #: Steers under which the model's own next-token distribution is not what a reply was drawn from.
 UNMEASURED = ("cfg", "when-drifting")
-#: Replies read in one forward pass (three contexts each): bounds the logits kept, [n, V] per context.
+#: Replies read together (one pass per kind of context): bounds the logits kept, [n, V] per context.
 CHUNK = 8
 
 
@@ -72,7 +72,7 @@ def measured_steer(steer: Interventions) -> Interventions:
 def divergences(backend, replies: Sequence[tuple[Conversation, str]], steer: Interventions,
                 chunk: int = CHUNK, keep_as_is: bool = True) -> list[Divergence]:
     """Each (conversation ending with an assistant reply, its finish reason) -> its `Divergence`,
-    `chunk` replies per forward pass. The prompt-less context is kept in the prefix cache for the
+    `chunk` replies at a time. The prompt-less context is kept in the prefix cache for the
     next turn's to extend; the as-is one too unless `keep_as_is` is False (a live run: there the
     generation's own cache entry serves the next turn, which then decodes exactly as without KL)."""
     out: list[Divergence] = []
