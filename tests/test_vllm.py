@@ -241,7 +241,7 @@ def test_a_selfchat_on_vllm_resumes_after_kill_9_and_reports_three_ways(commands
     assert agent and all(r["pi"] and r["activation"] for r in agent)
     assert RunDir(tmp_path / "ref").read_manifest()["models"]["agent"]["backend"] == "vllm"
     page = (tmp_path / "ref" / "report.html").read_text()
-    assert "Drift three ways" in page
+    assert "Drift measured side by side" in page
 
 
 @pytest.fixture(scope="module")
