@@ -72,6 +72,16 @@ def test_grid_is_validated_and_normalised():
         SweepConfig(grid={"spr": ["spr:p=1", "spr:p=1.0"]})
 
 
+def test_a_sweep_with_kl_measures_every_point_but_those_whose_replies_are_not_the_models_own():
+    """--kl reaches each point's self-chat, except CFG's and any point under when-drifting (a live KL
+    would be refused there, so the sweep leaves it out instead of failing the point)."""
+    measured = {p.spec() if p else "plain": SweepConfig(kl=True).selfchat(p).kl for _, p in SweepConfig().points()}
+    assert measured.pop("plain") and measured and all(v == (not spec.startswith("cfg")) for spec, v in measured.items())
+    gated = SweepConfig(kl=True, when_drifting=0.5, grid={"split-softmax": ["split-softmax:k=0.5"]})
+    assert not any(gated.selfchat(p).kl for _, p in gated.points() if p is not None)
+    assert not any(SweepConfig().selfchat(p).kl for _, p in SweepConfig().points())
+
+
 def test_matched_points_pick_the_closest_drop_per_method():
     table = pd.DataFrame({
         "method": ["plain", "a", "a", "b", "b"], "spec": ["plain", "a1", "a2", "b1", "b2"],

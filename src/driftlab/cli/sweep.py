@@ -69,6 +69,9 @@ def sweep(
     when_drifting_by: Annotated[str, typer.Option(
         help="What --when-drifting compares with the first turn: 'pi' (attention on the system prompt) or "
              "'projection' (the persona's projection; needs --directions).")] = "pi",
+    kl: Annotated[bool, typer.Option(
+        "--kl", help="Also measure every agent reply's reminded KL and prompt influence as it is generated, at every "
+                     "point but CFG's and when-drifting's (docs/measures.md).")] = False,
 ) -> None:
     """Measure persona stability and MMLU drop for every (method, strength), then plot the trade-off.
 

@@ -55,6 +55,7 @@ from driftlab.chat.base import Sampling
 from driftlab.console import err_console
 from driftlab.errors import DriftlabError
 from driftlab.protocol import lmeval
+from driftlab.protocol.divergence import UNMEASURED
 from driftlab.protocol.lmeval import LMEvalBench, LMEvalConfig
 from driftlab.protocol.mmlu import (
     MMLU,
@@ -176,12 +177,16 @@ class SweepConfig(ProtocolConfig):
 
     # The grid is compared point by point when the sweep starts its units (`Sweep._add_points`):
     # a resume may add points, never drop one.
+    kl: bool = Field(False, description="measure every agent reply's KLs as it is generated (SelfChatConfig.kl), at "
+                                        "every point whose replies come from the model's own distribution (not "
+                                        "CFG or when-drifting)")
+
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size", "grid")
     # Sweeps recorded before these options: MMLU at a round, after a separate self-chat.
     LEGACY: ClassVar[dict[str, Any]] = {"mmlu_turn_counting": "round", "mmlu_history": "selfchat", "mmlu_ties": "first",
                                         "mmlu_histories": 1, "probe_after": "user",
                                         "probe_tokens": "turn", "benchmark": "mmlu", "benchmark_include": None,
-                                        "benchmark_n": None, "when_drifting": None, "when_drifting_by": "pi"}
+                                        "benchmark_n": None, "when_drifting": None, "when_drifting_by": "pi", "kl": False}
 
     _probe_budget = field_validator("probe_tokens", mode="before")(probe_budget)
 
@@ -294,10 +299,11 @@ class SweepConfig(ProtocolConfig):
         return [(PLAIN, None)] + [(m, p) for m, points in self.grid.items() for p in points]
 
     def selfchat(self, point: BaseIntervention | None) -> SelfChatConfig:
+        steer = self.steer(point)
         return SelfChatConfig(
             backend=self.backend, pairs=0, pair_ids=self.pair_ids, rounds=self.rounds, sampling=self.sampling,
-            probe_tokens=self.probe_tokens, seed=self.seed, batch_size=self.batch_size, steer=self.steer(point), starters=self.starters,
-            probe_after=self.probe_after,
+            probe_tokens=self.probe_tokens, seed=self.seed, batch_size=self.batch_size, steer=steer, starters=self.starters,
+            probe_after=self.probe_after, kl=self.kl and not {i.kind for i in steer} & set(UNMEASURED),
         )
 
     def mmlu(self, point: BaseIntervention | None) -> MMLUConfig:
