@@ -32,20 +32,20 @@ def first_overflow(backend: TokenBackend, dialogs: Sequence[tuple[str, str, Sequ
     if not window:
         return None
     probed = set(probe_rounds)
+    size = lambda conv: len(backend.render(conv).ids)  # noqa: E731 - the prompt as the model sees it
     worst: Overflow | None = None
     for system, starter, probes in dialogs:
-        size = lambda conv: len(backend.render(conv).ids)  # noqa: E731 - the prompt as the model sees it
         opening: Conversation = [{"role": "system", "content": system}, {"role": "user", "content": starter}]
-        base = size(opening)
         blank = [*opening, {"role": "assistant", "content": ""}, {"role": "user", "content": ""}]
-        per_turn = -(-(size(blank) - base) // 2)  # a turn's template tokens around its text
-        probe = max((size([*blank[:-1], {"role": "user", "content": p}]) - base for p in probes), default=0)
-        for r in range(1, rounds + 1):
+        base, with_blank = size(opening), size(blank)
+        per_turn = -(-(with_blank - base) // 2)  # a turn's template tokens around its text
+        probe = max((size([*blank[:-1], {"role": "user", "content": p}]) - with_blank for p in probes), default=0)
+        for r in range(1, (worst.round if worst else rounds + 1)):
+            # [s, a_1, b_1, ..., a_r] and b_r; where probed, b_r's template, the probe and its reply
             tokens = base + (r - 1) * 2 * (turn_tokens + per_turn) + turn_tokens
             if r in probed:
-                tokens += per_turn + probe + probe_tokens
+                tokens += 2 * per_turn + probe + probe_tokens
             if tokens > window:
-                if worst is None or r < worst.round:
-                    worst = Overflow(r, tokens, window)
+                worst = Overflow(r, tokens, window)
                 break
     return worst

@@ -103,6 +103,5 @@ def _replies(d: dict[str, Any]) -> Iterable[tuple[str, int, Conversation, str]]:
         yield "turn", i, dialog[: 1 + 2 * i], end
     for probe in d["probes"]:
         k = probe["view"] - 1  # exchanges before the probe
-        yield "probe", probe["round"], dialog[: 1 + 2 * k] + [{"role": "user", "content": d["probe"]},
-                                                              {"role": "assistant", "content": probe["reply"]}], \
-            probe["end"]
+        asked = [{"role": "user", "content": d["probe"]}, {"role": "assistant", "content": probe["reply"]}]
+        yield "probe", probe["round"], dialog[: 1 + 2 * k] + asked, probe["end"]
