@@ -78,6 +78,31 @@ def test_a_stream_ends_with_the_same_telemetry(server) -> None:
     assert chunks[-1]["driftlab"] == whole
 
 
+def test_a_reply_asked_for_its_kls_carries_those_of_protocol_divergence_whole_or_streamed(server) -> None:
+    """"telemetry": {"kl": true}: once the reply is done the server reads it again on the model's thread; the
+    numbers are `protocol.divergence`'s on the same dialog and reply (checked against transformers in
+    tests/test_kl.py), the tokens those of a plain request, and a stream's last chunk carries the same."""
+    from driftlab.protocol.divergence import divergences
+
+    url, backend = server
+    plain = ask(url, backend).json()
+    out = ask(url, backend, driftlab={"telemetry": {"kl": True}}).json()
+    assert out["choices"] == plain["choices"]
+    choice = out["choices"][0]
+    conv = [*DIALOG, {"role": "assistant", "content": choice["message"]["content"]}]
+    (want,) = divergences(backend, [(conv, choice["finish_reason"])], Interventions())
+    kl = out["driftlab"]["telemetry"]["kl"]
+    assert kl["positions"] == want.positions and kl["reminded"] > 0 and kl["prompt"] > 0
+    assert abs(kl["reminded"] - want.reminded) < 1e-5 and abs(kl["prompt"] - want.prompt) < 1e-5, (kl, want)
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=300,
+                      json={"model": backend.name, "messages": DIALOG, "max_tokens": N, "temperature": 0,
+                            "stream": True, "driftlab": {"telemetry": {"kl": True}}}) as r:
+        last = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:") and "[DONE]" not in line][-1]
+    assert last["driftlab"]["telemetry"]["kl"] == pytest.approx(kl, abs=1e-5)
+    cfg = ask(url, backend, driftlab={"telemetry": {"kl": True}, "steer": "cfg:alpha=1.5"})
+    assert cfg.status_code == 422 and "--steer cfg mixes or switches distributions" in cfg.json()["error"]["message"]
+
+
 def test_the_openai_client_reads_telemetry_from_extra_body(server) -> None:
     from openai import OpenAI
 

@@ -267,6 +267,8 @@ class ServerState:
         """The request as a job with its future on this loop, and the reply's id."""
         steer = self.steer_of(req)
         telemetry = req.driftlab.wants_telemetry() if req.driftlab is not None else None
+        if telemetry is not None and telemetry.kl:
+            self._check_kl(steer)
         job = await self._job(req, traced(steer) if telemetry or self.settings.telemetry else steer)
         loop = asyncio.get_running_loop()
         jobs = [job] + [self._sibling(job, k, req) for k in range(1, req.n)]
@@ -274,6 +276,28 @@ class ServerState:
             j.future, j.loop = loop.create_future(), loop
         return Call(req, job, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), arrived, jobs[1:], steer=steer,
                     telemetry=telemetry)
+
+    def _check_kl(self, steer: Interventions) -> None:
+        """422 before any work where this server cannot give a reply's KLs (`protocol.divergence`)."""
+        from driftlab.protocol import divergence
+
+        try:
+            divergence.require(self.backend, '"telemetry": {"kl": true}')
+            divergence.measured_steer(steer)
+        except DriftlabError as err:
+            raise APIError(422, str(err), param="driftlab.telemetry.kl") from None
+
+    async def _divergence(self, call: Call, reply: Reply) -> dict[str, Any] | None:
+        """The reply's KLs where the request asked for them: a job of its own, run once the reply is done
+        (the reply read again under three contexts on the model's thread), else None."""
+        if call.telemetry is None or not call.telemetry.kl:
+            return None
+        conversation = [*call.job.conversation, {"role": "assistant", "content": reply.text}]
+        end = reply.finish_reason if not call.req.stops() else "length"  # a stop string: no end-of-turn token
+        job = Job(conversation, call.job.sampling, 0, call.steer.without("trace"), None, store=False, kl=True, end=end)
+        job.future, job.loop = asyncio.get_running_loop().create_future(), asyncio.get_running_loop()
+        self.submit(job, call.arrived)
+        return await self.wait(job)
 
     def _sibling(self, job: Job, k: int, req: ChatCompletionRequest) -> Job:
         """Choice k of n: the first choice's job with its own seed (the k-th after the first's)."""
@@ -473,7 +497,7 @@ class ServerState:
         watcher = asyncio.create_task(_watch_disconnect(request, jobs))
         try:
             replies = [self._cut_reply(await self.wait(job), job, call.req.stops()) for job in jobs]
-            measured = [self.measure(call, reply) for reply in replies]
+            measured = [self.measure(call, reply, await self._divergence(call, reply)) for reply in replies]
         finally:
             watcher.cancel()
             for job in jobs:  # a failed choice: the others stop costing the batch
@@ -523,7 +547,11 @@ class ServerState:
         rest, logprobs = text.finish(reply.text), self._stream_logprobs(call, reply.n_tokens)
         if rest or logprobs:
             events.append({"data": self._chunk(call, {"content": rest}, logprobs=logprobs)})
-        measured = self.measure(call, reply)
+        try:
+            measured = self.measure(call, reply, await self._divergence(call, reply))
+        except APIError as err:
+            self.metrics.responses.labels(str(err.status)).inc()
+            return [{"data": json.dumps(err.body())}, {"data": "[DONE]"}]
         events.append({"data": self._chunk(call, {}, reply.finish_reason, extra=self._extension(call, [measured]))})
         opts = call.req.stream_options
         if opts is not None and opts.include_usage:
@@ -551,10 +579,12 @@ class ServerState:
         entries, call.sent = call.scored[call.sent : upto], upto
         return {"content": [self._token_logprob(t.token_id, t.logprob, t.top) for t in entries]}
 
-    def measure(self, call: Call, reply: Reply) -> dict[str, Any]:
-        """The reply's drift telemetry (`serve.telemetry.summary`), also observed in /metrics."""
+    def measure(self, call: Call, reply: Reply, kl: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The reply's drift telemetry (`serve.telemetry.summary`; its KLs where asked), also observed in /metrics."""
         conversation = call.job.conversation
         measured = summary(reply, conversation, layers=call.telemetry is not None and call.telemetry.layers)
+        if kl is not None:
+            measured["kl"] = kl
         self.metrics.drift(self.labels(system_of(conversation)), measured)
         return measured
 

@@ -5,7 +5,8 @@ little more per step than a batch of one on most hardware. The batcher is a boun
 plus one worker thread that owns the backend: it takes the first waiting job, gathers more
 for at most `max_wait_s` (up to `max_batch_size`), and runs the jobs that share what a
 `ChatRequest` shares (`Job.group`: sampling but for the token limit, interventions,
-logprobs) as one `generate` call (or one `driftlab.chat.text.score` call for prompts to score).
+logprobs) as one `generate` call (or one `driftlab.chat.text.score` call for prompts to score, or one
+`driftlab.protocol.divergence.divergences` call for replies to read again for their KLs).
 
 Continuous batching (the default, `continuous=True`; vLLM's and Orca's iteration-level
 scheduling): a request that arrives while a batch decodes joins it at the next step, when it
@@ -83,6 +84,10 @@ class Job:
     streamed: bool = False  # some of its tokens reached the client already
     resolved: bool = False  # its result was handed over (a short row finishes before its batch)
     score: bool = False  # score the prompt's tokens (result: TokenScores) instead of generating
+    # read the conversation's last (assistant) reply again under three contexts (result: its divergences,
+    # `protocol.divergence`); `end` is how that reply ended
+    kl: bool = False
+    end: str = "stop"
 
     def group(self) -> tuple[Any, ...]:
         """What jobs must share to start decoding in one call (token limits may differ: each row has its own)."""
@@ -94,7 +99,7 @@ class Job:
         whole steer where it acts across the batch (CFG's twin rows, the pi floor); other steers
         are per-row data."""
         whole = self.interventions.kinds & BATCH_WIDE
-        return (self.sampling.model_copy(update={"max_new_tokens": 1}), self.logprobs, self.score,
+        return (self.sampling.model_copy(update={"max_new_tokens": 1}), self.logprobs, self.score, self.kl,
                 self.interventions.tracing(),
                 tuple(self.interventions.specs()) if whole else None)
 
@@ -252,10 +257,15 @@ class Batcher:
         for j, reply in zip(live, replies, strict=True):
             j.resolve(reply)
 
-    def _generate(self, live: list[Job]) -> list[Reply] | list[TokenScores]:
-        if live[0].score:
+    def _generate(self, live: list[Job]) -> list[Reply] | list[TokenScores] | list[dict[str, float | int]]:
+        if live[0].score or live[0].kl:
             self.batches.append(len(live))
             self.n_batches += 1
+            if live[0].kl:  # (the generation's own cache entries stay as they were: keep_as_is=False)
+                from driftlab.protocol.divergence import divergences
+
+                return [d.fields() for d in divergences(self.backend, [(j.conversation, j.end) for j in live],
+                                                        live[0].interventions, keep_as_is=False)]
             return score(self.backend, [j.conversation for j in live], live[0].interventions, top=live[0].logprobs or 0)
         watches: list[Callable[[int], None] | None] = []
 

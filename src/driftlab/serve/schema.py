@@ -93,13 +93,17 @@ class TelemetryOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     layers: bool = Field(False, strict=True, description="also pi and the projection per layer")
+    kl: bool = Field(False, strict=True, description=(
+        "also the reply's reminded KL and prompt influence (docs/measures.md): the reply read again under three "
+        "contexts once it is done, on a local model"))
 
 
 class ChatOptions(DriftlabOptions):
     """The `driftlab` field of a chat request: the steer, and drift telemetry in the reply."""
 
     telemetry: StrictBool | TelemetryOptions = Field(False, description=(
-        "true (or {\"layers\": true}): the reply carries driftlab.telemetry: rounds, pi and, with --directions, "
+        "true (or {\"layers\": true}, {\"kl\": true}): the reply carries driftlab.telemetry: rounds, pi and, with "
+        "--directions, "
         "the persona projection at its first and last token"))
 
     def wants_telemetry(self) -> TelemetryOptions | None:
