@@ -338,7 +338,7 @@ def test_sweep_config_records_the_turn_counting_and_refuses_a_dialog_too_short()
     assert SweepConfig.LEGACY == {"mmlu_turn_counting": "round", "mmlu_history": "selfchat", "mmlu_ties": "first",
                                   "mmlu_histories": 1, "probe_after": "user", "probe_tokens": "turn",
                                   "benchmark": "mmlu", "benchmark_include": None, "benchmark_n": None,
-                                  "when_drifting": None, "when_drifting_by": "pi"}
+                                  "when_drifting": None, "when_drifting_by": "pi", "kl": False}
     with pytest.raises(ValueError, match="MMLU over 3 dialogs needs as many persona pairs; the sweep has 2"):
         SweepConfig(pair_ids=paper_pairs()[:2], mmlu_histories=3)
     assert SweepConfig(mmlu_histories=5, mmlu_ties="first").mmlu(None).model_dump(include={"histories", "ties"}) == {
