@@ -99,6 +99,8 @@ def test_a_reply_asked_for_its_kls_carries_those_of_protocol_divergence_whole_or
                             "stream": True, "driftlab": {"telemetry": {"kl": True}}}) as r:
         last = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:") and "[DONE]" not in line][-1]
     assert last["driftlab"]["telemetry"]["kl"] == pytest.approx(kl, abs=1e-5)
+    counts = {k: v for k, v in scrape(url).items() if k.startswith("driftlab_kl_count")}
+    assert len(counts) == 2 and all(v == 2 for v in counts.values()), counts  # reminded and prompt, two replies
     cfg = ask(url, backend, driftlab={"telemetry": {"kl": True}, "steer": "cfg:alpha=1.5"})
     assert cfg.status_code == 422 and "--steer cfg mixes or switches distributions" in cfg.json()["error"]["message"]
 

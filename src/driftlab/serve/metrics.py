@@ -5,7 +5,8 @@ queue depth and requests in flight (read when scraped), batch sizes, generated t
 (tokens/s is `rate(driftlab_generated_tokens_total[1m])`), request latency, responses
 by HTTP status, including errors that end a stream after its 200 header, and drift
 (`serve.telemetry`): pi and the persona projection of each measured reply, at its first and
-last token, labelled by a short hash of its system prompt, and `when-drifting`'s decisions.
+last token, labelled by a short hash of its system prompt, its KLs where asked, and
+`when-drifting`'s decisions.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _PI_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # an attention mass
 _PROJECTION_BUCKETS = (-0.5, 0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)  # 0: like without the prompt, 1: with
+_KL_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)  # nats per token, over orders of magnitude
 
 
 class Metrics:
@@ -47,6 +49,9 @@ class Metrics:
         self.projection = Histogram("driftlab_projection", "Residual-stream projection on the persona's direction "
                                     "(0 like without the system prompt, 1 like with it) at a reply's first or last "
                                     "token.", ["prompt", "at"], buckets=_PROJECTION_BUCKETS, registry=r)
+        self.kl = Histogram("driftlab_kl", "A reply's KL in nats per token (asked for with telemetry's kl): "
+                            "'reminded', to the dialog with its system prompt restated; 'prompt', to the dialog "
+                            "without it.", ["prompt", "kind"], buckets=_KL_BUCKETS, registry=r)
         self.gate = Counter("driftlab_gate_decisions", "Replies under `when-drifting`, by whether the conversation "
                             "had drifted enough to be steered.", ["prompt", "steered"], registry=r)
 
@@ -61,6 +66,9 @@ class Metrics:
             if (values := telemetry.get(name)) is not None:
                 for at in ("first", "last"):
                     histogram.labels(prompt, at).observe(values[at])
+        if (kl := telemetry.get("kl")) is not None:
+            for kind in ("reminded", "prompt"):
+                self.kl.labels(prompt, kind).observe(kl[kind])
         if (gate := telemetry.get("gate")) is not None:
             self.gate.labels(prompt, str(gate["steered"]).lower()).inc()
 
