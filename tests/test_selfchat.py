@@ -501,3 +501,11 @@ def test_drift_pushing_users_are_drawn_as_users_only_each_with_its_source_and_th
     records = _scripted_run(tmp_path / "run", users="drift-pushing", ablation=False)
     asked = {r.persona for r in records if r.kind == "probe" and r.target == "user"}
     assert asked and asked <= users  # --user-probe asks each drift-pushing user's own probe
+
+
+def test_the_equilibrium_of_a_run_without_kls_is_one_line(tmp_path):
+    from driftlab.report.equilibrium import series
+
+    _scripted_run(tmp_path / "run")
+    with pytest.raises(DriftlabError, match="has no reminded KL to fit"):
+        series(tmp_path / "run")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from driftlab.errors import DriftlabError
 from driftlab.report.activation import measures_frame
 from driftlab.report.tables import TextTable
 from driftlab.theory.equilibrium import EquilibriumFit, compare_equilibria, fit_equilibrium
@@ -22,6 +23,9 @@ MEASURES = {"reminded": "reminded KL", "influence": "prompt influence"}
 def series(run_dir: str | Path, measure: str = "reminded", from_round: int = 2) -> list[list[float]]:
     """Per conversation, `measure` of its agent turns from `from_round` on, in round order."""
     frame = measures_frame(run_dir)
+    if not frame[measure].notna().any():
+        raise DriftlabError(f"{run_dir} has no {MEASURES[measure]} to fit.",
+                            hint="Give a self-chat run made with --kl, or a `driftlab kl` run of it.")
     turns = frame[(frame.what == "turn") & (frame["round"] >= from_round)].dropna(subset=[measure])
     return [list(one.sort_values("round")[measure]) for _, one in turns.groupby("pair")]
 
