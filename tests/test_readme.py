@@ -35,7 +35,7 @@ def test_cli_commands_in_the_readme_exist():
     root = get_command(app)
     for block in _bash_blocks():
         for line in block.replace("\\\n", " ").splitlines():
-            for cmd in re.findall(r"(?:^|&& )driftlab ([a-z]+)(?: ([a-z]+))?", line.strip()):
+            for cmd in re.findall(r"(?:^|&& )driftlab ([a-z][a-z-]*)(?: ([a-z]+))?", line.strip()):
                 group = root.commands.get(cmd[0])
                 assert group is not None, f"driftlab {cmd[0]} (README) does not exist"
                 if hasattr(group, "commands") and cmd[1]:

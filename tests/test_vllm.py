@@ -10,6 +10,7 @@ them in its second environment (.ci/run). The engines start once per module (vLL
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from driftlab.chat import BackendSpec, ChatRequest, Sampling, make_backend
 from driftlab.chat.base import Rendered
@@ -44,6 +46,7 @@ STEERS = {
     "pi-floor": ["pi-floor:f=0.9", "trace"],
     "vector": ["vector:alpha=2"],
     "cap": ["cap:q=0.9", "trace"],
+    "cap-file": ["cap:q=file"],  # the thresholds stored with the directions (an imported capping config)
     "composed": ["vector:alpha=-2,layers=2-20", "split-softmax:k=0.7", "instaboost:m=2", "trace"],
     "spr": ["spr:p=1.0", "trace"],
 }
@@ -63,9 +66,15 @@ LONG = [_conv(RULES, "What do you do in London?"), _conv(RULES, "What is your na
 
 @pytest.fixture(scope="module")
 def directions(tmp_path_factory) -> Path:
-    """Synthetic persona directions for FRENCH, PIRATE and RULES on SmolLM2's shape, on disk (vLLM's worker reads them)."""
+    """Synthetic persona directions for FRENCH, PIRATE and RULES on SmolLM2's shape, on disk (vLLM's worker
+    reads them), each with stored cap thresholds on its band (as an imported capping config gives)."""
     out = tmp_path_factory.mktemp("dirs")
-    synthetic(30, 576, [FRENCH, PIRATE, RULES]).save(out)
+    found = synthetic(30, 576, [FRENCH, PIRATE, RULES])
+    for pid, p in found.personas.items():
+        caps = torch.full((30,), float("nan"))
+        caps[list(p.band)] = p.quantile(0.6)[list(p.band)]
+        found.personas[pid] = dataclasses.replace(p, caps=caps)
+    found.save(out)
     return out
 
 

@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import re
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 Layers = tuple[int, ...] | None  # None: the directions' own band (chosen on held-out data)
+# Other tools' files of directions that driftlab reads and writes (activation.formats).
+Format = Literal["assistant-axis", "persona-vectors", "steering-vectors"]
+FORMATS: tuple[str, ...] = ("assistant-axis", "persona-vectors", "steering-vectors")
 
 
 class ResidualConfig(BaseModel):
     """Per row: add `alpha` times the persona's mean difference (with minus without its system
     prompt) at `vector_layers`; clamp the projection onto the persona's direction from below at
-    the `cap_q` quantile of its with-prompt projections, at `cap_layers`. Zero alpha and no cap
-    leave the stream as it is (the row is only monitored)."""
+    the `cap_q` quantile of its with-prompt projections (or, with "file", at the thresholds an
+    imported capping config gave), at `cap_layers`. Zero alpha and no cap leave the stream as it is
+    (the row is only monitored)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     alpha: float = Field(0.0, allow_inf_nan=False)
     vector_layers: Layers = None
-    cap_q: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    cap_q: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | Literal["file"] | None = None
     cap_layers: Layers = None
 
     @property

@@ -11,9 +11,10 @@ role prompts as "without"; it has no system prompt of its own and applies to eve
 direction of its own.
 
 On disk: `directions.safetensors` (tensors `p<i>.unit` [L, d], `p<i>.norm` [L], `p<i>.with` and
-`p<i>.without` [n, L] projections, `p<i>.auroc` [3, L] held-out AUROC with its interval) beside
-`directions.json` (model, layers, width, dtype, seed, prompts, and per persona its id, system
-prompt, n and layer band).
+`p<i>.without` [n, L] projections, `p<i>.auroc` [3, L] held-out AUROC with its interval, and for a
+direction imported with a capping config `p<i>.caps` [L], its thresholds) beside `directions.json`
+(model, layers, width, dtype, seed, prompts, and per persona its id, system prompt, n and layer
+band; an imported one's source).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class PersonaDirection:
     auroc: torch.Tensor  # [3, L] held-out AUROC of with vs without: estimate, low, high
     band: tuple[int, ...]  # the default layers, chosen on held-out data
     info: dict[str, Any] = field(default_factory=dict)  # n, held-out n, ...
+    caps: torch.Tensor | None = None  # [L] thresholds that came with an imported direction (NaN: none)
 
     @property
     def low(self) -> torch.Tensor:
@@ -63,6 +65,18 @@ class PersonaDirection:
         """[L] the q-quantile of the with-prompt projections (capping's threshold)."""
         return torch.quantile(self.with_proj, q, dim=0)
 
+    def thresholds(self, layers: list[int]) -> torch.Tensor:
+        """The thresholds an imported capping config gave at `layers` (`cap:q=file`)."""
+        given = [] if self.caps is None else [layer for layer in layers if not self.caps[layer].isnan()]
+        if len(given) < len(layers):
+            where = "none" if self.caps is None else \
+                "layers " + ",".join(str(int(i)) for i in torch.nonzero(~self.caps.isnan()).flatten())
+            raise DriftlabError(f"cap:q=file takes the thresholds imported with {self.id}'s direction, and it has "
+                                f"{where}, not layers {','.join(map(str, layers))}.",
+                                hint="Import a capping config (driftlab directions --from-file AXIS --capping FILE), "
+                                     "or cap at a quantile: cap:q=0.25.")
+        return self.caps[layers]
+
     def row(self, config: ResidualConfig | None) -> ResidualRow:
         """This direction as one batch row's state under `config` (None: monitored only)."""
         L = self.unit.shape[0]
@@ -72,7 +86,7 @@ class PersonaDirection:
             add[layers] = config.alpha * self.norm[layers]
         if config is not None and config.cap_q is not None:
             layers = list(config.cap_layers or self.band)
-            tau[layers] = self.quantile(config.cap_q)[layers]
+            tau[layers] = self.thresholds(layers) if config.cap_q == "file" else self.quantile(config.cap_q)[layers]
         return ResidualRow(unit=self.unit, add=add, tau=tau, low=self.low, high=self.high, direction=self.id,
                            band=self.band)
 
@@ -123,6 +137,35 @@ class Directions:
         return {"path": str(self.path) if self.path else None, "sha256": self.digest, "model": self.meta.get("model"),
                 "personas": sorted(self.personas), "axis": self.axis is not None}
 
+    def export(self, fmt: str, out: str | Path, *, persona: str | None = None, cap_q: float | None = None) -> list[Path]:
+        """Write one direction (`persona`; default the axis, else the only one) in another tool's
+        format (`activation.formats`); with `cap_q` (assistant-axis) also a capping config that caps
+        its band at that quantile, or at its imported thresholds where it has them."""
+        from driftlab.activation import formats
+
+        chosen = persona or (AXIS if self.axis is not None else None)
+        if chosen is None and len(self.personas) == 1:
+            chosen = next(iter(self.personas))
+        if chosen not in self.personas:
+            raise DriftlabError(f"{'No direction ' + repr(chosen) if chosen else 'Several directions'} in "
+                                f"{self.path or 'memory'}: it holds {', '.join(sorted(self.personas))}.",
+                                hint="Name one with --persona.")
+        if cap_q is not None and fmt != "assistant-axis":
+            raise DriftlabError(f"Only the Assistant Axis format has a capping config, not {fmt}.",
+                                hint="Drop --cap-q, or export with --format assistant-axis.")
+        p = self.personas[chosen]
+        caps, label = None, None
+        if cap_q is not None:
+            band = list(p.band)
+            caps = torch.full((self.n_layers,), float("nan"))
+            if p.caps is not None:  # the thresholds it was imported with, under their experiment's name
+                caps[band], label = p.thresholds(band), p.info.get("imported", {}).get("experiment")
+            else:  # named the way the Assistant Axis names its experiments (layers_46:54-p0.25)
+                caps[band] = p.quantile(cap_q)[band]
+                label = f"layers_{band[0]}:{band[-1] + 1}-p{cap_q}" if band == list(range(band[0], band[-1] + 1)) \
+                    else f"layers_{'+'.join(map(str, band))}-p{cap_q}"
+        return formats.write(p.unit * p.norm[:, None], fmt, out, caps=caps, label=label or "driftlab")
+
     # -- disk ------------------------------------------------------------------------------------
     def save(self, out: str | Path) -> Path:
         """Write `directions.safetensors` and `directions.json` into the directory `out`."""
@@ -136,6 +179,8 @@ class Directions:
                             f"p{i}.with": p.with_proj.float().contiguous(),
                             f"p{i}.without": p.without_proj.float().contiguous(),
                             f"p{i}.auroc": p.auroc.float().contiguous()})
+            if p.caps is not None:
+                tensors[f"p{i}.caps"] = p.caps.float().contiguous()
             entries.append({"id": p.id, "system_prompt": p.system_prompt, "band": list(p.band), **p.info})
         save_file(tensors, str(out / TENSORS))
         (out / MANIFEST).write_text(json.dumps({**self.meta, "personas": entries}, indent=1) + "\n")
@@ -158,7 +203,8 @@ class Directions:
             personas = [PersonaDirection(
                 id=e["id"], system_prompt=e["system_prompt"], unit=tensors[f"p{i}.unit"], norm=tensors[f"p{i}.norm"],
                 with_proj=tensors[f"p{i}.with"], without_proj=tensors[f"p{i}.without"], auroc=tensors[f"p{i}.auroc"],
-                band=tuple(e["band"]), info={k: v for k, v in e.items() if k not in ("id", "system_prompt", "band")})
+                band=tuple(e["band"]), info={k: v for k, v in e.items() if k not in ("id", "system_prompt", "band")},
+                caps=tensors.get(f"p{i}.caps"))
                 for i, e in enumerate(meta.pop("personas"))]
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise DriftlabError(f"The directions at {folder} cannot be read ({type(err).__name__}: {err}).",

@@ -217,8 +217,10 @@ def directions(backend: ChatBackend | str | None = None, *, out: str | Path | No
                **options: Any) -> Run:
     """Persona directions in the residual stream (`driftlab directions`): keywords personas (ids), system
     (your own prompts), axis (also the Assistant Axis), prompts, starters, max_new_tokens, temperature,
-    top_p, greedy, seed, batch_size. `run.summary` is the `Directions` (per persona a direction per
-    layer, its held-out AUROC and band); give `out` to keep them for `--directions` / `directions=`."""
+    top_p, greedy, seed, batch_size; from_file and format (one direction from another tool's file,
+    judged on the same replies), capping and experiment (the Assistant Axis's thresholds, for
+    `cap:q=file`). `run.summary` is the `Directions` (per persona a direction per layer, its held-out
+    AUROC and band); give `out` to keep them for `--directions` / `directions=`."""
     from driftlab.activation.directions import Directions
     from driftlab.api.options import directions_config
     from driftlab.protocol.directions import DirectionsProtocol

@@ -15,7 +15,7 @@ from driftlab.cli.calibrate import calibrate
 from driftlab.cli.chat import chat
 from driftlab.cli.decay import decay
 from driftlab.cli.demo import demo
-from driftlab.cli.directions import directions
+from driftlab.cli.directions import directions, export_directions
 from driftlab.cli.equilibrium import equilibrium
 from driftlab.cli.kl import kl
 from driftlab.cli.mmlu import mmlu
@@ -44,6 +44,7 @@ app.command("run")(run)
 app.command("report")(report)
 app.command("decay")(decay)
 app.command("directions")(directions)
+app.command("export-directions")(export_directions)
 app.command("project")(project)
 app.command("kl")(kl)
 app.command("equilibrium")(equilibrium)

@@ -14,6 +14,11 @@ one (the roles); it applies to every row without a direction of its own.
 A unit is one persona: its replies are records, its activations a shard (`acts/<i>.safetensors`,
 written before its records, so a killed run resumes without losing or mixing any). `finish`
 writes `directions.safetensors` and `directions.json` (activation.directions) from the shards.
+
+With `from_file`, one direction comes from another tool's file instead (`activation.formats`): the
+axis for an Assistant Axis file, else the one persona or system prompt given. The same replies
+calibrate it (its projections, held-out AUROC and band); a capping config's layers are its band.
+A copy of the file as read sits in the run directory, so a resumed run needs nothing else.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, Field, TypeAdapter, field_validator, model_validator
 
+from driftlab.activation.config import Format
 from driftlab.activation.directions import (
     AXIS,
     Directions,
@@ -36,6 +42,7 @@ from driftlab.activation.directions import (
     difference_of_means,
     project,
 )
+from driftlab.activation.formats import Imported
 from driftlab.bench import load_personas
 from driftlab.bench.starters import starters
 from driftlab.chat.base import MAX_SEED, ChatRequest, Sampling, token_backend
@@ -60,8 +67,21 @@ class DirectionsConfig(ProtocolConfig):
     sampling: Sampling = Sampling(max_new_tokens=48, temperature=1.0, top_p=0.9)
     seed: int = Field(0, ge=0, le=MAX_SEED)
     batch_size: int = Field(32, ge=1, le=4096)
+    from_file: str | None = Field(None, description="a direction in another tool's file, calibrated here")
+    format: Format | None = Field(None, description="the file's format: assistant-axis, persona-vectors or "
+                                                    "steering-vectors")
+    capping: str | None = Field(None, description="the Assistant Axis's capping_config.pt: thresholds for cap:q=file")
+    experiment: str | None = Field(None, description="which of the capping config's experiments")
 
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _axis_file(cls, data: Any) -> Any:
+        """An Assistant Axis file is the axis: importing one takes the axis's replies."""
+        if isinstance(data, dict) and data.get("format") == "assistant-axis":
+            data = {**data, "axis": True}
+        return data
 
     @field_validator("systems", "prompts")
     @classmethod
@@ -76,7 +96,24 @@ class DirectionsConfig(ProtocolConfig):
             raise ValueError("give personas (ids) or systems (your own prompts) to take directions of")
         if self.axis and len(self.personas) + len(self.systems) < 2:
             raise ValueError("an axis needs at least 2 system prompts (the roles) against the default assistant")
+        if (self.from_file is None) != (self.format is None):
+            raise ValueError("an imported direction needs both its file (from_file) and its format")
+        if self.capping is not None and self.format != "assistant-axis":
+            raise ValueError("a capping config comes with an Assistant Axis file (format assistant-axis)")
+        if self.experiment is not None and self.capping is None:
+            raise ValueError("experiment names one of a capping config's experiments: give the capping config too")
+        if self.format in ("persona-vectors", "steering-vectors") and len(self.personas) + len(self.systems) != 1:
+            raise ValueError(f"a {self.format} file is one system prompt's direction: give exactly one persona or "
+                             "system prompt, the one it was made for")
         return self
+
+    def imported_id(self) -> str | None:
+        """Which direction the file gives: the axis, or the one persona's (None: nothing imported)."""
+        if self.format is None:
+            return None
+        if self.format == "assistant-axis":
+            return AXIS
+        return self.personas[0] if self.personas else system_id(self.systems[0])
 
 
 class ReplyRecord(BaseModel):
@@ -105,12 +142,40 @@ class DirectionsProtocol(Protocol[DirectionsConfig]):
     name = "directions"
     records = TypeAdapter(ReplyRecord)
     unit = "replies"
+    imported: Imported | None = None  # set by `require`
 
     def check(self) -> None:
         self._personas()
+        self._read()
 
     def require(self) -> None:
         token_backend(self.backend, "driftlab directions")
+        self.imported = self._imported()
+
+    def _read(self) -> Imported | None:
+        """The imported direction as its file holds it (one line on any problem, before a model loads)."""
+        from driftlab.activation import formats
+
+        c = self.config
+        return None if c.from_file is None else formats.read(c.from_file, c.format, capping=c.capping,
+                                                              experiment=c.experiment)
+
+    def _imported(self) -> Imported | None:
+        """The imported direction on this model: the run directory's copy, else the file, checked
+        against the model's shape and copied there."""
+        copy = self.run_dir / "imported.safetensors"
+        if self.config.from_file is None:
+            return None
+        if copy.is_file():
+            return Imported.load(copy)
+        backend = token_backend(self.backend, "driftlab directions")
+        found = self._read().fit(self.config.backend.model, backend.shape.layers, backend.d_model)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        found.save(copy)
+        return found
+
+    def inputs(self) -> dict[str, str]:
+        return {} if self.config.from_file is None else {"imported": self._read().source["sha256"]}
 
     def _personas(self) -> list[dict[str, Any]]:
         """(id, system prompt, user prompts) of every persona asked, checked against the benchmark."""
@@ -184,11 +249,13 @@ class DirectionsProtocol(Protocol[DirectionsConfig]):
 
         manifest = state.manifest
         shards = [load_file(str(self._shard(i))) for i in range(len(manifest["personas"]))]
-        found = [persona_direction(p["id"], p["system_prompt"], s["with"], s["without"], self.config.seed)
+        given = {self.config.imported_id(): self.imported} if self.imported is not None else {}
+        found = [persona_direction(p["id"], p["system_prompt"], s["with"], s["without"], self.config.seed,
+                                   given.get(p["id"]))
                  for p, s in zip(manifest["personas"], shards, strict=True)]
         if self.config.axis:  # the default assistant (no system prompt) against every role
             found.append(persona_direction(AXIS, None, torch.cat([s["without"] for s in shards]),
-                                           torch.cat([s["with"] for s in shards]), self.config.seed))
+                                           torch.cat([s["with"] for s in shards]), self.config.seed, given.get(AXIS)))
         agent = manifest.get("models", {}).get("agent", {})
         meta = {"model": agent.get("name", self.config.backend.model), "n_layers": int(found[0].unit.shape[0]),
                 "d_model": int(found[0].unit.shape[1]), "dtype": agent.get("dtype"), "seed": self.config.seed,
@@ -207,25 +274,31 @@ def _seed(run_seed: int, pid: str, condition: str, prompt: int) -> int:
 
 
 def persona_direction(pid: str, system: str | None, with_acts: torch.Tensor, without_acts: torch.Tensor,
-                      seed: int) -> PersonaDirection:
+                      seed: int, imported: Imported | None = None) -> PersonaDirection:
     """The direction of [n, L, d] with-prompt activations against [m, L, d] without: taken on the
     training prompts, judged on the held-out ones (AUROC per layer with its interval; a shuffled
-    control), its band chosen there. Prompt i is held out when i % HELD_OUT_EVERY == 2 (of each set)."""
+    control), its band chosen there. Prompt i is held out when i % HELD_OUT_EVERY == 2 (of each set).
+    An `imported` direction is taken as given and only judged (no shuffled control: nothing was
+    trained); a capping config's layers are then its band."""
     train_w, held_w = _split(with_acts)
     train_o, held_o = _split(without_acts)
-    unit, norm = difference_of_means(train_w, train_o)
+    unit, norm = difference_of_means(train_w, train_o) if imported is None else imported.unit_norm()
     on_held = project(torch.cat([held_w, held_o]), unit).numpy()
     labels = np.r_[np.ones(len(held_w), bool), np.zeros(len(held_o), bool)]
     auroc = np.array([auroc_interval(on_held[:, layer], labels, n_resamples=N_RESAMPLES, rng=seed).as_tuple()
                       for layer in range(unit.shape[0])]).T  # [3, L]
     effect = _effect(on_held[labels], on_held[~labels])
-    band = choose_band(torch.from_numpy(auroc[0]), torch.from_numpy(effect), band_width(unit.shape[0]))
-    control = _shuffled_control(train_w, train_o, held_w, held_o, band, seed)
+    band = imported.cap_layers if imported is not None and imported.cap_layers else \
+        choose_band(torch.from_numpy(auroc[0]), torch.from_numpy(effect), band_width(unit.shape[0]))
+    control = _shuffled_control(train_w, train_o, held_w, held_o, band, seed) if imported is None else None
     info = {"n_with": len(with_acts), "n_without": len(without_acts), "n_held_out": len(held_w),
-            "band_auroc": round(float(auroc[0][list(band)].mean()), 4), "control_auroc": round(control, 4)}
+            "band_auroc": round(float(auroc[0][list(band)].mean()), 4),
+            "control_auroc": None if control is None else round(control, 4),
+            **({"imported": imported.source} if imported is not None else {})}
     return PersonaDirection(id=pid, system_prompt=system, unit=unit, norm=norm,
                             with_proj=project(train_w, unit), without_proj=project(train_o, unit),
-                            auroc=torch.from_numpy(auroc).float(), band=band, info=info)
+                            auroc=torch.from_numpy(auroc).float(), band=band, info=info,
+                            caps=None if imported is None else imported.caps)
 
 
 def _split(acts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

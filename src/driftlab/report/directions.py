@@ -20,12 +20,15 @@ def separation_table(run_dir: str | Path) -> TextTable:
     for p in found.personas.values():
         band = list(p.band)
         est, low, high = (float(p.auroc[i, band].mean()) for i in range(3))
-        rows.append([p.id, f"{band[0]}-{band[-1]}", fmt_cell(est, low, high),
-                     f"{p.info.get('control_auroc', float('nan')):.2f}", str(p.info.get("n_held_out", ""))])
+        control = p.info.get("control_auroc")
+        name = f"{p.id} (from {p.info['imported']['format']})" if "imported" in p.info else p.id
+        rows.append([name, f"{band[0]}-{band[-1]}", fmt_cell(est, low, high),
+                     "-" if control is None else f"{control:.2f}", str(p.info.get("n_held_out", ""))])
     return TextTable("held-out separation of each direction (with vs without its system prompt)",
                      ["direction", "band (layers)", "AUROC [95% CI]", "shuffled control", "held-out prompts"], rows,
                      "AUROC of the projections of held-out replies, averaged over the band's layers (interval: "
-                     "bootstrap over prompts, averaged likewise); the control shuffles the training labels first.")
+                     "bootstrap over prompts, averaged likewise); the control shuffles the training labels first. An "
+                     "imported direction is only judged here (no control: nothing was trained).")
 
 
 def separation_figure(run_dir: str | Path) -> Path:

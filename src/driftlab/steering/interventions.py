@@ -295,14 +295,15 @@ class ActivationVector(_WithLayers):
 class Cap(_WithLayers):
     """Activation capping (the Assistant Axis paper, Lu et al. 2026): at `layers` (default: the
     directions' band), clamp the projection onto the row's persona direction from below at the
-    q-quantile of its with-prompt projections; the part orthogonal to the direction is untouched.
-    Needs directions (`--directions`)."""
+    q-quantile of its with-prompt projections, or with q=file at the thresholds imported with the
+    direction (the Assistant Axis's capping config); the part orthogonal to the direction is
+    untouched. Needs directions (`--directions`)."""
 
     kind: Literal["cap"] = "cap"
-    q: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+    q: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | Literal["file"]
     layers: Layers = None
     hook: ClassVar[Hook] = "residual"
-    form: ClassVar[str] = "cap:q=0.25[,layers=10-14]"
+    form: ClassVar[str] = "cap:q=0.25|file[,layers=10-14]"
 
     def residual_fields(self) -> dict:
         return {"cap_q": self.q, "cap_layers": self.layers}
