@@ -49,6 +49,9 @@ STEERS = {
     "cap-file": ["cap:q=file"],  # the thresholds stored with the directions (an imported capping config)
     "composed": ["vector:alpha=-2,layers=2-20", "split-softmax:k=0.7", "instaboost:m=2", "trace"],
     "spr": ["spr:p=1.0", "trace"],
+    # The gate: the first two conversations are first turns (pi_t / pi_1 = 1, not steered), DIALOG has drifted.
+    "when-drifting": ["when-drifting:r=0.99", "split-softmax:k=0.6", "trace"],
+    "when-drifting-projection": ["when-drifting:r=0.99,by=projection", "vector:alpha=2"],
 }
 
 
@@ -97,6 +100,12 @@ def _same_reply(a, b, what: str) -> None:
     assert (a["pi"] is None) == (b["pi"] is None), what
     if a["pi"] is not None:
         np.testing.assert_allclose(np.array(b["pi"]), np.array(a["pi"]), atol=PI_TOL, rtol=0, err_msg=what)
+    assert (a["gate"] is None) == (b["gate"] is None), what
+    if a["gate"] is not None:
+        assert a["gate"]["steered"] == b["gate"]["steered"], what
+        for key, tol in (("pi_ratio", PI_TOL), ("projection_first", PROJ_TOL), ("projection", PROJ_TOL)):
+            if key in a["gate"]:
+                assert abs(a["gate"][key] - b["gate"][key]) < tol * max(1.0, abs(a["gate"][key])), (what, key)
     assert (a["activation"] is None) == (b["activation"] is None), what
     if a["activation"] is not None:
         for key in ("reply", "prompt", "last"):
@@ -124,6 +133,19 @@ def test_every_steer_in_vllm_matches_the_transformers_engine(engines, kind) -> N
         assert [alt for alt, _ in a.logprobs[0].top] == [alt for alt, _ in b.logprobs[0].top]
         if a.end is not None:
             assert b.end is not None and abs(a.end.logprob - b.end.logprob) < LOGPROB_TOL
+
+
+def test_when_drifting_in_vllm_steers_the_drifted_dialog_alone(engines) -> None:
+    """The gate decides per row inside one vLLM request: the first turns keep pi_t / pi_1 = 1 and are
+    only traced, DIALOG has drifted (its ratio below 0.99) and is steered, so its reply differs from
+    plain; the decisions and replies equal the transformers engine's (test above)."""
+    _, vl = engines
+    gated = vl.generate(ChatRequest(CONVS, GREEDY, interventions=Interventions.parse(STEERS["when-drifting"])))
+    plain = vl.generate(ChatRequest(CONVS, GREEDY, interventions=Interventions.parse(["trace"])))
+    assert [r.gate["steered"] for r in gated] == [False, False, True]
+    assert [r.gate["pi_ratio"] for r in gated[:2]] == [1.0, 1.0] and gated[2].gate["pi_ratio"] < 0.99
+    assert [r.token_ids for r in gated[:2]] == [r.token_ids for r in plain[:2]]
+    assert gated[2].token_ids != plain[2].token_ids
 
 
 def test_mixed_steers_in_one_vllm_batch_equal_each_alone_and_a_plain_row_equals_plain(engines) -> None:

@@ -19,7 +19,8 @@ def as_json(reply) -> dict:
     """What the comparisons read of a Reply."""
     return {"token_ids": reply.token_ids, "text": reply.text, "finish_reason": reply.finish_reason,
             "logprobs": [e.logprob for e in reply.logprobs] if reply.logprobs is not None else None,
-            "pi": reply.trace.decode.tolist() if reply.trace is not None else None, "activation": reply.activation}
+            "pi": reply.trace.decode.tolist() if reply.trace is not None else None, "activation": reply.activation,
+            "gate": reply.gate}
 
 
 def main(spec: str, steers: str, convs: str, out: str) -> None:

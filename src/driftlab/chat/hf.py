@@ -21,6 +21,7 @@ import torch
 from driftlab.activation.state import ResidualRow, ResidualState
 from driftlab.attention.engine import kernel_for
 from driftlab.attention.state import AttentionConfig, AttentionState
+from driftlab.chat import gate
 from driftlab.chat.base import (
     Capabilities,
     ChatRequest,
@@ -268,7 +269,7 @@ class HFChatBackend:
         self.capabilities.require(self.name, iv)
         convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in request.conversations]
         rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
-        ivs, gates = self._gated(rendered, iv, [system_of(c) for c in convs])
+        ivs, gates = gate.gated(self, rendered, iv, [system_of(c) for c in convs])
         seeds, store = request.row_seeds(), request.cache_store
         alpha = iv.guidance()
         if alpha is not None:
@@ -304,7 +305,7 @@ class HFChatBackend:
                                 "log-probs and prompt tracing, and cannot bring CFG's twin rows.")
         convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in more.conversations]
         rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
-        ivs, gates = self._gated(rendered, iv, [system_of(c) for c in convs])
+        ivs, gates = gate.gated(self, rendered, iv, [system_of(c) for c in convs])
         return _Decoding(self, [r.ids for r in rendered], more.sampling, seeds=more.row_seeds(),
                          interventions=ivs, gates=gates, spans=[r.spans() for r in rendered],
                          cache_store=more.cache_store, guidance=None, logprobs=more.logprobs, on_finish=None,
@@ -322,7 +323,7 @@ class HFChatBackend:
                                 hint="Compute activations without --steer cfg.")
         convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in request.conversations]
         rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
-        ivs, gates = self._gated(rendered, iv, [system_of(c) for c in convs])
+        ivs, gates = gate.gated(self, rendered, iv, [system_of(c) for c in convs])
         return self._decode([r.ids for r in rendered], request.sampling, seeds=request.row_seeds(),
                             interventions=ivs, gates=gates, spans=[r.spans() for r in rendered],
                             cache_store=request.cache_store, residual=self._residual_of(convs, iv, ivs), capture=True)
@@ -390,12 +391,12 @@ class HFChatBackend:
             if "pi-floor" in interventions.kinds:
                 self._floors([interventions.attention()], [rendered.spans()], [rendered.ids], check_only=True)
             if "when-drifting" in interventions.kinds:
-                _first_turn_end(rendered.spans())
+                gate.first_turn_end(rendered.spans())
                 if interventions.get("when-drifting").by == "projection":
-                    self._gate_direction(system_of(conversation))
+                    gate.gate_direction(self.directions, system_of(conversation), self.name)
 
     def _residual_of(self, convs, iv: Interventions, ivs: Sequence[Interventions]) -> list[ResidualRow | None]:
-        """Each conversation's residual state under its own interventions (`_gated`: a row the gate
+        """Each conversation's residual state under its own interventions (`gate.gated`: a row the gate
         leaves plain is only monitored), after the request's one-line errors for every row."""
         systems = [system_of(c) for c in convs]
         rows = self.residual_rows(systems, iv)
@@ -492,7 +493,7 @@ class HFChatBackend:
             raise DriftlabError(f"{len(contexts)} contexts but {len(continuations)} continuations.")
         self.capabilities.require(self.name, interventions)
         if "when-drifting" in interventions.kinds:  # each context scored under its own decision
-            return self._gated_loglikelihood(contexts, continuations, interventions, batch_size)
+            return gate.gated_loglikelihood(self, contexts, continuations, interventions, batch_size)
         if "trace" in interventions.kinds:
             interventions = interventions.without("trace")  # nothing to return a trace in
         alpha = interventions.guidance()
@@ -537,22 +538,6 @@ class HFChatBackend:
                     picked = lp.gather(-1, target[:, None])[:, 0]
                     out[i] = LogLikelihood(float(picked.sum()), n, bool((lp.argmax(-1) == target).all()))
         return [out[i] for i in range(len(rows))]
-
-    def _gated_loglikelihood(self, contexts, continuations, interventions: Interventions,
-                             batch_size: int) -> list[LogLikelihood]:
-        """`loglikelihood` under `when-drifting`: the contexts whose conversation has drifted are
-        scored under the steer, the others without it, as a reply to them would be made."""
-        for i, conv in enumerate(contexts):
-            validate_conversation(conv, i)
-        rendered = [self.render(interventions.model_view(c), interventions=interventions) for c in contexts]
-        ivs, _ = self._gated(rendered, interventions, [system_of(c) for c in contexts])
-        out: dict[int, LogLikelihood] = {}
-        for iv in {id(v): v for v in ivs}.values():  # the steer, its off half: one call each
-            rows = [i for i, v in enumerate(ivs) if v is iv]
-            scored = self.loglikelihood([contexts[i] for i in rows], [continuations[i] for i in rows], iv,
-                                        batch_size=batch_size)
-            out.update(zip(rows, scored, strict=True))
-        return [out[i] for i in range(len(contexts))]
 
     def _teacher_forced(self, rows, spans, interventions: Interventions, keep: int, n_cont,
                         residual: Sequence[ResidualRow | None] | None = None) -> torch.Tensor:
@@ -777,30 +762,6 @@ class HFChatBackend:
             first[b] = end
         return values, first
 
-    def _gated(self, rendered: Sequence[Rendered], iv: Interventions,
-               systems: Sequence[str | None]) -> tuple[list[Interventions], list[dict | None]]:
-        """Each row's interventions under `when-drifting` (the steer where the row has drifted, else
-        its trace only) and the decision (`Reply.gate`); `iv` for every row without a gate."""
-        gated = iv.gated()
-        if gated is None:
-            return [iv] * len(rendered), [None] * len(rendered)
-        gate, on, off = gated
-        decisions = [self._drift_decision(row, system, gate) for row, system in zip(rendered, systems, strict=True)]
-        return [on if d["steered"] else off for d in decisions], decisions
-
-    def _drift_decision(self, rendered: Rendered, system: str | None, gate) -> dict:
-        """One conversation's `when-drifting` decision, as its reply reports it. By projection, a
-        conversation whose first turn does not project onto its persona (at most 0: like without
-        its system prompt) has no persona to drift from: its ratio is None and it is not steered."""
-        if gate.by == "pi":
-            ratio = self.drift_ratio(rendered)
-            return {"r": gate.r, "pi_ratio": round(ratio, 6), "steered": ratio < gate.r}
-        first, now = self.projection_drift(rendered, system)
-        ratio = now / first if first > 0 else None
-        return {"r": gate.r, "by": "projection", "projection_first": round(first, 6), "projection": round(now, 6),
-                "projection_ratio": None if ratio is None else round(ratio, 6),
-                "steered": ratio is not None and ratio < gate.r}
-
     def drift_ratio(self, rendered: Rendered) -> float:
         """pi_t / pi_1 of a rendered conversation: the attention mass on its system prompt at its
         last token (where the next reply starts) over that at its first turn's last token, each
@@ -808,7 +769,7 @@ class HFChatBackend:
         What `when-drifting` decides by; the first turn's pi is kept, so a dialog pays one traced
         prefill a turn."""
         spans = rendered.spans()
-        end = _first_turn_end(spans)
+        end = gate.first_turn_end(spans)
         plain = AttentionConfig()
         first = self._pi_first(tuple(rendered.ids[:end]), spans, plain).mean()
         now = self._pi_first(tuple(rendered.ids), spans, plain).mean()
@@ -820,8 +781,8 @@ class HFChatBackend:
         last token and at the conversation's last token (where the next reply starts): what
         `when-drifting:by=projection` compares. One prefill from the first turn's last token on
         (what precedes it comes from the prefix cache when a dialog asked before)."""
-        end = _first_turn_end(rendered.spans())
-        direction = self._gate_direction(system)
+        end = gate.first_turn_end(rendered.spans())
+        direction = gate.gate_direction(self.directions, system, self.name)
         ((start, values),) = self.project_prompts([rendered], [system], compute_from=[end - 1])
         band = list(direction.band)
 
@@ -829,17 +790,6 @@ class HFChatBackend:
             return float(values[j - start, band].mean())
 
         return at(end - 1), at(len(rendered.ids) - 1)
-
-    def _gate_direction(self, system: str | None):
-        """The persona direction `when-drifting:by=projection` reads for a conversation; a one-line
-        error without directions or without one for its system prompt."""
-        found = self.directions.for_system(system) if self.directions is not None else None
-        if found is None:
-            held = "no persona directions" if self.directions is None else \
-                f"directions at {self.directions.path} with none for system prompt {(system or '')[:60]!r}"
-            raise DriftlabError(f"when-drifting:by=projection reads the persona's direction, and {self.name} has "
-                                f"{held}.", hint="Pass --directions DIR (driftlab directions), or use by=pi.")
-        return found
 
     def _pi_first(self, tokens: tuple[int, ...], spans, config: AttentionConfig) -> torch.Tensor:
         """[L, H] pi at the last of `tokens` (a first turn), under `config` without its floor; kept
@@ -1458,18 +1408,6 @@ class _Decoding:
         # Guidance twins (b >= real) are dropped by `generate`: no trace to build for them.
         return [self.reply(b, self.backend._trace_of(rows[b], self.prompts[b], self.sampled[b], self.spans[b])
                            if b < self.real else None) for b in range(B)]
-
-
-def _first_turn_end(spans: dict[str, list[tuple[int, int]]]) -> int:
-    """Where a conversation's first turn ends (`when-drifting`'s reference); a one-line error
-    where it has no system prompt or first turn to compare with."""
-    if not spans.get("first_turn") or not spans.get("system"):
-        raise DriftlabError("when-drifting compares the system prompt's hold (its attention, or the persona's "
-                            "projection) with the first turn's, "
-                            f"and this conversation has {'no first turn' if spans.get('system') else 'no system prompt'}.",
-                            hint="Give conversations with a system prompt and a user turn, rendered by a chat "
-                                 "template that renders the first turn as a prefix.")
-    return spans["first_turn"][0][1]
 
 
 def _top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> list[TokenLogprob]:

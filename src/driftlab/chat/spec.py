@@ -25,7 +25,6 @@ VLLM_PREFIX = "vllm:"  # a model run in vLLM's engine in this process (chat.vllm
 VLLM_REFUSED = {
     "cfg": "cfg mixes each step's next-token distribution with a twin row's (the conversation without its "
            "system prompt), and vLLM samples every request on its own",
-    "when-drifting": "when-drifting decides per turn from a traced prefill the vLLM backend does not run yet",
 }
 # A model the user built or loaded in Python and handed over (`driftlab.from_model`): manifests
 # record it as memory:NAME; only that object can run it, so it cannot be loaded by name.

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from driftlab.chat import gate
 from driftlab.chat.base import (
     Capabilities,
     ChatRequest,
@@ -188,17 +189,24 @@ class VLLMChatBackend:
         cancelled, and join the running batch between steps."""
         hooks = {name: getattr(request, name) for name in ("on_token", "on_logprob", "on_finish", "cancelled")}
         admit = request.admit
-        return self._run(*self._rows_of(request), seeds=request.row_seeds(), logprobs=request.logprobs,
+        rendered, sampling, ivs, systems, gates = self._rows_of(request)
+        return self._run(rendered, sampling, ivs, systems, gates=gates, seeds=request.row_seeds(),
+                         logprobs=request.logprobs,
                          row_max_tokens=request.row_max_tokens,
                          admit=(lambda: self._admitted(admit(), request.logprobs)) if admit is not None else None,
                          **hooks)
 
-    def _rows_of(self, request: ChatRequest) -> tuple[list[Rendered], Sampling, list[Interventions], list[str | None]]:
+    def _rows_of(self, request: ChatRequest) -> tuple[list[Rendered], Sampling, list[Interventions], list[str | None],
+                                                      list[dict | None]]:
+        """A request's rows: rendered, each with its own steer (`when-drifting` decides per row) and
+        system prompt, and the gate's decisions."""
         iv = request.interventions
         self._require(iv)
         convs = [c if isinstance(c, Rendered) else iv.model_view(c) for c in request.conversations]
         rendered = [c if isinstance(c, Rendered) else self.render(c, interventions=iv) for c in convs]
-        return rendered, request.sampling, [iv] * len(rendered), [system_of(c) for c in convs]
+        systems = [system_of(c) for c in convs]
+        ivs, gates = gate.gated(self, rendered, iv, systems)
+        return rendered, request.sampling, ivs, systems, gates
 
     def _admitted(self, more: ChatRequest | None, logprobs: int | None) -> list[_Row]:
         """The rows of a request joining a running batch (continuous batching): any sampling and steer,
@@ -207,11 +215,12 @@ class VLLMChatBackend:
             return []
         if more.logprobs != logprobs:
             raise DriftlabError("Rows joining a running batch must share its log-probs setting.")
-        rendered, sampling, ivs, systems = self._rows_of(more)
+        rendered, sampling, ivs, systems, gates = self._rows_of(more)
         limits = more.row_max_tokens or [sampling.max_new_tokens] * len(rendered)
-        return [self._row(r, sampling, iv, system, seed, logprobs, limit, unique=False, keep_prefill=False,
+        return [self._row(r, sampling, iv, system, seed, logprobs, limit, gate=g, unique=False, keep_prefill=False,
                           capture=False)
-                for r, iv, system, seed, limit in zip(rendered, ivs, systems, more.row_seeds(), limits, strict=True)]
+                for r, iv, system, seed, limit, g in zip(rendered, ivs, systems, more.row_seeds(), limits, gates,
+                                                         strict=True)]
 
     def generate_tokens(self, prompts: Sequence[Rendered], sampling: Sampling, *, seeds: Sequence[int] | None = None,
                         interventions: Interventions | Sequence[Interventions] = Interventions(),
@@ -224,6 +233,9 @@ class VLLMChatBackend:
             raise DriftlabError(f"{len(rows)} interventions given for {len(prompts)} prompts.")
         for iv in rows:
             self._require(iv)
+            if "when-drifting" in iv.kinds:
+                raise DriftlabError("when-drifting compares a conversation's turns, which token prompts do not mark.",
+                                    hint="Use generate() with conversations for when-drifting.")
         seeds = list(seeds) if seeds is not None else list(range(len(prompts)))
         return self._run(list(prompts), sampling, rows, [None] * len(prompts), seeds=seeds, logprobs=logprobs,
                          on_token=on_token, cancelled=cancelled)
@@ -231,8 +243,9 @@ class VLLMChatBackend:
     def generate_activations(self, request: ChatRequest) -> tuple[list[Reply], torch.Tensor]:
         """`generate`, and each row's mean residual activation per layer over the positions that generated
         its reply ([B, L, d] float32): what the directions protocol takes differences of means over."""
-        rendered, sampling, ivs, systems = self._rows_of(request)
-        replies, taken = self._run(rendered, sampling, ivs, systems, seeds=request.row_seeds(), capture=True)
+        rendered, sampling, ivs, systems, gates = self._rows_of(request)
+        replies, taken = self._run(rendered, sampling, ivs, systems, gates=gates, seeds=request.row_seeds(),
+                                   capture=True)
         acts = [t["acts"][: max(1, len(r.token_ids) + (r.finish_reason == "stop"))].mean(0)
                 for r, t in zip(replies, taken, strict=True)]
         return replies, torch.stack(acts)
@@ -244,6 +257,8 @@ class VLLMChatBackend:
         if len(contexts) != len(continuations):
             raise DriftlabError(f"{len(contexts)} contexts but {len(continuations)} continuations.")
         self._require(interventions)
+        if interventions.gated() is not None:
+            return gate.gated_loglikelihood(self, contexts, continuations, interventions, batch_size)
         iv = interventions.without("trace")
         from vllm import SamplingParams
 
@@ -314,6 +329,23 @@ class VLLMChatBackend:
             out.append((0, (values - direction.low) / (direction.high - direction.low)))
         return out
 
+    def drift_ratio(self, rendered: Rendered) -> float:
+        """pi_t / pi_1 (`when-drifting`'s gauge, as the transformers engine defines it): the mean pi over
+        layers and heads, plain attention, at the conversation's last token over that at its first
+        turn's last token. Each is one traced token of vLLM's; the first turn's is kept."""
+        end = gate.first_turn_end(rendered.spans())
+        first = self._pi_last(Rendered(ids=rendered.ids[:end], text="", system_span=rendered.system_span), Interventions())
+        now = self._pi_last(rendered, Interventions(), keep=False)
+        return float(torch.tensor(now).mean() / torch.tensor(first).mean())
+
+    def projection_drift(self, rendered: Rendered, system: str | None) -> tuple[float, float]:
+        """The persona's normalised projection, mean over its band, at the first turn's last token and
+        at the conversation's last (`when-drifting:by=projection`'s gauge): one teacher-forced prefill."""
+        end = gate.first_turn_end(rendered.spans())
+        band = list(gate.gate_direction(self.directions, system, self.name).band)
+        ((_, values),) = self.project_prompts([rendered], [system])
+        return float(values[end - 1, band].mean()), float(values[-1, band].mean())
+
     def prompt_logprobs(self, prompts: Sequence[Rendered], keep: Sequence[int], **_: Any) -> list[torch.Tensor]:
         """Refused in one line: vLLM returns the top log-probabilities of a prompt's positions, not whole
         distributions, and the distribution measures (`driftlab kl`) compare whole distributions."""
@@ -326,9 +358,14 @@ class VLLMChatBackend:
         turn): what a server asks of each request, so that one request never fails a batch."""
         self._require(interventions)
         row_directions(self.directions, [system_of(conversation)], interventions, self.name)
-        if "pi-floor" in interventions.kinds:
+        if interventions.kinds & {"pi-floor", "when-drifting"}:
             spans = self.render(interventions.model_view(conversation), interventions=interventions).spans()
-            _floor_turn(spans)
+            if "pi-floor" in interventions.kinds:
+                _floor_turn(spans)
+            if "when-drifting" in interventions.kinds:
+                gate.first_turn_end(spans)
+                if interventions.get("when-drifting").by == "projection":
+                    gate.gate_direction(self.directions, system_of(conversation), self.name)
 
     def residual_rows(self, systems: Sequence[str | None], interventions: Interventions) -> list:
         """Each row's residual-stream state (as the transformers engine's `residual_rows`)."""
@@ -386,18 +423,26 @@ class VLLMChatBackend:
         without its floor) and the first query it acts on, as the transformers engine sets them."""
         end = _floor_turn(spans)
         floor = steer.get("pi-floor").f
-        without = steer.without("pi-floor", "trace")
-        key = (tuple(rendered.ids[:end]), tuple(without.specs()))
-        held = self._pi_firsts.get(key)
-        if held is None:
-            first = Rendered(ids=rendered.ids[:end], text="", system_span=rendered.system_span)
-            traced = Interventions.of(*without.items, TraceIntervention())
-            (reply,) = self._run([first], Sampling(greedy=True, max_new_tokens=1), [traced], [None], seeds=[0])
-            held = self._pi_firsts[key] = reply.trace.decode[0].tolist()
+        first = Rendered(ids=rendered.ids[:end], text="", system_span=rendered.system_span)
+        held = self._pi_last(first, steer.without("pi-floor", "trace"))
         return [[floor * x for x in row] for row in held], end
 
+    def _pi_last(self, rendered: Rendered, steer: Interventions, *, keep: bool = True) -> list[list[float]]:
+        """[L][H] pi at the last token of `rendered` under `steer` (one traced token of vLLM's); with
+        `keep`, kept per tokens and steer (a first turn: a dialog's later turns ask again)."""
+        key = (tuple(rendered.ids), tuple(steer.specs()))
+        held = self._pi_firsts.get(key)
+        if held is None:
+            traced = Interventions.of(*steer.items, TraceIntervention())
+            (reply,) = self._run([rendered], Sampling(greedy=True, max_new_tokens=1), [traced], [None], seeds=[0])
+            held = reply.trace.decode[0].tolist()
+            if keep:
+                self._pi_firsts[key] = held
+        return held
+
     def _run(self, rendered: Sequence[Rendered], sampling: Sampling, ivs: Sequence[Interventions],
-             systems: Sequence[str | None], *, seeds: Sequence[int], logprobs: int | None = None,
+             systems: Sequence[str | None], *, seeds: Sequence[int], gates: Sequence[dict | None] | None = None,
+             logprobs: int | None = None,
              row_max_tokens: Sequence[int] | None = None, prefill: bool = False, keep_prefill: bool = False,
              capture: bool = False, **hooks: Any):
         """Rows through vLLM's engine, step by step: the replies (with pi and projections), and with
@@ -407,6 +452,7 @@ class VLLMChatBackend:
         run = _Run(self, sampling.ignore_eos, logprobs, **hooks)
         run.add([self._row(r, sampling, iv, system, int(seed), logprobs,
                            row_max_tokens[b] if row_max_tokens is not None else sampling.max_new_tokens,
+                           gate=gates[b] if gates is not None else None,
                            unique=prefill or keep_prefill, keep_prefill=keep_prefill, capture=capture)
                  for b, (r, iv, system, seed) in enumerate(zip(rendered, ivs, systems, seeds, strict=True))])
         run.until_done()
@@ -414,8 +460,9 @@ class VLLMChatBackend:
         return (replies, [row.taken for row in run.rows]) if keep_prefill or capture else replies
 
     def _row(self, rendered: Rendered, sampling: Sampling, iv: Interventions, system: str | None, seed: int,
-             logprobs: int | None, limit: int, **record: Any) -> _Row:
-        """One request: its token prompt (salted by its steer), sampling parameters and payload."""
+             logprobs: int | None, limit: int, gate: dict | None = None, **record: Any) -> _Row:
+        """One request: its token prompt (salted by its steer), sampling parameters and payload; `gate`
+        the `when-drifting` decision its reply reports."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -432,7 +479,7 @@ class VLLMChatBackend:
                                 stop=list(self.stop_strings) or None,
                                 output_kind=RequestOutputKind.DELTA,
                                 extra_args=payload.extra_args() if payload is not None else None)
-        return _Row(rendered, payload, self._prompt(rendered.ids, payload, iv, unique=unique), params)
+        return _Row(rendered, payload, self._prompt(rendered.ids, payload, iv, unique=unique), params, gate)
 
     def _take(self, ids: Sequence[str | None]) -> list[dict[str, Any]]:
         """The worker's records of these payload ids ({} for a row without one)."""
@@ -463,7 +510,7 @@ class VLLMChatBackend:
             activation = projection_summary(proj.sum(0), proj[0], proj[-1], len(proj), d.low, d.high, d.id, d.band)
         scored = row.scored if logprobs is not None else None
         return Reply(text=text.strip(), n_tokens=len(toks), finish_reason=finish, token_ids=toks, trace=trace,
-                     n_prompt_tokens=len(rendered.ids), activation=activation,
+                     n_prompt_tokens=len(rendered.ids), activation=activation, gate=row.gate,
                      logprobs=scored[: len(toks)] if scored is not None else None,
                      end=scored[len(toks)] if ended and scored is not None else None)
 
@@ -476,6 +523,7 @@ class _Row:
     payload: SteerPayload | None
     prompt: dict[str, Any]
     params: Any  # vllm.SamplingParams
+    gate: dict | None = None  # the `when-drifting` decision (Reply.gate)
     tokens: list[int] = field(default_factory=list)
     scored: list[TokenLogprob] = field(default_factory=list)
     taken: dict[str, Any] = field(default_factory=dict)
