@@ -148,6 +148,55 @@ def test_when_drifting_in_vllm_steers_the_drifted_dialog_alone(engines) -> None:
     assert gated[2].token_ids != plain[2].token_ids
 
 
+def _masked_logprobs(hf, conv, iv: Interventions, reply, schema: str) -> np.ndarray:
+    """Each reply token's log-probability after the grammar's mask: the transformers engine's
+    teacher-forced distributions (`prompt_logprobs`, under the steer), with the tokens xgrammar's own
+    matcher disallows removed and the rest renormalised. The reference for vLLM's."""
+    import xgrammar as xgr
+
+    from driftlab.chat.constrain import compiled
+
+    rendered = hf.render(conv, interventions=iv)
+    n = len(reply.token_ids)
+    extended = dataclasses.replace(rendered, ids=rendered.ids + reply.token_ids[:-1])
+    (lp,) = hf.prompt_logprobs([extended], [n], interventions=iv)  # row t: the distribution of reply token t
+    matcher = xgr.GrammarMatcher(compiled(hf.tokenizer, lp.shape[-1], hf.eos_ids, schema))
+    mask = xgr.allocate_token_bitmask(1, lp.shape[-1])
+    out = []
+    for t, tok in enumerate(reply.token_ids):
+        matcher.fill_next_token_bitmask(mask)
+        row = lp[t : t + 1].clone()
+        xgr.apply_token_bitmask_inplace(row, mask)
+        out.append(float(torch.log_softmax(row[0], -1)[tok]))
+        assert matcher.accept_token(tok)
+    return np.array(out)
+
+
+def test_a_json_schema_constrains_vllm_as_the_transformers_engine(engines) -> None:
+    """`Sampling.json_schema` (the server's response_format) in vLLM: the transformers engine's grammar,
+    handed to vLLM's structured outputs, gives the same greedy tokens, steered or not; a reply that
+    stops is JSON with the schema's required properties. vLLM reads log-probs after the grammar's mask
+    (over the tokens it allows), the transformers engine before it: vLLM's equal the transformers
+    engine's distributions masked by xgrammar's own matcher and renormalised."""
+    hf, vl = engines
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                         "required": ["name", "age"]})
+    sampling = GREEDY.model_copy(update={"json_schema": schema, "max_new_tokens": 32})
+    convs = [CONVS[0], _conv(FRENCH, "Describe Paris as JSON with a name and an age.")]
+    for steer in ([], ["split-softmax:k=0.6"]):
+        request = ChatRequest(convs, sampling, interventions=Interventions.parse(steer), logprobs=0)
+        for i, (a, b) in enumerate(zip(hf.generate(request), vl.generate(request), strict=True)):
+            what = f"json {steer} row {i}"
+            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason), what
+            reference = _masked_logprobs(hf, convs[i], request.interventions, a, schema)
+            np.testing.assert_allclose([t.logprob for t in b.logprobs], reference, atol=LOGPROB_TOL, rtol=0,
+                                       err_msg=what)
+            assert (reference > np.array([t.logprob for t in a.logprobs]) + 0.01).any()  # the mask does count
+            if b.finish_reason == "stop":
+                assert {"name", "age"} <= set(json.loads(b.text))
+    assert vl.generate(ChatRequest(convs[1:], sampling))[0].finish_reason == "stop"
+
+
 def test_mixed_steers_in_one_vllm_batch_equal_each_alone_and_a_plain_row_equals_plain(engines) -> None:
     """Rows of different steers share vLLM's batch (one generate_tokens call, a steer per row): each
     reply equals the same row run alone, and the unsteered row equals a plain run."""
@@ -297,7 +346,7 @@ def test_a_rendered_prompt_without_a_system_span_runs_plain_in_vllm(engines) -> 
 def test_driftlab_serve_on_vllm_batches_requests_of_different_steers_with_telemetry(engines) -> None:
     """`driftlab serve --model vllm:...`: concurrent requests, each with its own steer, decode in
     vLLM's running batch (continuous batching), each as the engine alone replies to it, with pi
-    telemetry where asked; a stream reassembles to the whole reply."""
+    telemetry where asked; a stream reassembles to the whole reply; a response_format's JSON schema holds."""
     import asyncio
 
     import httpx
@@ -340,3 +389,11 @@ def test_driftlab_serve_on_vllm_batches_requests_of_different_steers_with_teleme
         echo = httpx.post(f"{url}/v1/completions", json={"model": vl.name, "prompt": "Hi", "max_tokens": 1, "echo": True,
                                                          "logprobs": 1}, timeout=300)  # scoring a prompt: refused
         assert echo.status_code == 422 and "does not" in echo.json()["error"]["message"], echo.text
+        schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                  "required": ["name", "age"]}
+        asked = {"model": vl.name, "messages": _conv(FRENCH, "Describe Paris as JSON with a name and an age."),
+                 "max_tokens": 32, "temperature": 0,
+                 "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}}
+        constrained = httpx.post(f"{url}/v1/chat/completions", json=asked, timeout=300)
+        assert constrained.status_code == 200, constrained.text
+        assert {"name", "age"} <= set(json.loads(constrained.json()["choices"][0]["message"]["content"]))

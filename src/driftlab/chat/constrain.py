@@ -20,9 +20,11 @@ import torch
 
 from driftlab.errors import DriftlabError
 
-__all__ = ["JSON_OBJECT", "JsonConstraint", "canonical_schema", "check_schema", "compiled"]
+__all__ = ["JSON_OBJECT", "JsonConstraint", "canonical_schema", "check_schema", "compiled", "grammar_text"]
 
 JSON_OBJECT = '{"type":"object"}'  # `{"type": "json_object"}`: any JSON object
+# How a schema becomes a grammar, for every engine: compact JSON, additional properties as the schema says.
+JSON_OPTIONS = {"any_whitespace": False, "strict_mode": False}
 
 
 def canonical_schema(schema: Any) -> str:
@@ -56,15 +58,32 @@ def compiled(tokenizer: Any, vocab_size: int, stop_ids: Iterable[int], schema: s
         if (key, schema) in _grammars:
             return _grammars[key, schema]
     try:
-        grammar = compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=False)
-    except RuntimeError as err:  # xgrammar: "[time] file.cc:line: message"
-        message = str(err).strip().splitlines()[0] if str(err).strip() else "unusable schema"
-        raise DriftlabError(re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", message)) from None
+        grammar = compiler.compile_json_schema(schema, **JSON_OPTIONS)
+    except RuntimeError as err:
+        raise _schema_error(err) from None
     with _lock:
         while len(_grammars) >= MAX_GRAMMARS:
             del _grammars[next(iter(_grammars))]
         _grammars[key, schema] = grammar
     return grammar
+
+
+def _schema_error(err: RuntimeError) -> DriftlabError:
+    """xgrammar's "[time] file.cc:line: message" as a one-line error."""
+    message = str(err).strip().splitlines()[0] if str(err).strip() else "unusable schema"
+    return DriftlabError(re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", message))
+
+
+def grammar_text(schema: str) -> str:
+    """The schema's grammar as EBNF text, built with `compiled`'s options: what an engine that
+    compiles grammars itself (vLLM's structured outputs) is given, so that it constrains a reply
+    exactly as the transformers engine does (vLLM's own JSON mode compiles with other options)."""
+    import xgrammar as xgr
+
+    try:
+        return str(xgr.Grammar.from_json_schema(schema, **JSON_OPTIONS))
+    except RuntimeError as err:
+        raise _schema_error(err) from None
 
 
 def check_schema(tokenizer: Any, vocab_size: int, stop_ids: Iterable[int], schema: str) -> None:

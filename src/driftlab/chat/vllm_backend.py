@@ -466,9 +466,6 @@ class VLLMChatBackend:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        if sampling.json_schema is not None:
-            raise DriftlabError("The vLLM backend does not constrain replies to a JSON schema yet.",
-                                hint="Drop response_format, or use the transformers engine.")
         if not rendered.ids:
             raise DriftlabError("A prompt rendered to zero tokens.", hint="Give a non-empty conversation.")
         self._check_context(len(rendered.ids), limit)
@@ -477,7 +474,7 @@ class VLLMChatBackend:
         params = SamplingParams(**_sampling(sampling, limit, seed, logprobs), detokenize=bool(self.stop_strings),
                                 stop_token_ids=None if sampling.ignore_eos else sorted(self.stop_ids),
                                 stop=list(self.stop_strings) or None,
-                                output_kind=RequestOutputKind.DELTA,
+                                output_kind=RequestOutputKind.DELTA, structured_outputs=_json(sampling),
                                 extra_args=payload.extra_args() if payload is not None else None)
         return _Row(rendered, payload, self._prompt(rendered.ids, payload, iv, unique=unique), params, gate)
 
@@ -614,6 +611,18 @@ def _floor_turn(spans: dict[str, list[tuple[int, int]]]) -> int:
                             f"this row has {'no system prompt' if turn else 'no first turn to read it at'}.",
                             hint="Give conversations with a system prompt and a user turn.")
     return turn[0][1]
+
+
+def _json(sampling: Sampling):
+    """vLLM's structured outputs for a reply constrained to a JSON schema: the grammar the transformers
+    engine builds (`chat.constrain.grammar_text`), handed over as EBNF; None when unconstrained."""
+    if sampling.json_schema is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from driftlab.chat.constrain import grammar_text
+
+    return StructuredOutputsParams(grammar=grammar_text(sampling.json_schema))
 
 
 def _prompt_scoped(iv: Interventions) -> bool:
