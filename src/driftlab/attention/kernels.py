@@ -131,23 +131,49 @@ def system_pi(lse_all: torch.Tensor, lse_sys: torch.Tensor) -> torch.Tensor:
     return (lse_sys - lse_all).clamp(max=0.0).exp()[..., None]
 
 
-def decode_lses(query: torch.Tensor, keys_t: torch.Tensor, visible: torch.Tensor, system_keys: torch.Tensor,
+def decode_lses(query: torch.Tensor, key_blocks: torch.Tensor, visible: torch.Tensor, system_keys: torch.Tensor,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The log-sum-exps of one decode query per row over all its visible keys and over its system keys,
     from the logits alone (no values, no output): what pi needs where an engine's own kernel already
     made the output and returns no LSE (vLLM's CPU kernel).
 
-    query [B, G, r, d] (the r query heads of each of G KV heads); keys_t [B, G, d, K], the keys
-    transposed (vLLM's CPU cache stores them so); visible [B, K] bool, system [B, K] (bool or 0/1
-    float). Returns float32 (LSE_all, LSE_sys) [B, G, r]; feed them to `system_pi`. One batched
-    matmul and a few reductions sharing one max and one exp: a decode step's attention is tiny, and
-    what it costs is mostly per call (two logsumexp calls took half again as long)."""
-    logits = torch.matmul(query.float(), keys_t.float()).mul_(scale)  # [B, G, r, K]
+    query [..., B, G, r, d] (the r query heads of each of G KV heads); key_blocks [..., B, n, G, d, bs],
+    each row's keys in blocks of bs slots, transposed (vLLM's CPU cache stores them so: read in place,
+    not laid out again); visible [B, K] bool, system [B, K] (bool or 0/1 float), K <= n bs. Returns
+    float32 (LSE_all, LSE_sys) [..., B, G, r]; feed them to `system_pi`. One batched matmul and a few
+    reductions sharing one max and one exp: a decode step's attention is tiny, and what it costs is
+    mostly per call and per copy of the keys (two logsumexp calls took half again as long)."""
+    weights, top = _decode_weights(query, key_blocks, visible, scale)
+    return weights.sum(-1).log() + top, (weights * system_keys[:, None, None, :]).sum(-1).log() + top
+
+
+def decode_system_parts(query: torch.Tensor, key_blocks: torch.Tensor, visible: torch.Tensor,
+                        system_keys: torch.Tensor, values: torch.Tensor,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`decode_lses` and the attention output over the system keys alone, o_sys [B, G, r, dv] float32:
+    with an engine's own all-keys output O, what `split_softmax` reweights (split-softmax, the pi floor)
+    without attending to every key's value again. `values` [B, G, S, dv] are those of the first S key
+    slots, which hold every system key (a system prompt is a prefix). A row without a system key gets
+    o_sys = NaN, which `split_softmax` never reads (pi = 0 there)."""
+    weights, top = _decode_weights(query, key_blocks, visible, scale)
+    S = values.shape[2]
+    on_system = weights[..., :S] * system_keys[:, None, None, :S]
+    mass = on_system.sum(-1)
+    o_sys = torch.matmul(on_system, values.float()) / mass[..., None]
+    return weights.sum(-1).log() + top, mass.log() + top, o_sys
+
+
+def _decode_weights(query: torch.Tensor, key_blocks: torch.Tensor, visible: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """exp(logits - max) [..., B, G, r, K] of one decode query per row over its visible keys, and the max
+    [..., B, G, r]. The logits come block by block ([..., B, n, G, r, bs]: a broadcast matmul over the
+    blocks as they lie) and only they, tiny, are laid out as [.., K]."""
+    K = visible.shape[-1]
+    logits = torch.matmul(query.float().unsqueeze(-4), key_blocks.float())  # [..., B, n, G, r, bs]
+    logits = logits.movedim(-4, -2).flatten(-2)[..., :K].mul_(scale)  # [..., B, G, r, K]
     logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
     top = logits.amax(dim=-1, keepdim=True)
-    weights = torch.exp(logits - top)
-    top = top[..., 0]
-    return weights.sum(-1).log() + top, (weights * system_keys[:, None, None, :]).sum(-1).log() + top
+    return torch.exp(logits - top), top[..., 0]
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:

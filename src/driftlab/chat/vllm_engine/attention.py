@@ -52,6 +52,9 @@ class DriftlabCPUAttentionImpl(CPUAttentionBackendImpl):
             if group.reads_only:  # pi alone: every layer's at once, after the last (AttentionGroup.stash)
                 group.stash(index, query, kv_cache, self.scale)
                 continue
+            if group.reweights:  # split-softmax, the pi floor: the kernel's output reweighted
+                group.reweight(index, query, kv_cache, output, self.scale)
+                continue
             keys, values = group.gather(kv_cache)
             queries = query[group.queries].transpose(1, 2)  # [B, H, q, d]
             steered, _ = driftlab_attention(module, queries, keys, values, group.mask, self.scale, driftlab=group.state)

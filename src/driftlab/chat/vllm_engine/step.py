@@ -31,7 +31,13 @@ import torch
 
 from driftlab.activation.state import ResidualRow, steer_stream
 from driftlab.attention.config import AttentionConfig
-from driftlab.attention.kernels import decode_lses, system_pi
+from driftlab.attention.kernels import (
+    decode_lses,
+    decode_system_parts,
+    split_softmax,
+    system_pi,
+    system_share,
+)
 from driftlab.attention.state import AttentionState
 from driftlab.chat.vllm_engine.payload import SteerPayload
 from driftlab.errors import DriftlabError
@@ -106,6 +112,9 @@ class AttentionGroup:
         # alone, on a prompt's pass as on a decode step.
         self.reads_only = all(_reads_last(r) for r in rows)
         self.decode = self.reads_only or all(r.q == 1 for r in rows)  # one query per row
+        # Decode rows whose steer only reweights the system prompt's share (split-softmax, the pi floor): the
+        # kernel's output stands and is reweighted (`reweight`), with no second pass over every key's value.
+        self.reweights = not self.reads_only and all(_reweights(r) for r in rows)
         q = 1 if self.decode else max(r.q for r in rows)
         K = max(r.seq_len for r in rows)
         lengths = torch.tensor([r.seq_len for r in rows])
@@ -141,6 +150,11 @@ class AttentionGroup:
             self.blocks = torch.where(used, table[:, :n_blocks], 0).flatten().to(device)  # [B * n_blocks]
             self.visible = (slot < lengths[:, None]).to(device)  # [B, K]
             self.mask = self.visible[:, None, None, :]  # [B, 1, 1, K]
+            if self.reweights:  # the blocks holding every row's system keys (a prefix): their values suffice
+                system = state.system_keys
+                self.system_slots = max(1, int(system.any(0).nonzero().max()) + 1) if bool(system.any()) else 1
+                n_system = -(-self.system_slots // block_size)
+                self.system_block_ids = self.blocks.view(len(rows), n_blocks)[:, :n_system].flatten()
             return
         token = slot - torch.tensor(pads)[:, None]  # [B, K] token index per slot
         present = token >= 0
@@ -172,13 +186,41 @@ class AttentionGroup:
         """pi [B, H] of every layer from the kept queries and key blocks (`attention.kernels.decode_lses`)."""
         query, blocks = self.kept
         L, B, (n_kv, d, bs) = query.shape[0], len(self.rows), blocks.shape[2:]
-        k = blocks.view(L, B, -1, n_kv, d, bs).permute(0, 1, 3, 4, 2, 5)  # [L, B, Hkv, d, n, bs]
-        keys_t = self.scratch("keys_t", k.shape, k.dtype).copy_(k).view(L, B, n_kv, d, -1)[..., : self.K]
-        lse_all, lse_sys = decode_lses(query.view(L, B, n_kv, -1, d), keys_t, self.visible, self.state.system_keys,
-                                       scale)
+        lse_all, lse_sys = decode_lses(query.view(L, B, n_kv, -1, d), blocks.view(L, B, -1, n_kv, d, bs), self.visible,
+                                       self.state.system_keys, scale)
         pi = system_pi(lse_all, lse_sys).reshape(L, B, -1, 1)
         for layer in range(L):
             self.state.record(layer, pi[layer])
+
+    def reweight(self, layer: int, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
+                 scale: float) -> None:
+        """A reweighting group's layer: the kernel's all-keys output O of each row's query, the LSEs over all
+        keys and over the system keys from the keys alone, and the system keys' output from their values
+        alone (`attention.kernels.decode_system_parts`); then `split_softmax`, the transformers engine's own
+        epilogue, with its strengths and floors, and pi recorded where traced."""
+        keys, values = cache_regions(kv_cache)
+        B, n_kv, d, bs = len(self.rows), keys.shape[1], keys.shape[2], self.block_size
+        k = torch.index_select(keys, 0, self.blocks, out=self.scratch("k.blocks", (len(self.blocks), *keys.shape[1:]),
+                                                                       keys.dtype)).view(B, -1, n_kv, d, bs)
+        S = self.system_slots
+        v = torch.index_select(values, 0, self.system_block_ids,
+                               out=self.scratch("v.system", (len(self.system_block_ids), *values.shape[1:]), values.dtype))
+        v = v.view(B, -1, n_kv, bs, d).transpose(1, 2).reshape(B, n_kv, -1, d)[:, :, :S]
+        at = self.queries[:, 0]
+        lse_all, lse_sys, o_sys = decode_system_parts(query[at].view(B, n_kv, -1, d), k, self.visible,
+                                                      self.state.system_keys, v, scale)
+        H = query.shape[1]
+        pi, rest = system_share(lse_all.reshape(B, H, 1), lse_sys.reshape(B, H, 1))
+        device = query.device
+        split = self.state.split_strength(layer, device)
+        floor = self.state.layer_floor(layer, 1, device)
+        if split is None:  # a floor alone: strength 1 on every head
+            split = self.state.on("split_table", device)[:, layer]
+        out = output[at].view(B, H, 1, -1)
+        new = split_softmax(out, o_sys.reshape(B, H, 1, -1), pi, rest, split, floor)
+        output[at] = new.view(B, H, -1).to(output.dtype)
+        if self.state.trace:
+            self.state.record(layer, pi[..., 0])
 
     def gather(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' keys and values [B, Hkv, K, d] from vLLM's CPU cache (`cache_regions`)."""
@@ -195,6 +237,13 @@ class AttentionGroup:
         k = self.scratch("k", k.shape, k.dtype).copy_(k).view(B, n_kv, -1, d)[:, :, : self.K]
         v = v.view(B, -1, n_kv, bs, d).transpose(1, 2)
         return k, v.reshape(B, n_kv, -1, d)[:, :, : self.K]
+
+
+def _reweights(row: Row) -> bool:
+    """Whether a decode row's steer only reweights the system prompt's share of attention (split-softmax,
+    the pi floor, with or without a trace): `AttentionGroup.reweight` serves it."""
+    config = row.parsed.attention
+    return row.q == 1 and (config.splits or config.floors) and not config.biased and not any(config.shared())
 
 
 def _reads_last(row: Row) -> bool:
@@ -414,14 +463,15 @@ class Engine:
         return StepPlan(context, rows, groups, residual)
 
     def _groups(self, rows: list[Row], metadata: Any) -> list[AttentionGroup]:
-        """Decode rows that only read pi, decode rows that steer, and the rest (prompts), each one group
+        """Decode rows that only read pi, decode rows that reweight, decode rows that steer otherwise, and the
+        rest (prompts), each one group
         (rows tracing their prompts apart from the others: one setting per group, `AttentionConfig.shared`)."""
         active = [r for r in rows if r.parsed.attention is not None and r.parsed.attention.active]
         by_kind: dict[tuple, list[Row]] = {}
         for r in active:
             prefill_trace = r.parsed.attention.shared()
-            by_kind.setdefault((_reads_last(r), r.q == 1, prefill_trace, r.first_step if any(prefill_trace) else None),
-                               []).append(r)
+            by_kind.setdefault((_reads_last(r), _reweights(r), r.q == 1, prefill_trace,
+                                r.first_step if any(prefill_trace) else None), []).append(r)
         return [AttentionGroup(group, metadata.block_table, self.block_size, self.n_layers, self.n_heads, self.device,
                                self.scratch) for group in by_kind.values()]
 
