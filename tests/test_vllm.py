@@ -197,6 +197,25 @@ def test_a_json_schema_constrains_vllm_as_the_transformers_engine(engines) -> No
     assert vl.generate(ChatRequest(convs[1:], sampling))[0].finish_reason == "stop"
 
 
+def test_tensor_parallel_vllm_steers_attention_and_traces_pi_per_head_as_one_process(engines, directions,
+                                                                                   tmp_path) -> None:
+    """`--tensor-parallel 3` (SmolLM2's 9 query heads and 3 KV heads: 3 and 1 per worker, in three
+    worker processes): head selections are read against the whole model, each worker steers its own
+    heads, and pi per head is joined over the workers. Split-softmax on some heads, PASTA on some heads,
+    a pi floor (its per-head floors shared out) and a steer that composes a vector, split-softmax,
+    InstABoost and a trace give the transformers engine's replies (one process, no shards)."""
+    hf, _ = engines
+    kinds = ["split-softmax-heads", "pasta", "pi-floor", "composed"]
+    got = _elsewhere(tmp_path, {"model": "vllm:smollm2-135m", "dtype": "float32", "directions": str(directions),
+                                "runtime": {"tensor_parallel": 3}}, kinds)
+    for kind, replies in zip(kinds, got["replies"], strict=True):
+        request = ChatRequest(CONVS, GREEDY, interventions=Interventions.parse(STEERS[kind]), logprobs=0)
+        for i, (a, b) in enumerate(zip(hf.generate(request), replies, strict=True)):
+            _same_reply(a, b, f"tensor-parallel {kind} row {i}")
+            if b["pi"] is not None:
+                assert np.array(b["pi"]).shape[-1] == 9  # every head's, from three workers
+
+
 def test_mixed_steers_in_one_vllm_batch_equal_each_alone_and_a_plain_row_equals_plain(engines) -> None:
     """Rows of different steers share vLLM's batch (one generate_tokens call, a steer per row): each
     reply equals the same row run alone, and the unsteered row equals a plain run."""

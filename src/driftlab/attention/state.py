@@ -76,12 +76,16 @@ class AttentionState:
         n_layers: int,
         n_heads: int,
         device: torch.device,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         """`configs` is one config for every row, or one per row (head profiling batches many
         single-head steerings at once; a server decodes requests of different steers together).
         Rows may differ in everything but prefill tracing, which is one setting per call. Where
         some rows trace pi, every row's is computed (the same attention calls serve all rows) and
-        only the traced rows' is kept (`row_traces`; the decode loop's `_cut_traces`)."""
+        only the traced rows' is kept (`row_traces`; the decode loop's `_cut_traces`).
+        `shard` = (first, end): this process holds only query heads [first, end) of the model's
+        `n_heads` (tensor parallelism): head selections are read against the whole model, and every
+        per-head tensor, floors and pi included, holds this shard's heads alone."""
         rows = [configs] * len(spans) if isinstance(configs, AttentionConfig) else list(configs)
         if len(rows) != len(spans):
             raise DriftlabError(f"{len(rows)} attention configs given for {len(spans)} rows.")
@@ -92,15 +96,16 @@ class AttentionState:
         self.config = rows[0]  # the shared settings (prefill tracing)
         self.rows = rows
         self.spans = spans
-        self.n_layers, self.n_heads, self.device = n_layers, n_heads, device
+        self.shard, self.model_heads = slice(*(shard or (0, n_heads))), n_heads
+        self.n_layers, self.n_heads, self.device = n_layers, self.shard.stop - self.shard.start, device
         self.trace = any(c.trace for c in rows)
         # Split-softmax as a strength per (row, layer, head): k on the row's selected heads, 1
         # (unchanged) elsewhere.
-        split = torch.zeros(len(rows), n_layers, n_heads, dtype=torch.bool)
-        table = torch.ones(len(rows), n_layers, n_heads)
+        split = torch.zeros(len(rows), n_layers, self.n_heads, dtype=torch.bool)
+        table = torch.ones(len(rows), n_layers, self.n_heads)
         for b, c in enumerate(rows):
             if c.splits:
-                split[b] = head_mask(c.split_heads, n_layers, n_heads)
+                split[b] = head_mask(c.split_heads, n_layers, n_heads)[:, self.shard]
                 table[b] = torch.where(split[b], c.split_k, 1.0)
         self.split_table = table.to(device)
         # Key biases, grouped per row by head selection: slot j of row b holds the heads its terms
@@ -114,10 +119,10 @@ class AttentionState:
             groups.append(heads)
             self._slot_of.append([heads.index(term.heads) for term in c.biases])
         n_slots = max((len(g) for g in groups), default=0)
-        bias_heads = torch.zeros(n_slots, len(rows), n_layers, n_heads)
+        bias_heads = torch.zeros(n_slots, len(rows), n_layers, self.n_heads)
         for b, heads in enumerate(groups):
             for j, selection in enumerate(heads):
-                bias_heads[j, b] = head_mask(selection, n_layers, n_heads).float()
+                bias_heads[j, b] = head_mask(selection, n_layers, n_heads)[:, self.shard].float()
         self.bias_heads = bias_heads.to(device) if n_slots else None
         # Per-layer flags on the host: asking the device tensors would sync a GPU every layer.
         self._split_layers = split.any(dim=(0, 2)).tolist()
@@ -239,7 +244,7 @@ class AttentionState:
         self._floor_flags()
 
     def set_floors(self, values: torch.Tensor, first_query: Sequence[int]) -> None:
-        """pi-floor: `values` [B, L, H] the floor of each row, layer and head (0: none; the backend
+        """pi-floor: `values` [B, L, H] the floor of each row, layer and head of the model (0: none; the backend
         gives F * pi_1), `first_query[b]` the token index in row b's unpadded prompt of the first
         query the floor acts on (the queries before it are left alone). From there on, where the
         system keys get less than the floor (after any key bias and split-softmax's pi^k), they get
@@ -252,6 +257,8 @@ class AttentionState:
             raise DriftlabError("set_floors needs the batch layout: call on_layout first.")
         B = len(self.pads)
         values = torch.as_tensor(values)
+        if self.n_heads != self.model_heads and values.shape[-1] == self.model_heads:  # the model's: this shard's
+            values = values[..., self.shard]
         first = [int(f) for f in first_query]
         if tuple(values.shape) != (B, self.n_layers, self.n_heads) or len(first) != B:
             raise DriftlabError(

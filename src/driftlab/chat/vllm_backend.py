@@ -108,8 +108,7 @@ class VLLMChatBackend:
         self.stop_strings = self.renderer.stop_strings
         self.runtime, self.decode_mode, self.dtype = runtime, decode, torch_dtype
         if runtime.tensor_parallel > 1:
-            logger.info("%s: tensor parallelism %d (attention steers are refused there)", self.name,
-                        runtime.tensor_parallel)
+            _cpu_binding(runtime.tensor_parallel)
         global _live
         held = _live() if _live is not None else None
         if held is not None and not held._closed:
@@ -379,9 +378,6 @@ class VLLMChatBackend:
             raise DriftlabError(f"{self.name} cannot apply --steer {kind}: {VLLM_REFUSED[kind]}.",
                                 hint="Run it on the transformers engine (drop 'vllm:').")
         self.capabilities.require(self.name, iv)
-        if self.runtime.tensor_parallel > 1 and iv.attention() is not None:
-            raise DriftlabError(f"{self.name} runs with tensor parallelism, and driftlab's attention steers and pi are "
-                                "not mapped onto sharded heads yet.", hint="Use --tensor-parallel 1, or residual steers.")
 
     def _check_context(self, prompt_len: int, new_tokens: int) -> None:
         if prompt_len + new_tokens > self.max_context:
@@ -481,7 +477,8 @@ class VLLMChatBackend:
     def _take(self, ids: Sequence[str | None]) -> list[dict[str, Any]]:
         """The worker's records of these payload ids ({} for a row without one)."""
         wanted = [i for i in ids if i is not None]
-        got = dict(zip(wanted, self.llm.collective_rpc("driftlab_take", args=(wanted,))[0], strict=True)) if wanted else {}
+        shards = self.llm.collective_rpc("driftlab_take", args=(wanted,)) if wanted else []  # one list per worker
+        got = {i: _joined([shard[n] for shard in shards]) for n, i in enumerate(wanted)}
         return [got.get(i) or {} if i is not None else {} for i in ids]
 
     def _reply(self, row: _Row, finish: str, ignore_eos: bool, logprobs: int | None) -> Reply:
@@ -601,6 +598,35 @@ class _Run:
             row.reply = self.backend._reply(row, finish, self.ignore_eos, self.logprobs)
             if self.on_finish is not None:
                 self.on_finish(b, row.reply)
+
+
+def _joined(shards: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One request's records from every tensor-parallel worker, in rank order: pi per head joined over
+    the workers' head shards; the residual stream's (projections, activations) is every worker's, the
+    first one's kept."""
+    first = shards[0]
+    if first is None or len(shards) == 1:
+        return first
+    return {**first, **{name: torch.cat([s[name] for s in shards], dim=-1) for name in ("pi", "prefill_pi")
+                        if name in first}}
+
+
+def _cpu_binding(tensor_parallel: int) -> None:
+    """vLLM's CPU workers bind their threads one NUMA node each unless told otherwise, and refuse to start
+    with fewer nodes than workers. There, unless the user set VLLM_CPU_OMP_THREADS_BIND, the CPUs this
+    process may use are shared out: a slice each, or (fewer CPUs than workers) one each, round robin."""
+    import os
+
+    nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or nodes >= tensor_parallel:
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    n = len(cpus)
+    shares = [cpus[i * n // tensor_parallel : (i + 1) * n // tensor_parallel] for i in range(tensor_parallel)] \
+        if n >= tensor_parallel else [[cpus[i % n]] for i in range(tensor_parallel)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, share)) for share in shares)
+    logger.info("tensor parallelism %d over %d NUMA node(s): vLLM's CPU workers bound to CPUs %s", tensor_parallel,
+                nodes, os.environ["VLLM_CPU_OMP_THREADS_BIND"])
 
 
 def _floor_turn(spans: dict[str, list[tuple[int, int]]]) -> int:

@@ -104,8 +104,10 @@ class AttentionGroup:
     dropped (`real`)."""
 
     def __init__(self, rows: list[Row], block_table: torch.Tensor, block_size: int, n_layers: int, n_heads: int,
-                 device: torch.device, scratch: Callable[[str, tuple, torch.dtype], torch.Tensor]) -> None:
-        """`scratch(name, shape, dtype)` lends a buffer kept from pass to pass (`Engine.scratch`)."""
+                 device: torch.device, scratch: Callable[[str, tuple, torch.dtype], torch.Tensor],
+                 shard: tuple[int, int] | None = None) -> None:
+        """`scratch(name, shape, dtype)` lends a buffer kept from pass to pass (`Engine.scratch`); `n_heads`
+        the model's query heads, of which this worker holds `shard` (tensor parallelism; None: all)."""
         self.rows, self.scratch = rows, scratch
         # Rows that only read pi at their last query (trace, no steer, no prompt tracing): the kernel's output
         # stands; only that query's log-sum-exps are computed (`attention.kernels.decode_lses`), from the keys
@@ -121,10 +123,10 @@ class AttentionGroup:
         pads = [0] * len(rows) if self.decode else [K - r.seq_len for r in rows]
         configs = [r.parsed.attention or AttentionConfig() for r in rows]
         spans = [r.parsed.payload.spans for r in rows]
-        state = AttentionState(configs, spans, n_layers, n_heads, device)
+        state = AttentionState(configs, spans, n_layers, n_heads, device, shard=shard)
         state.on_layout(pads, K, K, ends=[p + r.parsed.payload.prompt_len for p, r in zip(pads, rows, strict=True)])
         if any(r.parsed.payload.floors is not None for r in rows):
-            values = torch.zeros(len(rows), n_layers, n_heads)
+            values = torch.zeros(len(rows), n_layers, n_heads)  # the model's heads (set_floors takes its shard)
             for b, r in enumerate(rows):
                 if r.parsed.payload.floors is not None:
                     values[b] = torch.tensor(r.parsed.payload.floors)
@@ -368,9 +370,12 @@ class Engine:
     """driftlab's state in one vLLM worker: the model's shape, the directions, each pass's plan and the
     requests' records. The attention backend and the residual op ask it for the current plan."""
 
-    def __init__(self, runner: Any, n_layers: int, n_heads: int, d_model: int) -> None:
+    def __init__(self, runner: Any, n_layers: int, n_heads: int, d_model: int,
+                 shard: tuple[int, int] | None = None) -> None:
+        """`n_heads`: the model's query heads, of which this worker's attention layers hold `shard`
+        = [first, end) under tensor parallelism (None: all); its pi records are those heads'."""
         self.runner = runner
-        self.n_layers, self.n_heads, self.d_model = n_layers, n_heads, d_model
+        self.n_layers, self.n_heads, self.d_model, self.shard = n_layers, n_heads, d_model, shard
         self.directions = None
         self.records: dict[str, Record] = {}
         self._parsed: OrderedDict[str, Parsed] = OrderedDict()
@@ -473,7 +478,7 @@ class Engine:
             by_kind.setdefault((_reads_last(r), _reweights(r), r.q == 1, prefill_trace,
                                 r.first_step if any(prefill_trace) else None), []).append(r)
         return [AttentionGroup(group, metadata.block_table, self.block_size, self.n_layers, self.n_heads, self.device,
-                               self.scratch) for group in by_kind.values()]
+                               self.scratch, self.shard) for group in by_kind.values()]
 
     def scratch(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A buffer of `shape` for `name`, the same memory from pass to pass while it fits: a fresh tens-of-MB

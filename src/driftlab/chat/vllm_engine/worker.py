@@ -75,8 +75,12 @@ class DriftlabWorker(CPUWorker):
         runner = self.model_runner
         config = self.vllm_config.model_config
         parallel = self.vllm_config.parallel_config
-        engine = step.Engine(runner, config.get_num_layers(parallel), config.get_num_attention_heads(parallel),
-                             config.get_hidden_size())
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        local = config.get_num_attention_heads(parallel)  # this worker's shard of the query heads
+        first = get_tensor_model_parallel_rank() * local
+        engine = step.Engine(runner, config.get_num_layers(parallel), local * parallel.tensor_parallel_size,
+                             config.get_hidden_size(), shard=(first, first + local))
         engine.dtype = config.dtype
         for i, layer in enumerate(decoder_layers(runner.model)):
             layer.register_forward_hook(_Hook(i))
