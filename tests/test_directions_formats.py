@@ -149,6 +149,8 @@ def test_an_import_that_cannot_work_stops_before_a_model_loads(tmp_path) -> None
               "No file at"),
              ({"from_file": str(tmp_path / "pv.pt"), "system": "A."}, "needs both its file"),
              ({**pv, "system": "A.", "capping": "c.pt"}, "comes with an Assistant Axis file"),
+             ({"from_file": str(tmp_path / "pv.pt"), "format": "assistant-axis", "system": "A."},
+              "judged on the default assistant against roles: give at least 2"),
              ({"format": "steering-vectors", "system": "A.", "experiment": "x"}, "needs both its file")]
     for options, says in cases:
         with pytest.raises(DriftlabError, match=re.escape(says)) as err:

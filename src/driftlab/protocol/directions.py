@@ -95,7 +95,9 @@ class DirectionsConfig(ProtocolConfig):
         if not self.personas and not self.systems:
             raise ValueError("give personas (ids) or systems (your own prompts) to take directions of")
         if self.axis and len(self.personas) + len(self.systems) < 2:
-            raise ValueError("an axis needs at least 2 system prompts (the roles) against the default assistant")
+            raise ValueError("an Assistant Axis file is judged on the default assistant against roles: give at least 2 "
+                             "system prompts (--personas or --system), the roles" if self.format == "assistant-axis" else
+                             "an axis needs at least 2 system prompts (the roles) against the default assistant")
         if (self.from_file is None) != (self.format is None):
             raise ValueError("an imported direction needs both its file (from_file) and its format")
         if self.capping is not None and self.format != "assistant-axis":
