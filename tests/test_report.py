@@ -618,3 +618,17 @@ def test_cut_replies_are_shared_per_condition_flagged_and_left_out_in_the_sensit
     text = console.export_text()
     assert "9 of 18 agent probes (50%)" in text and "0 of 18 agent probes (0%)" in text
     assert "Warning: empty-user is cut more or less often than persona" in text
+
+
+def test_a_turn_that_repeats_an_earlier_one_counts_and_the_long_qwen_dialogs_loop() -> None:
+    """`repeated`: an agent turn whose text (stripped) is an earlier round's of the same dialog. On the
+    committed 40-round study, rounds 1-22 (fixed: a resumed run only appends later rounds): no repeat in
+    round 1, 19 of 20 agent turns by round 8 (the loops its README counts), all 20 from round 19."""
+    from driftlab.report.activation import measures_frame, repeated_turns
+
+    texts = {(0, 1): "a", (0, 2): "b", (0, 3): " a", (0, 4): "c", (1, 1): "b", (1, 2): "a"}
+    assert repeated_turns(texts) == {(0, 1): 0.0, (0, 2): 0.0, (0, 3): 1.0, (0, 4): 0.0, (1, 1): 0.0, (1, 2): 0.0}
+    frame = measures_frame(Path(__file__).parents[1] / "docs/results/long-qwen-plain")
+    turns = frame[(frame.what == "turn") & (frame["round"] <= 22)].groupby("round").repeated.sum()
+    assert turns[1] == 0 and turns[8] == 19 and (turns.loc[19:22] == 20).all()
+    assert frame[frame.what == "probe"].repeated.isna().all()

@@ -51,7 +51,7 @@ def _band(values: list[float] | None, band: list[int] | None) -> float:
 
 
 KEY = ["pair", "round", "what"]
-COLUMNS = [*KEY, "score", "pi", "projection", "prompt_projection", "reminded", "influence"]
+COLUMNS = [*KEY, "score", "pi", "projection", "prompt_projection", "reminded", "influence", "repeated"]
 #: The measures per agent turn: column, label, and the sign that makes larger mean more faithful.
 TURN_MEASURES = (("pi", "pi", 1), ("projection", "projection", 1), ("reminded", "reminded KL", -1),
                  ("influence", "prompt influence", 1))
@@ -61,8 +61,10 @@ def measures_frame(*run_dirs: str | Path) -> pd.DataFrame:
     """One row per agent turn and agent probe reply (repeat 0, condition persona): pair, round,
     what (turn|probe), score (probes), pi (mean over layers, where traced), projection and
     prompt_projection (band means, where measured), reminded and influence (KL, nats per token, where
-    measured). Several runs over the same dialogs (a self-chat, its `project` and `kl` runs) are
-    joined: each value from the first run that has it. `attrs["probe_after"]`: the self-chat's."""
+    measured), repeated (agent turns: 1 where the text is an earlier agent turn's of the same dialog,
+    word for word: a dialog in a loop, where a flat measure reads the same text again). Several runs
+    over the same dialogs (a self-chat, its `project` and `kl` runs) are joined: each value from the
+    first run that has it. `attrs["probe_after"]`: the self-chat's."""
     frames = [_frame(RunDir(path)) for path in run_dirs]
     joined = frames[0]
     for frame in frames[1:]:
@@ -82,21 +84,38 @@ def _frame(rd: RunDir) -> pd.DataFrame:
         frame = own.combine_first(source.set_index(KEY)).reset_index()[COLUMNS]
         frame.attrs["probe_after"] = source.attrs["probe_after"]
         return frame
-    rows = []
+    rows, texts = [], {}
     for r in rd.records(DIALOG_RECORDS):
         if r.condition != "persona" or (r.kind == "turn" and r.speaker != "agent") or \
                 (r.kind == "probe" and (r.target != "agent" or r.repeat)):
             continue
+        if r.kind == "turn":
+            texts[r.pair, r.round] = r.text
         act, kl = r.activation or {}, getattr(r, "kl", None) or {}
         rows.append({"pair": r.pair, "round": r.round, "what": r.kind,
                      "score": getattr(r, "score", None) if r.kind == "probe" else None,
                      "pi": float(np.mean(r.pi)) if r.pi else float("nan"),
                      "projection": _band(act.get("reply"), act.get("band")),
                      "prompt_projection": _band(act.get("prompt"), act.get("band")),
-                     "reminded": kl.get("reminded", float("nan")), "influence": kl.get("prompt", float("nan"))})
+                     "reminded": kl.get("reminded", float("nan")), "influence": kl.get("prompt", float("nan")),
+                     "repeated": float("nan")})
     frame = pd.DataFrame(rows, columns=COLUMNS).astype({c: float for c in COLUMNS[3:]})
+    seen = repeated_turns(texts)
+    turns = frame.what == "turn"
+    frame.loc[turns, "repeated"] = [seen[p, r] for p, r in zip(frame.pair[turns], frame["round"][turns], strict=True)]
     frame.attrs["probe_after"] = config_of(manifest).get("probe_after", "user")
     return frame
+
+
+def repeated_turns(texts: dict[tuple[int, int], str]) -> dict[tuple[int, int], float]:
+    """Per (pair, round) agent turn: 1.0 where its text (stripped) is that of an earlier round's turn of
+    the same pair, else 0.0."""
+    out, earlier = {}, {}
+    for pair, rnd in sorted(texts):
+        text = texts[pair, rnd].strip()
+        out[pair, rnd] = float(text in earlier.setdefault(pair, set()))
+        earlier[pair].add(text)
+    return out
 
 
 def _projected(rd: RunDir) -> pd.DataFrame:
@@ -159,23 +178,27 @@ def round_table(frame: pd.DataFrame) -> TextTable:
     replies, each a mean over conversations with its interval."""
     columns = [("score", "probe", "stability (probe score)"), ("pi", "turn", "pi (agent turns)"),
                ("projection", "turn", "projection (agent turns)"), ("projection", "probe", "projection (probe replies)"),
-               ("reminded", "turn", "reminded KL (agent turns)"), ("influence", "turn", "prompt influence (agent turns)")]
+               ("reminded", "turn", "reminded KL (agent turns)"), ("influence", "turn", "prompt influence (agent turns)"),
+               ("repeated", "turn", "repeated (agent turns)")]
     shown = [c for c in columns if frame[frame.what == c[1]][c[0]].notna().any()]
     rows = []
     for rnd in sorted(frame["round"].unique()):
         row = [str(rnd)]
         for value, what, _ in shown:
             cell = mean_interval(frame[(frame["round"] == rnd) & (frame.what == what)][value].astype(float).dropna(),
-                                 graded=value != "score")
+                                 graded=value not in ("score", "repeated"))
             row.append(fmt_cell(*cell.as_tuple()) + f" (n={cell.n})")
         rows.append(row)
-    return TextTable(f"drift measured {len({c[0] for c in shown})} ways, per round", ["round", *[c[2] for c in shown]],
+    ways = len({c[0] for c in shown} - {"repeated"})
+    return TextTable(f"drift measured {ways} way{'s' if ways != 1 else ''}, per round", ["round", *[c[2] for c in shown]],
                      rows,
                      "Means over conversations with their 95% intervals. Projection: band mean of the normalised "
                      "projection onto the agent persona's direction (0: like without its system prompt, 1: like "
                      "with it). pi: attention mass on the system prompt, mean over layers, heads and reply tokens. "
                      "Reminded KL: KL(dialog as it was || system prompt restated before the turn); prompt "
-                     "influence: KL(dialog as it was || system prompt emptied), nats per reply token.")
+                     "influence: KL(dialog as it was || system prompt emptied), nats per reply token. Repeated: "
+                     "the share of agent turns whose text is an earlier turn's of the same dialog, word for word "
+                     "(a loop: a flat measure there reads the same text again).")
 
 
 def turn_frame(frame: pd.DataFrame) -> pd.DataFrame:
