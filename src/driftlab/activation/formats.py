@@ -108,7 +108,7 @@ def read(path: str | Path, fmt: Format, *, capping: str | Path | None = None,
         raise DriftlabError(f"A capping config comes with an Assistant Axis file, not with {fmt}.",
                             hint="Drop --capping, or import the axis with --format assistant-axis.")
     data = _load(path)
-    source: dict[str, Any] = {"format": fmt, "file": str(path), "sha256": _sha256(path)}
+    source: dict[str, Any] = {"format": fmt, "file": str(path), "sha256": file_sha256(path)}
     if fmt == "assistant-axis":
         vectors = _tensor(data.get("axis") if isinstance(data, dict) else data, path, "a tensor [layers, d] "
                           "or {'axis': tensor}")
@@ -124,7 +124,7 @@ def read(path: str | Path, fmt: Format, *, capping: str | Path | None = None,
     caps, cap_layers = None, ()
     if capping is not None:
         caps, cap_layers, chosen = _capping(Path(capping), experiment, vectors)
-        source.update(capping=str(capping), capping_sha256=_sha256(Path(capping)), experiment=chosen)
+        source.update(capping=str(capping), capping_sha256=file_sha256(capping), experiment=chosen)
     return Imported(vectors.float(), layers, caps, cap_layers, source)
 
 
@@ -217,7 +217,11 @@ def _example(ids: list[str]) -> str:
     return next((i for i in ids if re.fullmatch(r"layers_\d+:\d+-p0\.25", i)), ids[0] if ids else "0")
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file's bytes (what directions.json and a run's inputs record of an imported file)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DriftlabError(f"No file at {path}.", hint="Give the .pt file the tool wrote.")
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 

@@ -332,8 +332,7 @@ class VLLMChatBackend:
         """pi_t / pi_1 (`when-drifting`'s gauge, as the transformers engine defines it): the mean pi over
         layers and heads, plain attention, at the conversation's last token over that at its first
         turn's last token. Each is one traced token of vLLM's; the first turn's is kept."""
-        end = gate.first_turn_end(rendered.spans())
-        first = self._pi_last(Rendered(ids=rendered.ids[:end], text="", system_span=rendered.system_span), Interventions())
+        first = self._pi_last(_first_turn(rendered, gate.first_turn_end(rendered.spans())), Interventions())
         now = self._pi_last(rendered, Interventions(), keep=False)
         return float(torch.tensor(now).mean() / torch.tensor(first).mean())
 
@@ -419,8 +418,7 @@ class VLLMChatBackend:
         without its floor) and the first query it acts on, as the transformers engine sets them."""
         end = _floor_turn(spans)
         floor = steer.get("pi-floor").f
-        first = Rendered(ids=rendered.ids[:end], text="", system_span=rendered.system_span)
-        held = self._pi_last(first, steer.without("pi-floor", "trace"))
+        held = self._pi_last(_first_turn(rendered, end), steer.without("pi-floor", "trace"))
         return [[floor * x for x in row] for row in held], end
 
     def _pi_last(self, rendered: Rendered, steer: Interventions, *, keep: bool = True) -> list[list[float]]:
@@ -598,6 +596,11 @@ class _Run:
             row.reply = self.backend._reply(row, finish, self.ignore_eos, self.logprobs)
             if self.on_finish is not None:
                 self.on_finish(b, row.reply)
+
+
+def _first_turn(rendered: Rendered, end: int) -> Rendered:
+    """The first `end` tokens of a rendered conversation (its first turn), with its system span."""
+    return Rendered(ids=rendered.ids[:end], text="", system_span=rendered.system_span)
 
 
 def _joined(shards: list[dict[str, Any] | None]) -> dict[str, Any] | None:

@@ -144,7 +144,8 @@ class DirectionsProtocol(Protocol[DirectionsConfig]):
     name = "directions"
     records = TypeAdapter(ReplyRecord)
     unit = "replies"
-    imported: Imported | None = None  # set by `require`
+    imported: Imported | None = None  # set by `require`: the direction on this model
+    _file: Imported | None = None  # the imported file as read (`_read`)
 
     def check(self) -> None:
         self._personas()
@@ -155,12 +156,14 @@ class DirectionsProtocol(Protocol[DirectionsConfig]):
         self.imported = self._imported()
 
     def _read(self) -> Imported | None:
-        """The imported direction as its file holds it (one line on any problem, before a model loads)."""
+        """The imported direction as its file holds it (one line on any problem, before a model loads);
+        read once per protocol (check, then require)."""
         from driftlab.activation import formats
 
         c = self.config
-        return None if c.from_file is None else formats.read(c.from_file, c.format, capping=c.capping,
-                                                              experiment=c.experiment)
+        if c.from_file is not None and self._file is None:
+            self._file = formats.read(c.from_file, c.format, capping=c.capping, experiment=c.experiment)
+        return self._file
 
     def _imported(self) -> Imported | None:
         """The imported direction on this model: the run directory's copy, else the file, checked
@@ -177,7 +180,9 @@ class DirectionsProtocol(Protocol[DirectionsConfig]):
         return found
 
     def inputs(self) -> dict[str, str]:
-        return {} if self.config.from_file is None else {"imported": self._read().source["sha256"]}
+        from driftlab.activation.formats import file_sha256
+
+        return {} if self.config.from_file is None else {"imported": file_sha256(self.config.from_file)}
 
     def _personas(self) -> list[dict[str, Any]]:
         """(id, system prompt, user prompts) of every persona asked, checked against the benchmark."""
