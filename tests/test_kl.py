@@ -200,19 +200,26 @@ def test_what_driftlab_kl_cannot_read_is_one_line_before_any_work(recorded, tmp_
                            from_run=str(recorded))), out=tmp_path / "remote", progress=False)
 
 
-def test_driftlab_equilibrium_fits_the_kl_series_of_runs_and_compares_two(recorded, kl_run) -> None:
+def test_driftlab_equilibrium_fits_the_kl_series_of_runs_and_compares_two(recorded, kl_run, tmp_path) -> None:
     """The series are each conversation's agent turns from round 2, from the live records or a kl run alike;
-    the table fits each run and, for two, compares their D* (here the same dialogs: a difference of 0)."""
+    the table fits each run and, for two, compares their D* (here the same dialogs: a difference of 0); the
+    CLI draws the series beside the repeated turns where asked, and refuses a figure path that is no PNG."""
     from typer.testing import CliRunner
 
     from driftlab.cli import app
-    from driftlab.report.equilibrium import equilibrium_table, series
+    from driftlab.report.equilibrium import equilibrium_table, series, turns
 
     live = {(r["pair"], r["round"]): r["kl"]["reminded"] for r in RunDir(recorded).records()
             if r["kind"] == "turn" and r["speaker"] == "agent"}
-    assert series(recorded) == [[live[(p, 2)], live[(p, 3)]] for p in (0, 1)]
-    assert [pytest.approx(one, abs=1e-5) for one in series(recorded)] == series(kl_run)
+    assert series(turns(recorded)) == [[live[(p, 2)], live[(p, 3)]] for p in (0, 1)]
+    assert [pytest.approx(one, abs=1e-5) for one in series(turns(recorded))] == series(turns(kl_run))
     table = equilibrium_table([recorded, kl_run], n_boot=50)
     assert len(table.rows) == 3 and abs(float(table.rows[2][1].split()[0])) < 1e-3, table.rows
+    figure = tmp_path / "eq.png"
+    done = CliRunner().invoke(app, ["equilibrium", str(recorded), str(kl_run), "--figure", str(figure)])
+    assert done.exit_code == 0 and f"figure: {figure}" in done.output, done.output
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    done = CliRunner().invoke(app, ["equilibrium", str(recorded), "--figure", str(tmp_path / "eq.pdf")])
+    assert done.exit_code != 0 and "is not a .png path" in str(done.exception) + done.output
     done = CliRunner().invoke(app, ["equilibrium", str(recorded), str(kl_run), str(recorded)])
     assert done.exit_code != 0 and "the fit takes one, or two to compare" in str(done.exception) + done.output

@@ -504,8 +504,8 @@ def test_drift_pushing_users_are_drawn_as_users_only_each_with_its_source_and_th
 
 
 def test_the_equilibrium_of_a_run_without_kls_is_one_line(tmp_path):
-    from driftlab.report.equilibrium import series
+    from driftlab.report.equilibrium import turns
 
     _scripted_run(tmp_path / "run")
     with pytest.raises(DriftlabError, match="has no reminded KL to fit"):
-        series(tmp_path / "run")
+        turns(tmp_path / "run")

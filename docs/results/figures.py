@@ -476,6 +476,88 @@ def engines(vllm: str = "vllm-qwen-selfchat", hf: str = "hf-qwen-selfchat") -> s
     return "\n".join(lines)
 
 
+#: The long-dialog study: per condition, its self-chat, `driftlab kl` and `driftlab project` runs (the
+#: blocks need the first two finished; the projection shows once the third is).
+LONG = {"plain": ("long-qwen-smollm2-user", "long-qwen-smollm2-user-kl", "long-qwen-smollm2-user-project"),
+        "SPR p = 0.5": ("long-qwen-smollm2-user-spr", "long-qwen-smollm2-user-spr-kl",
+                        "long-qwen-smollm2-user-spr-project")}
+LONG_ROUNDS = (1, 2, 3, 4, 5, 6, 8, 10, 15, 20, 25, 30, 35, 40)
+
+
+def long_selfchats() -> str:
+    """Both conditions' self-chats over 40 rounds: per probe round, the mean probe score and the share of
+    agent turns repeating an earlier one (plain on all its dialogs and on SPR's pairs, SPR); then the
+    drift tests (last probe round against the first, per conversation) and SPR against plain on the
+    same pairs (each pair's mean probe score over its rounds)."""
+    from driftlab.report.activation import measures_frame
+    from driftlab.stats import mean_interval, paired_test
+
+    plain, spr = (measures_frame(HERE / LONG[label][0]) for label in LONG)
+    same = plain[plain.pair.isin(spr.pair.unique())]
+    runs = [("plain", plain), (f"plain, SPR's {spr.pair.nunique()} pairs", same), ("SPR p = 0.5", spr)]
+    score = {name: f[f.what == "probe"].groupby(["round", "pair"]).score.mean() for name, f in runs}
+    rep = {name: f[f.what == "turn"].groupby(["round", "pair"]).repeated.mean() for name, f in runs}
+    rounds = sorted(score["plain"].index.get_level_values("round").unique())
+    lines = ["| round | " + " | ".join(f"probe score, {name} (n = {f.pair.nunique()})" for name, f in runs)
+             + " | " + " | ".join(f"repeated, {name}" for name, _ in runs) + " |",
+             "|---|" + "---|" * (2 * len(runs))]
+    for r in rounds:
+        cells = [mean_interval(score[name].loc[r]).cell(2) for name, _ in runs]
+        cells += [f"{rep[name].loc[r].mean():.2f}" for name, _ in runs]
+        lines.append(f"| {r} | " + " | ".join(cells) + " |")
+    first, last = rounds[0], rounds[-1]
+    lines += ["", "| question | estimate [95% CI] | higher / lower / tied | test |", "|---|---|---|---|"]
+    for name, _ in runs:
+        test = paired_test(score[name].loc[last].to_dict(), score[name].loc[first].to_dict())
+        lines.append(f"| {name}: probe score, round {last} minus round {first} | {test.diff.cell(2, sign=True)} | "
+                     f"{test.better} / {test.worse} / {test.tied} | p = {_p(test.p)} ({test.method}, n = {test.n}) |")
+    mean = {name: score[name].groupby(level="pair").mean().to_dict() for name, _ in runs}
+    test = paired_test(mean["SPR p = 0.5"], mean[runs[1][0]])
+    lines.append(f"| SPR minus plain, mean probe score over rounds {first}-{last}, same pairs | "
+                 f"{test.diff.cell(2, sign=True)} | {test.better} / {test.worse} / {test.tied} | "
+                 f"p = {_p(test.p)} ({test.method}, n = {test.n}) |")
+    return "\n".join(lines)
+
+
+def _long_frame(label: str) -> pd.DataFrame:
+    """A condition's measures on the dialogs its KLs were read on (every column the same dialogs)."""
+    from driftlab.report.activation import measures_frame
+
+    _, kl, project = LONG[label]
+    frame = measures_frame(HERE / kl, *([HERE / project] if finished(project) else []))
+    return frame[frame.pair.isin(frame[frame.reminded.notna()].pair.unique())]
+
+
+def long_rounds(label: str) -> str:
+    """A condition's measures per round (the rounds of `LONG_ROUNDS`), on the dialogs its KLs were read on."""
+    from driftlab.report.activation import round_table
+    from driftlab.report.tables import TextTable
+
+    table = round_table(_long_frame(label))
+    shown = {str(r) for r in LONG_ROUNDS}
+    return _markdown(TextTable(table.title, table.columns, [r for r in table.rows if r[0] in shown], table.note))
+
+
+def long_equilibria() -> str:
+    """The equilibrium fits of both KLs, plain against SPR; and the reminded KL at the turns SPR did not
+    remind (its reminded turns are 0 by construction), against plain's same rounds, paired by pair."""
+    from driftlab.report.equilibrium import equilibrium_table
+    from driftlab.stats import paired_test
+
+    runs = [HERE / LONG[label][1] for label in LONG]
+    tables = [_markdown(equilibrium_table(runs, measure)).replace(str(HERE) + "/", "") for measure in
+              ("reminded", "influence")]
+    plain, spr = (_long_frame(label) for label in LONG)
+    plain, spr = (f[(f.what == "turn") & (f["round"] >= 2)].set_index(["pair", "round"]).reminded for f in (plain, spr))
+    kept = spr[spr > 0].index.intersection(plain.index)
+    test = paired_test(spr[kept].groupby(level="pair").mean().to_dict(), plain[kept].groupby(level="pair").mean().to_dict())
+    tables.append("| question | estimate [95% CI] | test |\n|---|---|---|\n"
+                  f"| reminded KL at the turns SPR did not remind ({len(kept)} of {len(spr)} turns, rounds 2-40): SPR "
+                  f"minus plain, mean per pair | {test.diff.cell(3, sign=True)} "
+                  f"({test.worse} lower / {test.better} higher) | p = {_p(test.p)} ({test.method}, n = {test.n} pairs) |")
+    return "\n\n".join(tables)
+
+
 def _key(r: dict) -> tuple:
     return (r["kind"], r["pair"], r["round"], r.get("speaker"), r.get("target"), r.get("repeat"))
 
@@ -509,6 +591,12 @@ for run, block in (("demo-smollm2", three_ways), ("project-qwen-paper-20", three
                    ("directions-qwen-sweep", separation), ("directions-qwen-paper", separation)):
     if finished(run):
         BLOCKS[run] = functools.partial(block, run)
+if all(finished(names[0]) for names in LONG.values()):
+    BLOCKS["long-qwen-selfchats"] = long_selfchats
+if all(finished(name) for names in LONG.values() for name in names[:2]):
+    for label in LONG:
+        BLOCKS[LONG[label][0] + "-rounds"] = functools.partial(long_rounds, label)
+    BLOCKS["long-qwen-equilibria"] = long_equilibria
 if finished("sweep-activation-20"):
     BLOCKS["sweep-activation-20-stability"] = lambda: sweep_stability("sweep-activation-20")
     BLOCKS["sweep-activation-20-mmlu"] = lambda: sweep_mmlu("sweep-activation-20")

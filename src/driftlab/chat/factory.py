@@ -15,7 +15,7 @@ from driftlab.errors import DriftlabError
 
 
 def make_backend(
-    spec: BackendSpec, *, prefix_cache_bytes: int = 2 << 30, run_dir: str | Path | None = None
+    spec: BackendSpec, *, prefix_cache_bytes: int | None = None, run_dir: str | Path | None = None
 ) -> ChatBackend:
     """Load or connect to the backend a spec names.
 

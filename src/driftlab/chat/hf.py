@@ -40,7 +40,7 @@ from driftlab.chat.constrain import JsonConstraint
 from driftlab.chat.directions import row_directions
 from driftlab.chat.guidance import guide
 from driftlab.chat.loading import input_device, load_model
-from driftlab.chat.prefix_cache import PrefixCache
+from driftlab.chat.prefix_cache import PrefixCache, auto_budget
 from driftlab.chat.sampling import sample, warpers
 from driftlab.chat.spec import BackendSpec
 from driftlab.chat.static_decode import (
@@ -81,7 +81,7 @@ class HFChatBackend:
         dtype: str = "auto",
         device: str = "auto",
         span_mode: str = "content",
-        prefix_cache_bytes: int = 2 << 30,
+        prefix_cache_bytes: int | None = None,
         attn_implementation: str | None = None,
         device_map: str | None = None,
         quantize: str | None = None,
@@ -105,7 +105,7 @@ class HFChatBackend:
                     decode=decode, device_map=device_map, quantize=quantize)
         self.use_directions(directions)
 
-    def _setup(self, model, tokenizer, path, name: str, *, span_mode: str, prefix_cache_bytes: int,
+    def _setup(self, model, tokenizer, path, name: str, *, span_mode: str, prefix_cache_bytes: int | None,
                decode: DecodeMode, device_map: str | None, quantize: str | None, attachment=None) -> None:
         """What both ways in share (a model by name, a model from memory): renderer, stop
         tokens, shape, prefix cache and decode loop. `attachment` (from_model) is the borrowed
@@ -137,6 +137,8 @@ class HFChatBackend:
 
         hooks.install(self.model)  # inert until a call carries a ResidualState
         self.pad_id = self._pad_id()
+        if prefix_cache_bytes is None:  # after the weights: a share of what they left free
+            prefix_cache_bytes = auto_budget(self.device)
         self.prefix_cache = PrefixCache(prefix_cache_bytes if self._cacheable() else 0)
         self._pi_firsts: dict[tuple, torch.Tensor] = {}  # pi-floor's reference pi per first turn and config
         self.decode_mode = decode
@@ -166,7 +168,7 @@ class HFChatBackend:
         tokenizer,
         *,
         span_mode: str = "content",
-        prefix_cache_bytes: int = 2 << 30,
+        prefix_cache_bytes: int | None = None,
         decode: DecodeMode = "auto",
         name: str | None = None,
     ) -> HFChatBackend:
@@ -235,7 +237,7 @@ class HFChatBackend:
         self.close()
 
     @classmethod
-    def from_spec(cls, spec: BackendSpec, *, prefix_cache_bytes: int = 2 << 30) -> HFChatBackend:
+    def from_spec(cls, spec: BackendSpec, *, prefix_cache_bytes: int | None = None) -> HFChatBackend:
         """The local model a `BackendSpec` names (its runtime is the caller's business)."""
         return cls(spec.model, dtype=spec.dtype, device=spec.device, span_mode=spec.span,
                    prefix_cache_bytes=prefix_cache_bytes, device_map=spec.device_map, quantize=spec.quantize,

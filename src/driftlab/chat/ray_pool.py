@@ -8,7 +8,8 @@ restart of that actor or on a fresh one, and its replies are taken once: nothing
 duplicated. Ray is imported lazily, so this module imports without it.
 
 On a remote cluster every node needs driftlab installed and the model pulled; each actor
-keeps its own prefix cache, so `prefix_cache_bytes` is per actor.
+keeps its own prefix cache, so `prefix_cache_bytes` is per actor (by default a share of its GPU's free
+memory, or 2 GiB for a CPU actor: CPU actors share their host's memory).
 """
 
 from __future__ import annotations
@@ -55,11 +56,14 @@ def connect(address: str) -> None:
                             hint="Start one with `ray start --head`, or use --ray local.") from None
 
 
+CPU_ACTOR_CACHE = 2 << 30  # a CPU actor's prefix cache: its host's memory is shared by every actor on it
+
+
 class _Worker:
     """One actor's local backend. A load error is kept and raised by every call, so it reaches the
     driver as that error (Ray would otherwise report only a dead actor, and restart it in vain)."""
 
-    def __init__(self, spec: BackendSpec, prefix_cache_bytes: int, threads: int | None) -> None:
+    def __init__(self, spec: BackendSpec, prefix_cache_bytes: int | None, threads: int | None) -> None:
         self.backend: Any = None
         self.error: BaseException | None = None
         try:
@@ -82,7 +86,7 @@ class _Worker:
 class RayBackend:
     """A local model on a pool of Ray actors: one per GPU, else `--actors` CPU actors (default 2)."""
 
-    def __init__(self, spec: BackendSpec, *, prefix_cache_bytes: int = 2 << 30) -> None:
+    def __init__(self, spec: BackendSpec, *, prefix_cache_bytes: int | None = None) -> None:
         if not spec.runtime.ray:
             raise DriftlabError("RayBackend needs a Ray address.", hint="Use --ray local or --ray ADDRESS.")
         ray = _ray()
@@ -103,7 +107,7 @@ class RayBackend:
         device = ("cuda" if spec.device.startswith("cuda") else spec.device) if use_gpu else "cpu"
         self._local = spec.model_copy(update={"runtime": Runtime(), "device": device})
         _download_once(spec.model)
-        self._cache_bytes = prefix_cache_bytes
+        self._cache_bytes = prefix_cache_bytes if prefix_cache_bytes is not None or use_gpu else CPU_ACTOR_CACHE
         self._threads = None if use_gpu else 1
         self._actor_cls = ray.remote(_Worker).options(
             num_cpus=1, num_gpus=1 if use_gpu else 0, max_restarts=RESTARTS, max_task_retries=RESTARTS)

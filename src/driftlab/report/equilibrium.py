@@ -1,7 +1,9 @@
 """The equilibrium model fitted to runs' KL series (`driftlab equilibrium`): per run (a condition), D*,
 the rate of return and the noise with their intervals, and the held-out comparison with a random
 walk; with two runs, whether the second's D* is lower (a reminder such as SPR, Dongre et al.'s
-prediction). The fit itself is `theory.equilibrium`.
+prediction); and a figure of the series per round against each fitted D*, beside the share of
+repeated turns (a dialog in a loop holds any measure still, restoring force or not). The fit itself
+is `theory.equilibrium`.
 
 A series is one conversation's agent turns in round order. The reminded KL of round 1 is 0 by
 construction (the turn follows the system prompt), so by default the series start at round 2.
@@ -11,8 +13,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
 from driftlab.errors import DriftlabError
 from driftlab.report.activation import measures_frame
+from driftlab.report.figures import save_png
 from driftlab.report.tables import TextTable
 from driftlab.theory.equilibrium import EquilibriumFit, compare_equilibria, fit_equilibrium
 
@@ -20,24 +28,31 @@ from driftlab.theory.equilibrium import EquilibriumFit, compare_equilibria, fit_
 MEASURES = {"reminded": "reminded KL", "influence": "prompt influence"}
 
 
-def series(run_dir: str | Path, measure: str = "reminded", from_round: int = 2) -> list[list[float]]:
-    """Per conversation, `measure` of its agent turns from `from_round` on, in round order."""
+def turns(run_dir: str | Path, measure: str = "reminded", from_round: int = 2) -> pd.DataFrame:
+    """The run's agent turns from `from_round` on that have `measure` (one line where none has)."""
     frame = measures_frame(run_dir)
     if not frame[measure].notna().any():
         raise DriftlabError(f"{run_dir} has no {MEASURES[measure]} to fit.",
                             hint="Give a self-chat run made with --kl, or a `driftlab kl` run of it.")
-    turns = frame[(frame.what == "turn") & (frame["round"] >= from_round)].dropna(subset=[measure])
-    return [list(one.sort_values("round")[measure]) for _, one in turns.groupby("pair")]
+    return frame[(frame.what == "turn") & (frame["round"] >= from_round)].dropna(subset=[measure])
+
+
+def series(found: pd.DataFrame, measure: str = "reminded") -> list[list[float]]:
+    """Per conversation, `measure` of its turns (`turns`) in round order."""
+    return [list(one.sort_values("round")[measure]) for _, one in found.groupby("pair")]
 
 
 def equilibrium_table(run_dirs: list[str | Path], measure: str = "reminded", from_round: int = 2,
-                      n_boot: int = 2000) -> TextTable:
+                      n_boot: int = 2000, figure: str | Path | None = None) -> TextTable:
     """One row per run: D*, rate, sigma [95% intervals], held-out gain over the random walk; a last row
-    comparing the second run's D* with the first's where two are given."""
-    found = [series(path, measure, from_round) for path in run_dirs]
-    rows = []
+    comparing the second run's D* with the first's where two are given. `figure`: also draw
+    `equilibrium_figure` there."""
+    frames = [turns(path, measure, from_round) for path in run_dirs]
+    found = [series(frame, measure) for frame in frames]
+    rows, fits = [], []
     for path, one in zip(run_dirs, found, strict=True):
         fit = fit_equilibrium(one, n_boot=n_boot)
+        fits.append(fit)
         rows.append([str(path), *(_cell(fit, name) for name in ("d_star", "rate", "sigma")),
                      f"{fit.heldout_gain:+.3f} ({fit.heldout_better} of {fit.n_conversations} better, "
                      f"p = {fit.heldout_p:.2g})", f"{fit.n_conversations} x {fit.n_steps} steps"])
@@ -46,6 +61,8 @@ def equilibrium_table(run_dirs: list[str | Path], measure: str = "reminded", fro
         rows.append(["D* of the second minus the first", f"{diff['difference']:+.3g} [{diff['low']:+.3g}, "
                      f"{diff['high']:+.3g}]", "", "", f"p(not lower) = {diff['p_not_lower']:.3g}",
                      f"{diff['n_resamples']} resamples"])
+    if figure is not None:
+        equilibrium_figure([Path(path).name for path in run_dirs], frames, fits, measure, figure)
     return TextTable(
         f"the equilibrium of the {MEASURES[measure]}, rounds {from_round} on",
         ["run", "D* [95% CI]", "rate of return", "noise sigma", "held-out gain over a random walk", "n"], rows,
@@ -57,3 +74,36 @@ def equilibrium_table(run_dirs: list[str | Path], measure: str = "reminded", fro
 def _cell(fit: EquilibriumFit, name: str) -> str:
     low, high = fit.intervals[name]
     return f"{getattr(fit, name):.3g} [{low:.3g}, {high:.3g}]"
+
+
+def equilibrium_figure(labels: list[str], frames: list[pd.DataFrame], fits: list[EquilibriumFit], measure: str,
+                       path: str | Path) -> Path:
+    """Left: each run's `measure` per round (mean over conversations, 95% interval as a band) and its
+    fitted D* (dashed; none where the fit finds no equilibrium). Right: the share of those turns that
+    repeat an earlier agent turn word for word, per round: where it nears 1 the series is the same
+    text read again, and a level it holds says nothing of a restoring force."""
+    from driftlab.stats import mean_interval
+
+    fig = Figure(figsize=(9.5, 3.4), layout="constrained")
+    left, right = fig.subplots(1, 2, width_ratios=(3, 2))
+    for k, (label, frame, fit) in enumerate(zip(labels, frames, fits, strict=True)):
+        color = f"C{k}"
+        rounds = sorted(frame["round"].unique())
+        cells = [mean_interval(frame[frame["round"] == r][measure].astype(float), graded=True).as_tuple()
+                 for r in rounds]
+        mean, low, high = (np.array(x, dtype=float) for x in zip(*cells, strict=True))
+        left.plot(rounds, mean, marker="o", ms=3, color=color, label=f"{label} (n = {fit.n_conversations})")
+        left.fill_between(rounds, np.clip(low, 0, None), high, color=color, alpha=0.15)
+        if np.isfinite(fit.d_star):
+            left.axhline(fit.d_star, color=color, ls="--", lw=1, label=f"D* = {fit.d_star:.3g}")
+        shares = [mean_interval(frame[frame["round"] == r]["repeated"].astype(float)).as_tuple() for r in rounds]
+        share, s_low, s_high = (np.array(x, dtype=float) for x in zip(*shares, strict=True))
+        right.plot(rounds, share, marker="o", ms=3, color=color, label=label)
+        right.fill_between(rounds, s_low, s_high, color=color, alpha=0.15)
+    left.set(title=f"{MEASURES[measure]} (nats/token) and its equilibrium", xlabel="round")
+    right.set(title="agent turns repeating an earlier one", xlabel="round", ylim=(-0.02, 1.02))
+    for ax in (left, right):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.title.set_fontsize(9)
+        ax.legend(fontsize=7, loc="best")
+    return save_png(fig, path)
