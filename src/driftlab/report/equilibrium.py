@@ -22,6 +22,7 @@ from driftlab.errors import DriftlabError
 from driftlab.report.activation import measures_frame
 from driftlab.report.figures import save_png
 from driftlab.report.tables import TextTable
+from driftlab.stats import mean_interval
 from driftlab.theory.equilibrium import EquilibriumFit, compare_equilibria, fit_equilibrium
 
 #: The KL columns of a measures frame a fit can read, and their labels.
@@ -82,8 +83,6 @@ def equilibrium_figure(labels: list[str], frames: list[pd.DataFrame], fits: list
     fitted D* (dashed; none where the fit finds no equilibrium). Right: the share of those turns that
     repeat an earlier agent turn word for word, per round: where it nears 1 the series is the same
     text read again, and a level it holds says nothing of a restoring force."""
-    from driftlab.stats import mean_interval
-
     fig = Figure(figsize=(9.5, 3.4), layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=(3, 2))
     for k, (label, frame, fit) in enumerate(zip(labels, frames, fits, strict=True)):
