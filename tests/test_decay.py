@@ -65,3 +65,33 @@ def test_decay_cli_writes_traces_and_figures(tmp_path, smol_dir):
     result = CliRunner().invoke(app, ["report", str(tmp_path)])
     # a DriftlabError: the entry point prints it as one "Error:" line with its hint
     assert isinstance(result.exception, DriftlabError) and "trace file(s)" in str(result.exception)
+
+
+def test_a_decay_run_of_a_recorded_self_chat_gives_each_turn_the_pi_traced_live(smol32, tmp_path):
+    """`measures_frame` joins a `driftlab decay --from-run` run to the self-chat it replayed: each agent
+    turn's pi (mean over its tokens, layers and heads) is the one `--steer trace` recorded while decoding.
+    A run generated under another steer is refused before any work: its replay would drop the steer."""
+    import driftlab as dl
+    from driftlab.api import spec_of
+    from driftlab.protocol.decay import Decay, DecayConfig
+    from driftlab.report.activation import measures_frame
+
+    pairs = ["reply-in-french:very-happy", "all-caps:teen-slang"]
+    live = tmp_path / "live"
+    dl.selfchat(smol32, pair=pairs, rounds=2, max_new_tokens=8, greedy=True, steer=["trace"], out=live,
+                progress=False)
+    replay = tmp_path / "decay"
+    dl.run(Decay(DecayConfig(backend=spec_of(smol32), from_run=str(live), pairs=2), smol32), out=replay,
+           progress=False)
+    traced, replayed = (measures_frame(run).query("what == 'turn'").set_index(["pair", "round"]).pi
+                        for run in (live, replay))
+    assert len(traced) == 4 and traced.notna().all()
+    np.testing.assert_allclose(replayed.loc[traced.index], traced, atol=tol(2e-4))
+
+    spr = tmp_path / "spr"
+    dl.selfchat(smol32, pair=pairs[:1], rounds=1, max_new_tokens=4, greedy=True, steer=["spr:p=1"], out=spr,
+                progress=False)
+    with pytest.raises(DriftlabError, match="--steer spr"):
+        dl.run(Decay(DecayConfig(backend=spec_of(smol32), from_run=str(spr), pairs=1), smol32),
+               out=tmp_path / "refused", progress=False)
+    assert not (tmp_path / "refused").exists()

@@ -478,9 +478,12 @@ def engines(vllm: str = "vllm-qwen-selfchat", hf: str = "hf-qwen-selfchat") -> s
 
 #: The long-dialog study: per condition, its self-chat, `driftlab kl` and `driftlab project` runs (the
 #: blocks need the first two finished; the projection shows once the third is).
-LONG = {"plain": ("long-qwen-smollm2-user", "long-qwen-smollm2-user-kl", "long-qwen-smollm2-user-project"),
+#: The long study's runs per condition: self-chat, its KLs, projections and pi (the decay replay reads
+#: a dialog without steers, so the SPR condition's pi was not measured).
+LONG = {"plain": ("long-qwen-smollm2-user", "long-qwen-smollm2-user-kl", "long-qwen-smollm2-user-project",
+                  "long-qwen-smollm2-user-decay"),
         "SPR p = 0.5": ("long-qwen-smollm2-user-spr", "long-qwen-smollm2-user-spr-kl",
-                        "long-qwen-smollm2-user-spr-project")}
+                        "long-qwen-smollm2-user-spr-project", None)}
 LONG_ROUNDS = (1, 2, 3, 4, 5, 6, 8, 10, 15, 20, 25, 30, 35, 40)
 
 
@@ -523,8 +526,8 @@ def _long_frame(label: str) -> pd.DataFrame:
     """A condition's measures on the dialogs its KLs were read on (every column the same dialogs)."""
     from driftlab.report.activation import measures_frame
 
-    _, kl, project = LONG[label]
-    frame = measures_frame(HERE / kl, *([HERE / project] if finished(project) else []))
+    _, kl, *more = LONG[label]
+    frame = measures_frame(HERE / kl, *(HERE / run for run in more if run and finished(run)))
     return frame[frame.pair.isin(frame[frame.reminded.notna()].pair.unique())]
 
 

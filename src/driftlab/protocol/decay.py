@@ -117,15 +117,31 @@ def dialogs_from_run(run_dir: str | Path, max_dialogs: int | None = None) -> lis
     """The agent-side dialogs of a saved run (condition 'persona'), each up to its last complete round."""
     rd = RunDir(run_dir)
     manifest = rd.read_manifest()
+    records = rd.records(DIALOG_RECORDS)
+    ends = {(r.pair, r.round): r.finish_reason for r in records
+            if r.kind == "turn" and r.condition == "persona" and r.speaker == "agent"}
     out = []
-    for d in Dialog.from_records(pairs_from_manifest(manifest), ["persona"], rd.records(DIALOG_RECORDS)):
+    for d in Dialog.from_records(pairs_from_manifest(manifest), ["persona"], records):
         n = d.rounds_complete()
         if n:
             out.append({"pair": d.pair.index, "system": d.pair.agent.system_prompt, "agent": d.pair.agent.id,
-                        "a": [d.a[i] for i in range(1, n + 1)], "b": [d.b[i] for i in range(1, n + 1)]})
+                        "a": [d.a[i] for i in range(1, n + 1)], "b": [d.b[i] for i in range(1, n + 1)],
+                        "turn_ends": [ends[d.pair.index, i] for i in range(1, n + 1)]})
     if not out:
         raise DriftlabError(f"{run_dir} has no agent turns to replay.", hint="Run `driftlab run` first.")
     return out[:max_dialogs] if max_dialogs else out
+
+
+def unsteered(run_dir: str | Path) -> None:
+    """One line where a run's replies were generated under a steer: the replay traces the plain dialog,
+    so its pi would be of contexts the model never saw (SPR's reminders missing, a steer's shift absent)."""
+    steer = Interventions.parse(config_of(RunDir(run_dir).read_manifest()).get("steer") or [])
+    found = sorted(steer.kinds - {"trace"})
+    if found:
+        raise DriftlabError(f"{run_dir} was generated with --steer {found[0]}, and the attention-decay replay "
+                            "reads the dialog without steers, so its pi would not be the one the model had.",
+                            hint="Trace a run without --steer (or with --steer trace only), or trace pi live: "
+                                 "`driftlab run --steer trace` with the same steer.")
 
 
 def turn_spans(render: Callable[[Conversation, bool], list[int]], conversation: Conversation,
@@ -162,7 +178,9 @@ def trace_batch(backend: TokenBackend, dialogs: Sequence[dict[str, Any]]) -> lis
     """Replay dialogs teacher-forced with pi tracing, one forward pass each (batched).
 
     Per dialog: `pi` float32 [n, L, H] at the positions generating its agent tokens, with
-    `round`, `step` and `position` [n], and its `system_span`.
+    `round`, `step` and `position` [n], and its `system_span`. A turn whose `turn_ends` (a recorded
+    run's finish reasons) says it was cut never generated its end-of-turn token: that position is left
+    out, as decoding never computed it (dialogs planned before `turn_ends` was recorded keep it).
     """
     trace = Interventions.of(Trace(prefill=True))
     render = lambda conv, gen: backend.render(conv, add_generation_prompt=gen).ids  # noqa: E731
@@ -174,11 +192,12 @@ def trace_batch(backend: TokenBackend, dialogs: Sequence[dict[str, Any]]) -> lis
     replies = backend.generate_tokens(rendered, Sampling(greedy=True, max_new_tokens=1), interventions=trace,
                                       cache_store=[False] * len(dialogs))
     out = []
-    for reply, tspans, r in zip(replies, turns, rendered, strict=True):
+    for d, reply, tspans, r in zip(dialogs, replies, turns, rendered, strict=True):
         pre = reply.trace.prefill  # [T, L, H]; pi at query p predicts token p+1
         parts: dict[str, list] = {"pi": [], "round": [], "step": [], "position": []}
-        for rnd, (s, e) in enumerate(tspans, start=1):
-            positions = np.arange(s - 1, e - 1)
+        cut = [end != "stop" for end in d.get("turn_ends", [])] or [False] * len(tspans)
+        for rnd, ((s, e), was_cut) in enumerate(zip(tspans, cut, strict=True), start=1):
+            positions = np.arange(s - 1, e - 1 - was_cut)
             parts["pi"].append(pre[positions])
             parts["round"].append(np.full(len(positions), rnd))
             parts["step"].append(np.arange(len(positions)))
@@ -276,6 +295,7 @@ class Decay(Protocol[DecayConfig]):
 
     def check(self) -> None:
         if self.config.from_run is not None:
+            unsteered(self.config.from_run)
             dialogs_from_run(self.config.from_run, self.config.pairs)
         else:
             SelfChat(self.config.fresh()).check()

@@ -3,8 +3,9 @@ the reminded KL and the prompt's influence, per round; how far they agree; and t
 projection as a drift signal.
 
 Input is a run's records: a self-chat run with `--directions`, `--steer trace` (pi) or `--kl`, a
-`driftlab project` or `driftlab kl` run of a recorded self-chat (the rest read from that run), or
-several of these over the same dialogs, joined (`measures_frame(run, its_kl_run, ...)`). The
+`driftlab project`, `driftlab kl` or `driftlab decay --from-run` run of a recorded self-chat (the rest
+read from that run), or several of these over the same dialogs, joined (`measures_frame(run, its_kl_run,
+...)`). The
 projection of a record is its band mean: the mean over the direction's default layers of the
 normalised projection (0: like without the system prompt, 1: like with it).
 
@@ -78,9 +79,9 @@ def _frame(rd: RunDir) -> pd.DataFrame:
     """One run's measures: a self-chat's own, or a `project` / `kl` run's joined to its self-chat's."""
     manifest = rd.read_manifest()
     protocol = manifest.get("protocol")
-    if protocol in ("project", "kl"):
-        source = _frame(RunDir(config_of(manifest)["from_run"]))
-        own = (_projected if protocol == "project" else _divergences)(rd).set_index(KEY)
+    if protocol in READERS:
+        source = _frame(RunDir(config_of(manifest).get("from_run") or rd.path / "selfchat"))
+        own = READERS[protocol](rd).set_index(KEY)
         frame = own.combine_first(source.set_index(KEY)).reset_index()[COLUMNS]
         frame.attrs["probe_after"] = source.attrs["probe_after"]
         return frame
@@ -134,6 +135,26 @@ def _divergences(rd: RunDir) -> pd.DataFrame:
     return pd.DataFrame([{"pair": r.pair, "round": r.round, "what": r.what, "reminded": r.reminded,
                           "influence": r.prompt} for r in rd.records(KL.records)],
                         columns=[*KEY, "reminded", "influence"])
+
+
+def _attended(rd: RunDir) -> pd.DataFrame:
+    """A `driftlab decay` run's pi per agent turn: the mean over the turn's tokens, the layers and the
+    heads, as a live `--steer trace` record's (its per-layer means, averaged); none until every dialog
+    is traced."""
+    from driftlab.protocol.decay import traces
+
+    main = config_of(rd.read_manifest())["backend"]["model"]
+    trace = traces(rd.path).get(main)
+    if trace is None:
+        return pd.DataFrame(columns=[*KEY, "pi"])
+    pairs = [d["pair"] for d in trace.meta["dialogs"]]
+    frame = pd.DataFrame({"pair": [pairs[d] for d in trace.dialog], "round": trace.round, "what": "turn",
+                          "pi": trace.pi.astype("float64").mean(axis=(1, 2))})
+    return frame.groupby(KEY, as_index=False).pi.mean()
+
+
+#: The runs that measure a recorded self-chat again, by protocol: each one's own measures.
+READERS = {"project": _projected, "kl": _divergences, "decay": _attended}
 
 
 @dataclass(frozen=True)
