@@ -531,6 +531,26 @@ def _long_frame(label: str) -> pd.DataFrame:
     return frame[frame.pair.isin(frame[frame.reminded.notna()].pair.unique())]
 
 
+def _reminded(label: str) -> set[tuple[int, int]]:
+    """The (pair, round) agent turns a condition's SPR reminded: the system prompt stands right before
+    their user turn, so their reminded KL is 0 by construction (none in the plain condition)."""
+    from driftlab.protocol.decay import agent_conversation
+    from driftlab.protocol.divergence import remind
+    from driftlab.protocol.project import recorded_dialogs
+    from driftlab.protocol.runner import config_of
+    from driftlab.records.rundir import RunDir
+    from driftlab.steering.interventions import Interventions
+
+    run = HERE / LONG[label][0]
+    steer = Interventions.parse(config_of(RunDir(run).read_manifest()).get("steer") or [])
+    out = set()
+    for d in recorded_dialogs(run):
+        dialog = agent_conversation(d["system"], d["a"], d["b"])
+        out |= {(d["pair"], i) for i in range(2, len(d["a"]) + 1)
+                if steer.kinds & {"spr"} and remind(steer.model_view(dialog[: 1 + 2 * i])) is None}
+    return out
+
+
 def long_rounds(label: str) -> str:
     """A condition's measures per round (the rounds of `LONG_ROUNDS`), on the dialogs its KLs were read on."""
     from driftlab.report.activation import round_table
@@ -552,13 +572,54 @@ def long_equilibria() -> str:
               ("reminded", "influence")]
     plain, spr = (_long_frame(label) for label in LONG)
     plain, spr = (f[(f.what == "turn") & (f["round"] >= 2)].set_index(["pair", "round"]).reminded for f in (plain, spr))
-    kept = spr[spr > 0].index.intersection(plain.index)
+    kept = spr.index.difference(pd.MultiIndex.from_tuples(sorted(_reminded("SPR p = 0.5")))).intersection(plain.index)
     test = paired_test(spr[kept].groupby(level="pair").mean().to_dict(), plain[kept].groupby(level="pair").mean().to_dict())
     tables.append("| question | estimate [95% CI] | test |\n|---|---|---|\n"
                   f"| reminded KL at the turns SPR did not remind ({len(kept)} of {len(spr)} turns, rounds 2-40): SPR "
                   f"minus plain, mean per pair | {test.diff.cell(3, sign=True)} "
                   f"({test.worse} lower / {test.better} higher) | p = {_p(test.p)} ({test.method}, n = {test.n} pairs) |")
     return "\n\n".join(tables)
+
+
+#: Round bands of the loop table: before the loops, while they start, and once nearly every turn repeats.
+LONG_BANDS = ((1, 5), (6, 10), (11, 20), (21, 40))
+
+
+def long_loops() -> str:
+    """Each turn measure of both conditions split by whether the turn repeats an earlier one, per band of
+    rounds (mean over turns, their number; the reminded KL from round 2, at the turns SPR did not
+    remind); then each measure's change over the rounds before any dialog of the condition repeats a
+    turn (each dialog's least-squares slope per round, tested against 0): what a measure says while
+    the text still moves, apart from what it says about a loop."""
+    from driftlab.report.activation import TURN_MEASURES
+    from driftlab.stats import paired_test
+
+    head = "| condition | measure | " + " | ".join(f"rounds {a}-{b}: new / repeated" for a, b in LONG_BANDS) + " |"
+    lines, tests = [head, "|---|---|" + "---|" * len(LONG_BANDS)], []
+    for label in LONG:
+        turns = _long_frame(label).query("what == 'turn'")
+        first_repeat = int(turns[turns.repeated > 0]["round"].min())
+        reminded = pd.Series([(p, r) in _reminded(label) for p, r in zip(turns.pair, turns["round"], strict=True)],
+                             index=turns.index)
+        for column, name, _ in TURN_MEASURES:
+            f = turns[turns[column].notna() & (((turns["round"] >= 2) & ~reminded) if column == "reminded" else True)]
+            if f.empty:
+                continue
+            cells = []
+            for a, b in LONG_BANDS:
+                band = f[f["round"].between(a, b)]
+                cells.append(" / ".join(f"{g[column].mean():.4f} ({len(g)})" if len(g) else "-"
+                                        for g in (band[band.repeated == 0], band[band.repeated > 0])))
+            lines.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
+            early = f[f["round"] < first_repeat]
+            slopes = {pair: np.polyfit(g["round"], g[column], 1)[0] for pair, g in early.groupby("pair")
+                      if g["round"].nunique() >= 2}
+            test = paired_test(slopes, dict.fromkeys(slopes, 0.0))
+            tests.append(f"| {label} | {name}, rounds {int(early['round'].min())}-{first_repeat - 1} | "
+                         f"{test.diff.cell(4, sign=True)} | {test.better} / {test.worse} / {test.tied} | "
+                         f"p = {_p(test.p)} ({test.method}, n = {test.n}) |")
+    return "\n".join([*lines, "", "| condition | change per round before any turn repeats: measure, rounds | "
+                       "mean slope [95% CI] | up / down / flat | test |", "|---|---|---|---|---|", *tests])
 
 
 def _key(r: dict) -> tuple:
@@ -600,6 +661,7 @@ if all(finished(name) for names in LONG.values() for name in names[:2]):
     for label in LONG:
         BLOCKS[LONG[label][0] + "-rounds"] = functools.partial(long_rounds, label)
     BLOCKS["long-qwen-equilibria"] = long_equilibria
+    BLOCKS["long-qwen-loops"] = long_loops
 if finished("sweep-activation-20"):
     BLOCKS["sweep-activation-20-stability"] = lambda: sweep_stability("sweep-activation-20")
     BLOCKS["sweep-activation-20-mmlu"] = lambda: sweep_mmlu("sweep-activation-20")

@@ -208,7 +208,8 @@ def round_table(frame: pd.DataFrame) -> TextTable:
         for value, what, _ in shown:
             cell = mean_interval(frame[(frame["round"] == rnd) & (frame.what == what)][value].astype(float).dropna(),
                                  graded=value not in ("score", "repeated"))
-            row.append(fmt_cell(*cell.as_tuple()) + f" (n={cell.n})")
+            digits = 4 if value in ("reminded", "influence") else 2  # KLs of a few thousandths of a nat
+            row.append(fmt_cell(*cell.as_tuple(), digits=digits) + f" (n={cell.n})")
         rows.append(row)
     ways = len({c[0] for c in shown} - {"repeated"})
     return TextTable(f"drift measured {ways} way{'s' if ways != 1 else ''}, per round", ["round", *[c[2] for c in shown]],

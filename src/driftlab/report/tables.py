@@ -31,11 +31,11 @@ def fmt(x: float, digits: int = 2) -> str:
     return "–" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
 
 
-def fmt_cell(mean: float, lo: float, hi: float) -> str:
+def fmt_cell(mean: float, lo: float, hi: float, digits: int = 2) -> str:
     """mean [lo, hi]; just the mean when the CI is undefined (n < 2)."""
     if not math.isfinite(lo) or not math.isfinite(hi):
-        return fmt(mean)
-    return f"{fmt(mean)} [{fmt(lo)}, {fmt(hi)}]"
+        return fmt(mean, digits)
+    return f"{fmt(mean, digits)} [{fmt(lo, digits)}, {fmt(hi, digits)}]"
 
 
 def column_label(condition: str, target: str) -> str:
