@@ -620,7 +620,7 @@ def test_cut_replies_are_shared_per_condition_flagged_and_left_out_in_the_sensit
     assert "Warning: empty-user is cut more or less often than persona" in text
 
 
-def test_a_turn_that_repeats_an_earlier_one_counts_and_the_long_qwen_dialogs_loop() -> None:
+def test_a_turn_that_repeats_an_earlier_one_counts_and_the_long_qwen_dialogs_loop(tmp_path) -> None:
     """`repeated`: an agent turn whose text (stripped) is an earlier round's of the same dialog. On the
     committed 40-round study, rounds 1-22 (fixed: a resumed run only appends later rounds): no repeat in
     round 1, 19 of 20 agent turns by round 8 (the loops its README counts), all 20 from round 19."""
@@ -632,3 +632,11 @@ def test_a_turn_that_repeats_an_earlier_one_counts_and_the_long_qwen_dialogs_loo
     turns = frame[(frame.what == "turn") & (frame["round"] <= 22)].groupby("round").repeated.sum()
     assert turns[1] == 0 and turns[8] == 19 and (turns.loc[19:22] == 20).all()
     assert frame[frame.what == "probe"].repeated.isna().all()
+    # The measures' figure adds a panel for them where any turn repeats (one more than without).
+    from PIL import Image
+
+    from driftlab.report.activation import three_ways_figure
+
+    with_loops = three_ways_figure(frame, Path(tmp_path) / "loops.png")
+    without = three_ways_figure(frame.assign(repeated=0.0), Path(tmp_path) / "none.png")
+    assert Image.open(with_loops).width > Image.open(without).width

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from driftlab.protocol.dialog import RECORDS as DIALOG_RECORDS
 from driftlab.protocol.runner import config_of
@@ -300,13 +301,16 @@ def _fall_row(what: str, fall: PairedTest | None, result: Checks) -> list[str]:
 def three_ways_figure(frame: pd.DataFrame, path: str | Path, title: str = "") -> Path:
     """Probe score, pi, projection and the two KLs per round, side by side (those measured): each
     conversation a thin line, their mean with its 95% interval as a band (clipped to [0, 1] for the
-    score and pi, which live there, and at 0 for the KLs)."""
+    score and pi, which live there, and at 0 for the KLs); and, where any agent turn repeats an earlier
+    one, the share that do (a flat measure in those rounds reads the same text again)."""
     panels = [("score", "probe", "stability (probe score)", (0, 1)),
               ("pi", "turn", "pi: attention on the system prompt", (0, 1)),
               ("projection", "turn", "projection on the persona direction", None),
               ("reminded", "turn", "reminded KL (nats/token)", (0, None)),
-              ("influence", "turn", "prompt influence, KL (nats/token)", (0, None))]
-    panels = [p for p in panels if frame[frame.what == p[1]][p[0]].notna().any()]
+              ("influence", "turn", "prompt influence, KL (nats/token)", (0, None)),
+              ("repeated", "turn", "repeated: an earlier turn's text", (0, 1))]
+    panels = [p for p in panels if frame[frame.what == p[1]][p[0]].notna().any()
+              and (p[0] != "repeated" or frame.repeated.gt(0).any())]
     fig = Figure(figsize=(3.3 * len(panels), 3.0), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(panels)))
     for ax, (value, what, label, bounds) in zip(axes, panels, strict=True):
@@ -315,14 +319,16 @@ def three_ways_figure(frame: pd.DataFrame, path: str | Path, title: str = "") ->
         for _, one in part.groupby("pair"):
             one = one.groupby("round")[value].mean()
             ax.plot(one.index, one.to_numpy(dtype=float), color="0.75", lw=0.7)
-        cells = [mean_interval(part[part["round"] == r][value].astype(float), graded=value != "score").as_tuple()
+        cells = [mean_interval(part[part["round"] == r][value].astype(float),
+                               graded=value not in ("score", "repeated")).as_tuple()
                  for r in rounds]
         mean, low, high = (np.array(x, dtype=float) for x in zip(*cells, strict=True))
         if bounds:  # where the measure lives: a probability, a divergence
             low, high = np.clip(low, *bounds), np.clip(high, *bounds)
         ax.plot(rounds, mean, marker="o", color="#1f77b4", label="mean over conversations")
         ax.fill_between(rounds, low, high, alpha=0.2, color="#1f77b4", label="95% interval")
-        ax.set(title=label, xlabel="round", xticks=rounds)
+        ax.set(title=label, xlabel="round")
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=min(len(rounds), 10), integer=True))
         ax.title.set_fontsize(9)
     axes[0].legend(fontsize=7, loc="best")
     if title:
