@@ -32,12 +32,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
 from driftlab.protocol.dialog import RECORDS as DIALOG_RECORDS
 from driftlab.protocol.runner import config_of
 from driftlab.records.rundir import RunDir
-from driftlab.report.figures import save_png
+from driftlab.report.figures import round_ticks, save_png
 from driftlab.report.tables import TextTable, fmt_cell
 from driftlab.stats import Interval, PairedTest, auroc_interval, mean_interval, paired_test, spearman_interval
 
@@ -328,7 +327,7 @@ def three_ways_figure(frame: pd.DataFrame, path: str | Path, title: str = "") ->
         ax.plot(rounds, mean, marker="o", color="#1f77b4", label="mean over conversations")
         ax.fill_between(rounds, low, high, alpha=0.2, color="#1f77b4", label="95% interval")
         ax.set(title=label, xlabel="round")
-        ax.xaxis.set_major_locator(MaxNLocator(nbins=min(len(rounds), 10), integer=True))
+        round_ticks(ax, rounds)
         ax.title.set_fontsize(9)
     axes[0].legend(fontsize=7, loc="best")
     if title:

@@ -15,6 +15,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from driftlab.protocol.decay import DecayTrace, traces
+from driftlab.report.figures import round_ticks
 
 DPI = 130
 
@@ -80,7 +81,7 @@ def round_profile(trace: DecayTrace, layer: int, head: int, path: str | Path) ->
         ax.errorbar(rounds, mean, yerr=std, marker="o", capsize=3, color=color, label=label)
     ax.set_xlabel("round")
     ax.set_ylabel(r"mean $\pi$ over the agent's tokens")
-    ax.set_xticks(rounds)
+    round_ticks(ax, rounds)
     ax.grid(alpha=0.25)
     ax.legend(fontsize=8)
     ax.set_title(f"{trace.model}: attention on the system prompt per round (±1 std over dialogs)", fontsize=9)

@@ -21,6 +21,7 @@ from typing import Literal
 import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from driftlab.protocol.runner import config_of
 from driftlab.report.metrics import ALL, CONFIDENCE, N_RESAMPLES, RunSummary, category_order
@@ -86,9 +87,14 @@ def _plot(ax: Axes, cells: pd.DataFrame, color: str, label: str, errors: Errors,
         )
 
 
+def round_ticks(ax: Axes, rounds) -> None:
+    """Whole-round ticks on the x axis: every round of a short dialog, at most about ten of a long one."""
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=min(max(len(rounds), 1), 10), integer=True))
+
+
 def _style_axes(ax: Axes, rounds: list[int]) -> None:
     ax.set_ylim(-0.03, 1.03)
-    ax.set_xticks(rounds)
+    round_ticks(ax, rounds)
     if rounds:
         ax.set_xlim(min(rounds) - 0.4, max(rounds) + 0.4)
     ax.set_xlabel("round")
