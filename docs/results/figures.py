@@ -568,8 +568,8 @@ def long_equilibria() -> str:
     from driftlab.stats import paired_test
 
     runs = [HERE / LONG[label][1] for label in LONG]
-    tables = [_markdown(equilibrium_table(runs, measure)).replace(str(HERE) + "/", "") for measure in
-              ("reminded", "influence")]
+    tables = [f"{name}:\n\n" + _markdown(equilibrium_table(runs, measure)).replace(str(HERE) + "/", "")
+              for measure, name in (("reminded", "Reminded KL"), ("influence", "Prompt influence"))]
     plain, spr = (_long_frame(label) for label in LONG)
     plain, spr = (f[(f.what == "turn") & (f["round"] >= 2)].set_index(["pair", "round"]).reminded for f in (plain, spr))
     kept = spr.index.difference(pd.MultiIndex.from_tuples(sorted(_reminded("SPR p = 0.5")))).intersection(plain.index)
