@@ -476,10 +476,9 @@ def engines(vllm: str = "vllm-qwen-selfchat", hf: str = "hf-qwen-selfchat") -> s
     return "\n".join(lines)
 
 
-#: The long-dialog study: per condition, its self-chat, `driftlab kl` and `driftlab project` runs (the
-#: blocks need the first two finished; the projection shows once the third is).
-#: The long study's runs per condition: self-chat, its KLs, projections and pi (the decay replay reads
-#: a dialog without steers, so the SPR condition's pi was not measured).
+#: The long-dialog study: per condition, its self-chat, `driftlab kl`, `driftlab project` and `driftlab
+#: decay` runs (the blocks need the first two finished; the others show once finished). The decay replay
+#: reads a dialog without steers, so the SPR condition's pi was not measured.
 LONG = {"plain": ("long-qwen-smollm2-user", "long-qwen-smollm2-user-kl", "long-qwen-smollm2-user-project",
                   "long-qwen-smollm2-user-decay"),
         "SPR p = 0.5": ("long-qwen-smollm2-user-spr", "long-qwen-smollm2-user-spr-kl",
@@ -599,7 +598,8 @@ def long_loops() -> str:
     for label in LONG:
         turns = _long_frame(label).query("what == 'turn'")
         first_repeat = int(turns[turns.repeated > 0]["round"].min())
-        reminded = pd.Series([(p, r) in _reminded(label) for p, r in zip(turns.pair, turns["round"], strict=True)],
+        spr = _reminded(label)
+        reminded = pd.Series([(p, r) in spr for p, r in zip(turns.pair, turns["round"], strict=True)],
                              index=turns.index)
         for column, name, _ in TURN_MEASURES:
             f = turns[turns[column].notna() & (((turns["round"] >= 2) & ~reminded) if column == "reminded" else True)]

@@ -4,10 +4,9 @@ projection as a drift signal.
 
 Input is a run's records: a self-chat run with `--directions`, `--steer trace` (pi) or `--kl`, a
 `driftlab project`, `driftlab kl` or `driftlab decay --from-run` run of a recorded self-chat (the rest
-read from that run), or several of these over the same dialogs, joined (`measures_frame(run, its_kl_run,
-...)`). The
-projection of a record is its band mean: the mean over the direction's default layers of the
-normalised projection (0: like without the system prompt, 1: like with it).
+read from that run), or several of these over the same dialogs, joined (`measures_frame(run,
+its_kl_run, ...)`). The projection of a record is its band mean: the mean over the direction's default
+layers of the normalised projection (0: like without the system prompt, 1: like with it).
 
 Agreement, over agent turns (a conversation's round is an item, the conversation the unit of the
 bootstrap): Spearman's rho of every two measures, the probe score being that of the next probe (the
@@ -76,7 +75,7 @@ def measures_frame(*run_dirs: str | Path) -> pd.DataFrame:
 
 
 def _frame(rd: RunDir) -> pd.DataFrame:
-    """One run's measures: a self-chat's own, or a `project` / `kl` run's joined to its self-chat's."""
+    """One run's measures: a self-chat's own, or a `project` / `kl` / `decay` run's joined to its self-chat's."""
     manifest = rd.read_manifest()
     protocol = manifest.get("protocol")
     if protocol in READERS:
