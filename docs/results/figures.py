@@ -562,21 +562,27 @@ def long_rounds(label: str) -> str:
 
 def long_equilibria() -> str:
     """The equilibrium fits of both KLs, plain against SPR; and the reminded KL at the turns SPR did not
-    remind (its reminded turns are 0 by construction), against plain's same rounds, paired by pair."""
+    remind (its reminded turns are 0 by construction) and the projection, against plain's same rounds,
+    paired by pair."""
     from driftlab.report.equilibrium import equilibrium_table
     from driftlab.stats import paired_test
 
     runs = [HERE / LONG[label][1] for label in LONG]
     tables = [f"{name}:\n\n" + _markdown(equilibrium_table(runs, measure)).replace(str(HERE) + "/", "")
               for measure, name in (("reminded", "Reminded KL"), ("influence", "Prompt influence"))]
-    plain, spr = (_long_frame(label) for label in LONG)
-    plain, spr = (f[(f.what == "turn") & (f["round"] >= 2)].set_index(["pair", "round"]).reminded for f in (plain, spr))
-    kept = spr.index.difference(pd.MultiIndex.from_tuples(sorted(_reminded("SPR p = 0.5")))).intersection(plain.index)
-    test = paired_test(spr[kept].groupby(level="pair").mean().to_dict(), plain[kept].groupby(level="pair").mean().to_dict())
-    tables.append("| question | estimate [95% CI] | test |\n|---|---|---|\n"
-                  f"| reminded KL at the turns SPR did not remind ({len(kept)} of {len(spr)} turns, rounds 2-40): SPR "
-                  f"minus plain, mean per pair | {test.diff.cell(3, sign=True)} "
-                  f"({test.worse} lower / {test.better} higher) | p = {_p(test.p)} ({test.method}, n = {test.n} pairs) |")
+    frames = [_long_frame(label).query("what == 'turn' and round >= 2").set_index(["pair", "round"])
+              for label in LONG]
+    unreminded = frames[1].index.difference(pd.MultiIndex.from_tuples(sorted(_reminded("SPR p = 0.5"))))
+    rows = []
+    for column, turns, what in (("reminded", unreminded, "reminded KL at the turns SPR did not remind"),
+                                ("projection", frames[1].index, "projection, every turn")):
+        kept = turns.intersection(frames[0].index)
+        plain, spr = (f.loc[kept, column].groupby(level="pair").mean().to_dict() for f in frames)
+        test = paired_test(spr, plain)
+        rows.append(f"| {what} ({len(kept)} of {len(frames[1])} turns, rounds 2-40): SPR minus plain, mean per "
+                    f"pair | {test.diff.cell(3, sign=True)} ({test.worse} lower / {test.better} higher) | "
+                    f"p = {_p(test.p)} ({test.method}, n = {test.n} pairs) |")
+    tables.append("\n".join(["| question | estimate [95% CI] | test |", "|---|---|---|", *rows]))
     return "\n\n".join(tables)
 
 
