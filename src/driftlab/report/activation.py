@@ -296,6 +296,15 @@ def _fall_row(what: str, fall: PairedTest | None, result: Checks) -> list[str]:
             "-" if fall is None else f"p = {fall.p:.3g} ({fall.method}, n = {fall.n})"]
 
 
+def round_bands(part: pd.DataFrame, value: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per round of `part` (sorted): the mean of `value` over its rows and the 95% interval's ends, the
+    probe score's and the share of repeated turns as proportions, every other measure as graded."""
+    cells = [mean_interval(part[part["round"] == r][value].astype(float),
+                           graded=value not in ("score", "repeated")).as_tuple() for r in sorted(part["round"].unique())]
+    mean, low, high = (np.array(x, dtype=float) for x in zip(*cells, strict=True))
+    return mean, low, high
+
+
 def three_ways_figure(frame: pd.DataFrame, path: str | Path, title: str = "") -> Path:
     """Probe score, pi, projection and the two KLs per round, side by side (those measured): each
     conversation a thin line, their mean with its 95% interval as a band (clipped to [0, 1] for the
@@ -317,10 +326,7 @@ def three_ways_figure(frame: pd.DataFrame, path: str | Path, title: str = "") ->
         for _, one in part.groupby("pair"):
             one = one.groupby("round")[value].mean()
             ax.plot(one.index, one.to_numpy(dtype=float), color="0.75", lw=0.7)
-        cells = [mean_interval(part[part["round"] == r][value].astype(float),
-                               graded=value not in ("score", "repeated")).as_tuple()
-                 for r in rounds]
-        mean, low, high = (np.array(x, dtype=float) for x in zip(*cells, strict=True))
+        mean, low, high = round_bands(part, value)
         if bounds:  # where the measure lives: a probability, a divergence
             low, high = np.clip(low, *bounds), np.clip(high, *bounds)
         ax.plot(rounds, mean, marker="o", color="#1f77b4", label="mean over conversations")

@@ -16,13 +16,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
 from driftlab.errors import DriftlabError
-from driftlab.report.activation import measures_frame
-from driftlab.report.figures import save_png
+from driftlab.report.activation import measures_frame, round_bands
+from driftlab.report.figures import round_ticks, save_png
 from driftlab.report.tables import TextTable
-from driftlab.stats import mean_interval
 from driftlab.theory.equilibrium import EquilibriumFit, compare_equilibria, fit_equilibrium
 
 #: The KL columns of a measures frame a fit can read, and their labels.
@@ -88,21 +86,18 @@ def equilibrium_figure(labels: list[str], frames: list[pd.DataFrame], fits: list
     for k, (label, frame, fit) in enumerate(zip(labels, frames, fits, strict=True)):
         color = f"C{k}"
         rounds = sorted(frame["round"].unique())
-        cells = [mean_interval(frame[frame["round"] == r][measure].astype(float), graded=True).as_tuple()
-                 for r in rounds]
-        mean, low, high = (np.array(x, dtype=float) for x in zip(*cells, strict=True))
+        mean, low, high = round_bands(frame, measure)
         left.plot(rounds, mean, marker="o", ms=3, color=color, label=f"{label} (n = {fit.n_conversations})")
         left.fill_between(rounds, np.clip(low, 0, None), high, color=color, alpha=0.15)
         if np.isfinite(fit.d_star):
             left.axhline(fit.d_star, color=color, ls="--", lw=1, label=f"D* = {fit.d_star:.3g}")
-        shares = [mean_interval(frame[frame["round"] == r]["repeated"].astype(float)).as_tuple() for r in rounds]
-        share, s_low, s_high = (np.array(x, dtype=float) for x in zip(*shares, strict=True))
+        share, s_low, s_high = round_bands(frame, "repeated")
         right.plot(rounds, share, marker="o", ms=3, color=color, label=label)
         right.fill_between(rounds, s_low, s_high, color=color, alpha=0.15)
     left.set(title=f"{MEASURES[measure]} (nats/token) and its equilibrium", xlabel="round")
     right.set(title="agent turns repeating an earlier one", xlabel="round", ylim=(-0.02, 1.02))
     for ax in (left, right):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        round_ticks(ax, rounds)
         ax.title.set_fontsize(9)
         ax.legend(fontsize=7, loc="best")
     return save_png(fig, path)
