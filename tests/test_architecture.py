@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
     {"chat"},
     {"steering"},
     {"activation", "attention", "theory"},
-    {"assets", "bench", "messages", "records", "stats"},
+    {"assets", "bench", "cuda_support", "messages", "records", "stats"},
     {"plugins"},
     {"console", "environment", "errors"},
 ]

@@ -218,8 +218,39 @@ def test_flex_fn_on_a_gpu_is_compiled_once_with_a_raised_recompile_limit(monkeyp
     assert flex._flex_fn(torch.device("cpu")) is flex.flex_attention
 
 
+@pytest.mark.compile
+def test_a_flex_call_under_a_dispatch_mode_leaves_compiled_flex_working(device, tol, monkeypatch) -> None:
+    """A flex call while a TorchDispatchMode is active (a profiler, a FLOP counter, a host-read
+    counter) runs eager flex without dynamo, never the compiled function: entering it under a mode
+    made every later compiled flex call of the process trace flex's dense fallback and fail
+    ("Attempted to call function marked as skipped", torch._safe_softmax; an H200 with torch 2.11,
+    and a CPU with torch 2.13 once flex is compiled there, as here). Same numbers on each route."""
+    from host_reads import HostReads
+
+    monkeypatch.setattr(flex, "COMPILED_DEVICES", (device.type,))
+    monkeypatch.setattr(flex, "_compiled", None)
+    torch.manual_seed(3)
+    B, H, K, d = 2, 4, 40, 16
+    query, key, value = (torch.randn(B, H, 1, d, device=device), torch.randn(B, 2, K, d, device=device),
+                         torch.randn(B, 2, K, d, device=device))
+    bias = torch.randn(B, H, K, device=device)
+    first = torch.tensor([0, 5], device=device)
+    mask = flex.block_mask(flex.visible_mod(first, 1, K, None), B, 1, K, device)
+    lse = device.type != "cpu"  # a CPU's compiled flex returns no LSE
+    want, _ = flex.attend(query, key, value, mask, bias, 0.25, lse=lse)
+    assert flex._route(query) == "compiled" and flex._compiled is not None
+    with HostReads():
+        assert flex._route(query) == "eager"
+        under, _ = flex.attend(query, key, value, mask, bias, 0.25, lse=lse)
+    after, _ = flex.attend(query, key, value, mask, bias, 0.25, lse=lse)
+    assert (under - want).abs().max() < tol(1e-5) and (after - want).abs().max() < tol(1e-6)
+
+
 # -- the kernel setting ---------------------------------------------------------------------------
 def test_kernel_setting_and_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    from driftlab import cuda_support
+
+    monkeypatch.setattr(cuda_support, "TORCH_RANGE", f"=={cuda_support.Version(torch.__version__).base_version}")
     assert engine_module.kernel_for(torch.device("cpu")) == "flex"
     for value, cpu, cuda in (("auto", "sdpa", "flex"), ("", "sdpa", "flex"), ("SDPA", "sdpa", "sdpa"),
                              ("flex", "flex", "flex")):
@@ -233,6 +264,28 @@ def test_kernel_setting_and_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
     q = k = v = torch.randn(1, 4, 6, 8)
     with pytest.raises(DriftlabError, match="not an attention kernel"):
         engine_module.driftlab_attention(base._Layer(1), q, k, v, None, driftlab=base._state())
+
+
+def test_a_cuda_torch_outside_the_tested_range_takes_sdpa_and_the_dynamic_loop_said_once(monkeypatch, capsys) -> None:
+    """The torch range the CUDA fast path has run on is declared once (`cuda_support.TORCH_RANGE`). On
+    CUDA with another torch, auto runs the SDPA kernels and the dynamic decode loop, said in one
+    line once per process; an explicit flex still gets flex, and the CPU is not concerned."""
+    from driftlab import cuda_support
+    from driftlab.chat.static_decode import auto_decode
+
+    cuda = torch.device("cuda")
+    assert cuda_support.tested("2.11.0+cu130") and cuda_support.tested("2.11.1")
+    assert not cuda_support.tested("2.10.0") and not cuda_support.tested("2.13.0+cu130")
+    monkeypatch.setenv(engine_module.KERNEL_ENV, "auto")
+    monkeypatch.setattr(cuda_support, "_said", False)
+    for version, kernel, loop in (("2.11.0+cu130", "flex", "compiled"), ("2.13.0+cu130", "sdpa", "dynamic")):
+        monkeypatch.setattr(cuda_support.torch, "__version__", version)
+        assert [engine_module.kernel_for(cuda), auto_decode(cuda), engine_module.kernel_for(cuda)] == [kernel, loop, kernel]
+        assert auto_decode(torch.device("cpu")) == "dynamic"
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "torch 2.13.0+cu130 is outside" in lines[0] and cuda_support.TORCH_RANGE in lines[0], lines
+    monkeypatch.setenv(engine_module.KERNEL_ENV, "flex")
+    assert engine_module.kernel_for(cuda) == "flex"
 
 
 def test_auto_keeps_the_cpu_on_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -290,6 +290,39 @@ def test_a_dynamic_decode_step_on_flex_builds_no_block_mask_and_checks_no_mask(b
     _assert_same(_run(backends["dynamic"], specs, sampling=sampling), got)
 
 
+def _flex_layout(mask) -> bool:
+    """Whether a BlockMask's block tensors have the layout flex's Triton kernels assume: row b,
+    head h at (b * heads + h) * stride(1) (flex.decode_block_mask), i.e. the batch stride equal to
+    heads * stride(1), never a shared (expanded, stride 0) row."""
+    tensors = (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
+    return all(t.stride(0) == t.shape[1] * t.stride(1) for t in tensors if t is not None and t.shape[0] > 1)
+
+
+def test_every_block_mask_flex_reads_gives_each_row_its_own_memory(backends, flex_kernel, monkeypatch) -> None:
+    """On a GPU a block mask whose rows share memory (an `expand`ed block order, batch stride 0)
+    sends every row past the first out of the tensor's storage: the illegal memory access an H200
+    met (torch 2.11). A CPU's eager flex reads strides and computes the right answer anyway, so what
+    is checked here is the layout of every block mask the decode loops hand flex, dynamic and static,
+    all-key and system-only, in a batch of rows."""
+    from driftlab.attention import engine
+    from driftlab.attention.state import every_block
+
+    flex = engine._flex_module()
+    seen, call = [], flex._call
+
+    def recording(query, key, value, **kwargs):
+        seen.append(kwargs["block_mask"])
+        return call(query, key, value, **kwargs)
+
+    monkeypatch.setattr(flex, "_call", recording)
+    sampling = Sampling(greedy=True, max_new_tokens=3, ignore_eos=True)
+    for loop in ("dynamic", "static"):
+        _run(backends[loop], ["split-softmax:k=0.5", "trace"], sampling=sampling)
+    decode = [m for m in seen if m.shape[-2] == 1]
+    assert len(decode) > 4 and all(_flex_layout(m) for m in seen)
+    assert _flex_layout(flex.decode_block_mask(*every_block(3, 300, torch.device("cpu")), lambda *a: True, 300))
+
+
 @pytest.mark.parametrize("kernel", ["sdpa", "flex"])
 def test_a_static_decode_step_never_waits_for_the_device(backends, kernel: str, request, monkeypatch) -> None:
     """Inside a static decode step (the part a CUDA graph captures) nothing reads a tensor's value
@@ -546,7 +579,12 @@ def test_a_step_that_cannot_compile_runs_eagerly_said_once(tiny_dir: Path, backe
 
     import driftlab.chat.static_decode as sd
 
-    def refuse(fn, **_):
+    compile_ = sd.torch.compile
+
+    def refuse(fn, **options):
+        if getattr(fn, "__name__", "") != "forward":  # flex and its block masks compile as before on CUDA
+            return compile_(fn, **options)
+
         def step(*args, **kwargs):
             raise Unsupported("no capture here")
         return step

@@ -49,6 +49,7 @@ from driftlab.attention.kernels import (
     system_share,
 )
 from driftlab.attention.state import AttentionState, every_block
+from driftlab.cuda_support import auto_fast_path
 from driftlab.errors import DriftlabError
 
 ATTENTION_NAME = "driftlab"
@@ -368,13 +369,21 @@ def _kernel_setting(value: str) -> str:
     if setting not in KERNELS:
         raise DriftlabError(
             f"{KERNEL_ENV}={value!r} is not an attention kernel driftlab knows.",
-            hint=f"Use one of {', '.join(KERNELS)} (auto: flex on CUDA, sdpa elsewhere), or unset it.",
+            hint=f"Use one of {', '.join(KERNELS)} (auto: flex on CUDA with a tested torch, sdpa elsewhere), or unset it.",
         )
     return setting
 
 
 # Device types on which `auto` picks flex (a test widens it to reach the fallback on CPU).
 _AUTO_FLEX_DEVICES = ("cuda",)
+
+
+def _auto_flex(device: torch.device) -> bool:
+    """Whether `auto` picks flex on `device`: CUDA with a torch the fast path is tested on
+    (`driftlab.cuda_support`), or a device a test adds."""
+    if device.type == "cuda":
+        return auto_fast_path(device)
+    return device.type in _AUTO_FLEX_DEVICES
 # flex.py, imported on first use (`_flex_module`); or why this torch cannot run it, and
 # whether the SDPA fallback has been said.
 _flex: ModuleType | None = None
@@ -431,7 +440,7 @@ def kernel_for(device: torch.device) -> str:
     runs sdpa (said once) and an explicit flex is a DriftlabError.
     """
     setting = _kernel_setting(os.environ.get(KERNEL_ENV, "auto"))
-    if setting == "sdpa" or (setting == "auto" and device.type not in _AUTO_FLEX_DEVICES):
+    if setting == "sdpa" or (setting == "auto" and not _auto_flex(device)):
         return "sdpa"
     if _flex_module() is not None:
         return "flex"

@@ -14,7 +14,7 @@ so pi = exp(LSE_sys - LSE_all), 1 - pi = -expm1(LSE_sys - LSE_all) (full precisi
 pi = 1), and split-softmax is the engine's `_split_softmax(O, O_sys, pi, 1 - pi)`.
 
 On CUDA flex runs compiled (one module-level `torch.compile(flex_attention)`, created on
-first use). On CPU, torch 2.13's compiled flex cannot return the LSE, so the CPU runs eager
+first use), except under a TorchDispatchMode (`_route` says why). On CPU, torch 2.13's compiled flex cannot return the LSE, so the CPU runs eager
 flex_attention: unfused (it materialises the scores), good for checking correctness at small
 shapes; the engine's default on CPU stays the SDPA path (`DRIFTLAB_ATTENTION_KERNEL`).
 
@@ -32,6 +32,7 @@ from contextlib import contextmanager
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from driftlab.attention.state import DECODE_BLOCK
 
@@ -44,12 +45,12 @@ _compiled: Callable | None = None
 
 
 def _flex_fn(device: torch.device) -> Callable:
-    """flex_attention, compiled once per process on GPUs; eager on CPU (see module doc).
+    """flex_attention, compiled once per process on GPUs; eager on a CPU (see module doc).
 
     Inside a compiled region (a static decode step) it is the plain op: the enclosing
     compilation fuses it, and nothing global may change while dynamo traces."""
     global _compiled
-    if device.type == "cpu" or torch.compiler.is_compiling():
+    if device.type not in COMPILED_DEVICES or torch.compiler.is_compiling():
         return flex_attention
     if _compiled is None:
         from torch._dynamo import config
@@ -65,7 +66,7 @@ def _flex_fn(device: torch.device) -> Callable:
 
 @contextmanager
 def _without_dynamo(active: bool) -> Iterator[None]:
-    """Run eager flex without its dynamo trace (CPU only, inference only).
+    """Run eager flex without its dynamo trace (the eager route of `_route`, inference only).
 
     Eager flex_attention still traces its higher-order op through dynamo once per new shape
     or closure, so a decode (new key count every step, new bias every call) recompiles over
@@ -156,15 +157,41 @@ def attend(
 
 
 def _call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs):
-    """flex_attention on the query's device: compiled on GPUs, eager on a CPU (deliberate:
-    compiled CPU flex cannot return the LSE) without its dynamo trace where no gradient is asked."""
-    fn = _flex_fn(query.device)
-    if query.device.type != "cpu" or torch.compiler.is_compiling():
-        return fn(query, key, value, **kwargs)
+    """flex_attention, by the one route that is safe for this call (`_route`): the plain op inside
+    a compiled region, the module's compiled function on a GPU, else eager flex without its
+    dynamo trace where no gradient is asked (`_without_dynamo`)."""
+    route = _route(query)
+    if route == "traced":
+        return flex_attention(query, key, value, **kwargs)
+    if route == "compiled":
+        return _flex_fn(query.device)(query, key, value, **kwargs)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     with warnings.catch_warnings(), _without_dynamo(not grad):
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile", category=UserWarning)
-        return fn(query, key, value, **kwargs)
+        return flex_attention(query, key, value, **kwargs)
+
+
+# Device types on which flex runs compiled (a test widens it to reach that route on a CPU).
+COMPILED_DEVICES = ("cuda",)
+
+
+def _route(query: torch.Tensor) -> str:
+    """How a flex call runs: "traced" inside a compiled region (the enclosing compile fuses it),
+    "compiled" on a GPU, "eager" on a CPU (compiled CPU flex cannot return the LSE) and wherever a
+    TorchDispatchMode is active.
+
+    Why the last: dynamo does not compile a frame while a dispatch mode is on the stack (a profiler,
+    a FLOP counter, a test's host-read counter). The compiled function then runs flex eagerly, whose
+    own eager route compiles a wrapper of flex's operator with fullgraph=True, and from then on
+    every compiled flex call of the process traces flex's dense fallback (`sdpa_dense`) and fails
+    ("Attempted to call function marked as skipped": torch._safe_softmax; seen on an H200 with torch
+    2.11 and reproduced on a CPU with torch 2.13). Never entering the compiled function under a mode
+    makes that impossible."""
+    if torch.compiler.is_compiling():
+        return "traced"
+    if query.device.type in COMPILED_DEVICES and _get_current_dispatch_mode() is None:
+        return "compiled"
+    return "eager"
 
 
 def decode_block_mask(blocks: torch.Tensor, order: torch.Tensor, mask_mod: Callable, n_keys: int,
@@ -178,7 +205,16 @@ def decode_block_mask(blocks: torch.Tensor, order: torch.Tensor, mask_mod: Calla
     whole key range from Python values, per step. Built from a count computed inside the
     compiled step, the mask lists only the blocks to read, and nothing is rebuilt on the host.
     Every listed block is partial (`mask_mod` applies in it): the last filled block is always
-    partial, and left padding or a system span rarely fills a block."""
+    partial, and left padding or a system span rarely fills a block.
+
+    Both tensors are made contiguous: flex's Triton kernels (flex_attention.py.jinja and
+    flex_decode.py.jinja, torch 2.9-2.13) find a row's block list at (b * heads + h) * stride(1),
+    never reading the batch stride. An `expand`ed order (batch stride 0) then sends row b >= 1
+    past the tensor's storage, to whatever the allocator left there: block indices out of range,
+    the suspected cause of an illegal memory access on an H200 (torch 2.11; docs/performance.md,
+    hypothesis H-A). Copied only where they are not (a compiled step keeps its static tensors as
+    graph inputs)."""
+    blocks, order = (t if t.is_contiguous() else t.contiguous() for t in (blocks, order))
     return BlockMask.from_kv_blocks(blocks, order, BLOCK_SIZE=DECODE_BLOCK, mask_mod=mask_mod,
                                     seq_lengths=(q_len, n_keys), compute_q_blocks=False)
 

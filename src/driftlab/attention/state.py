@@ -54,9 +54,10 @@ def system_blocks(system_keys: torch.Tensor, block: int = DECODE_BLOCK) -> tuple
 
 def every_block(B: int, n_keys: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The block mask rows of a decode step that visits every key block of `n_keys`: ([B, 1, 1]
-    int32 block count, [B, 1, 1, n] int32 block indices in order)."""
+    int32 block count, [B, 1, 1, n] int32 block indices in order), each row its own memory
+    (`flex.decode_block_mask` says why a shared, expanded row would not do)."""
     n = -(-n_keys // DECODE_BLOCK)
-    order = torch.arange(n, dtype=torch.int32, device=device).view(1, 1, 1, n).expand(B, 1, 1, n)
+    order = torch.arange(n, dtype=torch.int32, device=device).repeat(B, 1).view(B, 1, 1, n)
     return torch.full((B, 1, 1), n, dtype=torch.int32, device=device), order
 
 
@@ -357,7 +358,7 @@ class AttentionState:
         B, K = self.system_keys.shape
         count, every = every_block(B, K, self.device)
         # The all-keys block mask of a decode step: its filled blocks, counted in `forward_kwargs`.
-        self.filled_blocks = (put("filled", torch.zeros_like(count)), put("every", every.contiguous()))
+        self.filled_blocks = (put("filled", torch.zeros_like(count)), put("every", every))
         self.step = put("step", torch.zeros(1, dtype=torch.long, device=self.device))
         self.first = put("first", torch.tensor(self.pads, dtype=torch.long, device=self.device))
         self.last_slot = put("last_slot", torch.zeros((), dtype=torch.long, device=self.device))

@@ -57,6 +57,7 @@ from typing import Any, get_args
 import torch
 
 from driftlab.chat.spec import DecodeMode
+from driftlab.cuda_support import auto_fast_path
 from driftlab.errors import DriftlabError
 
 logger = logging.getLogger(__name__)
@@ -117,8 +118,9 @@ class CudaGraphRecordings:
 
 
 def auto_decode(device: torch.device) -> str:
-    """The loop `--decode auto` means on `device`."""
-    return "compiled" if device.type == "cuda" else "dynamic"
+    """The loop `--decode auto` means on `device`: compiled on CUDA with a torch the fast path
+    is tested on (`driftlab.cuda_support`), dynamic elsewhere."""
+    return "compiled" if auto_fast_path(device) else "dynamic"
 
 
 def cache_length(n: int, limit: int | None = None) -> int:
