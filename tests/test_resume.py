@@ -115,6 +115,14 @@ def _personas(d: Path, prompt: str = "Always start your reply with Hi.") -> None
     (d / "personas.jsonl").write_text(json.dumps(entry) + "\n")
 
 
+def _logs(d: Path, prefix: str = "") -> None:
+    """A user's logs for `driftlab replay`: two conversations, their user turns replayed."""
+    convs = [[f"{prefix}Hello! Name a fruit.", f"{prefix}And a vegetable?"], [f"{prefix}What is 2 + 2?"]]
+    (d / "logs.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": t} for t in c]}) + "\n"
+                                          for c in convs))
+    _personas(d)
+
+
 def _bios(d: Path) -> None:
     shutil.copy(BIOS, d / "bios.jsonl")
 
@@ -165,6 +173,10 @@ CASES = {
                                 "--max-new-tokens", "4", "--probe-tokens", "4", "--batch-size", "1", "--user-probe", "--persona-file",
                                 str(d / "personas.jsonl")],
                      _personas, lambda d: _personas(d, "Always start your reply with Ho."), 3, _reported),
+    "replay": Case(lambda d: ["replay", "--conversations", str(d / "logs.jsonl"), "--agents", "say-hi",
+                              "--persona-file", str(d / "personas.jsonl"), "--rounds", "2", "--max-new-tokens", "4",
+                              "--batch-size", "1"],
+                   _logs, lambda d: _logs(d, "Changed: "), 2),
     "mmlu": Case(lambda d: ["mmlu", "--n", "3", "--turn", "2", "--history-tokens", "3", "--batch-size", "1",
                             "--steer", "instaboost:m=3", "--data", str(d / "mmlu.jsonl")],
                  _mmlu_data, _mmlu_change, 3),
@@ -202,7 +214,7 @@ def _all_records(out: Path) -> dict[str, list[str]]:
 # the protocols the commands run (their modules import no data and start no thread).
 PRELOAD = ["matplotlib.pyplot", "pandas", "scipy.stats", "torch", "transformers", "transformers.masking_utils",
            "transformers.models.llama.modeling_llama", "driftlab.chat.hf", "driftlab.protocol.runner",
-           "driftlab.protocol.selfchat", "driftlab.protocol.mmlu", "driftlab.protocol.sweep",
+           "driftlab.protocol.selfchat", "driftlab.protocol.replay", "driftlab.protocol.mmlu", "driftlab.protocol.sweep",
            "driftlab.protocol.calibrate", "driftlab.protocol.decay", "driftlab.pasta.profile", "driftlab.pasta.tune",
            "driftlab.report.html"]
 

@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 # name -> module that defines it; imported on first access (PEP 562).
 _LAZY = {
     "load": "driftlab.api", "from_model": "driftlab.api", "steer": "driftlab.api", "trace": "driftlab.api",
-    "selfchat": "driftlab.api", "mmlu": "driftlab.api", "sweep": "driftlab.api", "calibrate": "driftlab.api",
+    "selfchat": "driftlab.api", "replay": "driftlab.api", "mmlu": "driftlab.api", "sweep": "driftlab.api", "calibrate": "driftlab.api",
     "run": "driftlab.api", "measure": "driftlab.api", "warm": "driftlab.api", "directions": "driftlab.api",
     "Directions": "driftlab.activation.directions",
     "Run": "driftlab.api", "Persona": "driftlab.bench", "personas": "driftlab.api",

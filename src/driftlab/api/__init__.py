@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from driftlab.protocol.runner import Protocol
     from driftlab.report.results import Results
 
-__all__ = ["Run", "calibrate", "directions", "from_model", "load", "measure", "mmlu", "personas", "run", "selfchat",
-           "spec_of", "steer", "sweep", "trace", "warm"]
+__all__ = ["Run", "calibrate", "directions", "from_model", "load", "measure", "mmlu", "personas", "replay", "run",
+           "selfchat", "spec_of", "steer", "sweep", "trace", "warm"]
 
 _SPECS: weakref.WeakKeyDictionary[Any, BackendSpec] = weakref.WeakKeyDictionary()  # backend -> how it was loaded
 
@@ -211,6 +211,23 @@ def selfchat(backend: ChatBackend | str | None = None, *, out: str | Path | None
         return SelfChat(selfchat_config(spec, keywords_of("selfchat"), options), backend, user_backend)
 
     return _run(make, backend, out, progress, summarize_run)
+
+
+def replay(backend: ChatBackend | str | None = None, *, out: str | Path | None = None, progress: bool = True,
+           **options: Any) -> Run:
+    """Real user turns replayed to `backend` under a system prompt, every agent turn scored (`driftlab
+    replay`). Keywords: source ('sharegpt-chain', 'sharegpt', 'mtbench'; `driftlab data pull` first) or
+    conversations (a JSONL file of your own), dialogs, rounds, max_words, categories, agents, your own
+    persona (system, measure, measure_params), probes, probe_every, max_new_tokens, temperature, top_p,
+    greedy, seed, steer, kl, batch_size. `run.summary` is the per-turn compliance frame."""
+    from driftlab.api.options import replay_config
+    from driftlab.protocol.replay import Replay
+    from driftlab.report.replay import compliance_frame
+
+    def make(spec: BackendSpec, backend: ChatBackend | None) -> Replay:
+        return Replay(replay_config(spec, keywords_of("replay"), options), backend)
+
+    return _run(make, backend, out, progress, compliance_frame)
 
 
 def directions(backend: ChatBackend | str | None = None, *, out: str | Path | None = None, progress: bool = True,

@@ -142,6 +142,36 @@ def selfchat_config(backend: BackendSpec, spelling: Spelling, options: dict[str,
         "pair", "system", "probe", "measure", "measure_params"))
 
 
+# A replayed persona of your own is scored on every turn; its probe is asked only with `probes`.
+REPLAY_PROBE = "What do you do in London as a tourist?"
+
+
+def replay_config(backend: BackendSpec, spelling: Spelling, options: dict[str, Any]) -> Any:
+    """`driftlab replay` / `dl.replay`: fields of ReplayConfig, sampling options, `categories` ("a,b" or a
+    list), `agents`, and your own persona (`system`, `measure`, `measure_params`, optional `probe`). Named
+    agents or your own persona are the agents whatever their category."""
+    from driftlab.protocol.replay import ReplayConfig
+
+    values = _given(options)
+    if values.get("system") is not None and values.get("probe") is None:
+        values["probe"] = REPLAY_PROBE
+    own = own_persona(values.pop("system", None), values.pop("probe", None), values.pop("measure", None),
+                      _json(values.pop("measure_params", None), "measure_params", spelling), spelling)
+    if own is not None:
+        values["personas"] = [*values.get("personas", []), own]
+        values["agents"] = [*(values.get("agents") or []), own]
+    if isinstance(values.get("agents"), str):
+        values["agents"] = [a.strip() for a in values["agents"].split(",") if a.strip()]
+    values = _persona_objects(values)
+    if isinstance(values.get("categories"), str):
+        values["categories"] = [c.strip() for c in values["categories"].split(",") if c.strip()] or None
+    if values.get("agents") and "categories" not in values:
+        values["categories"] = None  # the agents named are the run's, whatever their category
+    if values.get("conversations") is not None:
+        values["conversations"] = str(values["conversations"])
+    return _config(ReplayConfig, backend, spelling, values, {}, extra=("system", "probe", "measure", "measure_params"))
+
+
 def directions_config(backend: BackendSpec, spelling: Spelling, options: dict[str, Any]) -> Any:
     """`driftlab directions` / `dl.directions`: personas ("a,b" or a list of ids), system (one prompt or
     several), axis, prompts (a list, or a file with one user prompt per line), starters, sampling
@@ -240,7 +270,7 @@ def _what(spelling: Spelling, verb: str) -> str:
 
 def _verb(schema: type[BaseModel]) -> str:
     return {"SelfChatConfig": "selfchat", "MMLUConfig": "mmlu", "SweepConfig": "sweep",
-            "DirectionsConfig": "directions"}.get(schema.__name__,
+            "DirectionsConfig": "directions", "ReplayConfig": "replay"}.get(schema.__name__,
                                                                                            "calibrate")
 
 

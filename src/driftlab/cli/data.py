@@ -1,4 +1,4 @@
-"""`driftlab data ...`: data sets provisioned from pinned PyPI wheels (MMLU)."""
+"""`driftlab data ...`: data sets provisioned from pinned PyPI wheels (MMLU, ShareGPT, MT-Bench)."""
 
 from __future__ import annotations
 

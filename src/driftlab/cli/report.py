@@ -131,6 +131,7 @@ _REPORTERS: dict[str, tuple[str, Callable[[Any], list[Path]]]] = {
     "calibrate": ("driftlab.report.calibration:write_calibration_figure", lambda path: [path]),
     "sweep": ("driftlab.report.sweep:write_sweep_report", lambda path: [path]),
     "decay": ("driftlab.report.decay_figures:write_decay_figures", lambda figures: list(figures.files)),
+    "replay": ("driftlab.report.replay:write_replay_figures", list),
 }
 
 

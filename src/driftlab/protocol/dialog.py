@@ -49,7 +49,8 @@ class _Record(BaseModel):
 
 
 class TurnRecord(_Record):
-    """A dialog turn: the user LM's a_i (i >= 2; a_1 is the starter) or the agent's b_i."""
+    """A dialog turn: the user LM's a_i (i >= 2; a_1 is the starter) or the agent's b_i. A replay's
+    agent turns carry their persona's score beside (fields `score`, or `error`: why none)."""
 
     kind: Literal["turn"] = "turn"
     speaker: Literal["user", "agent"]
@@ -85,12 +86,20 @@ RECORDS: TypeAdapter = TypeAdapter(SelfChatRecord)
 
 @dataclass
 class Pair:
+    """A dialog's parties: the agent's persona and the user, a persona (self-chat: a user LM) or, in a
+    replay, the user turns from data (`turns`, every round's; `user` None)."""
+
     index: int
     agent: Persona
-    user: Persona
+    user: Persona | None
     starter: str
+    turns: list[str] | None = None
+    source: str | None = None  # where a replay's turns come from (a conversation's id)
 
     def plan_entry(self) -> dict[str, Any]:
+        if self.user is None:
+            return {"pair": self.index, "agent": self.agent.id, "user": None, "starter": self.starter,
+                    "turns": self.turns, "source": self.source, "agent_category": self.agent.category}
         return {"pair": self.index, "agent": self.agent.id, "user": self.user.id, "starter": self.starter,
                 "agent_category": self.agent.category, "user_category": self.user.category}
 
@@ -98,8 +107,9 @@ class Pair:
 def pairs_from_manifest(manifest: dict[str, Any]) -> list[Pair]:
     """The pairs a run was planned with, personas as recorded (not as the data is today)."""
     recorded = {pid: Persona.model_validate(p) for pid, p in (manifest.get("personas") or {}).items()}
-    persona = lambda pid: recorded.get(pid) or get_persona(pid)  # noqa: E731
-    return [Pair(p["pair"], persona(p["agent"]), persona(p["user"]), p["starter"]) for p in manifest.get("pairs", [])]
+    persona = lambda pid: None if pid is None else recorded.get(pid) or get_persona(pid)  # noqa: E731
+    return [Pair(p["pair"], persona(p["agent"]), persona(p["user"]), p["starter"], p.get("turns"), p.get("source"))
+            for p in manifest.get("pairs", [])]
 
 
 @dataclass
@@ -117,6 +127,13 @@ class Dialog:
 
     def __post_init__(self) -> None:
         self.a.setdefault(1, self.pair.starter)
+        for i, turn in enumerate(self.pair.turns or [], 1):  # a replay's user turns are data, not records
+            self.a.setdefault(i, turn)
+
+    @property
+    def length(self) -> int | None:
+        """A replayed dialog's rounds (its user turns); None for a self-chat (the run's rounds)."""
+        return len(self.pair.turns) if self.pair.turns is not None else None
 
     @classmethod
     def from_records(cls, pairs: Iterable[Pair], conditions: Iterable[str], records: Iterable[Any]) -> list[Dialog]:

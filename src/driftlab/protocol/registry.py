@@ -26,6 +26,7 @@ P = TypeVar("P", bound=type)
 #: Where the built-in protocols live (a new protocol module adds itself here).
 MODULES = (
     "driftlab.protocol.selfchat",
+    "driftlab.protocol.replay",
     "driftlab.protocol.mmlu",
     "driftlab.protocol.lmeval",
     "driftlab.protocol.calibrate",

@@ -381,8 +381,9 @@ class SelfChat(Protocol[SelfChatConfig]):
         lag = 1 if self.config.probe_after == "agent" else 0  # probes of round i - lag go with b_i
         for i in range(1, self.config.rounds + 1 + lag):
             if i <= self.config.rounds:
-                yield from self._batches([self._user_job(d, i) for d in self.dialogs if i > 1 and i not in d.a])
-            jobs = [self._agent_job(d, i) for d in self.dialogs if i <= self.config.rounds and i not in d.b]
+                yield from self._batches([self._user_job(d, i) for d in self.dialogs
+                                          if 1 < i <= self._rounds(d) and i not in d.a])
+            jobs = [self._agent_job(d, i) for d in self.dialogs if i <= self._rounds(d) and i not in d.b]
             probes = [self._probe_job(d, rec, persona) for d in self.dialogs
                       for rec, persona in self._probe_specs(d, i - lag) if _key(rec) not in state.done]
             if self.config.probe_tokens == "turn":  # one budget: turns and probes share calls
@@ -390,6 +391,10 @@ class SelfChat(Protocol[SelfChatConfig]):
             else:  # two budgets are two calls anyway: a chunk of both would make two small ones
                 yield from self._batches(jobs)
                 yield from self._batches(probes)
+
+    def _rounds(self, d: Dialog) -> int:
+        """A dialog's rounds: the run's, or a replayed dialog's own where it has fewer user turns."""
+        return min(self.config.rounds, d.length or self.config.rounds)
 
     def _batches(self, jobs: list[Job]) -> Iterator[list[Job]]:
         """`jobs` in the fewest chunks of at most batch_size, their sizes within one of each other:
@@ -428,11 +433,16 @@ class SelfChat(Protocol[SelfChatConfig]):
             if job.persona is not None:
                 records.append(ProbeRecord(**fields, **next(scores)))
                 continue
-            rec = TurnRecord(**fields)
+            rec = TurnRecord(**fields, **(self._turn_score(job, reply) if agent_side else {}))
             records.append(rec)
             d = self._by_key[(rec.pair, rec.condition)]
             (d.a if rec.speaker == "user" else d.b)[rec.round] = reply.text
         return records
+
+    def _turn_score(self, job: Job, reply: Any) -> dict[str, Any]:
+        """Fields an agent turn's record gets beside its text: none in a self-chat, where probes are
+        what is scored (a replay scores every turn)."""
+        return {}
 
     def _divergences(self, chunk: list[Job], replies: list[Any]) -> list[dict[str, float | int]]:
         """Each agent reply's reminded KL and prompt influence, read teacher-forced right after it was
@@ -478,7 +488,7 @@ class SelfChat(Protocol[SelfChatConfig]):
 
     def _probe_specs(self, d: Dialog, i: int) -> list[tuple[dict[str, Any], Persona]]:
         """The probe records due at round i (agent persona, and the user's if asked)."""
-        if i < 1 or i not in self.config.probe_rounds():
+        if i < 1 or i not in self.config.probe_rounds() or i > self._rounds(d):
             return []
         targets = [("agent", d.pair.agent)]
         if self.config.user_probe and d.condition == "persona":  # p_A, scored by f_A

@@ -230,8 +230,20 @@ def _counts(run_dir: Path) -> list[Estimate]:
     return [Estimate("records", float(n), n, group={"kind": k}) for k, n in kinds.items()]
 
 
+def _replay(run_dir: Path) -> list[Estimate]:
+    from driftlab.report.replay import compliance_frame, drift, per_round
+
+    frame = compliance_frame(run_dir)
+    out = _frame(per_round(frame), "compliance", "mean", ["round"])
+    d = drift(frame)
+    if d is not None:
+        out.append(Estimate("drift", d["diff"], d["n"], d["diff_ci_low"], d["diff_ci_high"], d["ci_method"],
+                            d["method"], d["p"], group={"first": d["first"], "last": d["last"]}))
+    return out
+
+
 _CONVERTERS: dict[str, Callable[[Path], list[Estimate]]] = {
-    "selfchat": _selfchat, "mmlu": _mmlu, "sweep": _sweep, "calibrate": _calibrate, "decay": _decay,
+    "replay": _replay, "selfchat": _selfchat, "mmlu": _mmlu, "sweep": _sweep, "calibrate": _calibrate, "decay": _decay,
     "pasta-eval": _pasta_eval, "pasta-tune": _pasta_tune, "pasta-profile": _counts,
 }
 

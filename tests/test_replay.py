@@ -1,0 +1,196 @@
+"""`driftlab replay`: user turns from data, the model's own replies, every agent turn scored.
+
+What is checked: the data (ShareGPT's cut file read record by record, MT-Bench, a user's JSONL with
+one-line errors naming the line before any model loads, the chained draw); on SmolLM2 that the
+model sees the source's user turns verbatim and in order with its own replies (never the logged
+assistant's), each agent turn scored by its persona's own measure, and the compliance per turn
+(the table, results.json, the figure). Resume after SIGKILL is tests/test_resume.py's replay case.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from driftlab.assets import conversations as conv
+from driftlab.assets import datasets
+from driftlab.assets.store import MARKER
+from driftlab.cli import app
+from driftlab.errors import DriftlabError
+
+
+def _sharegpt_record(i: int, speakers: list[str], words: int = 5) -> dict:
+    return {"id": f"c{i}", "conversations": [{"from": s, "value": f"turn {k} of {i} " + "w " * words}
+                                             for k, s in enumerate(speakers)]}
+
+
+# -- the data ---------------------------------------------------------------------------------------
+def test_sharegpt_cleaning_keeps_the_complete_records_before_the_cut() -> None:
+    """The packaged file is one JSON array cut mid-record: every record before the cut is read, in
+    OpenAI's chat format (human and user ask; gpt, chatgpt, bing and bard answer), and the same reader
+    as a user's file reads the result."""
+    records = [_sharegpt_record(0, ["human", "gpt", "human", "chatgpt"]), _sharegpt_record(1, ["gpt", "human"]),
+               _sharegpt_record(2, ["system", "user", "bard"])]
+    text = json.dumps(records, indent=2)
+    cut = text[: text.index('"c2"') + 30]  # mid-record, as the package's 125.5 MB file ends
+    data, n = datasets._clean_sharegpt(cut.encode())
+    assert n == 2
+    rows = [json.loads(line) for line in data.decode().splitlines()]
+    assert [[m["role"] for m in r["messages"]] for r in rows] == [["user", "assistant", "user", "assistant"],
+                                                                  ["assistant", "user"]]
+    assert rows[0]["messages"][2]["content"] == records[0]["conversations"][2]["value"]
+    whole, n_whole = datasets._clean_sharegpt(text.encode())
+    assert n_whole == 3 and whole.startswith(data)
+
+
+def test_mtbench_questions_become_two_user_turns() -> None:
+    raw = "\n".join(json.dumps({"question_id": q, "category": "writing", "turns": [f"first {q}", f"second {q}"]})
+                    for q in (81, 82))
+    data, n = datasets._clean_mtbench(raw.encode())
+    rows = [json.loads(line) for line in data.decode().splitlines()]
+    assert n == 2 and rows[1] == {"id": "mtbench-82", "category": "writing",
+                                  "messages": [{"role": "user", "content": "first 82"},
+                                               {"role": "user", "content": "second 82"}]}
+
+
+@pytest.mark.parametrize("line,what", [
+    ('{"messages": [{"role": "user", "content": "hi"}', "line 2: not JSON"),
+    ('{"turns": ["hi"]}', 'line 2: no "messages" list'),
+    ('{"messages": [{"role": "human", "content": "hi"}]}', "line 2: message 1 has no role"),
+    ('{"messages": [{"role": "user", "content": ["a", "b"]}]}', "line 2: user message 1 has no text content"),
+    ('{"messages": [{"role": "assistant", "content": "hello"}]}', "line 2: no user message"),
+])
+def test_a_bad_conversations_line_is_a_one_line_error_with_its_number_before_any_model_loads(
+        tmp_path, monkeypatch, line: str, what: str) -> None:
+    import driftlab.chat.factory as factory
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the conversations were checked")
+
+    monkeypatch.setattr(factory, "make_backend", no_model)
+    path = tmp_path / "logs.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "fine"}]}\n' + line + "\n")
+    result = CliRunner().invoke(app, ["replay", "--conversations", str(path), "--out", str(tmp_path / "run")])
+    assert isinstance(result.exception, DriftlabError), result.output  # `driftlab` prints it as one line
+    message = result.exception.message  # str() adds the hint on a line of its own
+    assert message.startswith(f"--conversations {path}, {what}") and "\n" not in message, message
+    assert not (tmp_path / "run" / "records.jsonl").exists()
+
+
+@pytest.fixture
+def pulled(tmp_path, monkeypatch) -> Path:
+    """A driftlab cache holding a small 'pulled' ShareGPT (a cache as `driftlab data pull` leaves it)."""
+    monkeypatch.setenv("DRIFTLAB_CACHE", str(tmp_path / "cache"))
+    records = [_sharegpt_record(i, ["human", "gpt"] * 3) for i in range(30)]
+    records += [_sharegpt_record(30, ["gpt", "human"]),  # a later split: opens with an answer
+                _sharegpt_record(31, ["human", "gpt"], words=80),  # too long for the chain
+                {"id": "c32", "conversations": [{"from": "human", "value": "caf\u00e9 \u2028 ol\u00e9"}]}]  # not ASCII
+    data, _ = datasets._clean_sharegpt(json.dumps(records).encode())
+    directory = datasets.dataset_dir("sharegpt")
+    directory.mkdir(parents=True)
+    (directory / "sharegpt.jsonl").write_bytes(data)
+    (directory / MARKER).write_text("{}")
+    return directory
+
+
+def test_chained_dialogs_draw_distinct_short_standalone_first_turns_by_seed(pulled) -> None:
+    pool = conv.standalone_turns(conv._dataset("sharegpt"), 60)
+    assert len(pool) == 30 and all(t.startswith("turn 0 of ") for t in pool)  # first turns only, none of c30-c32
+    dialogs = conv.draw_dialogs("sharegpt-chain", 4, 12, seed=1)
+    assert [len(set(d["turns"])) for d in dialogs] == [12] * 4 and all(t in pool for d in dialogs for t in d["turns"])
+    assert conv.draw_dialogs("sharegpt-chain", 4, 12, seed=1) == dialogs != conv.draw_dialogs("sharegpt-chain", 4, 12,
+                                                                                             seed=2)
+    whole = conv.draw_dialogs("sharegpt", 2, 3, seed=0)
+    i = whole[0]["id"][1:]
+    assert whole[0]["turns"] == [f"turn {k} of {i} " + "w " * 5 for k in (0, 2, 4)]  # its user turns, in order
+    with pytest.raises(DriftlabError, match="fewer than --rounds 31"):
+        conv.draw_dialogs("sharegpt-chain", 1, 31, seed=0)
+    with pytest.raises(DriftlabError, match="30 conversations that fit .* fewer than the 40 dialogs"):
+        conv.draw_dialogs("sharegpt", 40, 3, seed=0)
+
+
+def test_a_data_source_not_pulled_says_how_to_pull_it(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("DRIFTLAB_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(DriftlabError, match="not pulled") as err:
+        conv.draw_dialogs("mtbench", 2, 2, seed=0)
+    assert "driftlab data pull mtbench" in err.value.hint
+
+
+# -- on a real model ----------------------------------------------------------------------------------
+LOGS = [
+    {"messages": [{"role": "system", "content": "You are a logged bot."},
+                  {"role": "user", "content": "Hi! What is a good name for a cat?"},
+                  {"role": "assistant", "content": "LOGGED ANSWER ONE"},
+                  {"role": "user", "content": "And one for a dog?"},
+                  {"role": "assistant", "content": "LOGGED ANSWER TWO"},
+                  {"role": "user", "content": "Thanks. What should I cook tonight?"}]},
+    {"id": "short", "messages": [{"role": "user", "content": "Tell me a fun fact about Paris."}]},
+]
+
+
+@pytest.mark.model
+def test_a_replay_shows_the_users_turns_verbatim_in_order_with_the_models_own_replies(tmp_path, smol32) -> None:
+    """The agent sees [its system prompt, u_1, b_1, ..., u_i]: the file's user turns verbatim and in
+    order, its own earlier replies, never the file's system or assistant turns. Each agent turn is
+    scored by its persona's measure; the run reports compliance per turn."""
+    from driftlab.bench import get_persona
+    from driftlab.protocol.replay import Replay, draw_replay
+    from driftlab.protocol.runner import run_protocol
+    from driftlab.records.rundir import RunDir
+    from driftlab.report.results import summarize
+
+    path = tmp_path / "logs.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in LOGS))
+    seen = []
+    generate = smol32.generate
+
+    def spy(request):
+        seen.extend(request.conversations)
+        return generate(request)
+
+    smol32.generate = spy
+    try:
+        from driftlab.api import backend_spec
+        from driftlab.api.options import KEYWORDS, replay_config
+
+        config = replay_config(backend_spec("smollm2-135m", dtype="float32"), KEYWORDS, {
+            "conversations": path, "agents": "reply-in-french,all-lowercase", "rounds": 5,
+            "max_new_tokens": 12, "greedy": True})
+        assert config.source == "file" and config.n_dialogs() is None
+        run_protocol(Replay(config, smol32), tmp_path / "run", progress=False)
+    finally:
+        smol32.generate = generate
+    rd = RunDir(tmp_path / "run")
+    records = rd.records()
+    manifest = rd.read_manifest()
+    turns = {p["pair"]: p["turns"] for p in manifest["pairs"]}
+    assert turns == {0: [m["content"] for m in LOGS[0]["messages"] if m["role"] == "user"],
+                     1: ["Tell me a fun fact about Paris."]}
+    assert [p["source"] for p in manifest["pairs"]] == ["line-1", "short"]
+    replies = {(r["pair"], r["round"]): r["text"] for r in records}
+    assert sorted(replies) == [(0, 1), (0, 2), (0, 3), (1, 1)] and Replay.expected(manifest) == {"turn": 4, "probe": 0}
+    personas = {p.index: p.agent for p in draw_replay(config)}
+    for view in seen:  # every conversation the model was asked to continue
+        pair = next(k for k, t in turns.items() if view[1]["content"] == t[0])
+        i = sum(m["role"] == "user" for m in view)
+        assert view[0] == {"role": "system", "content": personas[pair].system_prompt}
+        assert [m["content"] for m in view if m["role"] == "user"] == turns[pair][:i]
+        assert [m["content"] for m in view if m["role"] == "assistant"] == [replies[(pair, j)] for j in range(1, i)]
+        assert "LOGGED" not in json.dumps(view) and "logged bot" not in json.dumps(view)
+    assert len(seen) == 4
+    for r in records:  # each agent turn scored by its persona's own measure
+        persona = get_persona(manifest["pairs"][r["pair"]]["agent"])
+        assert r["score"] == persona.score(r["text"], truncated=r["finish_reason"] == "length")
+
+    results = summarize(tmp_path / "run")
+    per_round = [e for e in results.estimates if e.metric == "compliance"]
+    assert [e.group["round"] for e in per_round] == [1, 2, 3] and [e.n for e in per_round] == [2, 1, 1]
+    assert any(e.metric == "drift" for e in results.estimates)
+    report = CliRunner().invoke(app, ["report", str(tmp_path / "run")])
+    assert report.exit_code == 0, report.output
+    assert (tmp_path / "run" / "compliance.png").stat().st_size > 5000
+    assert "replay run: 4 of 4 records, complete" in report.output
+    assert manifest["config"]["sampling"]["max_new_tokens"] == 12
