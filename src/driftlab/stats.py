@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
@@ -685,28 +685,41 @@ def mean_ci(values: Iterable[float | bool], *, seed: int = 0) -> tuple[float, fl
 
 
 # -- rank statistics over clustered items -------------------------------------------------------
-def _cluster_bootstrap(statistic, n_items: int, clusters: Sequence[Any] | None, n_resamples: int,
-                       rng: np.random.Generator | int | None, confidence: float) -> tuple[float, float, int]:
-    """Percentile interval of `statistic(index)` over resamples of whole clusters (items are their
-    own clusters without `clusters`); resamples where the statistic is undefined are dropped.
-    Returns (low, high, number of clusters)."""
+def cluster_resamples(n_items: int, clusters: Sequence[Any] | None, n_resamples: int,
+                      rng: np.random.Generator | int | None = 0) -> Iterator[np.ndarray]:
+    """Item indices of `n_resamples` bootstrap resamples of whole clusters (items are their own
+    clusters without `clusters`): several statistics computed on the same resamples give paired
+    intervals (a measure's AUROC against a baseline's on the same dialogs)."""
     keys = list(range(n_items)) if clusters is None else list(clusters)
     groups: dict[Any, list[int]] = {}
     for i, key in enumerate(keys):
         groups.setdefault(key, []).append(i)
     members = [np.asarray(g) for g in groups.values()]
     gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
-    values = []
     for _ in range(n_resamples):
         pick = gen.integers(0, len(members), len(members))
-        value = statistic(np.concatenate([members[i] for i in pick]))
-        if math.isfinite(value):
-            values.append(value)
-    if len(values) < n_resamples // 2:
-        return float("nan"), float("nan"), len(members)
+        yield np.concatenate([members[i] for i in pick])
+
+
+def percentile_interval(values: Sequence[float], n_resamples: int, confidence: float) -> tuple[float, float]:
+    """The percentile interval of bootstrap `values` (the finite ones); NaNs where fewer than half of
+    the `n_resamples` gave one."""
+    finite = [v for v in values if math.isfinite(v)]
+    if len(finite) < n_resamples // 2:
+        return float("nan"), float("nan")
     alpha = (1.0 - confidence) / 2
-    low, high = np.quantile(values, [alpha, 1 - alpha])
-    return float(low), float(high), len(members)
+    low, high = np.quantile(finite, [alpha, 1 - alpha])
+    return float(low), float(high)
+
+
+def _cluster_bootstrap(statistic, n_items: int, clusters: Sequence[Any] | None, n_resamples: int,
+                       rng: np.random.Generator | int | None, confidence: float) -> tuple[float, float, int]:
+    """Percentile interval of `statistic(index)` over resamples of whole clusters (items are their
+    own clusters without `clusters`); resamples where the statistic is undefined are dropped.
+    Returns (low, high, number of clusters)."""
+    values = [statistic(index) for index in cluster_resamples(n_items, clusters, n_resamples, rng)]
+    n_clusters = n_items if clusters is None else len(set(clusters))
+    return (*percentile_interval(values, n_resamples, confidence), n_clusters)
 
 
 def auroc_interval(scores: Sequence[float] | np.ndarray, labels: Sequence[bool] | np.ndarray,

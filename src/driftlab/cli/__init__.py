@@ -26,6 +26,7 @@ from driftlab.cli.run import run
 from driftlab.cli.serve import serve
 from driftlab.cli.sweep import sweep
 from driftlab.cli.theory import theory
+from driftlab.cli.warn import warn
 
 app = typer.Typer(
     name="driftlab",
@@ -43,6 +44,7 @@ app.command("chat")(chat)
 app.command("demo")(demo)
 app.command("run")(run)
 app.command("replay")(replay)
+app.command("warn")(warn)
 app.command("report")(report)
 app.command("decay")(decay)
 app.command("directions")(directions)

@@ -59,7 +59,7 @@ TURN_MEASURES = (("pi", "pi", 1), ("projection", "projection", 1), ("reminded", 
 
 def measures_frame(*run_dirs: str | Path) -> pd.DataFrame:
     """One row per agent turn and agent probe reply (repeat 0, condition persona): pair, round,
-    what (turn|probe), score (probes), pi (mean over layers, where traced), projection and
+    what (turn|probe), score (probes, and a replay's turns), pi (mean over layers, where traced), projection and
     prompt_projection (band means, where measured), reminded and influence (KL, nats per token, where
     measured), repeated (agent turns: 1 where the text is an earlier agent turn's of the same dialog,
     word for word: a dialog in a loop, where a flat measure reads the same text again). Several runs
@@ -93,7 +93,7 @@ def _frame(rd: RunDir) -> pd.DataFrame:
             texts[r.pair, r.round] = r.text
         act, kl = r.activation or {}, getattr(r, "kl", None) or {}
         rows.append({"pair": r.pair, "round": r.round, "what": r.kind,
-                     "score": getattr(r, "score", None) if r.kind == "probe" else None,
+                     "score": getattr(r, "score", None),  # probes'; a replay's turns have theirs too
                      "pi": float(np.mean(r.pi)) if r.pi else float("nan"),
                      "projection": _band(act.get("reply"), act.get("band")),
                      "prompt_projection": _band(act.get("prompt"), act.get("band")),

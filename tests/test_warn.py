@@ -1,0 +1,142 @@
+"""`driftlab warn`: is a measure a warning? Checked on replay runs written here, where which signal
+warns, and how early, is known by construction.
+
+The AUROC is scikit-learn's on the same arrays; the intervals resample whole dialogs; a threshold is
+chosen without the dialogs it is judged on; a signal that only tells dialogs apart has a pooled AUROC
+far above its within-dialog one; a signal that drops one turn before each failure warns with a lead of
+one turn, and the turn index is the line every warning must clear.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sklearn.metrics import roc_auc_score
+from typer.testing import CliRunner
+
+from driftlab.cli import app
+from driftlab.report import warn
+from driftlab.stats import cluster_resamples
+
+
+def _write_run(path: Path, dialogs: int = 24, rounds: int = 10, seed: int = 0) -> dict[tuple[int, int], dict]:
+    """A replay-shaped run: half the dialogs fail from a turn drawn in 4..8 on; pi falls one turn before
+    the first failure (a warning with lead 1); `influence` is a per-dialog constant that is higher in the
+    dialogs that fail (it tells dialogs apart, not turns); the reminded KL is noise."""
+    rng = np.random.default_rng(seed)
+    path.mkdir(parents=True)
+    pairs, records, truth = [], [], {}
+    for d in range(dialogs):
+        breaks = int(rng.integers(4, 9)) if d % 2 == 0 else None
+        level = 1.0 + rng.normal(0, 0.05) if breaks else 0.2 + rng.normal(0, 0.05)
+        pairs.append({"pair": d, "agent": "reply-in-french", "user": None, "starter": "hi", "turns": ["hi"] * rounds})
+        for r in range(1, rounds + 1):
+            failing = breaks is not None and r >= breaks
+            score = 0.0 if failing else 1.0
+            pi = 0.05 if (breaks is not None and r >= breaks - 1) else 0.3 + rng.normal(0, 0.02)
+            rec = {"kind": "turn", "speaker": "agent", "pair": d, "condition": "persona", "round": r,
+                   "text": f"reply {d} {r}", "n_tokens": 10 + int(rng.integers(0, 5)), "finish_reason": "stop",
+                   "score": score, "pi": [pi, pi], "kl": {"reminded": float(rng.exponential()), "prompt": -level,
+                                                          "positions": 10}}
+            records.append(rec)
+            truth[d, r] = rec
+    manifest = {"protocol": "replay", "config": {"rounds": rounds, "probe_after": "agent"}, "pairs": pairs,
+                "conditions": ["persona"], "completed": True}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    (path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return truth
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("warn") / "run"
+    _write_run(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def found(run) -> dict[str, warn.Signal]:
+    turns = warn.turns_frame(run)
+    return {s.name: s for s in warn.analyse(turns, n_resamples=400)}
+
+
+def test_the_rows_are_turns_with_a_next_turn_and_its_failure(run) -> None:
+    turns = warn.turns_frame(run)
+    assert len(turns) == 24 * 9 and set(turns["round"]) == set(range(1, 10))
+    row = turns[(turns.pair == 0) & (turns["round"] == 3)].iloc[0]
+    records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    mine = {r["round"]: r for r in records if r["pair"] == 0}
+    assert row.tokens == sum(mine[r]["n_tokens"] for r in (1, 2, 3))  # the agent's tokens through turn 3
+    assert row.fails_next == (mine[4]["score"] < 0.5) and row.score == mine[3]["score"]
+
+
+def test_auroc_is_scikit_learns_on_the_same_arrays(run, found) -> None:
+    turns = warn.turns_frame(run)
+    y = turns.fails_next.to_numpy(bool)
+    assert found["pi"].auroc == pytest.approx(roc_auc_score(y, -turns.pi.to_numpy()), abs=1e-12)
+    assert found["round"].auroc == pytest.approx(roc_auc_score(y, turns["round"].to_numpy()), abs=1e-12)
+    assert found["score"].auroc == pytest.approx(roc_auc_score(y, -turns.score.to_numpy()), abs=1e-12)
+
+
+def test_intervals_resample_whole_dialogs() -> None:
+    dialogs = np.repeat(np.arange(6), [3, 1, 4, 2, 5, 2])
+    for index in cluster_resamples(len(dialogs), dialogs, 50, rng=1):
+        picked = dialogs[index]
+        for d in np.unique(picked):  # each dialog drawn k times contributes all its turns k times
+            assert (picked == d).sum() % (dialogs == d).sum() == 0
+            assert sorted(index[picked == d]) == sorted(np.tile(np.flatnonzero(dialogs == d),
+                                                                (picked == d).sum() // (dialogs == d).sum()))
+
+
+def test_a_signal_that_falls_before_each_failure_warns_with_a_lead(found) -> None:
+    pi = found["pi"]
+    assert pi.auroc > 0.95 and pi.within > 0.9 and pi.vs_turn_low > 0 and pi.warns
+    assert pi.failing_dialogs == 12 and pi.warned == 12 and pi.lead_median == 1 and pi.false_alarms == 0
+
+
+def test_a_signal_that_only_tells_dialogs_apart_is_no_warning_within_dialogs(found) -> None:
+    influence = found["influence"]
+    assert influence.auroc > 0.7 and abs(influence.within - 0.5) < 0.1
+    reminded = found["reminded"]
+    assert not reminded.warns and reminded.auroc_low < 0.5 < reminded.auroc_high
+    assert found["round"].baseline and not found["round"].warns and found["round"].vs_turn == 0
+
+
+def test_thresholds_are_chosen_without_the_dialogs_they_are_judged_on(monkeypatch) -> None:
+    """Each fold's alarms use a threshold fitted on the other fold's turns only (values here carry their
+    dialog's id, so the fit can be inspected)."""
+    dialogs = np.repeat(np.arange(8), 5)
+    fold = dialogs % 2
+    values = dialogs * 100.0 + np.tile(np.arange(5), 8)
+    labels = np.tile([False, False, False, True, True], 8)
+    seen = []
+    original = warn.youden_threshold
+
+    def spy(scores, y):
+        seen.append(set((scores // 100).astype(int)))
+        return original(scores, y)
+
+    monkeypatch.setattr(warn, "youden_threshold", spy)
+    warn.cross_fitted_alarms(values, labels, fold)
+    assert seen == [{1, 3, 5, 7}, {0, 2, 4, 6}]
+
+
+def test_the_command_writes_its_table_json_and_figure(run, tmp_path) -> None:
+    result = CliRunner().invoke(app, ["warn", "--from-run", str(run), "--out", str(tmp_path / "w")])
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "w" / "warn.json").read_text())
+    assert [r["name"] for r in rows][:3] == ["round", "tokens", "score"] and \
+        next(r for r in rows if r["name"] == "pi")["warns"] is True
+    assert (tmp_path / "w" / "warn.png").stat().st_size > 5000
+
+
+def test_a_run_that_scores_no_turns_is_refused_in_one_line(tmp_path) -> None:
+    from driftlab.errors import DriftlabError
+
+    (tmp_path / "sc").mkdir()
+    (tmp_path / "sc" / "manifest.json").write_text(json.dumps({"protocol": "selfchat", "config": {}}))
+    result = CliRunner().invoke(app, ["warn", "--from-run", str(tmp_path / "sc")])
+    assert isinstance(result.exception, DriftlabError) and "a selfchat run" in result.exception.message
