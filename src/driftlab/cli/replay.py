@@ -67,7 +67,7 @@ def replay(
     options = {k: v for k, v in locals().items() if k not in ("out", "backend")}
     from driftlab.api.options import FLAGS, replay_config
     from driftlab.api.runs import execute
-    from driftlab.cli.finish import say_results
+    from driftlab.cli.finish import print_measures, say_results
     from driftlab.protocol.replay import Replay
     from driftlab.report.replay import write_replay_figures
 
@@ -76,4 +76,5 @@ def replay(
     typer.echo(f"records: {rundir.records_path}")
     for path in write_replay_figures(rundir.path):
         typer.echo(f"figure: {path}")
+    print_measures(rundir.path)  # pi, the projection and the KLs per turn, where the run took them
     say_results(rundir.path)

@@ -222,6 +222,10 @@ def report(
     elif protocol != "selfchat":
         for path in _figures(protocol, run_dir):
             typer.echo(str(path))
+        if protocol == "replay":  # pi, the projection and the KLs of every agent turn, where taken
+            from driftlab.cli.finish import print_measures
+
+            print_measures(run_dir)
         typer.echo(_status(run_dir, manifest))
     else:
         from driftlab.report.html import SUMMARY_CSV, write_report  # matplotlib and pandas: after the manifest

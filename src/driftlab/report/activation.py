@@ -196,7 +196,8 @@ def _fall(frame: pd.DataFrame, value: str) -> tuple[PairedTest | None, int, int]
 def round_table(frame: pd.DataFrame) -> TextTable:
     """Per round: the agent probe score (stability), pi and the projection of agent turns and probe
     replies, each a mean over conversations with its interval."""
-    columns = [("score", "probe", "stability (probe score)"), ("pi", "turn", "pi (agent turns)"),
+    columns = [("score", "probe", "stability (probe score)"), ("score", "turn", "compliance (every agent turn)"),
+               ("pi", "turn", "pi (agent turns)"),
                ("projection", "turn", "projection (agent turns)"), ("projection", "probe", "projection (probe replies)"),
                ("reminded", "turn", "reminded KL (agent turns)"), ("influence", "turn", "prompt influence (agent turns)"),
                ("repeated", "turn", "repeated (agent turns)")]
@@ -239,7 +240,9 @@ def agreement_table(frame: pd.DataFrame) -> TextTable | None:
     """Spearman's rho of every two measures over agent turns, and each turn measure's AUROC for the next
     probe's pass (module docstring); None where fewer than two measures were taken."""
     turns = turn_frame(frame)
-    measures = [("next_score", "probe score (next probe)", 1)] + [m for m in TURN_MEASURES if turns[m[0]].notna().any()]
+    probed = bool(turns.next_score.notna().any())  # a replay without probes: its turns' own scores are `driftlab warn`'s
+    measures = [("next_score", "probe score (next probe)", 1)] * probed + \
+        [m for m in TURN_MEASURES if turns[m[0]].notna().any()]
     if len(measures) < 2:
         return None
     rows = []
@@ -248,7 +251,7 @@ def agreement_table(frame: pd.DataFrame) -> TextTable | None:
             both = turns[[a, b, "pair"]].dropna()
             rho = spearman_interval(both[a].to_numpy(), both[b].to_numpy(), both.pair.to_numpy())
             rows.append([f"{label_a} ~ {label_b}", f"Spearman {rho.cell(2)}", f"n = {rho.n} turns"])
-    for column, label, sign in measures[1:]:
+    for column, label, sign in measures[1:] if probed else []:
         both = turns[[column, "next_score", "pair"]].dropna()
         auc = auroc_interval(sign * both[column].to_numpy(), both.next_score.to_numpy() >= PASS, both.pair.to_numpy())
         rows.append([f"{label} predicts the next probe's pass", f"AUROC {auc.cell(2)}", f"n = {auc.n} turns"])
@@ -311,6 +314,7 @@ def three_ways_figure(frame: pd.DataFrame, path: str | Path, title: str = "") ->
     score and pi, which live there, and at 0 for the KLs); and, where any agent turn repeats an earlier
     one, the share that do (a flat measure in those rounds reads the same text again)."""
     panels = [("score", "probe", "stability (probe score)", (0, 1)),
+              ("score", "turn", "compliance (every agent turn)", (0, 1)),
               ("pi", "turn", "pi: attention on the system prompt", (0, 1)),
               ("projection", "turn", "projection on the persona direction", None),
               ("reminded", "turn", "reminded KL (nats/token)", (0, None)),

@@ -90,7 +90,8 @@ def compliance_figure(frame: pd.DataFrame, path: str | Path, title: str = "") ->
 
 
 def write_replay_figures(run_dir: str | Path) -> list[Path]:
-    """`driftlab report RUN` for a replay: the compliance table on stderr and compliance.png."""
+    """`driftlab report RUN` for a replay: the compliance table on stderr and compliance.png (the other
+    measures of a run that took them: `cli.finish.print_measures`)."""
     frame = compliance_frame(run_dir)
     if frame.empty:
         return []
