@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -301,6 +302,22 @@ def test_what_vllm_cannot_do_is_one_line_before_any_work(engines, tmp_path, monk
     monkeypatch.setattr(install, "TESTED", ("0.0.1",))
     with pytest.raises(DriftlabError, match=r"vLLM 0\.32\.0 is installed; driftlab's vLLM adapter is tested with 0\.0\.1"):
         install.check_version()
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_chat_on_vllm_prints_only_the_reply_on_stdout(engines, verbose: bool) -> None:
+    """`reply=$(driftlab chat --model vllm:...)` captures the reply: vLLM's log goes to stderr, its INFO
+    lines only with `driftlab -v` (before the fix, ~40 lines of engine configuration came first)."""
+    _, vl = engines
+    conv = [{"role": "user", "content": "Say hello."}]
+    (want,) = vl.generate(ChatRequest([conv], Sampling(greedy=True, max_new_tokens=8)))
+    args = [sys.executable, "-m", "driftlab", *(["-v"] if verbose else []), "chat", "--model", "vllm:smollm2-135m",
+            "--dtype", "float32", "--greedy", "--max-new-tokens", "8", "Say hello."]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LOGGING")}
+    done = subprocess.run(args, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == want.text + "\n", done.stdout[:2000]
+    assert (" INFO " in done.stderr) == verbose, done.stderr[-2000:]
 
 
 def test_a_selfchat_on_vllm_resumes_after_kill_9_and_reports_three_ways(commands, tmp_path) -> None:

@@ -6,6 +6,7 @@ and data-only commands start quickly.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -35,6 +36,17 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+@app.callback()
+def _global(verbose: bool = typer.Option(False, "--verbose", "-v", help=(
+        "Show the engines' own logs: vLLM's INFO lines (on stderr; without -v only its warnings), as "
+        "VLLM_LOGGING_LEVEL would."))) -> None:
+    """Measure and control instruction drift in language-model dialogs."""
+    if verbose:
+        from driftlab.chat.vllm_engine.install import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"
+
+
 app.add_typer(models.app, name="models")
 app.add_typer(personas.app, name="personas")
 app.add_typer(data.app, name="data")

@@ -31,6 +31,11 @@ INSTALL_HINT = 'pip install -e ".[vllm]" (vLLM 0.32.0 for the CPU), or pip insta
 # cross no process boundary, and a resumed run finds everything where it left it. The V1 model runner
 # is the one whose batch layout the adapter maps.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+# vLLM logs to stdout at INFO by default (about 40 lines before a first reply), so `reply=$(driftlab chat ...)`
+# would capture its engine configuration: its log goes to stderr, warnings and errors only, unless the user set
+# vLLM's own variables or asked driftlab for more (`driftlab -v`: VERBOSE_ENV).
+LOG_ENV = {"VLLM_LOGGING_STREAM": "ext://sys.stderr", "VLLM_LOGGING_LEVEL": "WARNING"}
+VERBOSE_ENV = "DRIFTLAB_VERBOSE"
 
 _vllm: ModuleType | None = None
 
@@ -72,5 +77,14 @@ def load_vllm() -> ModuleType:
             os.environ["PYTHONPATH"] = os.pathsep.join([site, *paths])
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
+    for key, value in log_env().items():
+        os.environ.setdefault(key, value)
     _vllm = importlib.import_module("vllm")
     return _vllm
+
+
+def log_env() -> dict[str, str]:
+    """vLLM's logging settings driftlab sets where the user has not: stderr always, INFO with `driftlab -v`
+    (VERBOSE_ENV), WARNING otherwise. Read by vLLM when it is imported (here, and in the processes it starts)."""
+    level = "INFO" if os.environ.get(VERBOSE_ENV) else LOG_ENV["VLLM_LOGGING_LEVEL"]
+    return {**LOG_ENV, "VLLM_LOGGING_LEVEL": level}
