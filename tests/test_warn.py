@@ -140,3 +140,14 @@ def test_a_run_that_scores_no_turns_is_refused_in_one_line(tmp_path) -> None:
     (tmp_path / "sc" / "manifest.json").write_text(json.dumps({"protocol": "selfchat", "config": {}}))
     result = CliRunner().invoke(app, ["warn", "--from-run", str(tmp_path / "sc")])
     assert isinstance(result.exception, DriftlabError) and "a selfchat run" in result.exception.message
+
+
+def test_a_signal_above_the_turn_index_only_pooled_tells_dialogs_apart() -> None:
+    """Clearing the turn index pooled is not enough: within dialogs the signal must beat chance too."""
+    base = dict(name="influence", label="prompt influence", baseline=False, n_turns=100, n_dialogs=20, auroc=0.8,
+                auroc_low=0.7, auroc_high=0.9, vs_turn=0.2, vs_turn_low=0.05, vs_turn_high=0.3, failing_dialogs=5,
+                warned=3, lead_median=1.0, quiet_dialogs=10, false_alarms=2)
+    between = warn.Signal(**base, within=0.5, within_low=0.3, within_high=0.7)
+    within = warn.Signal(**base, within=0.8, within_low=0.6, within_high=0.95)
+    assert not between.warns and between.verdict == "tells dialogs apart, not turns"
+    assert within.warns and within.verdict == "WARNS"

@@ -448,6 +448,20 @@ def three_ways(name: str) -> str:
     return "\n\n".join(_markdown(table) for table in measure_tables(measures_frame(HERE / name)))
 
 
+def replay_block(name: str) -> str:
+    """A replay's compliance per turn and its drift (`driftlab report`), its measures per round, and which
+    of them warns (`driftlab warn`, default settings)."""
+    from driftlab.report.replay import _drift_note, compliance_frame, per_round
+    from driftlab.report.warn import analyse, table, turns_frame
+
+    frame = compliance_frame(HERE / name)
+    rows = ["| round | compliance | 95% interval | n |", "|---|---|---|---|"]
+    rows += [f"| {r.round} | {r.mean:.3f} | {_ci(r.ci_low, r.ci_high, 3)} {r.ci_method} | {r.n} |"
+             for r in per_round(frame).itertuples()]
+    warned = table(analyse(turns_frame(HERE / name)))
+    return "\n".join(rows) + f"\n\n{_drift_note(frame)}.\n\n" + three_ways(name) + "\n\n" + _markdown(warned)
+
+
 def separation(name: str) -> str:
     """Each direction's band, held-out AUROC and shuffled control (`driftlab directions`)."""
     from driftlab.report.directions import separation_table
@@ -655,6 +669,9 @@ def finished(name: str) -> bool:
     return path.exists() and json.loads(path.read_text()).get("completed") is True
 
 
+for run in ("replay-qwen-plain", "replay-smollm2-plain", "replay-qwen-spr", "replay-smollm2-spr"):
+    if finished(run):
+        BLOCKS[run] = functools.partial(replay_block, run)
 if finished("vllm-qwen-selfchat") and finished("hf-qwen-selfchat"):
     BLOCKS["vllm-qwen-engines"] = engines
 for run, block in (("demo-smollm2", three_ways), ("project-qwen-paper-20", three_ways),

@@ -117,16 +117,6 @@ class Replay(SelfChat):
     def check(self) -> None:
         draw_replay(self.config)  # the data and personas, before any model loads
 
-    def require(self) -> None:
-        cfg = self.config
-        self.backend.capabilities.require(self.backend.name, cfg.steer)
-        if cfg.kl:
-            from driftlab.protocol import divergence
-
-            divergence.require(self.backend, "--kl")
-        if self.backend.capabilities.tokens:
-            self._fits_context()
-
     def _fits_context(self) -> None:
         """The first replayed dialog whose context, every agent turn at its token limit, can pass the
         model's window: one line before any work, naming the dialog and the round."""

@@ -13,7 +13,8 @@ Per signal:
 * within dialogs: the same AUROC on values centred per dialog, over dialogs that both hold and fail,
   since a measure that only tells easy prompts from hard ones is no warning;
 * AUROC minus the turn index's, on the same resamples (paired): a signal counts as a **warning**
-  only where that difference's interval lies above 0;
+  only where that difference's interval lies above 0, and its within-dialog interval above 0.5 (one
+  that clears the turn index only pooled "tells dialogs apart, not turns");
 * lead time: a threshold chosen on the other half of the dialogs (two folds by dialog, Youden's J),
   then per dialog that held at turn 1 and later failed, whether an alarm came at least one turn
   before its first failure and how many turns before; and how many dialogs that never failed raised
@@ -67,8 +68,19 @@ class Signal:
 
     @property
     def warns(self) -> bool:
-        """Counts as a warning: above the turn index, its interval clear of 0."""
-        return not self.baseline and self.vs_turn_low > 0
+        """Counts as a warning: above the turn index (that difference's interval clear of 0), and within
+        dialogs above chance (that interval clear of 0.5): not only a sign of which dialogs fail."""
+        return not self.baseline and self.vs_turn_low > 0 and self.within_low > 0.5
+
+    @property
+    def verdict(self) -> str:
+        if self.baseline:
+            return "baseline"
+        if self.warns:
+            return "WARNS"
+        if self.vs_turn_low > 0:
+            return "tells dialogs apart, not turns"
+        return "no better than the turn index"
 
 
 def turns_frame(*run_dirs: str | Path, fail_below: float = PASS) -> pd.DataFrame:
@@ -206,7 +218,7 @@ def write_warn(run_dirs: list[Path], out: Path, fail_below: float = PASS, seed: 
     turns = turns_frame(*run_dirs, fail_below=fail_below)
     found = analyse(turns, fail_below, seed)
     out.mkdir(parents=True, exist_ok=True)
-    table = pd.DataFrame([{**asdict(s), "warns": s.warns} for s in found])
+    table = pd.DataFrame([{**asdict(s), "warns": s.warns, "verdict": s.verdict} for s in found])
     table.to_csv(out / WARN_CSV, index=False)
     (out / WARN_JSON).write_text(table.to_json(orient="records", indent=2))
     figure(found, out / WARN_PNG, fail_below)
@@ -251,15 +263,14 @@ def table(found: list[Signal], fail_below: float = PASS) -> TextTable:
     rows = []
     for s in found:
         lead = f"{s.warned}/{s.failing_dialogs}" + (f", median {s.lead_median:g} turns" if s.warned else "")
-        verdict = "baseline" if s.baseline else ("WARNS" if s.warns else "no better than the turn index")
         rows.append([s.label, cell(s.auroc, s.auroc_low, s.auroc_high), cell(s.within, s.within_low, s.within_high),
                      "" if s.name == "round" else cell(s.vs_turn, s.vs_turn_low, s.vs_turn_high, signed=True), lead,
-                     f"{s.false_alarms}/{s.quiet_dialogs}", verdict])
+                     f"{s.false_alarms}/{s.quiet_dialogs}", s.verdict])
     n = found[0]
     return TextTable(f"which signal warns: the next agent turn fails (score < {fail_below}); "
                      f"{n.n_turns} turns of {n.n_dialogs} dialogs",
                      ["signal", "AUROC [95% CI]", "within dialogs", "minus turn index", "warned in time",
                       "false alarms", "verdict"], rows,
                      "Intervals: bootstrap over dialogs. A signal warns where its AUROC minus the turn index's (same "
-                     "resamples) stays above 0. Warned in time: dialogs that held at turn 1 and failed later, alarmed "
+                     "resamples) stays above 0 and its AUROC within dialogs above 0.5. Warned in time: dialogs that held at turn 1 and failed later, alarmed "
                      "at least one turn before; thresholds chosen on the other half of the dialogs.")
