@@ -320,6 +320,30 @@ def test_chat_on_vllm_prints_only_the_reply_on_stdout(engines, verbose: bool) ->
     assert (" INFO " in done.stderr) == verbose, done.stderr[-2000:]
 
 
+def test_a_replay_on_vllm_equals_the_transformers_engines(engines, tmp_path) -> None:
+    """`driftlab replay --model vllm:...`: the same agent turns, scores and pi as the transformers engine
+    (greedy, float32) on user turns from a file."""
+    from driftlab.api.options import KEYWORDS, replay_config
+    from driftlab.protocol.replay import Replay
+    from driftlab.protocol.runner import run_protocol
+
+    logs = tmp_path / "logs.jsonl"
+    logs.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t} for t in turns]}) + "\n"
+                            for turns in (["Hi! Name a cat.", "And a dog?", "Thanks!"], ["Tell me about Paris."])))
+    found = {}
+    for engine in engines:
+        config = replay_config(BackendSpec(model="smollm2-135m", dtype="float32"), KEYWORDS, {
+            "conversations": logs, "agents": "reply-in-french,all-lowercase", "rounds": 3, "max_new_tokens": 12,
+            "greedy": True, "steer": "trace"})
+        rd = run_protocol(Replay(config, engine), tmp_path / engine.describe()["backend"], progress=False)
+        found[engine.describe()["backend"]] = {(r["pair"], r["round"]): r for r in rd.records()}
+    hf, vl = found.values()
+    assert hf.keys() == vl.keys() and len(hf) == 4
+    for key, want in hf.items():
+        assert vl[key]["text"] == want["text"] and vl[key]["score"] == want["score"], key
+        np.testing.assert_allclose(vl[key]["pi"], want["pi"], atol=PI_TOL, rtol=0)
+
+
 def test_a_selfchat_on_vllm_resumes_after_kill_9_and_reports_three_ways(commands, tmp_path) -> None:
     """`driftlab run --model vllm:...` with directions and trace: killed after its first durable
     batch, the same command resumes it to the uninterrupted run's records (greedy), and its report
