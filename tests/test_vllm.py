@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import signal
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path

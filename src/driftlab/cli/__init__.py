@@ -36,6 +36,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+
 @app.callback()
 def _global(verbose: bool = typer.Option(False, "--verbose", "-v", help=(
         "Show the engines' own logs: vLLM's INFO lines (on stderr; without -v only its warnings), as "

@@ -228,9 +228,11 @@ def report(
             print_measures(run_dir)
         typer.echo(_status(run_dir, manifest))
     else:
-        from driftlab.report.html import SUMMARY_CSV, write_report  # matplotlib and pandas: after the manifest
-
         from driftlab.cli.finish import print_measures
+        from driftlab.report.html import (  # matplotlib and pandas: after the manifest
+            SUMMARY_CSV,
+            write_report,
+        )
 
         console = Console()
         summary = print_summary(run_dir, console)

@@ -1,4 +1,4 @@
-"""A CUDA probe of hypothesis H-A (docs/performance.md, "The CUDA fault and the torch 2.11 failures").
+"""A CUDA probe (not a `run.py` benchmark) of hypothesis H-A (docs/performance.md, "The CUDA fault and the torch 2.11 failures").
 
 flex's Triton kernels read a BlockMask's kv_indices at (b * heads + h) * stride(1), never the batch
 stride, so an expanded block order (batch stride 0) would send row b >= 1 past its storage. The
@@ -7,9 +7,9 @@ each row of a compiled flex call with a float64 reference: contiguous order, exp
 (a wrong block in range), expanded over junk 10^6 (out of range, last: it may fault).
 On the H200, 2026-11-28, with a static compile (`dynamic=False`) every row was right (docs/results/
 gpu-tests-h200-2026-11-28.txt); the next run tries `dynamic=None` after a call of another key length.
-`python benchmarks/cuda_block_layout.py` on a CUDA machine (CUDA_LAUNCH_BLOCKING=1 names a fault).
+`python benchmarks/_cuda_block_layout.py` on a CUDA machine (CUDA_LAUNCH_BLOCKING=1 names a fault).
 """
-import sys, torch
+import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 dev = "cuda"
