@@ -112,6 +112,15 @@ def test_chained_dialogs_draw_distinct_short_standalone_first_turns_by_seed(pull
         conv.draw_dialogs("sharegpt", 40, 3, seed=0)
 
 
+def test_replay_is_a_protocol_of_its_own_config() -> None:
+    from driftlab.protocol.registry import protocol_class
+    from driftlab.protocol.replay import Replay, ReplayConfig
+
+    assert protocol_class("replay") is Replay and Replay.config_type() is ReplayConfig
+    with pytest.raises(ValueError, match="a replay has no user model"):
+        ReplayConfig(conversations="x.jsonl", user_probe=True)
+
+
 def test_a_data_source_not_pulled_says_how_to_pull_it(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("DRIFTLAB_CACHE", str(tmp_path / "empty"))
     with pytest.raises(DriftlabError, match="not pulled") as err:

@@ -31,6 +31,7 @@ from driftlab.chat.base import Sampling
 from driftlab.errors import DriftlabError
 from driftlab.protocol.dialog import Pair
 from driftlab.protocol.registry import register
+from driftlab.protocol.runner import Protocol
 from driftlab.protocol.selfchat import SelfChat, SelfChatConfig, _scored, input_hashes
 
 REPLY_TOKENS = 200  # an agent turn's budget by default: room for an answer, short enough for 20+ rounds
@@ -105,8 +106,9 @@ def draw_replay(config: ReplayConfig) -> list[Pair]:
 
 
 @register
-class Replay(SelfChat):
-    """Replay user turns from data to an agent under its system prompt (see the module docstring)."""
+class Replay(SelfChat, Protocol[ReplayConfig]):
+    """Replay user turns from data to an agent under its system prompt (see the module docstring).
+    `Protocol[ReplayConfig]` says its config (`config_type`: `driftlab protocol run replay`)."""
 
     name = "replay"
 
