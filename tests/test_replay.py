@@ -194,6 +194,12 @@ def test_a_replay_shows_the_users_turns_verbatim_in_order_with_the_models_own_re
         persona = get_persona(manifest["pairs"][r["pair"]]["agent"])
         assert r["score"] == persona.score(r["text"], truncated=r["finish_reason"] == "length")
 
+    from driftlab.protocol.project import recorded_dialogs
+
+    again = recorded_dialogs(tmp_path / "run")  # what `driftlab kl|project|decay --from-run` read again
+    assert {d["pair"]: d["a"] for d in again} == {0: turns[0][:3], 1: turns[1]}
+    assert all(d["b"] == [replies[(d["pair"], i)] for i in range(1, len(d["a"]) + 1)] for d in again)
+
     results = summarize(tmp_path / "run")
     per_round = [e for e in results.estimates if e.metric == "compliance"]
     assert [e.group["round"] for e in per_round] == [1, 2, 3] and [e.n for e in per_round] == [2, 1, 1]

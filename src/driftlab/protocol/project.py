@@ -126,14 +126,14 @@ def _round(values) -> list[float]:
 
 
 def recorded_dialogs(from_run: str | Path, limit: int | None = None, what: str = "project") -> list[dict[str, Any]]:
-    """Each recorded self-chat dialog (condition 'persona') with its agent turns, how each ended, and its
+    """Each recorded self-chat or replay dialog (condition 'persona') with its agent turns, how each ended, and its
     agent probes, up to its last complete round: what the teacher-forced protocols read again."""
     rd = RunDir(from_run)
     if not (rd.path / "manifest.json").is_file():
         raise DriftlabError(f"{rd.path} is not a run directory.", hint="Give the --out of a driftlab run.")
     manifest = rd.read_manifest()
-    if manifest.get("protocol", "selfchat") != "selfchat":
-        raise DriftlabError(f"{rd.path} is a {manifest.get('protocol')} run, not a self-chat.")
+    if manifest.get("protocol", "selfchat") not in ("selfchat", "replay"):  # a replay's user turns are in its plan
+        raise DriftlabError(f"{rd.path} is a {manifest.get('protocol')} run, not a self-chat or a replay.")
     config = config_of(manifest)
     records = rd.records(DIALOG_RECORDS)
     dialogs = Dialog.from_records(pairs_from_manifest(manifest), ["persona"], records)
