@@ -153,7 +153,7 @@ def replay_config(backend: BackendSpec, spelling: Spelling, options: dict[str, A
     from driftlab.protocol.replay import ReplayConfig
 
     values = _given(options)
-    if values.get("system") is not None and values.get("probe") is None:
+    if (values.get("system") is not None or values.get("measure") is not None) and values.get("probe") is None:
         values["probe"] = REPLAY_PROBE
     own = own_persona(values.pop("system", None), values.pop("probe", None), values.pop("measure", None),
                       _json(values.pop("measure_params", None), "measure_params", spelling), spelling)

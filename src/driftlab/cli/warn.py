@@ -14,8 +14,9 @@ def warn(
                            "`decay` runs, whose measures join it (repeatable; the replay first).")],
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Where warn.json, warn.csv and warn.png go "
                                                                  "(default: RUN/warn).")] = None,
-    fail_below: Annotated[float, typer.Option(help="A turn fails with a score below this.")] = 0.5,
-    seed: Annotated[int, typer.Option(help="Seed of the bootstrap and of the two folds of dialogs.")] = 0,
+    fail_below: Annotated[float, typer.Option(min=0.0, max=1.0, help="A turn fails with a score below this "
+                                                                    "(0 to 1: scores live there).")] = 0.5,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the bootstrap and of the two folds of dialogs.")] = 0,
 ) -> None:
     """Is each measure a warning? AUROC for 'the next agent turn fails', pooled and within dialogs, against
     the turn index, tokens so far and the last turn's compliance, with lead times (docs/replay.md)."""

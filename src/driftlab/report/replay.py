@@ -62,15 +62,13 @@ def drift(frame: pd.DataFrame) -> dict[str, Any] | None:
 def compliance_figure(frame: pd.DataFrame, path: str | Path, title: str = "") -> Path:
     """Each dialog a thin line (jittered a little where scores are 0/1), the mean per round with its
     95% band: the compliance curve."""
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from driftlab.report.figures import round_ticks
+    from driftlab.report.figures import round_ticks, save_png
 
     table = per_round(frame)
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig = Figure(figsize=(7, 3.6), layout="constrained", dpi=120)
+    ax = fig.add_subplot()
     rng = np.random.default_rng(0)
     for _, dialog in frame.groupby("pair"):
         ax.plot(dialog["round"], dialog["score"] + rng.uniform(-0.015, 0.015, len(dialog)), color="0.75", lw=0.6,
@@ -82,11 +80,7 @@ def compliance_figure(frame: pd.DataFrame, path: str | Path, title: str = "") ->
            title=title or f"compliance per turn, {frame['pair'].nunique()} dialogs")
     round_ticks(ax, table["round"].tolist())
     ax.legend(loc="lower left", fontsize=8, frameon=False)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_png(fig, path)
 
 
 def write_replay_figures(run_dir: str | Path) -> list[Path]:

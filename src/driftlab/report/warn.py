@@ -30,8 +30,9 @@ import numpy as np
 import pandas as pd
 from sklearn.metrics import roc_auc_score
 
-from driftlab.records.rundir import RunDir
+from driftlab.errors import DriftlabError
 from driftlab.report.activation import PASS, TURN_MEASURES, measures_frame
+from driftlab.report.replay import compliance_frame
 from driftlab.report.tables import TextTable
 from driftlab.stats import cluster_resamples, percentile_interval, rank_auroc
 
@@ -88,8 +89,7 @@ def turns_frame(*run_dirs: str | Path, fail_below: float = PASS) -> pd.DataFrame
     `fails_next` (turn t + 1 scored below `fail_below`)."""
     frame = measures_frame(*run_dirs)
     turns = frame[frame.what == "turn"].drop(columns="what").copy()
-    tokens = {(r["pair"], r["round"]): r["n_tokens"] for r in RunDir(run_dirs[0]).records()
-              if r.get("kind") == "turn" and r.get("speaker") == "agent"}
+    tokens = compliance_frame(run_dirs[0]).set_index(["pair", "round"])["n_tokens"]
     turns["tokens"] = [tokens.get((p, r), 0) for p, r in zip(turns.pair, turns["round"], strict=True)]
     turns = turns.sort_values(["pair", "round"])
     turns["tokens"] = turns.groupby("pair")["tokens"].cumsum()  # through turn t: what the model had written
@@ -216,6 +216,9 @@ def _first_failures(rows: pd.DataFrame, fail_below: float) -> dict[int, int]:
 def write_warn(run_dirs: list[Path], out: Path, fail_below: float = PASS, seed: int = 0) -> tuple[list[Signal], Path]:
     """Analyse, then write warn.json, warn.csv and warn.png into `out`."""
     turns = turns_frame(*run_dirs, fail_below=fail_below)
+    if turns.empty:
+        raise DriftlabError(f"{run_dirs[0]} has no agent turn followed by a scored one: nothing to predict.",
+                            hint="Let the replay run two rounds or more (the same command resumes it).")
     found = analyse(turns, fail_below, seed)
     out.mkdir(parents=True, exist_ok=True)
     table = pd.DataFrame([{**asdict(s), "warns": s.warns, "verdict": s.verdict} for s in found])
@@ -228,12 +231,12 @@ def write_warn(run_dirs: list[Path], out: Path, fail_below: float = PASS, seed: 
 def figure(found: list[Signal], path: Path, fail_below: float) -> Path:
     """Each signal's AUROC for the next turn's failure, pooled and within dialogs, with 95% intervals;
     the turn index's as a line every warning must clear."""
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from driftlab.report.figures import save_png
 
-    fig, ax = plt.subplots(figsize=(7, 0.5 * len(found) + 1.6))
+    fig = Figure(figsize=(7, 0.5 * len(found) + 1.6), layout="constrained", dpi=120)
+    ax = fig.add_subplot()
     ys = np.arange(len(found))[::-1]
     for y, s in zip(ys, found, strict=True):
         color = "C2" if s.warns else ("0.5" if s.baseline else "C0")
@@ -245,13 +248,10 @@ def figure(found: list[Signal], path: Path, fail_below: float) -> Path:
     ax.axvline(turn.auroc, color="0.5", ls="--", lw=1)
     ax.axvline(0.5, color="0.8", lw=1)
     ax.set_yticks(ys, [s.label + (" (baseline)" if s.baseline else "") for s in found])
-    ax.set(xlim=(0, 1), xlabel=f"AUROC: the next agent turn fails (score < {fail_below})",
+    ax.set(xlim=(0, 1.03), xlabel=f"AUROC: the next agent turn fails (score < {fail_below})",
            title=f"which signal warns ({found[0].n_dialogs} dialogs, {found[0].n_turns} turns)")
-    ax.legend(loc="lower right", fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    fig.legend(loc="outside lower center", ncols=2, fontsize=8, frameon=False)
+    return save_png(fig, path)
 
 
 def table(found: list[Signal], fail_below: float = PASS) -> TextTable:
