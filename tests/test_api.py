@@ -30,7 +30,7 @@ def _measures_registered_here_are_forgotten():
 
     before = {name: (dict(table)) for name, table in (("m", measures.MEASURES), ("p", measures._PARAMS),
                                                        ("c", measures._CUSTOM))}
-    complete = set(measures._NEEDS_COMPLETE)
+    complete = dict(measures._NEEDS_COMPLETE)
     yield
     for name, table in (("m", measures.MEASURES), ("p", measures._PARAMS), ("c", measures._CUSTOM)):
         table.clear()

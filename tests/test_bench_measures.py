@@ -210,6 +210,7 @@ def test_measures_that_need_a_complete_reply() -> None:
         "increasing_sentence_lengths",
         "questions",  # the last sentence has not reached its "?"
         "min_words",  # a reply still going when cut off is what "extremely long" asks for
+        "ifeval",  # by its instruction (an end phrase, a count; tests/test_ifeval.py), where none is named
     }
     # word_count is not among them: a cut-off reply already longer than n words is a true violation.
     assert not needs_complete("word_count") and not needs_complete("mentions_any")
@@ -260,10 +261,15 @@ ADVERSARIAL = {
 @pytest.mark.timeout(90)
 def test_every_measure_scores_a_megabyte_in_bounded_time() -> None:
     """Every measure on every adversarial megabyte, within one budget (each takes well under a second)."""
-    from driftlab.bench import load_personas
+    from driftlab.bench import ifeval, ifeval_constraints, load_personas
 
-    personas = {p.measure: p for p in load_personas()}
+    personas = {p.measure: [p.params] for p in load_personas()}
+    personas["ifeval"] = [p.params for p in ifeval_constraints()]  # each of IFEval's checkers driftlab ships
     for name in MEASURES:
-        params = personas[name].params if name in personas else {}
-        for text in ADVERSARIAL.values():
-            assert 0.0 <= MEASURES[name](text, **params) <= 1.0, name
+        for params in personas.get(name, [{}]):
+            for text in ADVERSARIAL.values():
+                if name == "ifeval":  # upstream's checkers are unbounded: driftlab judges replies up to a bound
+                    with pytest.raises(ValueError, match="at most"):
+                        MEASURES[name](text, **params)
+                    text = text[:ifeval.MAX_CHARS]
+                assert 0.0 <= MEASURES[name](text, **params) <= 1.0, (name, params)

@@ -145,7 +145,7 @@ def test_a_replay_shows_the_users_turns_verbatim_in_order_with_the_models_own_re
     """The agent sees [its system prompt, u_1, b_1, ..., u_i]: the file's user turns verbatim and in
     order, its own earlier replies, never the file's system or assistant turns. Each agent turn is
     scored by its persona's measure; the run reports compliance per turn."""
-    from driftlab.bench import get_persona
+    from driftlab.bench import Persona, get_persona
     from driftlab.protocol.replay import Replay, draw_replay
     from driftlab.protocol.runner import run_protocol
     from driftlab.records.rundir import RunDir
@@ -166,7 +166,7 @@ def test_a_replay_shows_the_users_turns_verbatim_in_order_with_the_models_own_re
         from driftlab.api.options import KEYWORDS, replay_config
 
         config = replay_config(backend_spec("smollm2-135m", dtype="float32"), KEYWORDS, {
-            "conversations": path, "agents": "reply-in-french,all-lowercase", "rounds": 5,
+            "conversations": path, "agents": "reply-in-french,ifeval-no-comma", "rounds": 5,
             "max_new_tokens": 12, "greedy": True})
         assert config.source == "file" and config.n_dialogs() is None
         run_protocol(Replay(config, smol32), tmp_path / "run", progress=False)
@@ -190,8 +190,10 @@ def test_a_replay_shows_the_users_turns_verbatim_in_order_with_the_models_own_re
         assert [m["content"] for m in view if m["role"] == "assistant"] == [replies[(pair, j)] for j in range(1, i)]
         assert "LOGGED" not in json.dumps(view) and "logged bot" not in json.dumps(view)
     assert len(seen) == 4
+    agents = {get_persona("reply-in-french").id, "ifeval-no-comma"}  # a persona, and IFEval's checker
+    assert {p["agent"] for p in manifest["pairs"]} == agents
     for r in records:  # each agent turn scored by its persona's own measure
-        persona = get_persona(manifest["pairs"][r["pair"]]["agent"])
+        persona = Persona(**manifest["personas"][manifest["pairs"][r["pair"]]["agent"]])
         assert r["score"] == persona.score(r["text"], truncated=r["finish_reason"] == "length")
 
     from driftlab.protocol.project import recorded_dialogs

@@ -16,6 +16,7 @@ from driftlab.bench.personas import (
     Persona,
     drift_users,
     get_persona,
+    ifeval_constraints,
     load_personas,
     load_user_personas,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "Persona",
     "drift_users",
     "get_persona",
+    "ifeval_constraints",
     "load_personas",
     "load_user_personas",
     "register_custom",

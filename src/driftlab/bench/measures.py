@@ -40,11 +40,13 @@ MeasureFn = Callable[..., float]
 MEASURES: dict[str, MeasureFn] = {}
 _PARAMS: dict[str, type[BaseModel]] = {}
 _CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {}
-_NEEDS_COMPLETE: set[str] = set()
+#: measure id -> whether it needs a complete reply: always (True), or by its params (a function of them).
+_NEEDS_COMPLETE: dict[str, bool | Callable[[dict[str, Any]], bool]] = {}
 
 
 def register(
-    name: str, check: Callable[[dict[str, Any]], None] | None = None, needs_complete: bool = False
+    name: str, check: Callable[[dict[str, Any]], None] | None = None,
+    needs_complete: bool | Callable[[dict[str, Any]], bool] = False,
 ) -> Callable[[MeasureFn], MeasureFn]:
     """Register a measure under `name`.
 
@@ -54,7 +56,7 @@ def register(
     `needs_complete` marks a measure that cannot judge a reply cut off by the token limit (an
     unclosed JSON object, a last word or sentence that is not the real last one): such a
     reply would score as a violation it may not be, so `Persona.score(..., truncated=True)`
-    returns None for it instead.
+    returns None for it instead. A measure of many checks (IFEval's) passes a function of the params.
 
     The registered function scores an empty or whitespace-only reply 0 whatever the measure:
     no reply follows no instruction, but "never use the letter e" or "no verbs in the
@@ -73,7 +75,7 @@ def register(
         if check is not None:
             _CHECKS[name] = check
         if needs_complete:
-            _NEEDS_COMPLETE.add(name)
+            _NEEDS_COMPLETE[name] = needs_complete
 
         @functools.wraps(fn)
         def measure(text: str, *args: Any, **params: Any) -> float:
@@ -108,7 +110,7 @@ def register_custom(fn: Callable[[str], float], name: str | None = None, needs_c
                             hint="pass another name=...")
     for table in (MEASURES, _PARAMS, _CHECKS):
         table.pop(name, None)
-    _NEEDS_COMPLETE.discard(name)
+    _NEEDS_COMPLETE.pop(name, None)
     register(name, needs_complete=needs_complete)(_one_argument(fn))
     _CUSTOM[name] = fn
     return name
@@ -170,9 +172,10 @@ def plugin_measures() -> list[str]:
     return sorted(_PLUGINS)
 
 
-def needs_complete(name: str) -> bool:
-    """Whether measure `name` can only judge a complete reply (see `register`)."""
-    return name in _NEEDS_COMPLETE
+def needs_complete(name: str, params: dict[str, Any] | None = None) -> bool:
+    """Whether measure `name` (with these params) can only judge a complete reply (see `register`)."""
+    rule = _NEEDS_COMPLETE.get(name, False)
+    return bool(rule(params or {}) if callable(rule) else rule)
 
 
 def validate_params(name: str, params: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from driftlab.bench import ifeval
 from driftlab.bench.judge import JUDGE
 from driftlab.bench.measures import (
     MEASURES,
@@ -104,7 +105,7 @@ class Persona(BaseModel):
 
         For these personas a reply cut off by the token limit scores None ("truncated"), see `score`.
         """
-        return needs_complete(self.measure)
+        return needs_complete(self.measure, self.params)
 
     @overload
     def score(self, text: str, truncated: Literal[False] = False) -> float: ...
@@ -164,16 +165,32 @@ def drift_user_sources() -> dict[str, dict[str, str | None]]:
     return json.loads((resources.files("driftlab.bench") / "data" / "drift_users_sources.json").read_text("utf-8"))
 
 
+@functools.cache
+def _ifeval_constraints() -> tuple[Persona, ...]:
+    source = resources.files("driftlab.bench") / "data" / "ifeval_constraints.jsonl"
+    return tuple(_parse_jsonl(source.read_text(encoding="utf-8"), "ifeval_constraints.jsonl", builtin=True))
+
+
+def ifeval_constraints() -> list[Persona]:
+    """IFEval instructions as standing system prompts, scored by IFEval's own checkers (`bench.ifeval`):
+    category "ifeval", shipped apart from the 100 so that the default draw and its data hash stay as
+    they were; a run takes them where it names them (`--categories ifeval`, `--agents ifeval-...`)."""
+    return [p.model_copy(deep=True) for p in _ifeval_constraints()]
+
+
 def load_personas(category: str | None = None, extra: str | Path | None = None) -> list[Persona]:
-    """The 100 built-in personas, plus the entries of a user file `extra`, optionally of one category."""
+    """The 100 built-in personas, plus the entries of a user file `extra`, optionally of one category
+    (category "ifeval": the IFEval constraints)."""
     # Copies: Persona is frozen but `params` is a dict; a caller changing it must not change the cache.
     personas = [p.model_copy(deep=True) for p in _builtin()]
+    if category == ifeval.CATEGORY:
+        personas += ifeval_constraints()
     if extra is not None:
         personas += load_user_personas(extra)
     if category is None:
         return personas
     present = {p.category for p in personas}
-    known = [c for c in CATEGORIES if c in present] + sorted(present - set(CATEGORIES))
+    known = [c for c in CATEGORIES if c in present] + sorted(present - set(CATEGORIES) | {ifeval.CATEGORY})
     if category not in known:
         raise DriftlabError(f"unknown category {category!r}", hint=f"use one of: {', '.join(known)}")
     return [p for p in personas if p.category == category]

@@ -39,7 +39,17 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from driftlab.bench import JUDGE, JudgeParams, Persona, drift_users, load_personas, starters, user_probe
+from driftlab.bench import (
+    JUDGE,
+    JudgeParams,
+    Persona,
+    drift_users,
+    ifeval,
+    ifeval_constraints,
+    load_personas,
+    starters,
+    user_probe,
+)
 from driftlab.bench.probes import ProbeVersion
 from driftlab.bench.starters import StarterSetName
 from driftlab.chat.base import MAX_SEED, ChatBackend, ChatRequest, Conversation, Sampling
@@ -138,10 +148,11 @@ class SelfChatConfig(ProtocolConfig):
     def _known_categories(cls, v):
         from driftlab.bench import CATEGORIES
 
+        known = [*CATEGORIES, ifeval.CATEGORY]
         if v is not None:
-            bad = [c for c in v if c not in CATEGORIES]
+            bad = [c for c in v if c not in known]
             if bad:
-                raise ValueError(f"unknown categories {bad}; use {list(CATEGORIES)}")
+                raise ValueError(f"unknown categories {bad}; use {known}")
         return v
 
     @property
@@ -180,6 +191,7 @@ class SelfChatConfig(ProtocolConfig):
             raise DriftlabError(f"No personas in categories {self.categories}.", hint="See `driftlab personas list`.")
         if not self.pair_ids and not self.pairs:
             raise DriftlabError("No persona pairs to run.", hint="Use --pairs N or --pair AGENT_ID:USER_ID.")
+        ifeval.ready(agents)
         return pool, agents
 
 
@@ -199,8 +211,13 @@ def measured(reply: Any) -> dict[str, Any]:
 
 def all_personas(config: SelfChatConfig) -> list[Persona]:
     """The built-in personas, those of `persona_file` and those given in code (ids unique); the
-    drift-pushing users where the run draws its users from them."""
+    drift-pushing users where the run draws its users from them; the IFEval constraints where the run
+    names them (their category or one of their ids), so other runs' draws and data hashes stay as they were."""
     pool = load_personas(extra=config.persona_file) + (drift_users() if config.users == "drift-pushing" else [])
+    constraints = ifeval_constraints()
+    named = set(config.agents or []) | {pid for ids in config.pair_ids for pid in ids}
+    if ifeval.CATEGORY in (config.categories or []) or named & {p.id for p in constraints}:
+        pool += constraints
     taken = {p.id for p in pool}
     for p in config.personas:
         if p.id in taken:
