@@ -48,7 +48,8 @@ def _upstream_strict(instruction: str, kwargs: dict, response: str) -> bool:
 
     example = utils.InputExample(key=0, instruction_id_list=[instruction], prompt="What do you do in London?",
                                  kwargs=[kwargs])
-    return utils.test_instruction_following_strict(example, response).follow_instruction_list[0]
+    with ife.seeded_langdetect():  # (upstream's language checks draw at random unless seeded)
+        return utils.test_instruction_following_strict(example, response).follow_instruction_list[0]
 
 
 def test_the_instruction_ids_are_upstreams() -> None:
@@ -74,6 +75,23 @@ def test_every_constraint_scores_as_lm_evals_strict_ifeval() -> None:
         theirs = [float(_upstream_strict(p.params["instruction"], p.params["kwargs"], t)) for t in texts]
         assert ours == theirs, p.id
         assert set(ours) == {0.0, 1.0}, p.id
+
+
+def test_a_verdict_is_a_function_of_the_text_whatever_langdetect_was_seeded_with() -> None:
+    """Upstream's English check draws n-grams at random: unseeded, a borderline reply flips between calls."""
+    from langdetect import DetectorFactory
+
+    lowercase = next(p for p in ifeval_constraints() if p.id == "ifeval-lowercase")
+    texts = [t.lower() for t in _replies()]
+    first = [lowercase.score(t) for t in texts]
+    before = DetectorFactory.seed
+    try:
+        for seed in (None, 7):
+            DetectorFactory.seed = seed
+            assert [lowercase.score(t) for t in texts] == first
+            assert DetectorFactory.seed == seed  # left as it was
+    finally:
+        DetectorFactory.seed = before
 
 
 def test_a_cut_off_reply_scores_none_where_only_a_whole_reply_can_tell() -> None:

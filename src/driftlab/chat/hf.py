@@ -40,7 +40,7 @@ from driftlab.chat.constrain import JsonConstraint
 from driftlab.chat.directions import row_directions
 from driftlab.chat.guidance import guide
 from driftlab.chat.loading import input_device, load_model
-from driftlab.chat.prefix_cache import PrefixCache, auto_budget
+from driftlab.chat.prefix_cache import PrefixCache, auto_budget, similar_lengths
 from driftlab.chat.sampling import sample, warpers
 from driftlab.chat.spec import BackendSpec
 from driftlab.chat.static_decode import (
@@ -373,15 +373,32 @@ class HFChatBackend:
         there for the next. What the distribution measures (`protocol.kl`) read."""
         if any(not 1 <= k <= len(p.ids) for k, p in zip(keep, prompts, strict=True)):
             raise DriftlabError("Each prompt's positions must lie within it.")
-        run = _Decoding(self, [p.ids for p in prompts], Sampling(greedy=True, max_new_tokens=1), seeds=None,
-                        interventions=[interventions] * len(prompts), spans=[p.spans() for p in prompts],
-                        cache_store=cache_store, guidance=None, logprobs=None, on_finish=None,
-                        residual=self.residual_rows([None] * len(prompts), interventions) if interventions.residual()
-                        else None, compute_from=[len(p.ids) - k for p, k in zip(prompts, keep, strict=True)],
-                        keep_logits=max(keep))
-        run._store(at=dict(enumerate(run.live)))
-        logits = run.logits if run.logits.dim() == 3 else run.logits[:, None]
-        return [torch.log_softmax(logits[b, logits.shape[1] - k :].float(), dim=-1).cpu() for b, k in enumerate(keep)]
+        store = list(cache_store) if cache_store is not None else [True] * len(prompts)
+        out: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
+        for group in self._uncached_groups(prompts, keep, interventions):
+            rows, keeps = [prompts[b] for b in group], [keep[b] for b in group]
+            run = _Decoding(self, [p.ids for p in rows], Sampling(greedy=True, max_new_tokens=1), seeds=None,
+                            interventions=[interventions] * len(rows), spans=[p.spans() for p in rows],
+                            cache_store=[store[b] for b in group], guidance=None, logprobs=None, on_finish=None,
+                            residual=self.residual_rows([None] * len(rows), interventions)
+                            if interventions.residual() else None,
+                            compute_from=[len(p.ids) - k for p, k in zip(rows, keeps, strict=True)],
+                            keep_logits=max(keeps))
+            run._store(at=dict(enumerate(run.live)))
+            logits = run.logits if run.logits.dim() == 3 else run.logits[:, None]
+            for j, (b, k) in enumerate(zip(group, keeps, strict=True)):
+                out[b] = torch.log_softmax(logits[j, logits.shape[1] - k :].float(), dim=-1).cpu()
+        return out
+
+    def _uncached_groups(self, prompts: Sequence[Rendered], keep: Sequence[int],
+                         interventions: Interventions) -> list[list[int]]:
+        """The rows of one teacher-forced read in batches of similar uncached length (`similar_lengths`):
+        the KL's contexts extend cached ones by a turn, or by a whole dialog where nothing is cached."""
+        uncached = [len(p.ids) - min(self.prefix_cache.peek(np.asarray(p.ids, dtype=np.int64),
+                                                             cache_tag(interventions, p.spans())),
+                                     len(p.ids) - k, len(p.ids) - 1)
+                    for p, k in zip(prompts, keep, strict=True)]
+        return similar_lengths(uncached)
 
     def check_steer(self, conversation: Conversation, interventions: Interventions) -> None:
         """One-line errors, before any work, for a conversation a steer cannot act on: a vector or cap
@@ -984,6 +1001,11 @@ class HFChatBackend:
             self.prefix_cache.store(tokens, kv, tags[b])
 
 
+def cache_tag(interventions: Interventions, spans: dict[str, list[tuple[int, int]]]) -> str:
+    """A row's prefix-cache tag: KV computed under a steer is reused only under the same steer and spans."""
+    return f"{interventions.fingerprint()}|{sorted(spans.items())}" if interventions.fingerprint() else ""
+
+
 def _check_decode(decode: str) -> None:
     if decode not in DECODE_MODES:
         raise DriftlabError(f"Unknown decode mode {decode!r}.", hint=f"Use one of {', '.join(DECODE_MODES)}.")
@@ -1101,8 +1123,7 @@ class _Decoding:
             self.residual.stop(range(B, B + self.inert))  # inert rows generate nothing
             if static is not None:
                 self.residual.static_layout(static.arena)
-        self.tags = [f"{iv.fingerprint()}|{sorted(sp.items())}" if iv.fingerprint() else ""
-                     for iv, sp in zip(interventions, self.spans, strict=True)]
+        self.tags = [cache_tag(iv, sp) for iv, sp in zip(interventions, self.spans, strict=True)]
         # Under a prompt-scoped bias a generated token's KV differs from the same token's KV
         # as part of a later prompt (its keys were not biased): keep only prompt KV then.
         self.prompt_only = any(a is not None and a.prompt_scoped for a in attention)

@@ -96,6 +96,10 @@ class PrefixCache:
         self.hits_tokens += best_len
         return best_len, self._entries[best_id]
 
+    def peek(self, tokens: np.ndarray, tag: str) -> int:
+        """`lookup`'s length without its effects (LRU order, statistics): what a caller plans batches by."""
+        return max((common_prefix_len(e.tokens, tokens) for e in self._entries.values() if e.tag == tag), default=0)
+
     def store(self, tokens: np.ndarray, kv: list[tuple[torch.Tensor, torch.Tensor]], tag: str) -> None:
         """Add an entry; entries that are a prefix of it become redundant and are dropped."""
         if len(tokens) == 0 or self.max_bytes <= 0:
@@ -119,3 +123,20 @@ class PrefixCache:
                 err_console().print(f"note: the prefix cache is full ({self.max_bytes / 2**30:.1f} GiB): it drops its "
                                     "oldest entries, and a batch with a dropped row computes its prompts again (said "
                                     "once).", highlight=False, markup=False)
+
+
+def similar_lengths(lengths: list[int], waste: float = 0.15) -> list[list[int]]:
+    """Indices of `lengths` in groups (longest first) whose padding to their longest wastes at most
+    `waste` of the positions they compute: a left-padded batch computes, for every row, the longest
+    uncached suffix of any row, so rows that extend a long cached prefix by a few tokens (a KL's next
+    turn) and rows with no prefix cached (a first turn) are better read apart."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        group = groups[-1] if groups else None
+        if group is not None and lengths[group[0]] * (len(group) + 1) <= (1 + waste) * (
+                sum(lengths[j] for j in group) + lengths[i]):
+            group.append(i)
+        else:
+            groups.append([i])
+    return groups
