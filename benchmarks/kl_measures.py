@@ -15,10 +15,12 @@ comparison runs once, the order rotating each round; per variant the best wall t
 are best against best, and per round (paired, back to back).
 
 Sizes (PAIRS x ROUNDS x TOKENS, repeats): --quick 2x2x8 (1), default 8x4x32 (2), --full 16x8x48 (3).
-The default size took about 15 minutes on this project's 2-core CPU (docs/results/bench/kl-cpu.txt:
-kl 3.8x project, live kl 2.1x plain, CFG 1.4x; both targets missed). Why: per reply, kl reads the
-reply, the user turn and the reply again, and the restated prompt, the user turn and the reply, about
-five reply lengths, where project reads the dialog once and a plain self-chat generates the reply once.
+The default size takes about 15 minutes on this project's 2-core CPU (docs/results/bench/kl-cpu.txt;
+both targets missed). Why: per reply, kl reads the reply, the user turn and the reply again, and the
+restated prompt, the user turn and the reply, about five reply lengths, where project reads the
+dialog once and a plain self-chat generates the reply once. The record counts the positions each
+teacher-forced variant computes (a forward hook): their ratio is kl's floor against project on any
+machine where reading a position costs the same in both.
 """
 
 from __future__ import annotations
@@ -63,6 +65,18 @@ def _timed(make, backend) -> float:
         t = time.perf_counter()
         run_protocol(make(out), out, progress=False)
         return time.perf_counter() - t
+
+
+def _positions(make, backend) -> int:
+    """Token positions the model computes in one run of `make(out)`'s protocol, from an empty prefix
+    cache: the work a variant does, whatever the machine (kl's lower bound against project)."""
+    fed: list[int] = []
+    hook = backend.model.register_forward_pre_hook(lambda m, a, k: fed.append(k["input_ids"].numel()), with_kwargs=True)
+    try:
+        _timed(make, backend)
+    finally:
+        hook.remove()
+    return sum(fed)
 
 
 def _interleaved(variants: dict, repeats: int) -> dict[str, list[float]]:
@@ -110,6 +124,7 @@ def run(quick: bool = False, full: bool = False) -> Result:
         live = {name: (lambda out, cfg=selfchat_config(**chat, **extra): SelfChat(cfg, plain), plain)
                 for name, extra in (("plain", {}), ("live kl", {"kl": True}), ("cfg", {"steer": ["cfg:alpha=1.5"]}))}
         teacher_times, live_times = _interleaved(teacher, repeats), _interleaved(live, repeats)
+        positions = {name: _positions(*variant) for name, variant in teacher.items()}
     threads = torch.get_num_threads()
     res = Result(title=f"driftlab kl against driftlab project on one recorded self-chat: SmolLM2-135M float32, "
                        f"{threads} torch thread(s), {pairs} pairs x {rounds} rounds x {tokens} tokens; best of "
@@ -123,7 +138,11 @@ def run(quick: bool = False, full: bool = False) -> Result:
                    "kl_target_met": str(teacher_ratio["kl"] <= TARGETS["kl"]).lower(),
                    "live_kl_over_plain": f"{live_ratio['live kl']:.3f}",
                    "live_kl_target_met": str(live_ratio["live kl"] <= TARGETS["live kl"]).lower(),
-                   "cfg_over_plain": f"{live_ratio['cfg']:.3f}"}
-    res.notes = ["x = best time over the base variant's best (project; plain); paired x = the same, round by round.",
+                   "cfg_over_plain": f"{live_ratio['cfg']:.3f}",
+                   "project_positions": str(positions["project"]), "kl_positions": str(positions["kl"]),
+                   "kl_positions_over_project": f"{positions['kl'] / positions['project']:.3f}"}
+    res.notes = [f"positions the model computes: project {positions['project']}, kl {positions['kl']} "
+                 f"({positions['kl'] / positions['project']:.2f}x): kl's three contexts each read a turn anew.",
+                 "x = best time over the base variant's best (project; plain); paired x = the same, round by round.",
                  "every variant of a comparison reads or generates the same tokens (greedy, EOS ignored)."]
     return res

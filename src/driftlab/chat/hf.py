@@ -37,10 +37,11 @@ from driftlab.chat.base import (
     without_system,
 )
 from driftlab.chat.constrain import JsonConstraint
+from driftlab.chat.describe import describe_hf, preset_of
 from driftlab.chat.directions import row_directions
 from driftlab.chat.guidance import guide
 from driftlab.chat.loading import input_device, load_model
-from driftlab.chat.prefix_cache import PrefixCache, auto_budget, similar_lengths
+from driftlab.chat.prefix_cache import PrefixCache, auto_budget
 from driftlab.chat.sampling import sample, warpers
 from driftlab.chat.spec import BackendSpec
 from driftlab.chat.static_decode import (
@@ -120,7 +121,7 @@ class HFChatBackend:
         had_template = bool(getattr(tokenizer, "chat_template", None))
         self.renderer = Renderer(self.tokenizer, span_mode)
         self._set_template = not had_template  # the plain template was set on the tokenizer: close() unsets it
-        if self.renderer.plain and (attachment is not None or "preset" not in self._preset_meta()):
+        if self.renderer.plain and (attachment is not None or not preset_of(name)):
             from driftlab.console import err_console
 
             err_console().print(
@@ -375,7 +376,9 @@ class HFChatBackend:
             raise DriftlabError("Each prompt's positions must lie within it.")
         store = list(cache_store) if cache_store is not None else [True] * len(prompts)
         out: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
-        for group in self._uncached_groups(prompts, keep, interventions):
+        ids = [np.asarray(p.ids, dtype=np.int64) for p in prompts]
+        tags = [cache_tag(interventions, p.spans()) for p in prompts]
+        for group in self.prefix_cache.plan(ids, tags, [len(p.ids) - k for p, k in zip(prompts, keep, strict=True)]):
             rows, keeps = [prompts[b] for b in group], [keep[b] for b in group]
             run = _Decoding(self, [p.ids for p in rows], Sampling(greedy=True, max_new_tokens=1), seeds=None,
                             interventions=[interventions] * len(rows), spans=[p.spans() for p in rows],
@@ -389,16 +392,6 @@ class HFChatBackend:
             for j, (b, k) in enumerate(zip(group, keeps, strict=True)):
                 out[b] = torch.log_softmax(logits[j, logits.shape[1] - k :].float(), dim=-1).cpu()
         return out
-
-    def _uncached_groups(self, prompts: Sequence[Rendered], keep: Sequence[int],
-                         interventions: Interventions) -> list[list[int]]:
-        """The rows of one teacher-forced read in batches of similar uncached length (`similar_lengths`):
-        the KL's contexts extend cached ones by a turn, or by a whole dialog where nothing is cached."""
-        uncached = [len(p.ids) - min(self.prefix_cache.peek(np.asarray(p.ids, dtype=np.int64),
-                                                             cache_tag(interventions, p.spans())),
-                                     len(p.ids) - k, len(p.ids) - 1)
-                    for p, k in zip(prompts, keep, strict=True)]
-        return similar_lengths(uncached)
 
     def check_steer(self, conversation: Conversation, interventions: Interventions) -> None:
         """One-line errors, before any work, for a conversation a steer cannot act on: a vector or cap
@@ -431,58 +424,8 @@ class HFChatBackend:
                 for found in row_directions(self.directions, systems, interventions, self.name)]
 
     def describe(self) -> dict[str, Any]:
-        if self._attachment is not None:
-            return self._describe_memory()
-        meta: dict[str, Any] = {
-            "name": self.name, "backend": "hf", "path": str(self.path), "architecture": type(self.model).__name__,
-            "dtype": str(self.model.dtype).replace("torch.", ""), "device": str(self.device),
-            "span_mode": self.renderer.span_mode, "max_context": self.shape.max_context,
-        }
-        from driftlab.assets.hub import snapshot_info
-
-        meta.update(self._preset_meta())
-        if self.directions is not None:
-            meta["directions"] = self.directions.describe()
-        hub = snapshot_info(self.path)
-        if hub:  # which weights exactly: a resumed run refuses others (protocol.runner)
-            meta["hub"] = {**hub, "requested": self.name}
-        if self.device_map:
-            meta["device_map"] = {k: str(v) for k, v in getattr(self.model, "hf_device_map", {}).items()}
-        if self.quantize:
-            meta["quantize"] = self.quantize
-        return meta
-
-    def _describe_memory(self) -> dict[str, Any]:
-        """describe() of a model from `from_model`: where it came from is the caller's object, so
-        the manifest says so (`source`), with its name_or_path and adapters, and no preset."""
-        from driftlab.chat.attach import adapters
-
-        base = self._attachment.base
-        meta: dict[str, Any] = {
-            "name": self.name, "backend": "hf", "source": "memory",
-            "name_or_path": getattr(base, "name_or_path", "") or None,
-            "architecture": type(base).__name__, "wrapper": type(self.model).__name__ if self.model is not base else None,
-            "dtype": str(base.dtype).replace("torch.", ""), "device": str(self.device),
-            "span_mode": self.renderer.span_mode, "max_context": self.shape.max_context,
-            "peft": adapters(self.model),
-        }
-        if self.path is not None:
-            from driftlab.assets.hub import snapshot_info
-
-            hub = snapshot_info(self.path)
-            if hub:
-                meta["hub"] = hub
-        if self.device_map:
-            meta["device_map"] = {k: str(v) for k, v in getattr(base, "hf_device_map", {}).items()}
-        if self.quantize:
-            meta["quantize"] = self.quantize
-        return meta
-
-    def _preset_meta(self) -> dict[str, Any]:
-        from driftlab.assets import pulled_info
-
-        info = pulled_info(self.name) if "/" not in self.name and "@" not in self.name else None
-        return {"preset": info} if info else {}
+        """The model's facts for a run's manifest (`chat.describe`)."""
+        return describe_hf(self)
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)

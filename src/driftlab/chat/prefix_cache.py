@@ -100,6 +100,14 @@ class PrefixCache:
         """`lookup`'s length without its effects (LRU order, statistics): what a caller plans batches by."""
         return max((common_prefix_len(e.tokens, tokens) for e in self._entries.values() if e.tag == tag), default=0)
 
+    def plan(self, prompts: list[np.ndarray], tags: list[str], compute_from: list[int]) -> list[list[int]]:
+        """The rows of one teacher-forced read in batches of similar uncached length (`similar_lengths`):
+        a KL's contexts extend cached ones by a turn, or a whole dialog where nothing is cached. A row's
+        tokens from `compute_from` on are computed whatever the cache holds."""
+        uncached = [len(p) - min(self.peek(p, tag), start, len(p) - 1)
+                    for p, tag, start in zip(prompts, tags, compute_from, strict=True)]
+        return similar_lengths(uncached)
+
     def store(self, tokens: np.ndarray, kv: list[tuple[torch.Tensor, torch.Tensor]], tag: str) -> None:
         """Add an entry; entries that are a prefix of it become redundant and are dropped."""
         if len(tokens) == 0 or self.max_bytes <= 0:
