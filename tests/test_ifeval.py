@@ -67,7 +67,7 @@ def test_each_constraint_prompt_is_upstreams_description_for_every_reply() -> No
 
 
 def test_every_constraint_scores_as_lm_evals_strict_ifeval() -> None:
-    """The measure is upstream's verdict as 0/1, on 270 real replies and on written ones that pass
+    """The measure is upstream's verdict as 0/1, on every reply of the committed replay study and on written ones that pass
     and fail each constraint; each constraint both passes and fails somewhere."""
     texts = _replies() + WRITTEN
     for p in ifeval_constraints():
