@@ -22,10 +22,12 @@ from driftlab.report import warn
 from driftlab.stats import cluster_resamples
 
 
-def _write_run(path: Path, dialogs: int = 24, rounds: int = 10, seed: int = 0) -> dict[tuple[int, int], dict]:
+def _write_run(path: Path, dialogs: int = 24, rounds: int = 10, seed: int = 0,
+               gate: bool = False) -> dict[tuple[int, int], dict]:
     """A replay-shaped run: half the dialogs fail from a turn drawn in 4..8 on; pi falls one turn before
     the first failure (a warning with lead 1); `influence` is a per-dialog constant that is higher in the
-    dialogs that fail (it tells dialogs apart, not turns); the reminded KL is noise."""
+    dialogs that fail (it tells dialogs apart, not turns); the reminded KL is noise. With `gate`, a
+    monitoring `when-drifting` recorded its reading too: pi over 0.3, the first turn's."""
     rng = np.random.default_rng(seed)
     path.mkdir(parents=True)
     pairs, records, truth = [], [], {}
@@ -41,9 +43,13 @@ def _write_run(path: Path, dialogs: int = 24, rounds: int = 10, seed: int = 0) -
                    "text": f"reply {d} {r}", "n_tokens": 10 + int(rng.integers(0, 5)), "finish_reason": "stop",
                    "score": score, "pi": [pi, pi], "kl": {"reminded": float(rng.exponential()), "prompt": -level,
                                                           "positions": 10}}
+            if gate:
+                rec["gate"] = {"r": 1.0, "pi_ratio": round(pi / 0.3, 6), "steered": pi / 0.3 < 1.0}
             records.append(rec)
             truth[d, r] = rec
-    manifest = {"protocol": "replay", "config": {"rounds": rounds, "probe_after": "agent"}, "pairs": pairs,
+    steer = ["trace", "when-drifting:r=1"] if gate else []
+    manifest = {"protocol": "replay", "config": {"rounds": rounds, "probe_after": "agent", "steer": steer},
+                "pairs": pairs,
                 "conditions": ["persona"], "completed": True}
     (path / "manifest.json").write_text(json.dumps(manifest))
     (path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -151,3 +157,19 @@ def test_a_signal_above_the_turn_index_only_pooled_tells_dialogs_apart() -> None
     within = warn.Signal(**base, within=0.8, within_low=0.6, within_high=0.95)
     assert not between.warns and between.verdict == "tells dialogs apart, not turns"
     assert within.warns and within.verdict == "WARNS"
+
+
+def test_where_the_gates_own_reading_warns_warn_names_the_gate_that_acts_on_it(tmp_path, run) -> None:
+    """A monitoring gate recorded its reading (pi over the first turn's) at every turn; it falls a turn
+    before each failure, so it warns, and warn writes the steer whose threshold separates the two levels
+    (0.05 / 0.3 before a failure, about 1 else). A run without the reading gets no gate."""
+    _write_run(tmp_path / "gated", gate=True)
+    found, out, gate = warn.write_warn([tmp_path / "gated"], tmp_path / "w")
+    by_name = {s.name: s for s in found}
+    assert by_name["gate"].warns and gate is not None and gate.startswith("when-drifting:r=")
+    r = float(gate.split("r=")[1])
+    assert 0.05 / 0.3 <= r < 0.8
+    assert json.loads((out / warn.GATE_JSON).read_text())["steer"] == gate
+    assert warn.write_warn([run], tmp_path / "plain")[2] is None
+    result = CliRunner().invoke(app, ["warn", "--from-run", str(tmp_path / "gated"), "-o", str(tmp_path / "cli")])
+    assert result.exit_code == 0 and f"gate: --steer {gate}" in result.output

@@ -31,7 +31,6 @@ GREEDY = Sampling(greedy=True, max_new_tokens=8)
 
 @pytest.mark.parametrize("specs, message", [
     (["when-drifting:r=0.9"], "none is given"),
-    (["when-drifting:r=0.9", "trace"], "none is given"),
     (["when-drifting:r=0.9", "cfg:alpha=1.5", STEER], "cfg acts on the whole batch"),
     (["when-drifting:r=0.9", "spr:p=0.5", STEER], "spr acts on the whole batch"),
     (["when-drifting:r=0", STEER], "greater than 0"),
@@ -40,6 +39,19 @@ GREEDY = Sampling(greedy=True, max_new_tokens=8)
 def test_bad_gates_are_one_line_errors(specs, message) -> None:
     with pytest.raises(DriftlabError, match=message):
         Interventions.parse(specs)
+
+
+def test_a_gate_over_the_trace_alone_is_a_monitor_whose_replies_the_kls_can_read() -> None:
+    """`--steer trace --steer when-drifting:r=R` reads the gate's signal at every reply and steers none (both
+    halves are the trace): what `driftlab warn` tests as a warning, with the KLs beside it."""
+    from driftlab.protocol import divergence
+
+    steer = Interventions.parse(["trace", "when-drifting:r=0.9"])
+    gate, on, off = steer.gated()
+    assert on == off == Interventions.parse(["trace"]) and divergence.monitor(steer)
+    assert divergence.measured_steer(steer) == Interventions()  # the KLs read plain contexts
+    with pytest.raises(DriftlabError, match="mixes or switches"):
+        divergence.measured_steer(Interventions.parse(["trace", "when-drifting:r=0.9", STEER]))
 
 
 def test_the_gate_splits_a_steer_into_its_on_and_off_halves() -> None:
@@ -239,3 +251,25 @@ def test_by_projection_each_row_is_steered_only_where_its_persona_projection_fel
             smol32.check_steer(other, gate)
     finally:
         smol32.use_directions(None)
+
+
+@pytest.mark.model
+def test_a_monitoring_gate_records_its_reading_beside_the_kls_on_every_replayed_turn(smol32, tmp_path) -> None:
+    """On SmolLM2: a replay under a monitor writes the gate's reading and both KLs on every agent turn, its
+    replies those of the plain run, and `driftlab warn` reads the reading as a signal."""
+    import json
+
+    import driftlab as dl
+    from driftlab.report.warn import turns_frame
+
+    logs = tmp_path / "logs.jsonl"
+    logs.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q} for q in qs]}) + "\n" for qs in
+                            (["Where should I travel in May?", "And what should I pack?", "How long should I stay?"],
+                             ["Tell me about bread.", "Which flour is best?", "How long does dough rise?"])))
+    common = dict(conversations=logs, agents="reply-in-french,all-caps", max_new_tokens=8, greedy=True, kl=True,
+                  progress=False)
+    watched = dl.replay(smol32, steer=["trace", "when-drifting:r=0.9"], out=tmp_path / "monitor", **common)
+    plain = dl.replay(smol32, out=tmp_path / "plain", **common)
+    assert [r["text"] for r in watched.records] == [r["text"] for r in plain.records]
+    assert len(watched.records) == 6 and all(r["gate"]["pi_ratio"] > 0 and r["kl"] for r in watched.records)
+    assert turns_frame(tmp_path / "monitor")["gate"].notna().all()

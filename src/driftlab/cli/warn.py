@@ -31,8 +31,10 @@ def warn(
     if first.get("protocol") != "replay":
         raise DriftlabError(f"--from-run {from_run[0]} is a {first.get('protocol', 'selfchat')} run; a warning needs "
                             "every agent turn scored.", hint="Run `driftlab replay` first and give its --out here.")
-    found, where = write_warn(list(from_run), out or from_run[0] / "warn", fail_below, seed)
+    found, where, gate = write_warn(list(from_run), out or from_run[0] / "warn", fail_below, seed)
     from driftlab.cli.finish import print_text_table
 
     print_text_table(table(found, fail_below))
+    if gate is not None:  # the gate's own reading warns: the steer that acts on it
+        typer.echo(f"gate: --steer {gate}  (add the steer it gates; price it with `driftlab sweep`)")
     typer.echo(str(where / "warn.json"))

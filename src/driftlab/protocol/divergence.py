@@ -60,13 +60,23 @@ def require(backend, who: str) -> None:
 
 def measured_steer(steer: Interventions) -> Interventions:
     """The steers every context is read under (the run's, but its trace), or one line for a steer
-    whose replies were not drawn from the model's own next-token distribution."""
+    whose replies were not drawn from the model's own next-token distribution. A `when-drifting` that
+    gates nothing but the trace is a monitor (it records its reading, every reply plain): measured."""
+    if monitor(steer):
+        steer = steer.without("when-drifting")
     found = sorted(steer.kinds & set(UNMEASURED))
     if found:
         raise DriftlabError(f"--steer {found[0]} mixes or switches distributions, so the KL of the model's own "
                             "next-token distributions does not describe its replies.",
                             hint=f"Measure the KL on a run without {' or '.join(UNMEASURED)}.")
     return steer.without("trace")
+
+
+def monitor(steer: Interventions) -> bool:
+    """Whether `steer`'s `when-drifting` gates only the trace: it reads its signal every turn (the
+    `gate` of each reply) and changes no reply, which is how `driftlab warn` tests the gate's own
+    reading as a warning."""
+    return "when-drifting" in steer.kinds and not steer.without("when-drifting").without("trace").items
 
 
 def divergences(backend, replies: Sequence[tuple[Conversation, str]], steer: Interventions,

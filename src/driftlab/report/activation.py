@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -51,7 +52,7 @@ def _band(values: list[float] | None, band: list[int] | None) -> float:
 
 
 KEY = ["pair", "round", "what"]
-COLUMNS = [*KEY, "score", "pi", "projection", "prompt_projection", "reminded", "influence", "repeated"]
+COLUMNS = [*KEY, "score", "pi", "projection", "prompt_projection", "reminded", "influence", "repeated", "gate"]
 #: The measures per agent turn: column, label, and the sign that makes larger mean more faithful.
 TURN_MEASURES = (("pi", "pi", 1), ("projection", "projection", 1), ("reminded", "reminded KL", -1),
                  ("influence", "prompt influence", 1))
@@ -61,7 +62,8 @@ def measures_frame(*run_dirs: str | Path) -> pd.DataFrame:
     """One row per agent turn and agent probe reply (repeat 0, condition persona): pair, round,
     what (turn|probe), score (probes, and a replay's turns), pi (mean over layers, where traced), projection and
     prompt_projection (band means, where measured), reminded and influence (KL, nats per token, where
-    measured), repeated (agent turns: 1 where the text is an earlier agent turn's of the same dialog,
+    measured), gate (`when-drifting`'s reading, where a gate read one: `gate_reading`), repeated
+    (agent turns: 1 where the text is an earlier agent turn's of the same dialog,
     word for word: a dialog in a loop, where a flat measure reads the same text again). Several runs
     over the same dialogs (a self-chat, its `project` and `kl` runs) are joined: each value from the
     first run that has it. `attrs["probe_after"]`: the self-chat's."""
@@ -98,13 +100,22 @@ def _frame(rd: RunDir) -> pd.DataFrame:
                      "projection": _band(act.get("reply"), act.get("band")),
                      "prompt_projection": _band(act.get("prompt"), act.get("band")),
                      "reminded": kl.get("reminded", float("nan")), "influence": kl.get("prompt", float("nan")),
-                     "repeated": float("nan")})
+                     "repeated": float("nan"), "gate": gate_reading(getattr(r, "gate", None))})
     frame = pd.DataFrame(rows, columns=COLUMNS).astype({c: float for c in COLUMNS[3:]})
     seen = repeated_turns(texts)
     turns = frame.what == "turn"
     frame.loc[turns, "repeated"] = [seen[p, r] for p, r in zip(frame.pair[turns], frame["round"][turns], strict=True)]
     frame.attrs["probe_after"] = config_of(manifest).get("probe_after", "user")
     return frame
+
+
+def gate_reading(gate: dict[str, Any] | None) -> float:
+    """`when-drifting`'s reading at a reply (its signal over the first turn's: pi's, or the projection's),
+    NaN where no gate read one."""
+    if not gate:
+        return float("nan")
+    value = gate.get("pi_ratio", gate.get("projection_ratio"))
+    return float("nan") if value is None else float(value)
 
 
 def repeated_turns(texts: dict[tuple[int, int], str]) -> dict[tuple[int, int], float]:

@@ -23,6 +23,7 @@ Per signal:
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from driftlab.stats import cluster_resamples, percentile_interval, rank_auroc
 
 N_RESAMPLES = 2000
 CONFIDENCE = 0.95
-WARN_JSON, WARN_CSV, WARN_PNG = "warn.json", "warn.csv", "warn.png"
+WARN_JSON, WARN_CSV, WARN_PNG, GATE_JSON = "warn.json", "warn.csv", "warn.png", "gate.json"
 # The baselines: column, label, the sign that makes larger mean more likely to fail.
 BASELINES = (("round", "turn index", 1), ("tokens", "agent tokens so far", 1), ("score", "this turn's compliance", -1))
 
@@ -100,10 +101,29 @@ def turns_frame(*run_dirs: str | Path, fail_below: float = PASS) -> pd.DataFrame
     return turns.reset_index(drop=True)
 
 
+# when-drifting's own reading (its signal over the first turn's), where the run recorded it: the quantity a
+# gate thresholds, so a warning there is one the gate can act on as it stands.
+GATE = ("gate", "when-drifting's reading", -1)
+
+
 def signals(turns: pd.DataFrame) -> list[tuple[str, str, int, bool]]:
     """(column, label, warning sign, is a baseline) of every signal the run measured."""
     measures = [(c, label, -sign, False) for c, label, sign in TURN_MEASURES if turns[c].notna().any()]
-    return [*[(c, label, sign, True) for c, label, sign in BASELINES], *measures]
+    gate = [(*GATE, False)] if turns[GATE[0]].notna().any() else []
+    return [*[(c, label, sign, True) for c, label, sign in BASELINES], *measures, *gate]
+
+
+def gate_steer(turns: pd.DataFrame, found: list[Signal], by: str) -> str | None:
+    """Where when-drifting's reading warns: the gate that acts on it, `when-drifting:r=R[,by=...]`, with R
+    the reading below which the next turn fails most often (Youden's J over this run's dialogs, all held
+    out from the runs it will steer; the lead times beside it are cross-fitted over dialogs). None
+    where the reading does not warn."""
+    if not any(s.name == GATE[0] and s.warns for s in found):
+        return None
+    rows = turns.dropna(subset=[GATE[0]])
+    threshold = youden_threshold(GATE[2] * rows[GATE[0]].to_numpy(float), rows.fails_next.to_numpy(bool))
+    r = min(max(-threshold, 1e-6), 1.0)
+    return f"when-drifting:r={r:.4g}" + ("" if by == "pi" else f",by={by}")
 
 
 def centred(values: np.ndarray, dialogs: np.ndarray) -> np.ndarray:
@@ -213,8 +233,10 @@ def _first_failures(rows: pd.DataFrame, fail_below: float) -> dict[int, int]:
     return out
 
 
-def write_warn(run_dirs: list[Path], out: Path, fail_below: float = PASS, seed: int = 0) -> tuple[list[Signal], Path]:
-    """Analyse, then write warn.json, warn.csv and warn.png into `out`."""
+def write_warn(run_dirs: list[Path], out: Path, fail_below: float = PASS,
+               seed: int = 0) -> tuple[list[Signal], Path, str | None]:
+    """Analyse, then write warn.json, warn.csv and warn.png into `out`, and gate.json where the gate's own
+    reading warns (`gate_steer`: the steer that acts on it)."""
     turns = turns_frame(*run_dirs, fail_below=fail_below)
     if turns.empty:
         raise DriftlabError(f"{run_dirs[0]} has no agent turn followed by a scored one: nothing to predict.",
@@ -225,7 +247,21 @@ def write_warn(run_dirs: list[Path], out: Path, fail_below: float = PASS, seed: 
     table.to_csv(out / WARN_CSV, index=False)
     (out / WARN_JSON).write_text(table.to_json(orient="records", indent=2))
     figure(found, out / WARN_PNG, fail_below)
-    return found, out
+    gate = gate_steer(turns, found, _gate_signal(run_dirs[0]))
+    if gate is not None:
+        (out / GATE_JSON).write_text(json.dumps({"steer": gate, "fail_below": fail_below}, indent=2))
+    return found, out, gate
+
+
+def _gate_signal(run_dir: Path) -> str:
+    """What the run's `when-drifting` read ('pi' or 'projection'; 'pi' where it had none)."""
+    from driftlab.protocol.runner import config_of
+    from driftlab.records.rundir import RunDir
+    from driftlab.steering.interventions import Interventions
+
+    steer = Interventions.parse(config_of(RunDir(run_dir).read_manifest()).get("steer") or [])
+    gate = steer.get("when-drifting")
+    return "pi" if gate is None else gate.by
 
 
 def figure(found: list[Signal], path: Path, fail_below: float) -> Path:

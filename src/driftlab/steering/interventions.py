@@ -427,9 +427,10 @@ class Interventions(BaseModel):
             if clash:
                 raise ValueError(f"--steer when-drifting decides per conversation, and {clash[0]} acts on the whole "
                                  "batch; gate split-softmax, instaboost, pasta, bias, pi-floor, vector or cap")
-            if not set(kinds) - {"when-drifting", "trace"}:
+            if not set(kinds) - {"when-drifting"}:  # with trace alone it is a monitor: it reads, steers nothing
                 raise ValueError("--steer when-drifting gates the other steers, and none is given; add one, "
-                                 "e.g. --steer split-softmax:k=0.5")
+                                 "e.g. --steer split-softmax:k=0.5 (or --steer trace: a monitor that records "
+                                 "its reading at every reply and steers none)")
         # Key biases (bias, instaboost, pasta) compose: the engine adds them up.
         # Canonical order, so equal compositions compare (and fingerprint) equal.
         object.__setattr__(self, "items", tuple(sorted(self.items, key=lambda i: i.kind)))
