@@ -250,6 +250,8 @@ def write_warn(run_dirs: list[Path], out: Path, fail_below: float = PASS,
     gate = gate_steer(turns, found, _gate_signal(run_dirs[0]))
     if gate is not None:
         (out / GATE_JSON).write_text(json.dumps({"steer": gate, "fail_below": fail_below}, indent=2))
+    else:  # (an earlier analysis of other records may have named one)
+        (out / GATE_JSON).unlink(missing_ok=True)
     return found, out, gate
 
 
