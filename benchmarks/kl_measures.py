@@ -20,7 +20,7 @@ both targets missed). Why: per reply, kl reads the reply, the user turn and the 
 restated prompt, the user turn and the reply, about five reply lengths, where project reads the
 dialog once and a plain self-chat generates the reply once. The record counts the positions each
 teacher-forced variant computes (a forward hook): where a position costs about the same in both (a
-CPU: matrix products are 77% of a pass), kl's time follows that ratio, whatever the batching.
+CPU, where matrix products dominate a pass), kl's time follows that ratio, whatever the batching.
 """
 
 from __future__ import annotations

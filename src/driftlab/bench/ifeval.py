@@ -95,20 +95,22 @@ def registry() -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=256)
 def _checker(instruction: str, kwargs_json: str) -> Any:
-    checker = registry()[instruction](instruction)
-    checker.build_description(**json.loads(kwargs_json))
-    return checker
+    kwargs = json.loads(kwargs_json)
+    found = registry()[instruction](instruction)
+    missing = set(found.get_instruction_args_keys()) - set(kwargs)
+    if missing:
+        raise DriftlabError(f"IFEval instruction {instruction!r} needs its arguments {sorted(missing)} "
+                            "(lm-eval would draw them at random).", hint=f"name them in the params' kwargs, e.g. --measure-params "
+                            f"'{{\"instruction\": \"{instruction}\", \"kwargs\": {{\"{sorted(missing)[0]}\": ...}}}}'")
+    found.build_description(**kwargs)
+    return found
 
 
 def checker(instruction: str, kwargs: dict[str, Any] | None = None) -> Any:
     """lm-eval's checker of `instruction` built with `kwargs` (all of its arguments: upstream draws
-    a missing one at random, so a persona must name each; a DriftlabError says which is missing)."""
-    kwargs = dict(kwargs or {})
-    missing = set(registry()[instruction](instruction).get_instruction_args_keys()) - set(kwargs)
-    if missing:
-        raise DriftlabError(f"IFEval instruction {instruction!r} needs its arguments {sorted(missing)} "
-                            "(lm-eval would draw them at random).", hint="give them in the persona's params.kwargs")
-    return _checker(instruction, json.dumps(kwargs, sort_keys=True))
+    a missing one at random, so a persona must name each; a DriftlabError says which is missing).
+    Built once per instruction and arguments: a run scores every reply with it."""
+    return _checker(instruction, json.dumps(dict(kwargs or {}), sort_keys=True))
 
 
 def ready(personas: list[Any]) -> None:
