@@ -11,7 +11,8 @@ RESULT ratio = best replay seconds / best self-chat seconds; target (issue): at 
 round is two generate calls (user, then agent) over contexts as long as the replay's single one.
 
 Sizes (dialogs x rounds x tokens): --quick 2 x 2 x 4 (a smoke test, about 15 s); default 8 x 3 x 16;
---full 16 x 4 x 32. The default size, recorded in docs/results/bench/replay-cpu.txt (2026-11-28, this
+--full 16 x 4 x 32. REPLAYBENCH_MODEL (default smollm2-135m) takes any --model, `vllm:smollm2-135m`
+for vLLM's engine (its prefix cache is reset before each timed run, as the transformers engine's is). The default size, recorded in docs/results/bench/replay-cpu.txt (2026-11-28, this
 project's 2-core CPU shared with a qwen2.5-coder-1.5b replay, 1 torch thread, bfloat16): replay 9.1 s,
 self-chat 16.7 s, ratio 0.55 (target met), about 2 minutes in all.
 """
@@ -19,13 +20,14 @@ self-chat 16.7 s, ratio 0.55 (target met), about 2 minutes in all.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
 
 from common import Result, pin_threads, size_of
 
-from driftlab.chat import Sampling
+from driftlab.chat import BackendSpec, ChatBackend, Sampling, make_backend
 from driftlab.chat.hf import HFChatBackend
 from driftlab.protocol.replay import Replay, ReplayConfig
 from driftlab.protocol.runner import run_protocol
@@ -46,9 +48,16 @@ def _logs(path: Path, dialogs: int, rounds: int, tokens: int) -> Path:
     return path
 
 
-def _once(backend: HFChatBackend, protocol) -> tuple[float, int]:
+def _clear_prefix_cache(backend: ChatBackend) -> None:
+    if isinstance(backend, HFChatBackend):
+        backend.prefix_cache.clear()
+    else:  # vllm: the engine's own prefix cache
+        backend.llm.reset_prefix_cache()
+
+
+def _once(backend: ChatBackend, protocol) -> tuple[float, int]:
     """(wall seconds, generated tokens) of one full run into a fresh directory, prefix cache emptied first."""
-    backend.prefix_cache.clear()
+    _clear_prefix_cache(backend)
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
         rundir = run_protocol(protocol, out, progress=False)
@@ -60,7 +69,7 @@ def run(quick: bool = False, full: bool = False) -> Result:
     size = size_of(quick, full)
     dialogs, rounds, tokens, repeats = SIZES[size]
     threads, _ = pin_threads()
-    backend = HFChatBackend("smollm2-135m", dtype="auto")
+    backend = make_backend(BackendSpec(model=os.environ.get("REPLAYBENCH_MODEL", "smollm2-135m"), dtype="auto"))
     sampling = Sampling(max_new_tokens=tokens, ignore_eos=True)
     probes_off = rounds + 1  # probe rounds i % k == 0: none within the dialog
     with tempfile.TemporaryDirectory() as data:
@@ -82,7 +91,7 @@ def run(quick: bool = False, full: bool = False) -> Result:
     best = {name: min(ts) for name, ts in times.items()}
     ratio = best["replay"] / best["self-chat"]
     res = Result(
-        title=f"replay vs self-chat: {backend.name} ({str(backend.model.dtype).removeprefix('torch.')}, {threads} "
+        title=f"replay vs self-chat: {backend.name} ({backend.describe().get('dtype')}, {threads} "
               f"torch threads), {dialogs} dialogs x {rounds} rounds, {tokens} tokens per turn, no probes; best of "
               f"{repeats} timed rounds after warm-up ({size} size)",
         columns=["protocol", "best s", "s per timed round", "s per dialog round", "generated tokens"],

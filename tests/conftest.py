@@ -43,35 +43,36 @@ MAX_WORKERS = 4  # each worker holds its own copies of the test models (a few GB
 gc.set_threshold(50_000, 20, 20)
 
 
-# Seconds (and tests) of the test files that take 10 s or more, whole, and of two many-test light
-# ones (one recorded run, 2026-11-26, 2-core AMD EPYC with AVX2, unloaded: docs/testing.md; its
-# ratios are what counts; test_benchmarks_gpu.py and test_graph_budget.py as a run alone gave them
-# after `models warm` moved to the first: it fills the compile cache the benchmark then starts
-# from); every other file is costed at LIGHT_TEST_S a test.
+# Seconds (and tests) of the test files that take 8 s or more, whole, and of the many-test light
+# ones (one recorded run, 2026-11-28, 2-core AMD EPYC with AVX-512, unloaded, warm compile cache:
+# docs/results/suite/durations-2026-11-28.txt; its ratios are what counts; test_graph_budget.py
+# and test_when_drifting.py less what the tests cut after it took); every other file is costed at
+# LIGHT_TEST_S a test.
 # Workers take whole files (`--dist loadfile`) in the order of the collection, which
 # `pytest_collection_modifyitems` below makes longest first, so that no long file starts last
 # while the other worker has run dry: xdist's own order (most tests first) put the few-test,
 # long files (kill-and-resume, compile cache, tutorial) at the end. To refresh the table from a
 # run's `--junitxml`: sum each file's testcase times.
 FILE_SECONDS = {
-    "test_benchmarks_gpu.py": (323, 17), "test_static_decode.py": (197, 62),
-    "test_graph_budget.py": (122, 5), "test_resume.py": (143, 8), "test_serve_faults.py": (126, 11),
-    "test_attention_flex.py": (125, 67), "test_attention_engine.py": (101, 98),
-    "test_continuous.py": (130, 11), "test_backend.py": (91, 23), "test_activation.py": (85, 16),
-    "test_ray.py": (84, 5), "test_tutorial.py": (72, 2), "test_directions.py": (69, 5),
-    "test_pasta_tasks.py": (66, 24), "test_cli_errors.py": (66, 126), "test_hub.py": (61, 40),
-    "test_assets.py": (50, 20), "test_pasta_steering.py": (46, 56), "test_lm_eval_adapter.py": (46, 8),
-    "test_mitigations.py": (46, 4), "test_cli.py": (45, 19), "test_harnesses.py": (44, 4),
-    "test_pi_floor.py": (44, 63), "test_serve.py": (44, 21), "test_from_model.py": (39, 19),
-    "test_bench_measures.py": (38, 50), "test_pasta_tune.py": (36, 5), "test_sweep_benchmark.py": (36, 7),
-    "test_openai_backend.py": (35, 9), "test_when_drifting.py": (34, 13),
-    "test_serve_completions.py": (29, 19), "test_serve_telemetry.py": (27, 9), "test_readme.py": (26, 4),
-    "test_judge.py": (25, 23), "test_results_contract.py": (23, 12), "test_sampling_fields.py": (22, 47),
-    "test_response_format.py": (22, 8), "test_flex_guard.py": (21, 5), "test_plugins.py": (21, 4),
-    "test_stats.py": (20, 64), "test_report.py": (20, 30), "test_sweep.py": (20, 18),
-    "test_results_figures.py": (17, 7), "test_serve_openai_compat.py": (15, 20),
-    "test_bench_personas.py": (14, 358), "test_decay.py": (13, 3), "test_theory.py": (12, 32),
-    "test_mmlu.py": (12, 27), "test_claims.py": (3, 80),
+    "test_benchmarks_gpu.py": (154, 18), "test_static_decode.py": (114, 68), "test_resume.py": (90, 9),
+    "test_kl.py": (84, 9), "test_continuous.py": (81, 12), "test_attention_flex.py": (75, 69),
+    "test_serve_faults.py": (74, 11), "test_attention_engine.py": (58, 102), "test_backend.py": (57, 23),
+    "test_activation.py": (50, 16), "test_pasta_tasks.py": (48, 24), "test_ray.py": (47, 5),
+    "test_directions.py": (44, 5), "test_tutorial.py": (43, 2), "test_when_drifting.py": (39, 14),
+    "test_graph_budget.py": (37, 5), "test_assets.py": (30, 21), "test_cli_errors.py": (29, 127),
+    "test_hub.py": (29, 40), "test_openai_backend.py": (29, 9), "test_mitigations.py": (29, 4),
+    "test_pasta_steering.py": (27, 56), "test_serve.py": (27, 21), "test_lm_eval_adapter.py": (27, 8),
+    "test_harnesses.py": (27, 4), "test_pasta_tune.py": (25, 5), "test_pi_floor.py": (23, 63),
+    "test_cli.py": (22, 19), "test_from_model.py": (21, 19), "test_bench_measures.py": (20, 50),
+    "test_serve_telemetry.py": (20, 10), "test_sweep_benchmark.py": (18, 7), "test_serve_completions.py": (17, 19),
+    "test_results_figures.py": (17, 9), "test_readme.py": (15, 4), "test_sampling_fields.py": (14, 47),
+    "test_directions_formats.py": (14, 13), "test_decay.py": (14, 4), "test_judge.py": (13, 23),
+    "test_results_contract.py": (13, 12), "test_plugins.py": (12, 4), "test_response_format.py": (11, 8),
+    "test_flex_guard.py": (11, 5), "test_report.py": (9, 31), "test_warn.py": (9, 10), "test_ifeval.py": (9, 10),
+    "test_bench_personas.py": (6, 359), "test_theory.py": (6, 32), "test_stats.py": (5, 64),
+    "test_mmlu.py": (5, 27), "test_options.py": (3, 21), "test_claims.py": (2, 111), "test_selfchat.py": (1, 30),
+    "test_sampling.py": (0, 49), "test_pasta_data.py": (0, 31), "test_pasta_metrics.py": (0, 27),
+    "test_bench_user_personas.py": (0, 15),
 }
 LIGHT_TEST_S = 0.3
 

@@ -78,8 +78,8 @@ def test_a_decay_run_of_a_recorded_self_chat_gives_each_turn_the_pi_traced_live(
 
     pairs = ["reply-in-french:very-happy", "all-caps:teen-slang"]
     live = tmp_path / "live"
-    dl.selfchat(smol32, pair=pairs, rounds=2, max_new_tokens=8, greedy=True, steer=["trace"], out=live,
-                progress=False)
+    dl.selfchat(smol32, pair=pairs, rounds=2, max_new_tokens=8, probe_tokens=8, greedy=True, steer=["trace"],
+                out=live, progress=False)
     replay = tmp_path / "decay"
     dl.run(Decay(DecayConfig(backend=spec_of(smol32), from_run=str(live), pairs=2), smol32), out=replay,
            progress=False)
@@ -89,8 +89,8 @@ def test_a_decay_run_of_a_recorded_self_chat_gives_each_turn_the_pi_traced_live(
     np.testing.assert_allclose(replayed.loc[traced.index], traced, atol=tol(2e-4))
 
     spr = tmp_path / "spr"
-    dl.selfchat(smol32, pair=pairs[:1], rounds=1, max_new_tokens=4, greedy=True, steer=["spr:p=1"], out=spr,
-                progress=False)
+    dl.selfchat(smol32, pair=pairs[:1], rounds=1, max_new_tokens=4, probe_tokens=4, greedy=True, steer=["spr:p=1"],
+                out=spr, progress=False)
     with pytest.raises(DriftlabError, match="--steer spr"):
         dl.run(Decay(DecayConfig(backend=spec_of(smol32), from_run=str(spr), pairs=1), smol32),
                out=tmp_path / "refused", progress=False)

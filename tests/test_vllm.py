@@ -321,8 +321,9 @@ def test_chat_on_vllm_prints_only_the_reply_on_stdout(engines, verbose: bool) ->
 
 
 def test_a_replay_on_vllm_equals_the_transformers_engines(engines, tmp_path) -> None:
-    """`driftlab replay --model vllm:...`: the same agent turns, scores and pi as the transformers engine
-    (greedy, float32) on user turns from a file."""
+    """`driftlab replay --model vllm:...`: the same agent turns, scores, pi and both KLs (`--kl`: the whole
+    distributions, read in vLLM's worker) as the transformers engine (greedy, float32) on user turns
+    from a file: the KLs within 1e-4 nats per token."""
     from driftlab.api.options import KEYWORDS, replay_config
     from driftlab.protocol.replay import Replay
     from driftlab.protocol.runner import run_protocol
@@ -334,7 +335,7 @@ def test_a_replay_on_vllm_equals_the_transformers_engines(engines, tmp_path) -> 
     for engine in engines:
         config = replay_config(BackendSpec(model="smollm2-135m", dtype="float32"), KEYWORDS, {
             "conversations": logs, "agents": "reply-in-french,all-lowercase", "rounds": 3, "max_new_tokens": 12,
-            "greedy": True, "steer": "trace"})
+            "greedy": True, "steer": "trace", "kl": True})
         rd = run_protocol(Replay(config, engine), tmp_path / engine.describe()["backend"], progress=False)
         found[engine.describe()["backend"]] = {(r["pair"], r["round"]): r for r in rd.records()}
     hf, vl = found.values()
@@ -342,19 +343,23 @@ def test_a_replay_on_vllm_equals_the_transformers_engines(engines, tmp_path) -> 
     for key, want in hf.items():
         assert vl[key]["text"] == want["text"] and vl[key]["score"] == want["score"], key
         np.testing.assert_allclose(vl[key]["pi"], want["pi"], atol=PI_TOL, rtol=0)
+        assert vl[key]["kl"]["positions"] == want["kl"]["positions"], key
+        for kl in ("reminded", "prompt"):
+            assert abs(vl[key]["kl"][kl] - want["kl"][kl]) < 1e-4, (key, kl, vl[key]["kl"], want["kl"])
+    assert any(r["kl"]["reminded"] > 1e-3 for r in hf.values()) and all(r["kl"]["prompt"] > 0 for r in hf.values())
 
 
 def test_a_selfchat_on_vllm_resumes_after_kill_9_and_reports_three_ways(commands, tmp_path) -> None:
-    """`driftlab run --model vllm:...` with directions and trace: killed after its first durable
+    """`driftlab run --model vllm:...` with directions, trace and `--kl`: killed after its first durable
     batch, the same command resumes it to the uninterrupted run's records (greedy), and its report
-    shows the probe, pi and the projection."""
+    shows the probe, pi, the projection and the KLs."""
     from driftlab.bench import get_persona
 
     directions = synthetic(30, 576, [get_persona(p).system_prompt for p in ("reply-in-french", "all-caps")]).save(
         tmp_path / "dirs").parent
     args = ["run", "--model", "vllm:smollm2-135m", "--dtype", "float32", "--pair", "reply-in-french:very-happy",
             "--pair", "all-caps:teen-slang", "--pairs", "0", "--rounds", "2", "--max-new-tokens", "8",
-            "--probe-tokens", "8", "--greedy", "--steer", "trace", "--directions", str(directions)]
+            "--probe-tokens", "8", "--greedy", "--steer", "trace", "--kl", "--directions", str(directions)]
     ref = commands.run([*args, "--out", str(tmp_path / "ref")])
     assert ref.returncode == 0, ref.stderr[-3000:]
     killed = commands.run([*args, "--out", str(tmp_path / "run")], kill_after=1)
@@ -377,8 +382,11 @@ def test_a_selfchat_on_vllm_resumes_after_kill_9_and_reports_three_ways(commands
             np.testing.assert_allclose(r["pi"], want["pi"], atol=PI_TOL, rtol=0)
         if r["activation"] is not None:
             np.testing.assert_allclose(r["activation"]["reply"], want["activation"]["reply"], atol=1e-3, rtol=1e-4)
+        if r.get("kl") is not None or want.get("kl") is not None:
+            assert abs(r["kl"]["reminded"] - want["kl"]["reminded"]) < 1e-4 and \
+                abs(r["kl"]["prompt"] - want["kl"]["prompt"]) < 1e-4, k
     agent = [r for r in RunDir(tmp_path / "ref").records() if r["kind"] == "turn" and r["speaker"] == "agent"]
-    assert agent and all(r["pi"] and r["activation"] for r in agent)
+    assert agent and all(r["pi"] and r["activation"] and r["kl"] for r in agent)
     assert RunDir(tmp_path / "ref").read_manifest()["models"]["agent"]["backend"] == "vllm"
     page = (tmp_path / "ref" / "report.html").read_text()
     assert "Drift measured side by side" in page

@@ -269,7 +269,7 @@ def test_a_monitoring_gate_records_its_reading_beside_the_kls_on_every_replayed_
     common = dict(conversations=logs, agents="reply-in-french,all-caps", max_new_tokens=8, greedy=True, kl=True,
                   progress=False)
     watched = dl.replay(smol32, steer=["trace", "when-drifting:r=0.9"], out=tmp_path / "monitor", **common)
-    plain = dl.replay(smol32, out=tmp_path / "plain", **common)
+    plain = dl.replay(smol32, out=tmp_path / "plain", **{**common, "kl": False})  # --kl changes no reply (test_kl.py)
     assert [r["text"] for r in watched.records] == [r["text"] for r in plain.records]
     assert len(watched.records) == 6 and all(r["gate"]["pi_ratio"] > 0 and r["kl"] for r in watched.records)
     assert turns_frame(tmp_path / "monitor")["gate"].notna().all()

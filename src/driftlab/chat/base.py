@@ -264,13 +264,16 @@ class Capabilities:
     `interventions`: the intervention kinds it applies (see driftlab.steering.KINDS);
     `loglikelihood`: it can score continuations (MMLU, PASTA evaluation);
     `tokens`: it is a `TokenBackend` (a local model whose tokens protocols may see);
-    `prompt_scores`: it scores every token of a prompt (`chat.text.score`: /v1/completions with echo).
+    `prompt_scores`: it scores every token of a prompt (`chat.text.score`: /v1/completions with echo);
+    `distributions`: it gives whole next-token distributions at a prompt's last positions
+    (`prompt_logprobs`: what the KLs compare).
     """
 
     interventions: frozenset[str] = frozenset()
     loglikelihood: bool = False
     tokens: bool = False
     prompt_scores: bool = False
+    distributions: bool = False
 
     def require(self, backend_name: str, interventions: Interventions) -> None:
         """Refuse, in one line, interventions this backend cannot apply."""

@@ -73,7 +73,8 @@ class HFChatBackend:
     def capabilities(self) -> Capabilities:
         """Every kind in `KINDS`, a plugin's included: this backend applies any attention or
         conversation hook through the same engine and message view."""
-        return Capabilities(interventions=frozenset(KINDS), loglikelihood=True, tokens=True, prompt_scores=True)
+        return Capabilities(interventions=frozenset(KINDS), loglikelihood=True, tokens=True, prompt_scores=True,
+                            distributions=True)
 
     def __init__(
         self,

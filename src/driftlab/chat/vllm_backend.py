@@ -65,7 +65,8 @@ class VLLMChatBackend:
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(interventions=frozenset(KINDS) - set(VLLM_REFUSED), loglikelihood=True, tokens=True)
+        return Capabilities(interventions=frozenset(KINDS) - set(VLLM_REFUSED), loglikelihood=True, tokens=True,
+                            distributions=True)
 
     def __init__(self, model: str, *, dtype: str = "auto", span_mode: str = "content", decode: str = "auto",
                  directions: str | None = None, runtime: Runtime = Runtime(), seed: int = 0) -> None:
@@ -344,11 +345,22 @@ class VLLMChatBackend:
         ((_, values),) = self.project_prompts([rendered], [system])
         return float(values[end - 1, band].mean()), float(values[-1, band].mean())
 
-    def prompt_logprobs(self, prompts: Sequence[Rendered], keep: Sequence[int], **_: Any) -> list[torch.Tensor]:
-        """Refused in one line: vLLM returns the top log-probabilities of a prompt's positions, not whole
-        distributions, and the distribution measures (`driftlab kl`) compare whole distributions."""
-        raise DriftlabError(f"{self.name} returns a prompt's top log-probabilities only; driftlab kl compares whole "
-                            "next-token distributions.", hint="Run driftlab kl on the transformers engine (drop 'vllm:').")
+    def prompt_logprobs(self, prompts: Sequence[Rendered], keep: Sequence[int], *,
+                        interventions: Interventions = Interventions(), **_: Any) -> list[torch.Tensor]:
+        """Teacher-forced next-token log-probabilities [keep[b], V] (float32) at the last keep[b] positions of
+        each rendered prompt, as the transformers engine's `prompt_logprobs` (what `--kl` and `driftlab kl`
+        read). vLLM hands out a prompt's top log-probabilities only, so the worker keeps the whole
+        distributions of those positions (`SteerPayload.keep_logits`) and the engine generates one token.
+        Each prompt is computed whole (salted: vLLM's prefix cache would skip the positions it holds)."""
+        if any(not 1 <= k <= len(p.ids) for k, p in zip(keep, prompts, strict=True)):
+            raise DriftlabError("Each prompt's positions must lie within it.")
+        self._require(interventions)
+        steer = interventions.without("spr")
+        if not prompts:
+            return []
+        _, taken = self._run(list(prompts), Sampling(greedy=True, max_new_tokens=1), [steer] * len(prompts),
+                             [None] * len(prompts), seeds=[0] * len(prompts), keep_logits=list(keep))
+        return [t["logprobs"] for t in taken]
 
     def check_steer(self, conversation: Conversation, interventions: Interventions) -> None:
         """One-line errors, before any work, for a conversation a steer cannot act on (a kind vLLM cannot
@@ -384,12 +396,13 @@ class VLLMChatBackend:
                                 f"context of {self.max_context}.", hint="Use fewer rounds or fewer --max-new-tokens.")
 
     def _payload(self, rendered: Rendered, iv: Interventions, system: str | None, *, prompt_len: int | None = None,
-                 prefill: bool = False, keep_prefill: bool = False, capture: bool = False) -> SteerPayload | None:
+                 prefill: bool = False, keep_prefill: bool = False, capture: bool = False,
+                 keep_logits: int = 0) -> SteerPayload | None:
         """The request's steer as data, or None for a plain request (nothing to apply or record)."""
         (direction,) = row_directions(self.directions, [system], iv, self.name)
         steer = iv.without("spr")
         config = steer.attention()
-        if not steer and direction is None and not (keep_prefill or capture):
+        if not steer and direction is None and not (keep_prefill or capture or keep_logits):
             return None
         spans = rendered.spans()
         floors, first = None, 0
@@ -398,7 +411,7 @@ class VLLMChatBackend:
         return SteerPayload(id=uuid.uuid4().hex, steer=tuple(steer.specs()), spans=spans,
                             prompt_len=prompt_len or len(rendered.ids),
                             direction=direction.id if direction is not None else None, floors=floors,
-                            first_query=first, keep_prefill=keep_prefill, capture=capture)
+                            first_query=first, keep_prefill=keep_prefill, capture=capture, keep_logits=keep_logits)
 
     def _prompt(self, ids: list[int], payload: SteerPayload | None, iv: Interventions, *,
                 unique: bool = False) -> dict[str, Any]:
@@ -438,20 +451,21 @@ class VLLMChatBackend:
              systems: Sequence[str | None], *, seeds: Sequence[int], gates: Sequence[dict | None] | None = None,
              logprobs: int | None = None,
              row_max_tokens: Sequence[int] | None = None, prefill: bool = False, keep_prefill: bool = False,
-             capture: bool = False, **hooks: Any):
+             capture: bool = False, keep_logits: Sequence[int] | None = None, **hooks: Any):
         """Rows through vLLM's engine, step by step: the replies (with pi and projections), and with
-        `keep_prefill` or `capture` also each row's raw record. `hooks` are ChatRequest's serving
+        `keep_prefill`, `capture` or `keep_logits` (per row) also each row's raw record. `hooks` are ChatRequest's serving
         callbacks (on_token, on_logprob, on_finish, cancelled, admit): vLLM batches continuously, so a
         row admitted between steps joins the running batch whatever its sampling or steer."""
         run = _Run(self, sampling.ignore_eos, logprobs, **hooks)
         run.add([self._row(r, sampling, iv, system, int(seed), logprobs,
                            row_max_tokens[b] if row_max_tokens is not None else sampling.max_new_tokens,
                            gate=gates[b] if gates is not None else None,
-                           unique=prefill or keep_prefill, keep_prefill=keep_prefill, capture=capture)
+                           unique=prefill or keep_prefill or keep_logits is not None, keep_prefill=keep_prefill,
+                           capture=capture, keep_logits=keep_logits[b] if keep_logits is not None else 0)
                  for b, (r, iv, system, seed) in enumerate(zip(rendered, ivs, systems, seeds, strict=True))])
         run.until_done()
         replies = [row.reply for row in run.rows]
-        return (replies, [row.taken for row in run.rows]) if keep_prefill or capture else replies
+        return (replies, [row.taken for row in run.rows]) if keep_prefill or capture or keep_logits else replies
 
     def _row(self, rendered: Rendered, sampling: Sampling, iv: Interventions, system: str | None, seed: int,
              logprobs: int | None, limit: int, gate: dict | None = None, **record: Any) -> _Row:

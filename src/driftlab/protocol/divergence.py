@@ -52,10 +52,10 @@ class Divergence:
 def require(backend, who: str) -> None:
     """One line where `backend` cannot give whole next-token distributions at a prompt's positions."""
     backend = token_backend(backend, who)
-    if not backend.capabilities.prompt_scores:
+    if not backend.capabilities.distributions:
         raise DriftlabError(f"{backend.name} gives no whole next-token distributions at a prompt's positions, and "
-                            f"{who} compares them.", hint="Measure the KL on the transformers engine (a local "
-                            "model name or path, without openai: or vllm:).")
+                            f"{who} compares them.", hint="Measure the KL on a local model (a name or path, or "
+                            "vllm:NAME; not openai: or a Ray pool).")
 
 
 def measured_steer(steer: Interventions) -> Interventions:

@@ -26,7 +26,10 @@ class SteerPayload(BaseModel):
     (None: none); `floors` pi-floor's [layers][heads] values and `first_query` the token the floor
     acts from; `keep_prefill` records every prompt position's projection (a teacher-forced
     transcript); `capture` sums the residual stream over the reply positions (the directions
-    protocol). `id` names the request's telemetry, which the worker keeps until it is taken.
+    protocol); `keep_logits` keeps the whole next-token log-distribution at the prompt's last
+    `keep_logits` positions (the distribution measures read teacher-forced contexts: vLLM itself hands
+    out a prompt's top log-probabilities only). `id` names the request's telemetry, which the worker
+    keeps until it is taken.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -40,6 +43,7 @@ class SteerPayload(BaseModel):
     first_query: int = Field(0, ge=0)
     keep_prefill: bool = False
     capture: bool = False
+    keep_logits: int = Field(0, ge=0)
 
     def extra_args(self) -> dict[str, Any]:
         return {KEY: self.model_dump(mode="json", exclude_defaults=True) | {"id": self.id, "prompt_len": self.prompt_len}}

@@ -39,7 +39,7 @@ from driftlab.attention.kernels import (
     system_share,
 )
 from driftlab.attention.state import AttentionState
-from driftlab.chat.vllm_engine.payload import SteerPayload
+from driftlab.chat.vllm_engine.payload import KEY, SteerPayload
 from driftlab.errors import DriftlabError
 from driftlab.steering.interventions import Interventions
 
@@ -55,12 +55,17 @@ class Record:
     proj: list[torch.Tensor] = field(default_factory=list)  # [L] at the position predicting each token
     prefill_proj: list[torch.Tensor] = field(default_factory=list)  # prompt chunks: [q, L] (keep_prefill)
     acts: list[torch.Tensor] = field(default_factory=list)  # [L, d] hidden state there (capture)
+    # keep_logits: the next-token log-distribution [V] at each kept prompt position, by position (a prompt
+    # split into chunks arrives in pieces; one computed again after a preemption replaces its own)
+    logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         """The non-empty fields, stacked (steps first) or, for prompt chunks, concatenated."""
         out = {name: torch.stack(getattr(self, name)) for name in ("pi", "proj", "acts") if getattr(self, name)}
         out.update({name: torch.cat(getattr(self, name)) for name in ("prefill_pi", "prefill_proj")
                     if getattr(self, name)})
+        if self.logprobs:
+            out["logprobs"] = torch.stack([self.logprobs[at] for at in sorted(self.logprobs)])
         return out
 
 
@@ -396,6 +401,30 @@ class Engine:
         """Each request's record (None: nothing recorded), handed over and forgotten."""
         self._close()
         return [rec.as_dict() if (rec := self.records.pop(i, None)) is not None else None for i in ids]
+
+    def keep_logits(self, hidden: torch.Tensor, scheduled: dict[str, int]) -> None:
+        """After a pass: the next-token log-distribution at each `keep_logits` request's last prompt positions
+        this pass computed, from the model's final hidden states (what vLLM's own prompt log-probs read, the
+        steer's residual edits included) through its own `compute_logits`. Such a request reads no prefix
+        cache (the backend salts it), so every prompt position passes through a forward pass."""
+        runner = self.runner
+        for req_id, n in scheduled.items():
+            state = runner.requests.get(req_id)
+            args = getattr(getattr(state, "sampling_params", None), "extra_args", None) or {}
+            if not args.get(KEY, {}).get("keep_logits"):  # most requests: no payload parsed
+                continue
+            payload = SteerPayload.of(args)
+            done, prompt = state.num_computed_tokens, state.num_prompt_tokens  # done: before this pass
+            low, high = max(prompt - payload.keep_logits, done), min(prompt, done + n)
+            if low >= high:
+                continue
+            offset = int(runner.query_start_loc.np[runner.input_batch.req_id_to_index[req_id]])
+            logits = runner.model.compute_logits(hidden[offset + low - done : offset + high - done])
+            if logits is None:  # a tensor-parallel rank other than the first
+                continue
+            kept = torch.log_softmax(logits.float(), dim=-1).cpu()
+            record = self.records.setdefault(payload.id, Record())
+            record.logprobs.update({low + j: kept[j] for j in range(high - low)})
 
     # -- per pass ------------------------------------------------------------------------------------------
     def plan(self) -> StepPlan | None:

@@ -85,6 +85,15 @@ class DriftlabWorker(CPUWorker):
         for i, layer in enumerate(decoder_layers(runner.model)):
             layer.register_forward_hook(_Hook(i))
         step.ENGINE = engine
+        # After each pass the runner hands its final hidden states to its prompt log-probs (every pass, asked
+        # or not): driftlab's whole distributions are read there first (`Engine.keep_logits`).
+        prompt_logprobs = runner._get_prompt_logprobs_dict
+
+        def keep_then_prompt_logprobs(hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]):
+            engine.keep_logits(hidden_states, num_scheduled_tokens)
+            return prompt_logprobs(hidden_states, num_scheduled_tokens)
+
+        runner._get_prompt_logprobs_dict = keep_then_prompt_logprobs
 
     # -- called by the driftlab process (LLM.collective_rpc) ----------------------------------------------
     def driftlab_use_directions(self, path: str | None) -> None:
