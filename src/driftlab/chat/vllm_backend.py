@@ -360,7 +360,12 @@ class VLLMChatBackend:
             return []
         _, taken = self._run(list(prompts), Sampling(greedy=True, max_new_tokens=1), [steer] * len(prompts),
                              [None] * len(prompts), seeds=[0] * len(prompts), keep_logits=list(keep))
-        return [t["logprobs"] for t in taken]
+        kept = [t.get("logprobs") for t in taken]
+        for lp, k in zip(kept, keep, strict=True):
+            if lp is None or lp.shape[0] != k:  # a worker that never saw those positions computed
+                raise DriftlabError(f"vLLM's worker kept {0 if lp is None else lp.shape[0]} of a prompt's last {k} "
+                                    "positions.", hint="Run the KLs on the transformers engine (drop 'vllm:').")
+        return kept
 
     def check_steer(self, conversation: Conversation, interventions: Interventions) -> None:
         """One-line errors, before any work, for a conversation a steer cannot act on (a kind vLLM cannot
@@ -453,9 +458,9 @@ class VLLMChatBackend:
              row_max_tokens: Sequence[int] | None = None, prefill: bool = False, keep_prefill: bool = False,
              capture: bool = False, keep_logits: Sequence[int] | None = None, **hooks: Any):
         """Rows through vLLM's engine, step by step: the replies (with pi and projections), and with
-        `keep_prefill`, `capture` or `keep_logits` (per row) also each row's raw record. `hooks` are ChatRequest's serving
-        callbacks (on_token, on_logprob, on_finish, cancelled, admit): vLLM batches continuously, so a
-        row admitted between steps joins the running batch whatever its sampling or steer."""
+        `keep_prefill`, `capture` or `keep_logits` (per row) also each row's raw record. `hooks` are
+        ChatRequest's serving callbacks (on_token, on_logprob, on_finish, cancelled, admit): vLLM batches
+        continuously, so a row admitted between steps joins the running batch whatever its sampling or steer."""
         run = _Run(self, sampling.ignore_eos, logprobs, **hooks)
         run.add([self._row(r, sampling, iv, system, int(seed), logprobs,
                            row_max_tokens[b] if row_max_tokens is not None else sampling.max_new_tokens,
