@@ -251,6 +251,25 @@ def test_prefix_cache_on_equals_off_for_steered_and_plain_rows_sharing_a_system_
             _same_reply(off["replies"][s][i], again[s][i], f"{kind} row {i} cached")
 
 
+def test_teacher_forced_reads_reuse_the_last_reads_blocks_and_read_a_cached_prompt_again_whole(engines) -> None:
+    """`prompt_logprobs` (the KLs' reads): a dialog's next turn reads the blocks its last read left (vLLM
+    counts them), and a prompt read twice (its kept positions then cached) gives the same distributions
+    both times; each within 2e-4 of the transformers engine's."""
+    hf, vl = engines
+    turn = [*LONG[0], {"role": "assistant", "content": "Je visite les musées, puis je mange."}]
+    longer = [*turn, {"role": "user", "content": "And then?"}, {"role": "assistant", "content": "Je me promène."}]
+    first, second = (hf.render(c, add_generation_prompt=False) for c in (turn, longer))
+    want = hf.prompt_logprobs([first, second], [9, 7], cache_store=[False, False])
+    (a,) = vl.prompt_logprobs([first], [9])
+    before = vl.cached_prompt_tokens
+    (b,) = vl.prompt_logprobs([second], [7])
+    assert vl.cached_prompt_tokens - before >= 128  # the first read's full blocks, reused
+    (again,) = vl.prompt_logprobs([first], [9])  # every block of it cached now: read again under its own salt
+    assert torch.equal(again, a)
+    for got, ref in ((a, want[0]), (b, want[1])):
+        assert got.shape == ref.shape and float((got - ref).abs().max()) < 2e-4
+
+
 def test_scores_traces_projections_and_activations_in_vllm_match_the_transformers_engine(engines) -> None:
     """The other local contracts: log-likelihoods (MMLU, PASTA scoring), a prefill trace (decay),
     teacher-forced projections (project) and mean activations (directions)."""

@@ -351,21 +351,34 @@ class VLLMChatBackend:
         each rendered prompt, as the transformers engine's `prompt_logprobs` (what `--kl` and `driftlab kl`
         read). vLLM hands out a prompt's top log-probabilities only, so the worker keeps the whole
         distributions of those positions (`SteerPayload.keep_logits`) and the engine generates one token.
-        Each prompt is computed whole (salted: vLLM's prefix cache would skip the positions it holds)."""
+        These reads share a cache salt of their own, so a dialog's next turn reuses the blocks its last
+        read left; a prompt whose kept positions the cache already held (the same prompt read again) is
+        read once more under a salt of its own, since a cached position is never computed."""
         if any(not 1 <= k <= len(p.ids) for k, p in zip(keep, prompts, strict=True)):
             raise DriftlabError("Each prompt's positions must lie within it.")
         self._require(interventions)
         steer = interventions.without("spr")
         if not prompts:
             return []
-        _, taken = self._run(list(prompts), Sampling(greedy=True, max_new_tokens=1), [steer] * len(prompts),
-                             [None] * len(prompts), seeds=[0] * len(prompts), keep_logits=list(keep))
-        kept = [t.get("logprobs") for t in taken]
+        kept = self._kept_logits(list(prompts), list(keep), steer, unique=False)
+        again = [b for b, (lp, k) in enumerate(zip(kept, keep, strict=True)) if lp is None or lp.shape[0] != k]
+        if again:
+            for b, lp in zip(again, self._kept_logits([prompts[b] for b in again], [keep[b] for b in again], steer,
+                                                      unique=True), strict=True):
+                kept[b] = lp
         for lp, k in zip(kept, keep, strict=True):
             if lp is None or lp.shape[0] != k:  # a worker that never saw those positions computed
                 raise DriftlabError(f"vLLM's worker kept {0 if lp is None else lp.shape[0]} of a prompt's last {k} "
                                     "positions.", hint="Run the KLs on the transformers engine (drop 'vllm:').")
         return kept
+
+    def _kept_logits(self, prompts: list[Rendered], keep: list[int], steer: Interventions, *,
+                     unique: bool) -> list[torch.Tensor | None]:
+        """One token generated after each prompt; each prompt's kept log-distributions as the worker recorded
+        them (None: none). `unique`: salts of their own (nothing read from vLLM's prefix cache)."""
+        _, taken = self._run(prompts, Sampling(greedy=True, max_new_tokens=1), [steer] * len(prompts),
+                             [None] * len(prompts), seeds=[0] * len(prompts), keep_logits=keep, prefill=unique)
+        return [t.get("logprobs") for t in taken]
 
     def check_steer(self, conversation: Conversation, interventions: Interventions) -> None:
         """One-line errors, before any work, for a conversation a steer cannot act on (a kind vLLM cannot
@@ -419,16 +432,20 @@ class VLLMChatBackend:
                             first_query=first, keep_prefill=keep_prefill, capture=capture, keep_logits=keep_logits)
 
     def _prompt(self, ids: list[int], payload: SteerPayload | None, iv: Interventions, *,
-                unique: bool = False) -> dict[str, Any]:
+                unique: bool = False, reads: bool = False) -> dict[str, Any]:
         """vLLM's token prompt; a steer that changes the KV cache gets a salt of its own (prefix caching
-        then never mixes its KV with another's), and so does a request that must compute every token."""
+        then never mixes its KV with another's), and so does a request that must compute every token.
+        `reads`: a teacher-forced read (`prompt_logprobs`), whose blocks are kept apart from generation's,
+        so that a reply's own cached blocks never stand in for the positions the read must compute."""
         prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
         steer = iv.without("spr").fingerprint()
         direction = payload.direction if payload is not None else None
         if unique or (payload is not None and _prompt_scoped(iv)):
-            prompt["cache_salt"] = uuid.uuid4().hex  # its KV as a prompt differs from its KV as generated
-        elif steer or (direction is not None and iv.residual() is not None and iv.residual().steers):
+            return prompt | {"cache_salt": uuid.uuid4().hex}  # its KV as a prompt differs from its KV as generated
+        if steer or (direction is not None and iv.residual() is not None and iv.residual().steers):
             prompt["cache_salt"] = f"{steer}|{direction}|{self.directions.digest if self.directions else ''}"
+        if reads:
+            prompt["cache_salt"] = f"reads|{prompt.get('cache_salt', '')}"
         return prompt
 
     def _floors(self, rendered: Rendered, steer: Interventions, spans) -> tuple[list[list[float]], int]:
@@ -465,7 +482,7 @@ class VLLMChatBackend:
         run.add([self._row(r, sampling, iv, system, int(seed), logprobs,
                            row_max_tokens[b] if row_max_tokens is not None else sampling.max_new_tokens,
                            gate=gates[b] if gates is not None else None,
-                           unique=prefill or keep_prefill or keep_logits is not None, keep_prefill=keep_prefill,
+                           unique=prefill or keep_prefill, keep_prefill=keep_prefill,
                            capture=capture, keep_logits=keep_logits[b] if keep_logits is not None else 0)
                  for b, (r, iv, system, seed) in enumerate(zip(rendered, ivs, systems, seeds, strict=True))])
         run.until_done()
@@ -489,7 +506,8 @@ class VLLMChatBackend:
                                 stop=list(self.stop_strings) or None,
                                 output_kind=RequestOutputKind.DELTA, structured_outputs=_json(sampling),
                                 extra_args=payload.extra_args() if payload is not None else None)
-        return _Row(rendered, payload, self._prompt(rendered.ids, payload, iv, unique=unique), params, gate)
+        prompt = self._prompt(rendered.ids, payload, iv, unique=unique, reads=bool(record.get("keep_logits")))
+        return _Row(rendered, payload, prompt, params, gate)
 
     def _take(self, ids: Sequence[str | None]) -> list[dict[str, Any]]:
         """The worker's records of these payload ids ({} for a row without one)."""

@@ -405,8 +405,8 @@ class Engine:
     def keep_logits(self, hidden: torch.Tensor, scheduled: dict[str, int]) -> None:
         """After a pass: the next-token log-distribution at each `keep_logits` request's last prompt positions
         this pass computed, from the model's final hidden states (what vLLM's own prompt log-probs read, the
-        steer's residual edits included) through its own `compute_logits`. Such a request reads no prefix
-        cache (the backend salts it), so every prompt position passes through a forward pass."""
+        steer's residual edits included) through its own `compute_logits`. A position vLLM's prefix cache
+        held is not computed, so not kept: the backend reads such a prompt again under a salt of its own."""
         runner = self.runner
         for req_id, n in scheduled.items():
             state = runner.requests.get(req_id)
