@@ -260,8 +260,10 @@ def progress(message: str) -> None:
 
 
 def compile_seconds(backend) -> float:
-    """Seconds the backend's compiled decode step has spent compiling so far (0 for other loops)."""
-    return float(backend.ran()["decode"].get("compile_s", 0.0))
+    """Seconds the backend's compiled decode step has spent compiling, or loading precompiled
+    steps (driftlab.chat.precompiled), so far (0 for other loops)."""
+    decode = backend.ran()["decode"]
+    return float(decode.get("compile_s", 0.0)) + float(decode.get("precompiled", {}).get("load_s", 0.0))
 
 
 def wanted_loop(device: torch.device) -> str:
@@ -445,9 +447,13 @@ def second_process(shape: str, dtype: str, results: dict, notes: list, targets: 
         return
     facts = json.loads(lines[-1].removeprefix("SECOND "))
     aot = ", ".join(f"{facts.get(f'aot_{k}', 0)} {k}" for k in ("hit", "miss", "bypass"))
-    progress(f"{shape}: second process {wall:.1f} s, {facts['compile_s']:.1f} s compiling, cache hits "
-             f"{facts['hits']}, misses {facts['misses']}; AOTAutograd cache {aot}")
+    progress(f"{shape}: second process {wall:.1f} s, {facts['compile_s']:.1f} s compiling or loading "
+             f"({facts['graphs']} graphs traced, {facts['loaded']} precompiled steps loaded in {facts['load_s']:.1f} s), "
+             f"cache hits {facts['hits']}, misses {facts['misses']}; AOTAutograd cache {aot}")
     results.update({f"{shape}.second_process.compile_s": f"{facts['compile_s']:.1f}",
+                    f"{shape}.second_process.graphs": str(facts["graphs"]),
+                    f"{shape}.second_process.loaded": str(facts["loaded"]),
+                    f"{shape}.second_process.load_s": f"{facts['load_s']:.2f}",
                     f"{shape}.second_process.cache_hits": str(facts["hits"]),
                     f"{shape}.second_process.cache_misses": str(facts["misses"]),
                     **{f"{shape}.second_process.aot_cache_{k}": str(facts.get(f"aot_{k}", 0))
@@ -455,8 +461,9 @@ def second_process(shape: str, dtype: str, results: dict, notes: list, targets: 
     targets.rows.append(["second process's compile (plain + steered), s", shape, "-", f"{facts['compile_s']:.1f}",
                          "<= 10", judge(facts["compile_s"] <= 10, facts["loop"] == "compiled" and shape != "tiny",
                                         "target is for the 7B shapes" if shape == "tiny" else "not compiled")])
-    notes.append(f"{shape}: a second process (model build {facts['build_s']:.1f} s) compiled for "
-                 f"{facts['compile_s']:.1f} s: {facts['hits']} inductor cache hits, {facts['misses']} misses; "
+    notes.append(f"{shape}: a second process (model build {facts['build_s']:.1f} s) compiled or loaded for "
+                 f"{facts['compile_s']:.1f} s: {facts['graphs']} graphs traced, {facts['loaded']} precompiled steps "
+                 f"loaded, {facts['hits']} inductor cache hits, {facts['misses']} misses; "
                  f"AOTAutograd cache: {aot} (a miss or bypass re-traces AOT even where inductor hits)")
 
 
@@ -474,8 +481,10 @@ def second_process_main(shape: str, dtype: str) -> None:
         chat(backend, [conv], sampling, steer=steer)
     ran = backend.ran()["decode"]
     cache = ran.get("compile_cache", {"hits": 0, "misses": 0})
+    stored = ran.get("precompiled", {})
     print("SECOND " + json.dumps({"compile_s": compile_seconds(backend), "build_s": build_s, "loop": ran["loop"],
-                                  "graphs": ran.get("graphs", 0), **cache}), flush=True)
+                                  "graphs": ran.get("graphs", 0), "loaded": stored.get("loaded", 0),
+                                  "load_s": stored.get("load_s", 0.0), **cache}), flush=True)
 
 
 # -- the numeric check -----------------------------------------------------------------------------------

@@ -1,173 +1,49 @@
-"""Precompiled decode steps: a probe for the target of at most 10 s of compiling in a new process.
+"""The first reply of a new process on the compiled decode loop: compiling vs precompiled steps.
 
-It precompiles driftlab's decode step with torch 2.13's experimental `aot_compile`, saves one
-artifact per graph key, and loads them in a new process instead of dynamo re-tracing the model.
-Re-tracing is what a new process still pays once inductor's and AOTAutograd's caches hit: 18 s per
-steered 7B graph on an H100 (docs/performance.md), about 8 s for the tiny shape's two graphs on a
-CPU (compile_warm below). A probe, not a feature: driftlab does not precompile yet.
+Item 2 of the GPU path's third pass: a plain or steered reply must start within 10 s of the model
+being loaded, and a steer's graph must compile once per machine, not once per process. driftlab
+stores each compiled decode step with torch's `aot_compile` (driftlab.chat.precompiled), so a
+later process loads it instead of dynamo tracing the model again, which a new process still paid
+with inductor's caches full (40 s for two Llama-2-7B graphs on an H100: docs/performance.md).
 
-`python benchmarks/run.py precompile`; PRECOMPILE_DEVICE=cuda for a GPU; PRECOMPILE_SHAPE=tiny
-(default), qwen2.5-7b or llama2-7b (gpu.py's shapes, built on the device with the same seeded
-random weights in each process); the tokenizer from GPUBENCH_TOKENIZER or the pulled SmolLM2.
-Four phases, each a process, one after another:
-  1. compile_cold: torch.compile as driftlab does today, empty caches;
-  2. compile_warm: the same again, inductor's and AOTAutograd's caches on disk (today's second process);
-  3. aot_compile: aot_compile per graph key, each artifact saved;
-  4. aot_load: a new process that loads the artifacts.
-Each chats plain and with three steers at two prompt lengths (batch 2). RESULT lines: per phase the
-process's wall, the graphs traced, the compile seconds, and whether its greedy tokens equal phase 1's;
-then a fifth process runs a model of other weights through the artifacts, against the dynamic loop.
-On CUDA the step takes driftlab's CUDA options (mode reduce-overhead): whether CUDA graphs survive
-aot_compile and a load is the open question (pytorch/pytorch#155703 on GitHub). Each phase says
-how many CUDA graphs its steps recorded (`ran()`'s cudagraph_recordings: none on a CPU) and then
-times a plain call of 32 tokens on the warmed step (ms/token): on CUDA, aot_load recording graphs
-and decoding as fast as compile_warm is the answer yes.
+`python benchmarks/run.py precompile`; PRECOMPILE_DEVICE=cuda for a GPU (where the store is
+opt-in: DRIFTLAB_PRECOMPILED=1 is set for it here); PRECOMPILE_SHAPE=tiny (default), qwen2.5-7b or
+llama2-7b (gpu.py's shapes, built on the device with the same seeded random weights in each
+process); the tokenizer from GPUBENCH_TOKENIZER or the pulled SmolLM2. Four phases, each a new
+process, one after another:
+  1. compile_cold: DRIFTLAB_PRECOMPILED=0 (torch.compile only), empty caches;
+  2. compile_warm: the same again, inductor's and AOTAutograd's caches on disk;
+  3. store_cold: DRIFTLAB_PRECOMPILED=1, an empty store: each step aot-compiled and saved;
+  4. store_warm: a new process over that store, which loads the steps.
+Each times its first reply (a plain call of 4 tokens, right after the model is built), then chats
+plain and with three steers at two prompt lengths (batch 2). RESULT lines per phase: the process's
+wall, the first reply's seconds, the graphs traced, the seconds compiling or loading, the steps
+saved and loaded, whether its greedy tokens equal phase 1's, CUDA graphs recorded and ms/token of a
+plain call on the warmed step. Then a fifth process runs a model of other weights through the
+stored steps, against the dynamic loop (the weights are the step's inputs, not constants).
+On CUDA, store_warm recording CUDA graphs and decoding as fast as compile_warm says CUDA graphs
+survive a load (pytorch/pytorch#155703): then the store can be on by default there.
 
-What the CPU said (docs/results/bench/precompile-cpu.txt: 2026-11-27, a 2-core AMD EPYC with
-AVX-512, torch 2.13.0+cpu, the tiny shape in float32, one run): the new process that loads the
-artifacts took 8.1 s, tracing no graph (1.93 s and 0.10 s to load the plain and steered keys),
-against 13.5 s for today's second process (7.69 s of it re-tracing 2 graphs). Greedy tokens were
-the same in all four phases: plain, InstABoost, split-softmax, and both with pi tracing, at two
-prompt lengths (one artifact per key serves every cache length; the length stays symbolic). And
-the loaded artifacts run a model of other weights as the dynamic loop does (RESULT
-aot_other_weights.*): the parameters are graph inputs, not constants.
-What it took, each found by a failure:
-  * a module-level wrapper `decode_forward(model, *args, **kwargs)` (compiling `model.forward`
-    itself fails: transformers' decorator closes over `func`, a guard source no new process has);
-  * `specialize_float=True` around aot_compile (else TensorifyScalarRestartAnalysis escapes);
-  * `guard_filter_fn=torch.compiler.keep_portable_guards_unsafe` (ID_MATCH and CLOSURE_MATCH guards
-    cannot be serialized). So the artifact checks little: the key under which it is stored must
-    say everything that shapes the trace (model config, dtype, device, attention implementation,
-    driftlab's traced code, batch bucket, steered, bias slots, residual state, compile options);
-  * loading with `f_globals` holding dynamo's generated module globals (`___module_<name>_<id>_c0`,
-    e.g. `collections`), bound here by importing the named module;
-  * before calling a loaded artifact, dropping mark_static's attributes from the tensors driftlab marks
-    (`_has_dynamo_dim_marking`, `_dynamo_static_indices`): its guard refuses a marked tensor.
-Dead ends, same machine and versions:
-  * dynamo's caching precompile (TORCH_CACHING_PRECOMPILE=1 + torch.compiler.save_cache_artifacts):
-    on `model.forward` the closure guard above; with a wrapper it loads one graph (16 s -> 0.0 s),
-    but two graphs of one function crash at load ("Name '__builtins_dict___N' already exists in
-    scope"), and per-key wrapper copies load yet still re-trace.
+What the CPU said before the store was driftlab's (docs/results/bench/precompile-cpu.txt,
+precompile-cpu-2.txt: this probe patching driftlab's decoder, the tiny shape, one run each): a
+process loading the steps took 7.4-8.1 s against 13.4-13.5 s, tracing no graph, with the same
+tokens. What it took to get there is written in driftlab.chat.precompiled.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from common import Result
-
-
-def decode_forward(model, *args, **kwargs):
-    """The compiled function: module-level, no closure (see the docstring)."""
-    return model.forward(*args, **kwargs)
-
-
-def module_globals(refs: list[str]) -> dict:
-    """Dynamo's generated module globals (`___module_<name>_<id>_c<n>`), bound to the modules."""
-    found = {}
-    for ref in refs:
-        m = re.fullmatch(r"___module_(.+)_\d+_c\d+", ref)
-        parts = m.group(1).split("_") if m else []
-        for name in (".".join(parts), "_".join(parts)):
-            try:
-                found[ref] = importlib.import_module(name)
-                break
-            except ImportError:
-                continue
-    return found
-
-
-def load(path: Path) -> Callable:
-    """A saved artifact, its missing module globals bound (load_compiled_function names them in
-    its error, one set per attempt)."""
-    scope = dict(decode_forward.__globals__)
-    for _ in range(5):
-        try:
-            with path.open("rb") as f:
-                return torch.compiler.load_compiled_function(f, f_globals=scope)
-        except RuntimeError as err:
-            refs = re.findall(r"'(___module_[^']+)'", str(err))
-            if not refs:
-                raise
-            scope.update(module_globals(refs))
-    raise RuntimeError(f"could not bind the external references of {path}")
-
-
-def unmark(kwargs: dict) -> None:
-    """Drop mark_static's attributes (driftlab's `_call` marks the cache and, with a static batch,
-    the row inputs): a loaded artifact's guard refuses a marked tensor."""
-    layers = getattr(kwargs.get("past_key_values"), "layers", [])
-    tensors = [t for layer in layers for t in (layer.keys, layer.values)]
-    tensors += [t for t in kwargs.values() if isinstance(t, torch.Tensor)]
-    for t in tensors:
-        for attr in ("_has_dynamo_dim_marking", "_dynamo_static_indices"):
-            if hasattr(t, attr):
-                delattr(t, attr)
-
-
-def aot_options(options: dict) -> dict:
-    """driftlab's torch.compile options for aot_compile: portable guards only (others cannot be
-    saved), and `mode` as inductor options, since torch.compile takes a mode or options, not both."""
-    options = dict(options)
-    inductor = {"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe}
-    if options.pop("mode", None) == "reduce-overhead":
-        inductor["triton.cudagraphs"] = True
-    return {**options, "options": inductor}
-
-
-def precompile_calls(store: Path, seen: dict) -> None:
-    """Make every StaticDecoder call its step through one aot-compiled (or loaded) artifact per graph
-    key instead of its torch.compile'd forward, which is then never traced. The decoder's own
-    `_call` still marks the inputs and patches dynamo's configs around the call."""
-    import driftlab.chat.static_decode as sd
-    from driftlab.activation.state import KWARG as RESIDUAL_KWARG
-
-    marked_call = sd.StaticDecoder._call
-
-    def artifact(self, args: tuple, kwargs: dict) -> Callable:
-        # driftlab's graph key (HFChatBackend._static_step): batch bucket, steered, bias slots,
-        # residual state; the model, dtype, device and code are this process's own.
-        state = kwargs.get("driftlab")
-        slots = state.bias_heads.shape[0] if state is not None and not state.lean else 0
-        residual = "_res" if RESIDUAL_KWARG in kwargs else ""
-        key = f"b{kwargs['input_ids'].shape[0]}_{f'steered{slots}' if slots else 'plain'}{residual}"
-        held = self.__dict__.setdefault("_artifacts", {})
-        if key not in held:
-            path, start = store / f"{key}.aot", time.perf_counter()
-            if path.exists():
-                held[key], how = load(path), "load"
-            else:
-                options = {k: v for k, v in self._options().items() if k != "static_batch"}
-                with torch._dynamo.config.patch(specialize_float=True):
-                    compiled = torch.compile(decode_forward, **aot_options(options))
-                    held[key] = compiled.aot_compile(((self.model, *args), kwargs))
-                held[key].save_compiled_function(str(path))
-                how = "aot_compile"
-            seen[key] = (how, round(time.perf_counter() - start, 2))
-        return held[key]
-
-    def call(self, compiled: Callable, args: tuple, kwargs: dict):
-        def step(*args, **kwargs):
-            fn = artifact(self, args, kwargs)
-            unmark(kwargs)
-            return fn(self.model, *args, **kwargs)
-
-        return marked_call(self, step, args, kwargs)
-
-    sd.StaticDecoder._call = call
-
 
 SHORT = [{"role": "system", "content": "Always answer in French."},
          {"role": "user", "content": "Hello there, how are you?"}]
@@ -200,32 +76,43 @@ def other_weights(shape: str, device: torch.device, dtype: torch.dtype) -> dict:
         torch.manual_seed(1)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(shape_config(shape), dtype=dtype).eval()
-        tokens[decode] = chats(build(shape, device, dtype, model=model, decode=decode)[0])
+        backend = build(shape, device, dtype, model=model, decode=decode)[0]
+        tokens[decode] = chats(backend)
+        if decode == "compiled":
+            tokens["graphs"] = backend.ran()["decode"]["graphs"]
     return tokens
 
 
 def phase(args) -> None:
     """One process: build the backend (the same seeded random weights in every phase), chat, and
     print one JSON line; with --other, a model of other weights instead (`other_weights`)."""
-    seen: dict = {}
-    if args.precompile:
-        precompile_calls(Path(args.store), seen)
     from gpu import build
 
     device = torch.device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if args.other:
-        print("PHASE " + json.dumps({"other": other_weights(args.shape, device, dtype), "keys": dict(seen)}))
+        print("PHASE " + json.dumps({"other": other_weights(args.shape, device, dtype)}))
         return
-    start = time.perf_counter()
     backend, _ = build(args.shape, device, dtype, decode="compiled")
+    start = time.perf_counter()
+    first_reply(backend)
+    first = time.perf_counter() - start
     tokens = chats(backend)
     wall = time.perf_counter() - start
     decode = backend.ran()["decode"]
-    print("PHASE " + json.dumps({"wall_s": round(wall, 2), "graphs": decode["graphs"],
-                                 "compile_s": round(decode["compile_s"], 2), "keys": dict(seen), "tokens": tokens,
+    stored = decode.get("precompiled", {})
+    print("PHASE " + json.dumps({"wall_s": round(wall, 2), "first_reply_s": round(first, 2), "graphs": decode["graphs"],
+                                 "compile_s": round(decode["compile_s"] + stored.get("load_s", 0.0), 2),
+                                 "saved": stored.get("saved", 0), "loaded": stored.get("loaded", 0), "tokens": tokens,
                                  "recordings": decode.get("cudagraph_recordings", 0),
                                  "ms_per_token": round(ms_per_token(backend), 2)}))
+
+
+def first_reply(backend) -> None:
+    """The user's first reply: one row, plain, 4 greedy tokens."""
+    from driftlab.chat import ChatRequest, Sampling
+
+    backend.generate(ChatRequest([SHORT], Sampling(greedy=True, max_new_tokens=4, ignore_eos=True)))
 
 
 def ms_per_token(backend, n: int = 32) -> float:
@@ -239,18 +126,18 @@ def ms_per_token(backend, n: int = 32) -> float:
 
 
 PHASES = [("compile_cold", False, "ind1"), ("compile_warm", False, "ind1"),
-          ("aot_compile", True, "ind2"), ("aot_load", True, "ind2")]
-# Then the artifacts again, in a fifth process, on a model of other weights.
+          ("store_cold", True, "ind2"), ("store_warm", True, "ind2")]
+# Then the stored steps again, in a fifth process, on a model of other weights.
 
 
-def _phase(result: Result, name: str, device: str, shape: str, store: Path, cache: Path, *, precompile: bool,
+def _phase(result: Result, name: str, device: str, shape: str, cache: Path, *, precompile: bool,
            other: bool = False) -> dict | None:
-    """One phase in its own process (its inductor cache at `cache`): its PHASE facts, with its
-    wall as `process_s`, or None (a note and a `<name>.failed` RESULT) if it failed."""
-    argv = [sys.executable, __file__, "--phase", "--device", device, "--shape", shape, "--store", str(store),
-            *(["--precompile"] if precompile else []), *(["--other"] if other else [])]
+    """One phase in its own process (its inductor cache, and so its store, at `cache`): its PHASE
+    facts, with its wall as `process_s`, or None (a note and a `<name>.failed` RESULT) if it failed."""
+    argv = [sys.executable, __file__, "--phase", "--device", device, "--shape", shape, *(["--other"] if other else [])]
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "DRIFTLAB_PRECOMPILED": "1" if precompile else "0"}
     start = time.perf_counter()
-    done = subprocess.run(argv, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}, capture_output=True, text=True)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True)
     line = next((x for x in done.stdout.splitlines() if x.startswith("PHASE ")), None)
     if line is None:
         result.notes.append(f"{name} failed: {(done.stderr.strip().splitlines() or [str(done.returncode)])[-1]}")
@@ -287,45 +174,39 @@ def run(quick: bool = False, full: bool = False) -> Result:
     nothing (one size)."""
     device, shape = settings()
     root = Path(tempfile.mkdtemp(prefix="precompile-"))
-    store = root / "aot"
-    store.mkdir()
-    result = Result(f"the decode step in a new process: torch.compile vs aot_compile ({shape}, {device})",
-                    ["phase", "process s", "graphs traced", "compile s", "per key", "tokens as phase 1",
-                     "CUDA graphs recorded", "ms/token"])
+    result = Result(f"a new process's first reply on the compiled loop: compiling vs precompiled steps ({shape}, {device})",
+                    ["phase", "process s", "first reply s", "graphs traced", "compile or load s", "steps saved",
+                     "steps loaded", "tokens as phase 1", "CUDA graphs recorded", "ms/token"])
     first = None
     for name, precompile, cache in PHASES:
-        got = _phase(result, name, device, shape, store, root / cache, precompile=precompile)
+        got = _phase(result, name, device, shape, root / cache, precompile=precompile)
         if got is None:
             continue
         first = first or got["tokens"]
-        keys = ", ".join(f"{key} {how} {s} s" for key, (how, s) in got["keys"].items()) or "-"
-        result.rows.append([name, got["process_s"], got["graphs"], got["compile_s"], keys, got["tokens"] == first,
-                            got["recordings"], got["ms_per_token"]])
-        result.results.update({f"{name}.process_s": got["process_s"], f"{name}.graphs": str(got["graphs"]),
-                               f"{name}.compile_s": str(got["compile_s"]),
-                               f"{name}.tokens_equal": str(got["tokens"] == first),
-                               f"{name}.cudagraph_recordings": str(got["recordings"]),
-                               f"{name}.ms_per_token": str(got["ms_per_token"])})
-        for key, (how, seconds) in got["keys"].items():
-            result.results[f"{name}.{key}.{how}_s"] = str(seconds)
-    got = _phase(result, "aot_other_weights", device, shape, store, root / "ind2", precompile=True, other=True)
+        result.rows.append([name, got["process_s"], got["first_reply_s"], got["graphs"], got["compile_s"], got["saved"],
+                            got["loaded"], got["tokens"] == first, got["recordings"], got["ms_per_token"]])
+        result.results.update({f"{name}.{k}": str(got[k]) for k in ("process_s", "first_reply_s", "graphs", "compile_s",
+                                                                    "saved", "loaded", "ms_per_token")})
+        result.results.update({f"{name}.tokens_equal": str(got["tokens"] == first),
+                               f"{name}.cudagraph_recordings": str(got["recordings"])})
+    got = _phase(result, "store_other_weights", device, shape, root / "ind2", precompile=True, other=True)
     if got is not None:
         other = got["other"]
-        # Teeth: the other weights give other tokens than phase 1's, so equal tokens are not the artifact's own.
-        result.results["aot_other_weights.loaded"] = str(bool(got["keys"]) and all(how == "load" for how, _ in got["keys"].values()))
-        result.results["aot_other_weights.tokens_as_dynamic"] = str(other["compiled"] == other["dynamic"])
-        result.results["aot_other_weights.tokens_differ_from_phase_1"] = str(other["dynamic"] != first)
-        result.notes.append("a model of other weights through the loaded artifacts: tokens as the dynamic loop's "
-                            f"{other['compiled'] == other['dynamic']}, unlike phase 1's {other['dynamic'] != first}")
+        # Teeth: the other weights give other tokens than phase 1's, so equal tokens are not the store's own.
+        result.results["store_other_weights.tokens_as_dynamic"] = str(other["compiled"] == other["dynamic"])
+        result.results["store_other_weights.tokens_differ_from_phase_1"] = str(other["dynamic"] != first)
+        result.results["store_other_weights.graphs"] = str(other["graphs"])
+        result.notes.append("a model of other weights through the stored steps: tokens as the dynamic loop's "
+                            f"{other['compiled'] == other['dynamic']}, unlike phase 1's {other['dynamic'] != first}; "
+                            f"graphs traced {other['graphs']}")
     shutil.rmtree(root, ignore_errors=True)
     return result
 
 
 if __name__ == "__main__":  # one phase, in its own process (run() starts them)
     parser = argparse.ArgumentParser()
-    for flag in ("--device", "--shape", "--store"):
+    for flag in ("--device", "--shape"):
         parser.add_argument(flag, required=True)
     parser.add_argument("--phase", action="store_true")
-    parser.add_argument("--precompile", action="store_true")
     parser.add_argument("--other", action="store_true")
     phase(parser.parse_args())

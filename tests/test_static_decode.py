@@ -660,15 +660,19 @@ def test_a_compiled_selfchat_stays_within_the_graph_budget_and_records_it(tiny_d
 # -- inductor, the compiled path's real backend ----------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.compile
-def test_inductor_compiled_step_gives_the_dynamic_loops_tokens(tiny_dir: Path, backends, monkeypatch) -> None:
+def test_inductor_compiled_step_gives_the_dynamic_loops_tokens(tiny_dir: Path, backends, monkeypatch,
+                                                                tmp_path) -> None:
     """Generated code (inductor; on CUDA it would be captured in CUDA graphs), every engine mode
     at once: split-softmax with a tensor strength, pi written in place into the trace buffer, a
     key bias; batched with left padding; then a prompt long enough for a longer cache, on the same
-    graph (the cache length is dynamic). Compile cost: see the module docstring."""
+    graph (the cache length is dynamic). The step is aot-compiled and stored (chat.precompiled, on
+    by default on a CPU), one artifact for both cache lengths. Compile cost: see the module docstring."""
     import driftlab.chat.static_decode as sd
 
-    # The production options (static_decode.COMPILE_OPTIONS["cpu"]), which the autouse fixture swapped.
+    # The production options (static_decode.COMPILE_OPTIONS["cpu"]), which the autouse fixture swapped,
+    # and a compile cache of its own, so the step is compiled here, not loaded from an earlier run's.
     monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {"fullgraph": True, "dynamic": True})
+    monkeypatch.setenv("DRIFTLAB_CACHE", str(tmp_path))
     backend = HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0, decode="compiled")
     specs = CASES["split+trace+bias"]
     longer = [c[:-1] + [{"role": "user", "content": c[-1]["content"] + " Tell me everything." * 70}] for c in CONVS]
@@ -676,6 +680,7 @@ def test_inductor_compiled_step_gives_the_dynamic_loops_tokens(tiny_dir: Path, b
         _assert_same(_run(backends["dynamic"], specs, convs=convs), _run(backend, specs, convs=convs))
     ran = backend.ran()["decode"]
     assert backend._static.compiled and ran["graphs"] == 1 and len(backend._static.shapes) == 2, ran
+    assert (ran["precompiled"]["saved"], ran["precompiled"]["loaded"]) == (1, 0), ran
 
 
 # -- the real model, eager static steps ----------------------------------------------------------

@@ -831,8 +831,9 @@ class HFChatBackend:
         """Compile the decode step ahead of a run: a plain and a steered call per batch bucket of
         `batches`, each a few tokens (the cache length is dynamic, so one short prompt serves every
         length). Compiled code lands in the compile cache (`static_decode.compile_cache_dir`), which
-        later processes read. Returns one row per (bucket, kind): graphs compiled, seconds, inductor
-        cache hits and misses."""
+        later processes read, and so do the precompiled steps (`chat.precompiled`), which they load
+        instead of tracing again. Returns one row per (bucket, kind): graphs compiled, seconds
+        (compiling or loading), inductor cache hits and misses, precompiled steps saved and loaded."""
         static = self._static
         if static is None or not static.compiled:
             raise DriftlabError(f"{self.name} does not decode with the compiled loop (--decode {self.decode_mode}"
@@ -847,14 +848,14 @@ class HFChatBackend:
         rows = []
         for bucket in warm_buckets(batches):
             for interventions in (Interventions(), steered):
-                before = (static.graphs, static.compile_s, static.cache_hits, static.cache_misses)
+                before = static.tally()
                 self.generate(ChatRequest([conversation] * bucket, Sampling(greedy=True, max_new_tokens=3,
                                                                              ignore_eos=True),
                                           interventions=interventions))
-                after = (static.graphs, static.compile_s, static.cache_hits, static.cache_misses)
-                graphs, seconds, hits, misses = (a - b for a, b in zip(after, before, strict=True))
-                rows.append({"batch": bucket, "steered": interventions is steered, "graphs": graphs,
-                             "compile_s": round(seconds, 2), "cache_hits": hits, "cache_misses": misses})
+                row = {k: v - before[k] for k, v in static.tally().items()}
+                rows.append({"batch": bucket, "steered": interventions is steered, "graphs": row["graphs"],
+                             "compile_s": round(row["compile_s"], 2), "cache_hits": row["cache_hits"],
+                             "cache_misses": row["cache_misses"], "saved": row["saved"], "loaded": row["loaded"]})
         return rows
 
     def ran(self) -> dict[str, Any]:

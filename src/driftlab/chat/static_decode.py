@@ -56,6 +56,7 @@ from typing import Any, get_args
 
 import torch
 
+from driftlab.chat import precompiled
 from driftlab.chat.spec import DecodeMode
 from driftlab.cuda_support import auto_fast_path
 from driftlab.errors import DriftlabError
@@ -267,6 +268,8 @@ class StaticDecoder:
     def __init__(self, model: Any, compiled: bool) -> None:
         self.model = model
         self.compiled = compiled
+        if compiled:
+            precompiled.setting()  # a bad DRIFTLAB_PRECOMPILED fails here, before any work
         self._step: Any = None
         # batch bucket -> (cache length, cache, arena), the most recently used last
         self._held: OrderedDict[int, tuple[int, Any, dict[str, torch.Tensor]]] = OrderedDict()
@@ -291,6 +294,7 @@ class StaticDecoder:
         self.cudagraph_skips = 0  # compiled graphs inductor did not capture in a CUDA graph
         self.cudagraph_recordings = 0  # CUDA graphs recorded during this decoder's steps (CudaGraphRecordings)
         self.recordings_watched = False
+        self.artifacts: precompiled.Artifacts | None = None  # the precompiled steps' store, where used
 
     def ran(self) -> dict[str, Any]:
         """The loop that decoded: `compiled` (with the graphs compiled, their keys, compile
@@ -307,6 +311,8 @@ class StaticDecoder:
             facts["cudagraph_skips"] = self.cudagraph_skips
             if self.recordings_watched:
                 facts["cudagraph_recordings"] = self.cudagraph_recordings
+            if self.artifacts is not None:
+                facts["precompiled"] = self.artifacts.ran()
             if self.decode_kernel:
                 facts["decode_kernel"] = "flex_decoding (split over keys)"
         facts["cache_evictions"] = self.evictions
@@ -315,6 +321,14 @@ class StaticDecoder:
         if self.eager_reason:
             facts["eager_after"] = self.eager_reason
         return facts
+
+    def tally(self) -> dict[str, float]:
+        """Running totals, for `HFChatBackend.warm` to difference: graphs compiled, seconds compiling
+        or loading precompiled steps, inductor cache hits and misses, precompiled steps saved and loaded."""
+        a = self.artifacts
+        return {"graphs": self.graphs, "compile_s": self.compile_s + (a.load_s if a else 0.0),
+                "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
+                "saved": a.saved if a else 0, "loaded": a.loaded if a else 0}
 
     def new_cache(self, batch: int, length: int) -> Any:
         """An empty `StaticCache` of at least `length` slots for `batch` rows: the bucket's own,
@@ -386,10 +400,13 @@ class StaticDecoder:
             limit = getattr(torch._dynamo.config, "recompile_limit", None)
             if limit is not None and limit < RECOMPILE_LIMIT:
                 torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
-            use_compile_cache()
+            cache = use_compile_cache()
             options = self._options()
             self.static_batch = options.pop("static_batch", False)
             compiled = torch.compile(self.model.forward, **options)
+            if precompiled.wanted(self.model.device, options):
+                compiled = self.artifacts = precompiled.Artifacts(self.model, options, compiled,
+                                                                  cache / "driftlab-aot")
             self._step = lambda *args, **kwargs: self._call(compiled, args, kwargs)
         return self._step
 

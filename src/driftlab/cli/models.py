@@ -139,7 +139,7 @@ def warm_model(
 ) -> None:
     """Compile a model's decode loop ahead of a run (--decode compiled): a plain and a steered graph per
     batch bucket, kept in driftlab's compile cache, so a later run's process loads them instead of
-    compiling. Prints what each compile took and whether the cache served it."""
+    compiling or tracing again. Prints what each compile took and whether the cache served it."""
     from driftlab.api import warm
     from driftlab.chat.static_decode import use_compile_cache
 
@@ -151,15 +151,17 @@ def warm_model(
         raise DriftlabError(f"--batch {batch!r} is not a list of batch sizes.", hint="E.g. --batch 1,2,4,8.")
     rows = warm(name, batches, dtype=dtype, device=device, directions=directions)
     table = Table(title=f"decode graphs of {name} (compile cache: {use_compile_cache()})")
-    for column in ("batch", "kind", "graphs compiled", "seconds", "cache hits", "cache misses"):
+    for column in ("batch", "kind", "graphs compiled", "seconds", "cache hits", "cache misses", "steps saved",
+                   "steps loaded"):
         table.add_column(column, no_wrap=True)
     for r in rows:
         table.add_row(str(r["batch"]), "steered" if r["steered"] else "plain", str(r["graphs"]), f"{r['compile_s']:.1f}",
-                      str(r["cache_hits"]), str(r["cache_misses"]))
+                      str(r["cache_hits"]), str(r["cache_misses"]), str(r["saved"]), str(r["loaded"]))
     console.print(table)
     total = sum(r["compile_s"] for r in rows)
     typer.echo(f"warmed {len(rows)} graphs of {name} in {total:.1f} s; cache hits {sum(r['cache_hits'] for r in rows)}, "
-               f"misses {sum(r['cache_misses'] for r in rows)}")
+               f"misses {sum(r['cache_misses'] for r in rows)}; precompiled steps saved {sum(r['saved'] for r in rows)}, "
+               f"loaded {sum(r['loaded'] for r in rows)}")
 
 
 @app.command("info")
