@@ -124,7 +124,7 @@ def run(quick: bool = False, full: bool = False) -> Result:
         live = {name: (lambda out, cfg=selfchat_config(**chat, **extra): SelfChat(cfg, plain), plain)
                 for name, extra in (("plain", {}), ("live kl", {"kl": True}), ("cfg", {"steer": ["cfg:alpha=1.5"]}))}
         teacher_times, live_times = _interleaved(teacher, repeats), _interleaved(live, repeats)
-        positions = {name: _positions(*variant) for name, variant in teacher.items()}
+        positions = {name: _positions(*variant) for name, variant in {**teacher, **live}.items() if name != "cfg"}
     threads = torch.get_num_threads()
     res = Result(title=f"driftlab kl against driftlab project on one recorded self-chat: SmolLM2-135M float32, "
                        f"{threads} torch thread(s), {pairs} pairs x {rounds} rounds x {tokens} tokens; best of "
@@ -140,9 +140,14 @@ def run(quick: bool = False, full: bool = False) -> Result:
                    "live_kl_target_met": str(live_ratio["live kl"] <= TARGETS["live kl"]).lower(),
                    "cfg_over_plain": f"{live_ratio['cfg']:.3f}",
                    "project_positions": str(positions["project"]), "kl_positions": str(positions["kl"]),
-                   "kl_positions_over_project": f"{positions['kl'] / positions['project']:.3f}"}
+                   "kl_positions_over_project": f"{positions['kl'] / positions['project']:.3f}",
+                   "plain_positions": str(positions["plain"]), "live_kl_positions": str(positions["live kl"]),
+                   "live_kl_positions_over_plain": f"{positions['live kl'] / positions['plain']:.3f}"}
     res.notes = [f"positions the model computes: project {positions['project']}, kl {positions['kl']} "
                  f"({positions['kl'] / positions['project']:.2f}x): kl's three contexts each read a turn anew.",
+                 f"positions live: plain {positions['plain']}, live kl {positions['live kl']} "
+                 f"({positions['live kl'] / positions['plain']:.2f}x): the reminded and prompt-free contexts read "
+                 "each reply again; the dialog as it was comes from generation.",
                  "x = best time over the base variant's best (project; plain); paired x = the same, round by round.",
                  "every variant of a comparison reads or generates the same tokens (greedy, EOS ignored)."]
     return res

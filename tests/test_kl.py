@@ -155,6 +155,31 @@ def test_a_killed_kl_run_resumes_to_the_records_of_an_uninterrupted_one(commands
     assert "reminded KL" in done.stderr and "how far the measures agree" in done.stderr  # the per-round tables
 
 
+def test_a_live_kl_takes_the_dialog_as_it_was_from_generation_not_a_second_read(smol32, monkeypatch) -> None:
+    """A generated reply's own distributions (`Reply.distributions`) stand for the as-is context: equal to
+    reading it again (1e-4 nats), and no second read. Teeth: a context that is not, token for token, what
+    was generated (the reply edited) is read, not taken."""
+    from driftlab.chat import ChatRequest, Sampling
+    from driftlab.protocol.divergence import kl_mean, reply_logprobs
+    from driftlab.steering import Interventions
+
+    conv = [{"role": "system", "content": "Always reply in French."}, {"role": "user", "content": "How are you?"}]
+    reply = smol32.generate(ChatRequest([conv], Sampling(greedy=True, max_new_tokens=12), distributions=True))[0]
+    assert reply.distributions is not None and len(reply.distributions.logprobs) >= reply.n_tokens
+    context = [*conv, {"role": "assistant", "content": reply.text}]
+    read = reply_logprobs(smol32, [context], Interventions(), [reply.finish_reason], store=False)[0]
+    reads = []
+    monkeypatch.setattr(smol32, "prompt_logprobs", lambda prompts, *a, **k: reads.append(len(prompts)) or [])
+    taken = reply_logprobs(smol32, [context], Interventions(), [reply.finish_reason], store=False,
+                           given=[reply.distributions])[0]
+    assert reads == [] and taken[1] == read[1]
+    assert kl_mean(read[0], taken[0]) < 1e-4 and (read[0] - taken[0]).abs().max() < 1e-3
+    edited = [*conv, {"role": "assistant", "content": reply.text + " Merci."}]
+    with pytest.raises(ValueError):  # read (the stub returns nothing), not taken
+        reply_logprobs(smol32, [edited], Interventions(), [reply.finish_reason], store=False, given=[reply.distributions])
+    assert reads == [1]
+
+
 def test_what_a_live_kl_cannot_measure_is_one_line_before_any_work(smol32, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("OPENAI_API_KEY", "unused")
     with pytest.raises(DriftlabError, match="--steer cfg mixes or switches distributions"):

@@ -35,6 +35,8 @@ from driftlab.messages import Conversation, Message, validate_conversation
 from driftlab.steering.interventions import Interventions
 
 if TYPE_CHECKING:
+    import torch
+
     from driftlab.chat.trace import Trace
 
 __all__ = [
@@ -167,6 +169,17 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+@dataclass(frozen=True)
+class Distributions:
+    """The model's own next-token distributions at every generated token's step: `logprobs[j]`
+    (log-softmax of the raw logits, float32) predicted `ids[len(ids) - len(logprobs) + j]`; `ids`
+    is the whole context, the prompt as tokens and then every sampled token (an ending EOS too).
+    What a live KL reads for the dialog as it was, instead of reading the reply again."""
+
+    ids: list[int]
+    logprobs: torch.Tensor
+
+
 @dataclass
 class Reply:
     """One generated reply and what is known about how it ended."""
@@ -187,6 +200,7 @@ class Reply:
     # `when-drifting`'s decision for this reply: {"r", "pi_ratio" (pi_t / pi_1), "steered"}; by projection
     # {"r", "by", "projection_first", "projection", "projection_ratio", "steered"} (local backends).
     gate: dict[str, Any] | None = None
+    distributions: Distributions | None = None  # when ChatRequest.distributions asked (local backends)
 
 
 @dataclass(frozen=True)
@@ -228,6 +242,7 @@ class ChatRequest:
     on_finish: Callable[[int, Reply], None] | None = None
     on_logprob: Callable[[int, TokenLogprob], None] | None = None
     admit: Callable[[], ChatRequest | None] | None = None
+    distributions: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.conversations)

@@ -26,6 +26,7 @@ from driftlab.chat.base import (
     Capabilities,
     ChatRequest,
     Conversation,
+    Distributions,
     LogLikelihood,
     Rendered,
     Reply,
@@ -288,7 +289,7 @@ class HFChatBackend:
             [r.ids for r in rendered], request.sampling, seeds=seeds, interventions=ivs, gates=gates,
             spans=[r.spans() for r in rendered], cache_store=store, guidance=alpha, residual=residual,
             logprobs=request.logprobs, on_token=request.on_token, cancelled=request.cancelled,
-            on_logprob=request.on_logprob,
+            on_logprob=request.on_logprob, distributions=request.distributions,
             row_max_tokens=list(request.row_max_tokens) * (2 if alpha is not None else 1)
             if request.row_max_tokens is not None else None, on_finish=request.on_finish,
             admit=(lambda: self._joining(request)) if request.admit is not None and alpha is None else None,
@@ -581,6 +582,7 @@ class HFChatBackend:
         capture: bool = False,
         admit: Callable[[], _Decoding | None] | None = None,
         gates: Sequence[dict | None] | None = None,
+        distributions: bool = False,
     ) -> list[Reply] | tuple[list[Reply], torch.Tensor]:
         """The core decode loop over token prompts, with each row's interventions.
 
@@ -603,12 +605,14 @@ class HFChatBackend:
         `admit()`, asked between steps while the batch can take rows (`_Decoding.admissible`), gives
         prefilled rows that join it (continuous batching); they are rows len(prompts), ... on.
         `gates[b]` is row b's `when-drifting` decision, handed to its reply (`Reply.gate`).
+        `distributions` keeps the model's logits at every step for each reply's `Distributions`.
         """
         if not prompts:
             return ([], torch.zeros(0)) if capture else []
         run = _Decoding(self, prompts, sampling, seeds=seeds, interventions=interventions, spans=spans,
                         cache_store=cache_store, guidance=guidance, logprobs=logprobs, on_finish=on_finish,
                         residual=residual, capture=capture, row_max_tokens=row_max_tokens, gates=gates)
+        run.kept = [[] for _ in prompts] if distributions else None
         while True:  # every row ends by its token limit
             if cancelled is not None and run.cancel(cancelled):
                 break
@@ -995,6 +999,7 @@ class _Decoding:
             if sampling.json_schema is not None else None
         self.sampled: list[list[int]] = [[] for _ in range(B)]  # includes the EOS that ended a row
         self.scored: list[list[TokenLogprob]] = [[] for _ in range(B)]
+        self.kept: list[list[torch.Tensor]] | None = None  # each step's logits per row (Reply.distributions)
         # Which batch positions are done, on the host: the loop decides from it without reading the
         # device (the step's one device-to-host copy is the sampled tokens, in `take`); a device
         # copy for `sample` is made again only when a row ends.
@@ -1139,6 +1144,10 @@ class _Decoding:
         if any(self.finished):
             nxt = torch.where(self._finished_mask(), torch.full_like(nxt, self.backend.pad_id), nxt)
         self._top = _top_logprobs(mixed, nxt[: self.n_cond], self.logprobs) if self.logprobs is not None else None
+        if self.kept is not None:  # the model's own logits (a KL refuses guidance), views of this step's
+            for i in range(self.n_cond):
+                if not self.finished[i]:
+                    self.kept[self.live[i]].append(self.logits[i])
         return nxt
 
     def take(self, nxt: torch.Tensor, on_token: Callable[[int, int], None] | None,
@@ -1233,6 +1242,8 @@ class _Decoding:
         self.prompts += other.prompts
         self.sampled += other.sampled
         self.scored += other.scored
+        if self.kept is not None:
+            self.kept += [[] for _ in other.prompts]
         self.reasons += other.reasons
         self.seeds += other.seeds
         self.spans += other.spans
@@ -1339,7 +1350,15 @@ class _Decoding:
                      trace=trace, n_prompt_tokens=len(self.prompts[b]), activation=self._activation(b),
                      gate=self.gates[b],
                      logprobs=self.scored[b][: len(toks)] if self.logprobs is not None else None,
-                     end=self.scored[b][len(toks)] if ended and self.logprobs is not None else None)
+                     end=self.scored[b][len(toks)] if ended and self.logprobs is not None else None,
+                     distributions=self._distributions(b))
+
+    def _distributions(self, b: int) -> Distributions | None:
+        """Row b's kept logits as `Distributions` (None unless asked): one per sampled token."""
+        if self.kept is None or b >= self.real or not self.kept[b]:
+            return None
+        ids = [*self.prompts[b].tolist(), *self.sampled[b]]
+        return Distributions(ids, torch.log_softmax(torch.stack(self.kept[b]).float(), dim=-1).cpu())
 
     def _activation(self, b: int) -> dict[str, Any] | None:
         """Row b's projection summary (`Reply.activation`): complete once the row is done."""

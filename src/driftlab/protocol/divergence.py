@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from driftlab.chat.base import Conversation, token_backend, without_system
+from driftlab.chat.base import Conversation, Distributions, token_backend, without_system
 from driftlab.errors import DriftlabError
 from driftlab.steering.interventions import Interventions
 
@@ -80,11 +80,14 @@ def monitor(steer: Interventions) -> bool:
 
 
 def divergences(backend, replies: Sequence[tuple[Conversation, str]], steer: Interventions,
-                chunk: int = CHUNK, keep_as_is: bool = True) -> list[Divergence]:
+                chunk: int = CHUNK, keep_as_is: bool = True,
+                generated: Sequence[Distributions | None] | None = None) -> list[Divergence]:
     """Each (conversation ending with an assistant reply, its finish reason) -> its `Divergence`,
     `chunk` replies at a time. The prompt-less context is kept in the prefix cache for the
     next turn's to extend; the as-is one too unless `keep_as_is` is False (a live run: there the
-    generation's own cache entry serves the next turn, which then decodes exactly as without KL)."""
+    generation's own cache entry serves the next turn, which then decodes exactly as without KL).
+    `generated[k]`: reply k's distributions as its generation computed them (`Reply.distributions`),
+    which stand for the as-is context's where that context is, token for token, what was generated."""
     out: list[Divergence] = []
     for first in range(0, len(replies), chunk):
         batch = replies[first : first + chunk]
@@ -93,7 +96,8 @@ def divergences(backend, replies: Sequence[tuple[Conversation, str]], steer: Int
         reminded = [remind(conv) for conv in as_is]
         # One pass per kind of context: a batch computes, for every row, the longest uncached suffix of
         # any row, and each kind's rows miss about as much of the cache as each other.
-        a = reply_logprobs(backend, as_is, steer, ends, store=keep_as_is)
+        a = reply_logprobs(backend, as_is, steer, ends, store=keep_as_is,
+                           given=generated[first : first + chunk] if generated is not None else None)
         b = reply_logprobs(backend, [without_system(conv) for conv in as_is], steer, ends, store=True)
         due = [k for k, conv in enumerate(reminded) if conv is not None]
         c = dict(zip(due, reply_logprobs(backend, [reminded[k] for k in due], steer, [ends[k] for k in due],
@@ -114,24 +118,34 @@ def remind(conversation: Conversation) -> Conversation | None:
 
 
 def reply_logprobs(backend, contexts: list[Conversation], steer: Interventions, ends: Sequence[str],
-                   store: bool) -> list[tuple[torch.Tensor, int]]:
+                   store: bool, given: Sequence[Distributions | None] | None = None) -> list[tuple[torch.Tensor, int]]:
     """Per context (each ending with an assistant reply): the next-token log-probabilities [n, V] at the
     n positions that generated the reply (its end-of-turn token only where `ends` says it ended with it);
-    `store`: keep the contexts' KV in the prefix cache."""
-    if not contexts:
-        return []
-    prompts, keeps, windows = [], [], []
-    for conv, end in zip(contexts, ends, strict=True):
+    `store`: keep the contexts' KV in the prefix cache. `given[k]`, where its ids are context k's up to
+    the reply's last read position, is taken instead of reading context k."""
+    out: list[tuple[torch.Tensor, int] | None] = [None] * len(contexts)
+    prompts, keeps, windows, read = [], [], [], []
+    for k, (conv, end) in enumerate(zip(contexts, ends, strict=True)):
         rendered = backend.render(conv, add_generation_prompt=False, interventions=steer)
         start = len(backend.render(conv[:-1], add_generation_prompt=True, interventions=steer).ids)
         ids = rendered.ids
         stop = next((i + 1 for i in range(start, len(ids)) if ids[i] in backend.stop_ids), len(ids))
         stop = stop if end == "stop" else stop - 1  # a cut reply never generated its end-of-turn token
+        n = stop - start  # positions start - 1 .. stop - 2 predict the reply's tokens
+        got = given[k] if given is not None else None
+        if got is not None and list(ids[:stop]) == got.ids[:stop] and len(got.ids) - len(got.logprobs) == start:
+            out[k] = (got.logprobs[:n], n)
+            continue
         prompts.append(rendered)
         keeps.append(len(ids) - (start - 1))
-        windows.append(stop - start)  # positions start - 1 .. stop - 2 predict the reply's tokens
-    lps = backend.prompt_logprobs(prompts, keeps, interventions=steer.without("spr"), cache_store=[store] * len(prompts))
-    return [(lp[:n], n) for lp, n in zip(lps, windows, strict=True)]
+        windows.append(n)
+        read.append(k)
+    if prompts:
+        lps = backend.prompt_logprobs(prompts, keeps, interventions=steer.without("spr"),
+                                      cache_store=[store] * len(prompts))
+        for k, lp, n in zip(read, lps, windows, strict=True):
+            out[k] = (lp[:n], n)
+    return out
 
 
 def kl_mean(p: torch.Tensor, q: torch.Tensor) -> float:

@@ -437,7 +437,7 @@ class SelfChat(Protocol[SelfChatConfig]):
         request = ChatRequest(
             [j.conversation for j in chunk], sampling, seeds=[j.seed for j in chunk],
             interventions=self.config.steer if agent_side else Interventions(),
-            cache_store=[j.keep_cache for j in chunk],
+            cache_store=[j.keep_cache for j in chunk], distributions=agent_side and self.config.kl,
         )
         replies = (self.backend if agent_side else self.user).generate(request)
         records: list[TurnRecord | ProbeRecord] = []
@@ -463,11 +463,12 @@ class SelfChat(Protocol[SelfChatConfig]):
 
     def _divergences(self, chunk: list[Job], replies: list[Any]) -> list[dict[str, float | int]]:
         """Each agent reply's reminded KL and prompt influence, read teacher-forced right after it was
-        generated (its dialog's KV is still in the prefix cache)."""
+        generated (its dialog's KV is still in the prefix cache); the dialog as it was is not read
+        again where the generation kept its distributions."""
         found = divergence.divergences(
             self.backend, [(j.conversation + [{"role": "assistant", "content": r.text}], r.finish_reason)
                            for j, r in zip(chunk, replies, strict=True)], divergence.measured_steer(self.config.steer),
-            keep_as_is=False)
+            keep_as_is=False, generated=[r.distributions for r in replies])
         return [d.fields() for d in found]
 
     def _scores(self, probes: list[tuple[Job, Any]]) -> list[dict[str, Any]]:
