@@ -98,6 +98,15 @@ def test_guards_are_kept_checked_covered_or_refused() -> None:
     assert uncovered == ["EQUALS_MATCH on getattr(kwargs['driftlab'], 'x')"]
 
 
+def test_the_key_holds_the_config_but_not_where_a_model_was_saved() -> None:
+    """A model saved and loaded again is the same model to the store (its config gains a path, class
+    names and a version, which no trace reads); any other config value makes another key."""
+    saved = SimpleNamespace(config=PretrainedConfig(_name_or_path="/tmp/x", architectures=["LlamaForCausalLM"]))
+    fresh = SimpleNamespace(config=PretrainedConfig())
+    assert precompiled._config(saved) == precompiled._config(fresh)
+    assert precompiled._config(SimpleNamespace(config=PretrainedConfig(tie_word_embeddings=False))) != precompiled._config(fresh)
+
+
 def test_a_bad_precompiled_setting_is_one_line(monkeypatch) -> None:
     monkeypatch.setenv(precompiled.ENV, "yes please")
     with pytest.raises(DriftlabError, match="DRIFTLAB_PRECOMPILED='yes please' is not 1 or 0"):

@@ -228,6 +228,16 @@ def _aot_options(options: dict[str, Any], on_guards: Callable) -> dict[str, Any]
     return {**options, "options": inductor}
 
 
+def _config(model: Any) -> dict[str, Any]:
+    """The model's config as the key holds it: every value but the metadata saving a model writes
+    (where it was loaded from, its class names, the transformers version: no trace reads them, and
+    a model saved and loaded again is the same model)."""
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    for name in ("_name_or_path", "architectures", "transformers_version"):
+        config.pop(name, None)
+    return config
+
+
 class _Unmarked:
     """mark_static's attributes off the call's tensors while a loaded artifact runs (its guard
     refuses a marked tensor), back on after (the decoder marks each cache once)."""
@@ -257,6 +267,7 @@ class Artifacts:
     def __init__(self, model: Any, options: dict[str, Any], fallback: Callable, root: Path) -> None:
         self.model, self.options, self.fallback, self.root = model, options, fallback, root
         self.variants: dict[str, list[tuple[dict[str, str], Callable]]] = {}
+        self._facts: dict[str, str] = {}  # each key's facts, written beside its index (`<key>.key.json`)
         self.loaded = self.saved = 0
         self.load_s = self.compile_s = 0.0
         self.refused: str | None = None
@@ -266,7 +277,7 @@ class Artifacts:
         self._fixed = {  # what a call cannot change
             "versions": [torch.__version__, version("transformers"), source_hash()],
             "model": f"{type(model).__module__}.{type(model).__qualname__}",
-            "config": model.config.to_json_string(use_diff=False), "dtype": str(model.dtype), "device": device.type,
+            "config": _config(model), "dtype": str(model.dtype), "device": device.type,
             "capability": torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
             "options": repr(sorted(options.items())),
         }
@@ -309,7 +320,10 @@ class Artifacts:
             "kernel": os.environ.get("DRIFTLAB_ATTENTION_KERNEL"), "args": len(args), "kwargs": sorted(kwargs),
             "tensors": {k: [str(v.dtype), v.dim(), v.shape[0]] for k, v in kwargs.items() if isinstance(v, torch.Tensor)},
         }
-        return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+        text = json.dumps(facts, sort_keys=True, default=str)
+        base = hashlib.sha256(text.encode()).hexdigest()[:24]
+        self._facts[base] = text
+        return base
 
     def _pick(self, args: tuple, kwargs: dict[str, Any]) -> Callable:
         base = self._base(args, kwargs)
@@ -384,4 +398,5 @@ class Artifacts:
         with tempfile.NamedTemporaryFile("w", dir=self.root, delete=False, suffix=".part") as f:
             json.dump(entries, f)
         os.replace(f.name, index)
+        (self.root / f"{base}.key.json").write_text(self._facts[base])  # what the key holds, for people
         self.saved += 1
