@@ -479,3 +479,18 @@ def test_one_cluster_is_the_item_level_test_marked_as_one_cluster() -> None:
     few = ds.clustered_paired_test({i: 1.0 for i in range(8)}, {i: 0.0 for i in range(8)},
                                    {i: i // 2 for i in range(8)})
     assert few.p == pytest.approx(2 / 16) and "too few clusters" in few.warning()
+
+
+def test_the_bootstraps_rank_forms_are_scipys_statistics() -> None:
+    """`mid_ranks` is scipy's rankdata (ties averaged) and `rank_rho` its spearmanr, on data with many
+    ties and none; the bootstraps use them because scipy's per-call overhead dominated `driftlab warn`."""
+    from scipy.stats import rankdata, spearmanr
+
+    from driftlab.stats import mid_ranks, rank_rho
+
+    gen = np.random.default_rng(0)
+    for x, y in ((gen.integers(0, 4, 200).astype(float), gen.integers(0, 3, 200).astype(float)),
+                 (gen.normal(size=57), gen.normal(size=57)), (np.array([2.0, 2.0, 1.0]), np.array([1.0, 3.0, 2.0]))):
+        np.testing.assert_array_equal(mid_ranks(x), rankdata(x))
+        assert abs(rank_rho(x, y) - spearmanr(x, y).statistic) < 1e-12
+    assert math.isnan(rank_rho(np.ones(5), np.arange(5.0))) and math.isnan(rank_rho(np.arange(2.0), np.arange(2.0)))
