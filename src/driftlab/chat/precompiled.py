@@ -274,13 +274,13 @@ class Artifacts:
         device = model.device
         from importlib.metadata import version
 
-        self._fixed = {  # what a call cannot change
+        self._fixed = json.dumps({  # what a call cannot change, serialised once (the key is made every step)
             "versions": [torch.__version__, version("transformers"), source_hash()],
             "model": f"{type(model).__module__}.{type(model).__qualname__}",
             "config": _config(model), "dtype": str(model.dtype), "device": device.type,
             "capability": torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
             "options": repr(sorted(options.items())),
-        }
+        }, sort_keys=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.refused is None:
@@ -315,12 +315,12 @@ class Artifacts:
         hooks = [i for i, m in enumerate(model.modules())
                  if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._state_dict_hooks]
         facts = {
-            **self._fixed, "attention": getattr(model.config, "_attn_implementation", None), "hooks": hooks,
+            "attention": getattr(model.config, "_attn_implementation", None), "hooks": hooks,
             "global_hooks": [len(nn_module._global_forward_hooks), len(nn_module._global_forward_pre_hooks)],
             "kernel": os.environ.get("DRIFTLAB_ATTENTION_KERNEL"), "args": len(args), "kwargs": sorted(kwargs),
             "tensors": {k: [str(v.dtype), v.dim(), v.shape[0]] for k, v in kwargs.items() if isinstance(v, torch.Tensor)},
         }
-        text = json.dumps(facts, sort_keys=True, default=str)
+        text = f'{{"fixed": {self._fixed}, "call": {json.dumps(facts, sort_keys=True)}}}'
         base = hashlib.sha256(text.encode()).hexdigest()[:24]
         self._facts[base] = text
         return base
