@@ -378,19 +378,14 @@ def test_pi_floor_takes_pi_1_from_the_first_turn_and_a_floor_below_pi_changes_no
 
 
 def test_auroc_and_spearman_intervals_against_scikit_learn_and_scipy() -> None:
-    """The AUROC of `stats.auroc_interval` is scikit-learn's, and its resamples' rank form equals it
-    (ties included); Spearman's rho is scipy's; clusters resample whole conversations."""
+    """The AUROC of `stats.auroc_interval` is scikit-learn's (its resamples' form is test_stats.py's);
+    Spearman's rho is scipy's; clusters resample whole conversations."""
     from scipy.stats import spearmanr
     from sklearn.metrics import roc_auc_score
 
-    from driftlab.stats import auroc_interval, rank_auroc, spearman_interval
+    from driftlab.stats import auroc_interval, spearman_interval
 
     rng = np.random.default_rng(0)
-    for _ in range(100):
-        n = int(rng.integers(4, 40))
-        x, y = rng.integers(0, 4, n).astype(float), rng.random(n) < 0.5
-        if 0 < y.sum() < n:
-            assert rank_auroc(x, y) == pytest.approx(roc_auc_score(y, x), abs=1e-12)
     x, y = rng.normal(size=60), rng.random(60) < 0.5
     clusters = np.repeat(np.arange(12), 5)
     got = auroc_interval(x + 2 * y, y, clusters)

@@ -481,16 +481,26 @@ def test_one_cluster_is_the_item_level_test_marked_as_one_cluster() -> None:
     assert few.p == pytest.approx(2 / 16) and "too few clusters" in few.warning()
 
 
-def test_the_bootstraps_rank_forms_are_scipys_statistics() -> None:
-    """`mid_ranks` is scipy's rankdata (ties averaged) and `rank_rho` its spearmanr, on data with many
-    ties and none; the bootstraps use them because scipy's per-call overhead dominated `driftlab warn`."""
-    from scipy.stats import rankdata, spearmanr
+def test_every_resamples_statistic_is_scikit_learns_and_scipys_on_the_repeated_sample() -> None:
+    """`auroc_resamples` and `rho_resamples` give, for every resample at once, scikit-learn's AUROC and
+    scipy's Spearman rho of the sample with each item repeated its count: on data with many ties and
+    none, with counts from whole clusters; NaN where a resample lacks a class, is constant or too small."""
+    from scipy.stats import spearmanr
+    from sklearn.metrics import roc_auc_score
 
-    from driftlab.stats import mid_ranks, rank_rho
+    from driftlab.stats import auroc_resamples, resample_counts, rho_resamples
 
     gen = np.random.default_rng(0)
-    for x, y in ((gen.integers(0, 4, 200).astype(float), gen.integers(0, 3, 200).astype(float)),
-                 (gen.normal(size=57), gen.normal(size=57)), (np.array([2.0, 2.0, 1.0]), np.array([1.0, 3.0, 2.0]))):
-        np.testing.assert_array_equal(mid_ranks(x), rankdata(x))
-        assert abs(rank_rho(x, y) - spearmanr(x, y).statistic) < 1e-12
-    assert math.isnan(rank_rho(np.ones(5), np.arange(5.0))) and math.isnan(rank_rho(np.arange(2.0), np.arange(2.0)))
+    for x, y in ((gen.integers(0, 4, 60).astype(float), gen.integers(0, 3, 60).astype(float)),
+                 (gen.normal(size=57), gen.normal(size=57))):
+        labels = y > np.median(y)
+        counts = resample_counts(len(x), np.arange(len(x)) // 3, 40, rng=1)
+        aucs, rhos = auroc_resamples(x, labels, counts), rho_resamples(x, y, counts)
+        for c, auc, rho in zip(counts, aucs, rhos, strict=True):
+            assert abs(auc - roc_auc_score(np.repeat(labels, c), np.repeat(x, c))) < 1e-12
+            assert abs(rho - spearmanr(np.repeat(x, c), np.repeat(y, c)).statistic) < 1e-12
+    x = np.array([1.0, 2.0, 3.0, 4.0])
+    one_class = np.array([[2, 0, 2, 0]])  # only items 0 and 2 drawn: both labelled True below
+    assert np.isnan(auroc_resamples(x, np.array([True, False, True, False]), one_class)).all()
+    assert np.isnan(rho_resamples(x, np.array([5.0, 1.0, 5.0, 2.0]), one_class)).all()  # b constant where drawn
+    assert np.isnan(rho_resamples(x, x, np.array([[1, 1, 0, 0]]))).all()  # 2 items

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from driftlab.cli import app
 from driftlab.report import warn
-from driftlab.stats import cluster_resamples
+from driftlab.stats import resample_counts
 
 
 def _write_run(path: Path, dialogs: int = 24, rounds: int = 10, seed: int = 0,
@@ -89,12 +89,12 @@ def test_auroc_is_scikit_learns_on_the_same_arrays(run, found) -> None:
 
 def test_intervals_resample_whole_dialogs() -> None:
     dialogs = np.repeat(np.arange(6), [3, 1, 4, 2, 5, 2])
-    for index in cluster_resamples(len(dialogs), dialogs, 50, rng=1):
-        picked = dialogs[index]
-        for d in np.unique(picked):  # each dialog drawn k times contributes all its turns k times
-            assert (picked == d).sum() % (dialogs == d).sum() == 0
-            assert sorted(index[picked == d]) == sorted(np.tile(np.flatnonzero(dialogs == d),
-                                                                (picked == d).sum() // (dialogs == d).sum()))
+    counts = resample_counts(len(dialogs), dialogs, 50, rng=1)
+    for c in counts:  # each dialog drawn k times contributes all its turns k times
+        per_dialog = [set(c[dialogs == d]) for d in range(6)]
+        assert all(len(k) == 1 for k in per_dialog)
+        assert sum(k.pop() for k in per_dialog) == 6  # 6 draws of a dialog
+    assert len({tuple(c) for c in counts}) > 1
 
 
 def test_a_signal_that_falls_before_each_failure_warns_with_a_lead(found) -> None:

@@ -35,7 +35,7 @@ from driftlab.errors import DriftlabError
 from driftlab.report.activation import PASS, TURN_MEASURES, measures_frame
 from driftlab.report.replay import compliance_frame
 from driftlab.report.tables import TextTable
-from driftlab.stats import cluster_resamples, percentile_interval, rank_auroc
+from driftlab.stats import auroc_resamples, percentile_interval, resample_counts
 
 N_RESAMPLES = 2000
 CONFIDENCE = 0.95
@@ -143,19 +143,18 @@ def analyse(turns: pd.DataFrame, fail_below: float = PASS, seed: int = 0,
     values = {c: sign * rows[c].to_numpy(float) for c, _, sign, _ in spec}
     within_rows = rows.groupby("pair").fails_next.transform(lambda s: 0 < s.sum() < len(s)).to_numpy(bool)
     inside = {c: centred(v, dialogs)[within_rows] for c, v in values.items()}
-    boot = {c: ([], []) for c in values}
-    for index in cluster_resamples(len(rows), dialogs, n_resamples, seed):
-        picked = within_rows[index]
-        for c, v in values.items():
-            boot[c][0].append(rank_auroc(v[index], y[index]))
-            inner = index[picked]
-            boot[c][1].append(rank_auroc(centred(v[inner], dialogs[inner]), y[inner]))
-    turn_boot = np.array(boot["round"][0])
+    # Every resample at once, the same counts for every signal (paired). A dialog drawn k times keeps its
+    # mean, so the within-dialog values need no centring again per resample.
+    counts = resample_counts(len(rows), dialogs, n_resamples, seed)
+    boot = {c: (auroc_resamples(values[c], y, counts), auroc_resamples(inside[c], y[within_rows],
+                                                                        counts[:, within_rows]))
+            for c in values}
+    turn_boot = boot["round"][0]
     leads = lead_times(rows, values, fail_below, seed)
     out = []
     for c, label, _, baseline in spec:
         auc = _auroc(values[c], y)
-        diffs = np.array(boot[c][0]) - turn_boot
+        diffs = boot[c][0] - turn_boot
         out.append(Signal(c, label, baseline, len(rows), len(set(dialogs)), auc,
                           *percentile_interval(boot[c][0], n_resamples, CONFIDENCE),
                           _auroc(inside[c], y[within_rows]), *percentile_interval(boot[c][1], n_resamples, CONFIDENCE),
