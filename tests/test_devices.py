@@ -41,6 +41,7 @@ def test_unsupported_devices_are_usage_errors(spec: str) -> None:
     assert devices.current() == torch.device(devices.backend_device())  # unchanged
 
 
+@pytest.mark.process  # fresh interpreters
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_without_cuda_stops_the_run_with_a_usage_error() -> None:
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "--device", "cuda", "-p", "no:cacheprovider",

@@ -187,6 +187,7 @@ def test_cli_chat_and_selfchat_run_by_hub_id_and_resume_refuses_changed_weights(
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.process  # fresh interpreters
 def test_models_list_shows_cached_causal_lms(hub: Path) -> None:
     proc = cli(hub_env(hub), "models", "list", "--format", "json")
     assert proc.returncode == 0, proc.stderr
@@ -240,6 +241,7 @@ def online(root: Path, endpoint: str, **extra: str) -> dict[str, str]:
             "HF_HUB_ETAG_TIMEOUT": "2", "HF_HUB_DOWNLOAD_TIMEOUT": "2", **extra}
 
 
+@pytest.mark.process  # fresh interpreters
 def test_pull_downloads_once_then_loads_offline(tmp_path: Path, hub_server: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     proc = cli(online(tmp_path, hub_server), "models", "pull", SERVED)

@@ -187,6 +187,7 @@ def test_model_args_registry_and_refusals(smol32, monkeypatch):
         mod.DriftlabLM(model=smol32.model)
 
 
+@pytest.mark.process  # fresh interpreters
 def test_driftlab_imports_without_lm_eval_and_cli_wrapper_registers():
     code = "import sys, driftlab, driftlab.integrations; assert 'lm_eval' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

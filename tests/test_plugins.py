@@ -158,6 +158,7 @@ def _probes(run_dir: Path) -> list[dict]:
     return [r for r in rows if r["kind"] == "probe"]
 
 
+@pytest.mark.process  # fresh interpreters
 def test_the_plugins_measure_is_listed(site):
     done = driftlab(site, "personas", "measures")
     assert done.returncode == 0, done.stderr

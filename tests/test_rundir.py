@@ -58,6 +58,7 @@ def test_second_writer_is_refused_with_the_owner_pid(tmp_path):
         pass
 
 
+@pytest.mark.process  # fresh interpreters
 def test_cli_run_on_a_locked_directory_fails_at_once_and_writes_nothing(tmp_path):
     holder = _hold_lock(tmp_path / "run")
     try:

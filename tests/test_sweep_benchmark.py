@@ -195,22 +195,24 @@ def test_the_items_spread_over_distinct_agent_personas():
     assert draw_items(8, 4, 3) == [1, 3, 4, 6] and draw_items(8, 20, 3) == list(range(8))
 
 
+def _refused(config: SweepConfig, out: Path) -> str:
+    """The one-line error a sweep of `config` stops with, having written nothing."""
+    with pytest.raises(DriftlabError) as err:
+        run_protocol(Sweep(config), out, progress=False)
+    assert not out.exists()
+    return f"{err.value.message} | {err.value.hint}"
+
+
+def _bench_config() -> SweepConfig:
+    return SweepConfig(grid={"instaboost": [STEER]}, pair_ids=paper_pairs()[:1], rounds=2,
+                       benchmark=BENCH, benchmark_include=str(FIXTURES), benchmark_n=4)
+
+
 def test_errors_come_first_in_one_line(tmp_path, monkeypatch):
-    """Before a model loads or anything is written: unknown task, no 0/1 metric, no lm-eval, a served model."""
+    """Before a model loads or anything is written: no 0/1 metric, no lm-eval, a served model."""
     import importlib.util
 
-    cfg = SweepConfig(grid={"instaboost": [STEER]}, pair_ids=paper_pairs()[:1], rounds=2,
-                      benchmark=BENCH, benchmark_include=str(FIXTURES), benchmark_n=4)
-
-    def run(config):
-        with pytest.raises(DriftlabError) as err:
-            run_protocol(Sweep(config), tmp_path / "out", progress=False)
-        assert not (tmp_path / "out").exists()
-        return f"{err.value.message} | {err.value.hint}"
-
-    assert "lm-eval has no task 'driftlab_mcq' (nor in" in run(cfg.model_copy(update={"benchmark": "lm-eval:driftlab_mcq"}))
-    assert "did you mean 'driftlab_mc'" in run(cfg.model_copy(update={"benchmark": "lm-eval:driftlab_mcq"}))
-    assert "is a group of tasks" in run(cfg.model_copy(update={"benchmark": "lm-eval:mmlu"}))  # lm-eval's group
+    cfg = _bench_config()
     brier = tmp_path / "brier"
     brier.mkdir()
     for name in ("data.py", "mc.jsonl"):
@@ -218,13 +220,14 @@ def test_errors_come_first_in_one_line(tmp_path, monkeypatch):
     (brier / "brier.yaml").write_text((FIXTURES / "driftlab_mc.yaml").read_text()
                                       .replace("task: driftlab_mc", "task: driftlab_brier")
                                       .replace("metric: acc", "metric: brier_score"))
-    said = run(cfg.model_copy(update={"benchmark": "lm-eval:driftlab_brier", "benchmark_include": str(brier)}))
+    said = _refused(cfg.model_copy(update={"benchmark": "lm-eval:driftlab_brier", "benchmark_include": str(brier)}),
+                    tmp_path / "out")
     assert "reports brier_score, none of them right or wrong per item" in said
     served = cfg.model_copy(update={"backend": BackendSpec(model="openai:some-served-model")})
-    assert "driftlab serve" in run(served) and "local-completions" in run(served)
+    assert "driftlab serve" in _refused(served, tmp_path / "out") and "local-completions" in _refused(served, tmp_path / "out")
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else find_spec(name, *a))
-    assert "pip install lm-eval" in run(cfg)
+    assert "pip install lm-eval" in _refused(cfg, tmp_path / "out")
     monkeypatch.undo()
     with pytest.raises(ValueError, match="spr edits the conversation"):
         SweepConfig(grid={"spr": ["spr:p=1"]}, benchmark=BENCH)
@@ -232,6 +235,15 @@ def test_errors_come_first_in_one_line(tmp_path, monkeypatch):
         SweepConfig(benchmark="lmeval:x")
     with pytest.raises(ValueError, match="apply to --benchmark lm-eval"):
         SweepConfig(benchmark_n=10)
+
+
+@pytest.mark.slow  # lm-eval indexes its 13k task files to know what exists: about 8 s
+def test_an_unknown_task_or_a_group_is_refused_with_what_exists(tmp_path):
+    """A task lm-eval does not have gets the nearest name; a group of tasks is not one task."""
+    cfg = _bench_config()
+    said = _refused(cfg.model_copy(update={"benchmark": "lm-eval:driftlab_mcq"}), tmp_path / "out")
+    assert "lm-eval has no task 'driftlab_mcq' (nor in" in said and "did you mean 'driftlab_mc'" in said
+    assert "is a group of tasks" in _refused(cfg.model_copy(update={"benchmark": "lm-eval:mmlu"}), tmp_path / "out")
 
 
 def test_cli_flags_reach_the_config_and_leave_spr_out(monkeypatch, tmp_path):
