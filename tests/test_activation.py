@@ -396,3 +396,26 @@ def test_auroc_and_spearman_intervals_against_scikit_learn_and_scipy() -> None:
     rho = spearman_interval(x, noisy, clusters)
     assert rho.estimate == pytest.approx(spearmanr(x, noisy).statistic) and rho.low < rho.estimate < rho.high
     assert np.isnan(spearman_interval(x, np.ones(60)).estimate)  # a constant: no rank correlation
+
+
+def test_a_replays_projection_is_checked_against_its_scored_turns() -> None:
+    """A replay asks no probe but scores every agent turn: the projection's tracking and prediction
+    tests read the turns there (and the probes wherever a run scored any)."""
+    import pandas as pd
+    from scipy.stats import spearmanr
+    from sklearn.metrics import roc_auc_score
+
+    from driftlab.report.activation import COLUMNS, checks, checks_table
+
+    gen = np.random.default_rng(0)
+    rows = [{"pair": p, "round": r, "what": "turn", "score": float(s), "projection": s + gen.normal(0, 0.5),
+             "prompt_projection": s + gen.normal(0, 1.0)}
+            for p in range(8) for r in range(1, 6) for s in [gen.random() < 0.5]]
+    frame = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    got = checks(frame)
+    assert got.unit == "agent turn" and got.track.n == got.predict.n == 40
+    assert got.track.estimate == pytest.approx(spearmanr(frame.projection, frame.score).statistic)
+    assert got.predict.estimate == pytest.approx(roc_auc_score(frame.score >= 0.5, frame.prompt_projection))
+    assert "passing agent turn" in " ".join(" ".join(r) for r in checks_table(got).rows)
+    probe = {"pair": 0, "round": 1, "what": "probe", "score": 1.0, "projection": 0.5, "prompt_projection": 0.5}
+    assert checks(pd.concat([frame, pd.DataFrame([probe])], ignore_index=True)).unit == "probe"

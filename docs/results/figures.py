@@ -462,6 +462,18 @@ def replay_block(name: str) -> str:
     return "\n".join(rows) + f"\n\n{_drift_note(frame)}.\n\n" + three_ways(name) + "\n\n" + _markdown(warned)
 
 
+def replay_projected(replay: str, projected: str) -> str:
+    """A replay with its agent turns projected afterwards (`driftlab project --from-run`): the measures per
+    round of both runs together, and which of them warns (`driftlab warn --from-run REPLAY --from-run
+    PROJECTED`, default settings)."""
+    from driftlab.report.activation import measure_tables, measures_frame
+    from driftlab.report.warn import analyse, table, turns_frame
+
+    frame = measures_frame(HERE / replay, HERE / projected)
+    warned = table(analyse(turns_frame(HERE / replay, HERE / projected)))
+    return "\n\n".join(_markdown(t) for t in measure_tables(frame)) + "\n\n" + _markdown(warned)
+
+
 def separation(name: str) -> str:
     """Each direction's band, held-out AUROC and shuffled control (`driftlab directions`)."""
     from driftlab.report.directions import separation_table
@@ -672,10 +684,14 @@ def finished(name: str) -> bool:
 for run in ("replay-qwen-plain", "replay-smollm2-plain", "replay-qwen-spr", "replay-smollm2-spr"):
     if finished(run):
         BLOCKS[run] = functools.partial(replay_block, run)
+if finished("replay-qwen-plain") and finished("project-replay-qwen-plain"):
+    BLOCKS["project-replay-qwen-plain"] = functools.partial(replay_projected, "replay-qwen-plain",
+                                                            "project-replay-qwen-plain")
 if finished("vllm-qwen-selfchat") and finished("hf-qwen-selfchat"):
     BLOCKS["vllm-qwen-engines"] = engines
 for run, block in (("demo-smollm2", three_ways), ("project-qwen-paper-20", three_ways),
-                   ("directions-qwen-sweep", separation), ("directions-qwen-paper", separation)):
+                   ("directions-qwen-sweep", separation), ("directions-qwen-paper", separation),
+                   ("directions-qwen-replay", separation)):
     if finished(run):
         BLOCKS[run] = functools.partial(block, run)
 if all(finished(names[0]) for names in LONG.values()):

@@ -21,6 +21,8 @@ The tests, per conversation (the unit; turns and probes of one dialog are not in
   score (interval: bootstrap over conversations);
 * does the last prompt token predict the probe? AUROC of the projection at the probe prompt's
   last token for a probe that passes (score >= 0.5), interval by bootstrap over conversations.
+A replay scores every agent turn and asks no probe: there the last two ask the same of each agent turn
+(its projection against its own compliance; the projection where its prompt ends, before the reply).
 """
 
 from __future__ import annotations
@@ -178,17 +180,21 @@ class Checks:
     track: Interval  # Spearman of probe projection and probe score
     predict: Interval  # AUROC of the probe prompt's last-token projection for a pass
     n_conversations: int
+    unit: str = "probe"  # what is scored: probes, or (a replay's) agent turns
 
 
 def checks(frame: pd.DataFrame) -> Checks:
-    """The three tests on a measures frame (needs projections)."""
-    probes = frame[(frame.what == "probe") & frame.projection.notna() & frame.score.notna()]
+    """The three tests on a measures frame (needs projections). The projection is checked against the
+    probes' scores, or where a run scored no probe but every agent turn (a replay), against the turns'."""
+    scored = frame[frame.projection.notna() & frame.score.notna()]
+    unit = "probe" if (scored.what == "probe").any() or not (scored.what == "turn").any() else "agent turn"
+    rows = scored[scored.what == ("probe" if unit == "probe" else "turn")]
     fall, first, last = _fall(frame, "projection")
     pi_fall, _, _ = _fall(frame, "pi")
-    scores = probes.score.astype(float).to_numpy()
-    track = spearman_interval(probes.projection.to_numpy(), scores, probes.pair.to_numpy())
-    predict = auroc_interval(probes.prompt_projection.to_numpy(), scores >= PASS, probes.pair.to_numpy())
-    return Checks(fall, first, last, pi_fall, track, predict, int(frame.pair.nunique()))
+    scores = rows.score.astype(float).to_numpy()
+    track = spearman_interval(rows.projection.to_numpy(), scores, rows.pair.to_numpy())
+    predict = auroc_interval(rows.prompt_projection.to_numpy(), scores >= PASS, rows.pair.to_numpy())
+    return Checks(fall, first, last, pi_fall, track, predict, int(frame.pair.nunique()), unit)
 
 
 def _fall(frame: pd.DataFrame, value: str) -> tuple[PairedTest | None, int, int]:
@@ -292,10 +298,11 @@ def measure_tables(frame: pd.DataFrame) -> list[TextTable]:
 def checks_table(result: Checks) -> TextTable:
     rows = [_fall_row("the projection", result.fall, result),
             *([_fall_row("pi", result.pi_fall, result)] if result.pi_fall is not None else []),
-        ["does the projection track the probe score?", f"Spearman {result.track.cell(2)}",
-         f"n = {result.track.n} probes in {result.n_conversations} conversations"],
-        ["does the last prompt token's projection predict a passing probe?", f"AUROC {result.predict.cell(2)}",
-         f"n = {result.predict.n}; 0.5 is chance"],
+        [f"does the projection track the {'probe score' if result.unit == 'probe' else 'turn compliance'}?",
+         f"Spearman {result.track.cell(2)}",
+         f"n = {result.track.n} {result.unit}s in {result.n_conversations} conversations"],
+        [f"does the last prompt token's projection predict a passing {result.unit}?",
+         f"AUROC {result.predict.cell(2)}", f"n = {result.predict.n}; 0.5 is chance"],
     ]
     return TextTable("drift signals, tested per conversation", ["question", "estimate [95% CI]", "test"], rows,
                      "Intervals and tests count conversations as the unit (bootstrap over conversations for rho "
