@@ -173,3 +173,22 @@ def test_where_the_gates_own_reading_warns_warn_names_the_gate_that_acts_on_it(t
     assert warn.write_warn([run], tmp_path / "plain")[2] is None
     result = CliRunner().invoke(app, ["warn", "--from-run", str(tmp_path / "gated"), "-o", str(tmp_path / "cli")])
     assert result.exit_code == 0 and f"gate: --steer {gate}" in result.output
+
+
+def test_the_measures_combined_are_fitted_without_the_dialog_they_score(found) -> None:
+    """The combined signal warns where one of its measures does (pi here), and a turn's probability comes
+    from a model fitted on other dialogs: relabelling one dialog changes every prediction but its own."""
+    both = found["combined"]
+    assert both.warns and both.auroc > 0.9
+    gen = np.random.default_rng(0)
+    dialogs = np.repeat(np.arange(20), 6)
+    features = gen.normal(size=(len(dialogs), 3))
+    labels = features[:, 0] + gen.normal(0, 0.5, len(dialogs)) > 0
+    before = warn.combined(features, labels, dialogs, seed=0)
+    relabelled = labels.copy()
+    relabelled[dialogs == 3] = ~relabelled[dialogs == 3]
+    after = warn.combined(features, relabelled, dialogs, seed=0)
+    own = dialogs == 3
+    np.testing.assert_array_equal(before[own], after[own])
+    assert not np.allclose(before[~own], after[~own])
+    assert roc_auc_score(labels, before) > 0.75  # it learns the signal from the other dialogs

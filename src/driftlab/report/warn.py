@@ -19,6 +19,13 @@ Per signal:
   then per dialog that held at turn 1 and later failed, whether an alarm came at least one turn
   before its first failure and how many turns before; and how many dialogs that never failed raised
   an alarm anyway.
+
+Where a run measured two measures or more, one more signal combines them: a logistic regression of
+"the next turn fails" on the measures (each through its quantiles), fitted on the other dialogs only (five folds by
+dialog) and read on each turn as its predicted probability. It asks whether the measures warn together
+where none does alone; a residual-stream probe fitted to failures is this kind of signal ("When
+Attention Closes", arXiv 2605.12922). It is judged like the others, on predictions no turn's own dialog
+was fitted on.
 """
 
 from __future__ import annotations
@@ -101,16 +108,46 @@ def turns_frame(*run_dirs: str | Path, fail_below: float = PASS) -> pd.DataFrame
     return turns.reset_index(drop=True)
 
 
+# The measures combined: the cross-fitted probability that the next turn fails (`combined`).
+COMBINED = ("combined", "the measures combined (fitted on other dialogs)", 1)
+FOLDS = 5
+
+
 # when-drifting's own reading (its signal over the first turn's), where the run recorded it: the quantity a
 # gate thresholds, so a warning there is one the gate can act on as it stands.
 GATE = ("gate", "when-drifting's reading", -1)
 
 
 def signals(turns: pd.DataFrame) -> list[tuple[str, str, int, bool]]:
-    """(column, label, warning sign, is a baseline) of every signal the run measured."""
+    """(column, label, warning sign, is a baseline) of every signal the run measured (the measures
+    combined where it measured two or more)."""
     measures = [(c, label, -sign, False) for c, label, sign in TURN_MEASURES if turns[c].notna().any()]
     gate = [(*GATE, False)] if turns[GATE[0]].notna().any() else []
-    return [*[(c, label, sign, True) for c, label, sign in BASELINES], *measures, *gate]
+    both = [(*COMBINED, False)] if len(measures) >= 2 else []
+    return [*[(c, label, sign, True) for c, label, sign in BASELINES], *measures, *both, *gate]
+
+
+def combined(features: np.ndarray, labels: np.ndarray, dialogs: np.ndarray, seed: int) -> np.ndarray:
+    """Per row, the probability that the next turn fails by a logistic regression on `features`, fitted
+    on the rows of the other folds' dialogs only (FOLDS folds by dialog, drawn from `seed`): no row is
+    scored by a model that saw its dialog. Each feature enters through its quantiles, mapped to a normal
+    (fitted on the same rows): the KLs are heavy-tailed, and a few turns of large KL would otherwise set
+    the scale (standardised raw KLs fell below chance on the qwen replay, whose prompt influence alone
+    reaches 0.73). NaN in a fold whose training rows hold one class only."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import GroupKFold
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import QuantileTransformer
+
+    out = np.full(len(labels), np.nan)
+    folds = GroupKFold(n_splits=min(FOLDS, len(set(dialogs))), shuffle=True, random_state=seed)
+    for train, test in folds.split(features, labels, dialogs):
+        if labels[train].all() or not labels[train].any():
+            continue
+        ranks = QuantileTransformer(n_quantiles=min(100, len(train)), output_distribution="normal")
+        model = make_pipeline(ranks, LogisticRegression()).fit(features[train], labels[train])
+        out[test] = model.predict_proba(features[test])[:, 1]
+    return out
 
 
 def gate_steer(turns: pd.DataFrame, found: list[Signal], by: str) -> str | None:
@@ -138,8 +175,11 @@ def analyse(turns: pd.DataFrame, fail_below: float = PASS, seed: int = 0,
     """Every signal's verdict, all on the same rows (turns where every measured signal has a value)
     and the same bootstrap resamples of dialogs."""
     spec = signals(turns)
-    rows = turns.dropna(subset=[c for c, *_ in spec]).reset_index(drop=True)
+    rows = turns.dropna(subset=[c for c, *_ in spec if c != COMBINED[0]]).reset_index(drop=True)
     y, dialogs = rows.fails_next.to_numpy(bool), rows.pair.to_numpy()
+    if any(c == COMBINED[0] for c, *_ in spec):
+        measured = [c for c, _, _, baseline in spec if not baseline and c not in (COMBINED[0], GATE[0])]
+        rows[COMBINED[0]] = combined(rows[measured].to_numpy(float), y, dialogs, seed)
     values = {c: sign * rows[c].to_numpy(float) for c, _, sign, _ in spec}
     within_rows = rows.groupby("pair").fails_next.transform(lambda s: 0 < s.sum() < len(s)).to_numpy(bool)
     inside = {c: centred(v, dialogs)[within_rows] for c, v in values.items()}
