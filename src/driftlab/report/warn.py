@@ -109,7 +109,7 @@ def turns_frame(*run_dirs: str | Path, fail_below: float = PASS) -> pd.DataFrame
 
 
 # The measures combined: the cross-fitted probability that the next turn fails (`combined`).
-COMBINED = ("combined", "the measures combined (fitted on other dialogs)", 1)
+COMBINED = ("combined", "measures combined (fitted on other dialogs)", 1)
 FOLDS = 5
 
 
@@ -325,8 +325,8 @@ def figure(found: list[Signal], path: Path, fail_below: float) -> Path:
     ax.axvline(turn.auroc, color="0.5", ls="--", lw=1)
     ax.axvline(0.5, color="0.8", lw=1)
     ax.set_yticks(ys, [s.label + (" (baseline)" if s.baseline else "") for s in found])
-    ax.set(xlim=(0, 1.03), xlabel=f"AUROC: the next agent turn fails (score < {fail_below})",
-           title=f"which signal warns ({found[0].n_dialogs} dialogs, {found[0].n_turns} turns)")
+    ax.set(xlim=(0, 1.03), xlabel=f"AUROC: the next agent turn fails (score < {fail_below})")
+    fig.suptitle(f"which signal warns ({found[0].n_dialogs} dialogs, {found[0].n_turns} turns)")  # over the labels too
     fig.legend(loc="outside lower center", ncols=2, fontsize=8, frameon=False)
     return save_png(fig, path)
 
