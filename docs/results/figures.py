@@ -684,14 +684,15 @@ def finished(name: str) -> bool:
 for run in ("replay-qwen-plain", "replay-smollm2-plain", "replay-qwen-spr", "replay-smollm2-spr"):
     if finished(run):
         BLOCKS[run] = functools.partial(replay_block, run)
-if finished("replay-qwen-plain") and finished("project-replay-qwen-plain"):
-    BLOCKS["project-replay-qwen-plain"] = functools.partial(replay_projected, "replay-qwen-plain",
-                                                            "project-replay-qwen-plain")
+for model in ("qwen", "smollm2"):
+    if finished(f"replay-{model}-plain") and finished(f"project-replay-{model}-plain"):
+        BLOCKS[f"project-replay-{model}-plain"] = functools.partial(replay_projected, f"replay-{model}-plain",
+                                                                    f"project-replay-{model}-plain")
 if finished("vllm-qwen-selfchat") and finished("hf-qwen-selfchat"):
     BLOCKS["vllm-qwen-engines"] = engines
 for run, block in (("demo-smollm2", three_ways), ("project-qwen-paper-20", three_ways),
                    ("directions-qwen-sweep", separation), ("directions-qwen-paper", separation),
-                   ("directions-qwen-replay", separation)):
+                   ("directions-qwen-replay", separation), ("directions-smollm2-replay", separation)):
     if finished(run):
         BLOCKS[run] = functools.partial(block, run)
 if all(finished(names[0]) for names in LONG.values()):
