@@ -137,6 +137,9 @@ def test_the_command_writes_its_table_json_and_figure(run, tmp_path) -> None:
     assert [r["name"] for r in rows][:3] == ["round", "tokens", "score"] and \
         next(r for r in rows if r["name"] == "pi")["warns"] is True
     assert (tmp_path / "w" / "warn.png").stat().st_size > 5000
+    # The run has pi and both KLs, not the projection: how to add it goes to stderr, the table to stdout.
+    assert "not measured here: projection (`driftlab directions`" in result.stderr
+    assert "not measured here" not in result.stdout and "not measured here: pi" not in result.stderr
 
 
 def test_a_run_that_scores_no_turns_is_refused_in_one_line(tmp_path) -> None:

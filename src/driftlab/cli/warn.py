@@ -22,7 +22,7 @@ def warn(
     the turn index, tokens so far and the last turn's compliance, with lead times (docs/replay.md)."""
     from driftlab.errors import DriftlabError
     from driftlab.records.rundir import RunDir
-    from driftlab.report.warn import table, write_warn
+    from driftlab.report.warn import table, unmeasured, write_warn
 
     for path in from_run:
         if not (path / "manifest.json").is_file():
@@ -35,6 +35,8 @@ def warn(
     from driftlab.cli.finish import print_text_table
 
     print_text_table(table(found, fail_below))
+    for label, how in unmeasured(found):  # a measure these runs lack: how to read it afterwards
+        typer.echo(f"not measured here: {label} ({how}; pass its run as one more --from-run)", err=True)
     if gate is not None:  # the gate's own reading warns: the steer that acts on it
         typer.echo(f"gate: --steer {gate}  (add the steer it gates; price it with `driftlab sweep`)")
     typer.echo(str(where / "warn.json"))

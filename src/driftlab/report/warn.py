@@ -127,6 +127,18 @@ def signals(turns: pd.DataFrame) -> list[tuple[str, str, int, bool]]:
     return [*[(c, label, sign, True) for c, label, sign in BASELINES], *measures, *both, *gate]
 
 
+# How to add a measure a run did not record, afterwards, from its records (each run joins with --from-run).
+ADD_LATER = {"pi": "`driftlab decay --from-run RUN`", "projection": "`driftlab directions`, then `driftlab project "
+             "--from-run RUN --directions DIRS`", "reminded": "`driftlab kl --from-run RUN`",
+             "influence": "`driftlab kl --from-run RUN`"}
+
+
+def unmeasured(found: list[Signal]) -> list[tuple[str, str]]:
+    """(label, how to add it) of each turn measure the analysed runs did not record."""
+    names = {s.name for s in found}
+    return [(label, ADD_LATER[c]) for c, label, _ in TURN_MEASURES if c not in names]
+
+
 def combined(features: np.ndarray, labels: np.ndarray, dialogs: np.ndarray, seed: int) -> np.ndarray:
     """Per row, the probability that the next turn fails by a logistic regression on `features`, fitted
     on the rows of the other folds' dialogs only (FOLDS folds by dialog, drawn from `seed`): no row is
