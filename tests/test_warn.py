@@ -138,7 +138,7 @@ def test_the_command_writes_its_table_json_and_figure(run, tmp_path) -> None:
         next(r for r in rows if r["name"] == "pi")["warns"] is True
     assert (tmp_path / "w" / "warn.png").stat().st_size > 5000
     # The run has pi and both KLs, not the projection: how to add it goes to stderr, the table to stdout.
-    assert "not measured here: projection (`driftlab directions`" in result.stderr
+    assert "not measured here: projection: read it afterwards with `driftlab directions`" in result.stderr
     assert "not measured here" not in result.stdout and "not measured here: pi" not in result.stderr
 
 
@@ -195,3 +195,6 @@ def test_the_measures_combined_are_fitted_without_the_dialog_they_score(found) -
     np.testing.assert_array_equal(before[own], after[own])
     assert not np.allclose(before[~own], after[~own])
     assert roc_auc_score(labels, before) > 0.75  # it learns the signal from the other dialogs
+    rare = np.zeros(len(dialogs), dtype=bool)
+    rare[dialogs == 5] = True  # failures in one dialog only: the folds without it cannot be fitted
+    assert np.isnan(warn.combined(features, rare, dialogs, seed=0)).any()

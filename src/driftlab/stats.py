@@ -729,6 +729,8 @@ def auroc_resamples(scores: np.ndarray, labels: np.ndarray, counts: np.ndarray) 
     halves, so the quotient is exact to one rounding). NaN where a resample lacks a class."""
     scores, labels = np.asarray(scores, dtype=float), np.asarray(labels, dtype=bool)
     counts = np.atleast_2d(counts)
+    if not len(scores):
+        return np.full(len(counts), np.nan)
     order, starts, _ = _tie_groups(scores)
     pos = np.add.reduceat((counts * labels)[:, order], starts, axis=1).astype(float)
     neg = np.add.reduceat((counts * ~labels)[:, order], starts, axis=1).astype(float)
@@ -745,6 +747,8 @@ def rho_resamples(a: np.ndarray, b: np.ndarray, counts: np.ndarray) -> np.ndarra
     where a resample has fewer than 3 items or a constant a or b."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     counts = np.atleast_2d(counts).astype(float)
+    if not len(a):
+        return np.full(len(counts), np.nan)
     w = counts.sum(axis=1, keepdims=True)
     ra, rb = _weighted_mid_ranks(a, counts), _weighted_mid_ranks(b, counts)
     ca, cb = ra - (counts * ra).sum(1, keepdims=True) / w, rb - (counts * rb).sum(1, keepdims=True) / w

@@ -127,10 +127,13 @@ def signals(turns: pd.DataFrame) -> list[tuple[str, str, int, bool]]:
     return [*[(c, label, sign, True) for c, label, sign in BASELINES], *measures, *both, *gate]
 
 
-# How to add a measure a run did not record, afterwards, from its records (each run joins with --from-run).
-ADD_LATER = {"pi": "`driftlab decay --from-run RUN`", "projection": "`driftlab directions`, then `driftlab project "
-             "--from-run RUN --directions DIRS`", "reminded": "`driftlab kl --from-run RUN`",
-             "influence": "`driftlab kl --from-run RUN`"}
+# How to get a measure a run did not record: pi at generation time; the others afterwards, from its records.
+_JOIN = ", and pass that run as one more --from-run"
+ADD_LATER = {"pi": "record it with `--steer trace` on the replay",
+             "projection": "read it afterwards with `driftlab directions`, then `driftlab project --from-run RUN "
+                           "--directions DIRS`" + _JOIN,
+             "reminded": "read it afterwards with `driftlab kl --from-run RUN`" + _JOIN,
+             "influence": "read it afterwards with `driftlab kl --from-run RUN`" + _JOIN}
 
 
 def unmeasured(found: list[Signal]) -> list[tuple[str, str]]:
@@ -191,7 +194,11 @@ def analyse(turns: pd.DataFrame, fail_below: float = PASS, seed: int = 0,
     y, dialogs = rows.fails_next.to_numpy(bool), rows.pair.to_numpy()
     if any(c == COMBINED[0] for c, *_ in spec):
         measured = [c for c, _, _, baseline in spec if not baseline and c not in (COMBINED[0], GATE[0])]
-        rows[COMBINED[0]] = combined(rows[measured].to_numpy(float), y, dialogs, seed)
+        fitted = combined(rows[measured].to_numpy(float), y, dialogs, seed)
+        if np.isnan(fitted).any():  # some fold had one class to fit on: too few failures to combine
+            spec = [s for s in spec if s[0] != COMBINED[0]]
+        else:
+            rows[COMBINED[0]] = fitted
     values = {c: sign * rows[c].to_numpy(float) for c, _, sign, _ in spec}
     within_rows = rows.groupby("pair").fails_next.transform(lambda s: 0 < s.sum() < len(s)).to_numpy(bool)
     inside = {c: centred(v, dialogs)[within_rows] for c, v in values.items()}
