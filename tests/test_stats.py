@@ -505,5 +505,6 @@ def test_every_resamples_statistic_is_scikit_learns_and_scipys_on_the_repeated_s
     assert np.isnan(rho_resamples(x, np.array([5.0, 1.0, 5.0, 2.0]), one_class)).all()  # b constant where drawn
     assert np.isnan(rho_resamples(x, x, np.array([[1, 1, 0, 0]]))).all()  # 2 items
     nothing = np.zeros((3, 0), dtype=int)  # no item at all (no dialog that both holds and fails)
-    assert np.isnan(auroc_resamples(x[:0], x[:0] > 0, nothing)).all() and len(auroc_resamples(x[:0], x[:0] > 0, nothing)) == 3
+    none = auroc_resamples(x[:0], x[:0] > 0, nothing)
+    assert len(none) == 3 and np.isnan(none).all()
     assert np.isnan(rho_resamples(x[:0], x[:0], nothing)).all()

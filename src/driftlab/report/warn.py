@@ -21,8 +21,8 @@ Per signal:
   an alarm anyway.
 
 Where a run measured two measures or more, one more signal combines them: a logistic regression of
-"the next turn fails" on the measures (each through its quantiles), fitted on the other dialogs only (five folds by
-dialog) and read on each turn as its predicted probability. It asks whether the measures warn together
+"the next turn fails" on the measures (each through its quantiles), fitted on the other dialogs only
+(five folds by dialog) and read on each turn as its predicted probability. It asks whether the measures warn together
 where none does alone; a residual-stream probe fitted to failures is this kind of signal ("When
 Attention Closes", arXiv 2605.12922). It is judged like the others, on predictions no turn's own dialog
 was fitted on.
