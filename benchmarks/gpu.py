@@ -68,10 +68,10 @@ counts, groups and widths; init std 0.1; the tiny shape, already small, keeps it
 runs on the steps `driftlab models warm` stored for it instead of compiling two more) decodes 8
 greedy tokens per mode in the benchmark's loop and under an independent eager reference that
 materialises and reweights the weights (tests/attention_reference.py: Eq. 7 of the persona-drift
-paper for split-softmax, every bias term added to the logits, pi summed from the weights). Per mode: the greedy tokens that agree, and the
-largest difference of a generated token's log-probability (and its 4 best alternatives') and of pi
-over the agreeing steps, against a tolerance; the strength-0 modes (split k=1, InstABoost m=1,
-PASTA alpha=1) against plain's log-probabilities.
+paper for split-softmax, every bias term added to the logits, pi summed from the weights). Per mode:
+the greedy tokens that agree, and the largest difference of a generated token's log-probability (and
+its 4 best alternatives') and of pi over the agreeing steps, against a tolerance; the strength-0
+modes (split k=1, InstABoost m=1, PASTA alpha=1) against plain's log-probabilities.
 
 --paper: the persona-drift paper's experiment at full scale on the Llama-2-7B shape: 100 pairs x 8
 rounds, 200-token turns, 400-token probes, for each mode of GPUBENCH_PAPER_MODES (default
