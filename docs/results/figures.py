@@ -459,7 +459,28 @@ def replay_block(name: str) -> str:
     rows += [f"| {r.round} | {r.mean:.3f} | {_ci(r.ci_low, r.ci_high, 3)} {r.ci_method} | {r.n} |"
              for r in per_round(frame).itertuples()]
     warned = table(analyse(turns_frame(HERE / name)))
-    return "\n".join(rows) + f"\n\n{_drift_note(frame)}.\n\n" + three_ways(name) + "\n\n" + _markdown(warned)
+    return ("\n".join(rows) + f"\n\n{_drift_note(frame)}.\n\n{_persistence(name)}\n\n" + three_ways(name) + "\n\n"
+            + _markdown(warned))
+
+
+def _persistence(name: str) -> str:
+    """How often the next turn fails after a failing turn and after a passing one, with 95% intervals from a
+    bootstrap over dialogs (the turns of `driftlab warn`)."""
+    import numpy as np
+
+    from driftlab.report.warn import turns_frame
+    from driftlab.stats import percentile_interval, resample_counts
+
+    turns = turns_frame(HERE / name).dropna(subset=["score"]).reset_index(drop=True)
+    failed, fails = (turns.score < 0.5).to_numpy(), turns.fails_next.to_numpy(bool)
+    counts = resample_counts(len(turns), turns.pair.to_numpy(), 2000, 0)
+    cells = []
+    for now in (failed, ~failed):
+        share = (counts * (now & fails)).sum(1) / (counts * now).sum(1)
+        low, high = percentile_interval(share, 2000, 0.95)
+        cells.append(f"{(now & fails).sum() / now.sum():.2f} [{low:.2f}, {high:.2f}] (n = {now.sum()} turns)")
+    return (f"The next turn fails after a failing turn {cells[0]}, after a passing one {cells[1]} "
+            f"({turns.pair.nunique()} dialogs; intervals: bootstrap over dialogs).")
 
 
 def replay_projected(replay: str, projected: str) -> str:
