@@ -458,20 +458,18 @@ def replay_block(name: str) -> str:
     rows = ["| round | compliance | 95% interval | n |", "|---|---|---|---|"]
     rows += [f"| {r.round} | {r.mean:.3f} | {_ci(r.ci_low, r.ci_high, 3)} {r.ci_method} | {r.n} |"
              for r in per_round(frame).itertuples()]
-    warned = table(analyse(turns_frame(HERE / name)))
-    return ("\n".join(rows) + f"\n\n{_drift_note(frame)}.\n\n{_persistence(name)}\n\n" + three_ways(name) + "\n\n"
+    turns = turns_frame(HERE / name)
+    warned = table(analyse(turns))
+    return ("\n".join(rows) + f"\n\n{_drift_note(frame)}.\n\n{_persistence(turns)}\n\n" + three_ways(name) + "\n\n"
             + _markdown(warned))
 
 
-def _persistence(name: str) -> str:
+def _persistence(turns: pd.DataFrame) -> str:
     """How often the next turn fails after a failing turn and after a passing one, with 95% intervals from a
-    bootstrap over dialogs (the turns of `driftlab warn`)."""
-    import numpy as np
-
-    from driftlab.report.warn import turns_frame
+    bootstrap over dialogs (`driftlab warn`'s turns)."""
     from driftlab.stats import percentile_interval, resample_counts
 
-    turns = turns_frame(HERE / name).dropna(subset=["score"]).reset_index(drop=True)
+    turns = turns.dropna(subset=["score"]).reset_index(drop=True)
     failed, fails = (turns.score < 0.5).to_numpy(), turns.fails_next.to_numpy(bool)
     counts = resample_counts(len(turns), turns.pair.to_numpy(), 2000, 0)
     cells = []

@@ -187,8 +187,8 @@ def checks(frame: pd.DataFrame) -> Checks:
     """The three tests on a measures frame (needs projections). The projection is checked against the
     probes' scores, or where a run scored no probe but every agent turn (a replay), against the turns'."""
     scored = frame[frame.projection.notna() & frame.score.notna()]
-    unit = "probe" if (scored.what == "probe").any() or not (scored.what == "turn").any() else "agent turn"
-    rows = scored[scored.what == ("probe" if unit == "probe" else "turn")]
+    what = "probe" if (scored.what == "probe").any() or not (scored.what == "turn").any() else "turn"
+    rows, unit = scored[scored.what == what], "probe" if what == "probe" else "agent turn"
     fall, first, last = _fall(frame, "projection")
     pi_fall, _, _ = _fall(frame, "pi")
     scores = rows.score.astype(float).to_numpy()
