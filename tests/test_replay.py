@@ -211,3 +211,51 @@ def test_a_replay_shows_the_users_turns_verbatim_in_order_with_the_models_own_re
     assert (tmp_path / "run" / "compliance.png").stat().st_size > 5000
     assert "replay run: 4 of 4 records, complete" in report.output
     assert manifest["config"]["sampling"]["max_new_tokens"] == 12
+
+
+@pytest.mark.model
+def test_a_gate_by_score_steers_the_turn_after_a_failing_one(tmp_path, smol32) -> None:
+    """`--steer when-drifting:r=0.5,by=score --steer spr:p=1`: an agent turn is generated under SPR exactly where
+    its dialog's previous agent turn scored below 0.5, else plain, and its record keeps the decision."""
+    from driftlab.api import backend_spec
+    from driftlab.api.options import KEYWORDS, replay_config
+    from driftlab.protocol.replay import Replay
+    from driftlab.protocol.runner import run_protocol
+    from driftlab.records.rundir import RunDir
+    from driftlab.steering.interventions import Interventions
+
+    logs = [{"messages": [*LOGS[0]["messages"], {"role": "user", "content": "And what for dessert?"}]}, LOGS[1]]
+    path = tmp_path / "logs.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in logs))
+    asked, generate = [], smol32.generate
+
+    def spy(request):
+        asked.extend((c[1]["content"], sum(m["role"] == "user" for m in c), request.interventions)
+                     for c in request.conversations)
+        return generate(request)
+
+    smol32.generate = spy
+    try:
+        config = replay_config(backend_spec("smollm2-135m", dtype="float32"), KEYWORDS, {
+            "conversations": path, "agents": "reply-in-french,ifeval-no-comma", "rounds": 4, "max_new_tokens": 12,
+            "greedy": True, "steer": ["when-drifting:r=0.5,by=score", "spr:p=1"]})
+        run_protocol(Replay(config, smol32), tmp_path / "run", progress=False)
+    finally:
+        smol32.generate = generate
+    records = sorted(RunDir(tmp_path / "run").records(), key=lambda r: (r["pair"], r["round"]))
+    previous = {}
+    for r in records:
+        before = previous.get(r["pair"])
+        assert r["gate"] == {"r": 0.5, "by": "score", "score": before, "steered": before is not None and before < 0.5}
+        previous[r["pair"]] = r["score"]
+    steered = {(r["pair"], r["round"]) for r in records if r["gate"]["steered"]}
+    assert steered and len(steered) < len(records)  # both halves taken (round 1 never is)
+    spr = Interventions.parse(["spr:p=1"])
+    for first, users, iv in asked:
+        pair = 0 if first == LOGS[0]["messages"][1]["content"] else 1
+        assert iv == (spr if (pair, users) in steered else Interventions())
+    # a resumed run reads the earlier scores from the records: the last (steered) turn again, the same
+    lines = (tmp_path / "run" / "records.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "run" / "records.jsonl").write_text("".join(lines[:-1]))
+    run_protocol(Replay(config, smol32), tmp_path / "run", progress=False)
+    assert sorted(RunDir(tmp_path / "run").records(), key=lambda r: (r["pair"], r["round"])) == records

@@ -76,6 +76,25 @@ def test_the_gate_s_signal_is_pi_unless_asked_and_its_spec_reads_as_before() -> 
     assert SelfChatConfig(steer=[STEER, "when-drifting:r=0.5"]).steer.gated()[0].by == "pi"
 
 
+def test_a_gate_by_score_is_a_replay_s_and_can_gate_any_steer() -> None:
+    """`by=score` steers the turn after a failing one: only a replay scores every agent turn, so a self-chat
+    refuses it and an engine (a server) too, in one line; since the replay splits its batch by the decision,
+    SPR and CFG can be gated that way. The decision: previous score below r; none on a first turn."""
+    from driftlab.chat import gate as gates
+    from driftlab.protocol.replay import ReplayConfig
+
+    steer = Interventions.parse(["spr:p=1", "when-drifting:r=0.5,by=score"])
+    found, on, off = steer.gated()
+    assert found.spec() == "when-drifting:r=0.5,by=score" and on == Interventions.parse(["spr:p=1"]) and off == Interventions()
+    assert ReplayConfig(steer=["spr:p=1", "when-drifting:r=0.5,by=score"]).steer == steer
+    with pytest.raises(ValueError, match="a self-chat scores its probes only: use driftlab replay"):
+        SelfChatConfig(steer=[STEER, "when-drifting:r=0.5,by=score"])
+    with pytest.raises(DriftlabError, match="only a replay scores every agent turn"):
+        gates.gated(None, [None], steer, [FRENCH])
+    assert [gates.score_decision(found, s)["steered"] for s in (None, 0.0, 0.49, 0.5, 1.0)] == [False, True, True,
+                                                                                                   False, False]
+
+
 @pytest.mark.model
 def test_drift_ratio_is_pi_at_the_reply_over_pi_at_the_first_turn_by_eager_attention(smol32, smol_dir, device):
     """pi_t / pi_1 from transformers' eager softmax weights summed over the system prompt's key

@@ -4,7 +4,8 @@ The decision is one definition here; an engine only supplies its two gauges, rea
 reads its batch (`Gauged`): `drift_ratio` (pi at the conversation's last token over pi at its
 first turn's last token, plain attention) and `projection_drift` (the persona's normalised
 projection at those two tokens). A drifted row gets the steer, any other its trace only, and
-its reply reports the decision (`Reply.gate`).
+its reply reports the decision (`Reply.gate`). `by=score` is a replay's, decided before the batch
+from the previous turn's score (`score_decision`); an engine refuses it in one line.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def gated(engine: Gauged, rendered: Sequence[Rendered], iv: Interventions,
     if found is None:
         return [iv] * len(rendered), [None] * len(rendered)
     gate, on, off = found
+    engine_reads(gate)
     decisions = [decision(engine, row, system, gate) for row, system in zip(rendered, systems, strict=True)]
     return [on if d["steered"] else off for d in decisions], decisions
 
@@ -50,6 +52,21 @@ def decision(engine: Gauged, rendered: Rendered, system: str | None, gate: WhenD
     return {"r": gate.r, "by": "projection", "projection_first": round(first, 6), "projection": round(now, 6),
             "projection_ratio": None if ratio is None else round(ratio, 6),
             "steered": ratio is not None and ratio < gate.r}
+
+
+def engine_reads(gate: WhenDrifting) -> None:
+    """One line for a gate an engine cannot decide: `by=score` reads the score of the dialog's previous
+    agent turn by its persona's measure, which a replay knows and an engine (or a server) does not."""
+    if gate.by == "score":
+        raise DriftlabError("when-drifting:by=score steers the turn after a failing one, and only a replay scores "
+                            "every agent turn.", hint="Use it with driftlab replay, or by=pi / by=projection here.")
+
+
+def score_decision(gate: WhenDrifting, previous: float | None) -> dict:
+    """A replayed turn's decision under `by=score`: steered where the dialog's previous agent turn scored
+    below r. A first turn, or one after a reply the measure could not score (cut at the token limit, an
+    error), has no reading: not steered."""
+    return {"r": gate.r, "by": "score", "score": previous, "steered": previous is not None and previous < gate.r}
 
 
 def first_turn_end(spans: dict[str, list[tuple[int, int]]]) -> int:

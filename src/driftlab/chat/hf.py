@@ -405,6 +405,7 @@ class HFChatBackend:
             if "pi-floor" in interventions.kinds:
                 self._floors([interventions.attention()], [rendered.spans()], [rendered.ids], check_only=True)
             if "when-drifting" in interventions.kinds:
+                gate.engine_reads(interventions.get("when-drifting"))
                 gate.first_turn_end(rendered.spans())
                 if interventions.get("when-drifting").by == "projection":
                     gate.gate_direction(self.directions, system_of(conversation), self.name)

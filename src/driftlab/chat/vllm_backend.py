@@ -391,6 +391,7 @@ class VLLMChatBackend:
             if "pi-floor" in interventions.kinds:
                 _floor_turn(spans)
             if "when-drifting" in interventions.kinds:
+                gate.engine_reads(interventions.get("when-drifting"))
                 gate.first_turn_end(spans)
                 if interventions.get("when-drifting").by == "projection":
                     gate.gate_direction(self.directions, system_of(conversation), self.name)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -28,11 +30,13 @@ from pydantic import Field, model_validator
 from driftlab.assets.conversations import Source, draw_dialogs
 from driftlab.bench import JUDGE, Persona
 from driftlab.chat.base import Sampling
+from driftlab.chat.gate import score_decision
 from driftlab.errors import DriftlabError
-from driftlab.protocol.dialog import Pair
+from driftlab.protocol.dialog import Pair, ProbeRecord, TurnRecord
 from driftlab.protocol.registry import register
-from driftlab.protocol.runner import Protocol
-from driftlab.protocol.selfchat import SelfChat, SelfChatConfig, _scored, input_hashes
+from driftlab.protocol.runner import Protocol, RunState
+from driftlab.protocol.selfchat import Job, SelfChat, SelfChatConfig, _scored, input_hashes
+from driftlab.steering.interventions import Interventions
 
 REPLY_TOKENS = 200  # an agent turn's budget by default: room for an answer, short enough for 20+ rounds
 # Categories whose measure scores any reply (a language, a pattern of the text), not the answer to one probe,
@@ -62,6 +66,7 @@ class ReplayConfig(SelfChatConfig):
     probe_tokens: int | str = REPLY_TOKENS
 
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*SelfChatConfig.RESUME_IGNORES, "conversations")
+    SCORES_TURNS: ClassVar[bool] = True
 
     @model_validator(mode="after")
     def _replay_has_no_user_model(self) -> ReplayConfig:
@@ -168,6 +173,36 @@ class Replay(SelfChat, Protocol[ReplayConfig]):
         reps = int(cfg.get("probe_repeats", 1))
         lengths = [min(rounds, len(p.get("turns") or [])) for p in manifest.get("pairs", [])]
         return {"turn": sum(lengths), "probe": sum(reps * sum(1 for r in probed if r <= n) for n in lengths)}
+
+    def units(self, state: RunState) -> Iterator[list[Job]]:
+        """The self-chat's batches, knowing each dialog's latest agent score (what `by=score` reads)."""
+        self._latest: dict[tuple[int, str], tuple[int, float | None]] = {}
+        self._note_scores(state.records)
+        yield from super().units(state)
+
+    def _note_scores(self, records: list[Any]) -> None:
+        for r in records:
+            if r.kind == "turn" and r.speaker == "agent" and r.round > self._latest.get((r.pair, r.condition), (0,))[0]:
+                self._latest[(r.pair, r.condition)] = (r.round, getattr(r, "score", None))
+
+    def _generate(self, chunk: list[Job], sampling: Sampling,
+                  steer: Interventions | None = None) -> list[TurnRecord | ProbeRecord]:
+        """Under `when-drifting:by=score`, the chunk in two calls: the agent jobs whose dialog's latest turn
+        failed under the steer, the others under its trace only; each record keeps its decision."""
+        found = self.config.steer.gated()
+        if steer is not None or found is None or found[0].by != "score" or chunk[0].role != "agent":
+            return super()._generate(chunk, sampling, steer)
+        gate, on, off = found
+        decided = [replace(j, record={**j.record, "gate": score_decision(
+            gate, self._latest.get((j.record["pair"], j.record["condition"]), (0, None))[1])}) for j in chunk]
+        out: dict[int, TurnRecord | ProbeRecord] = {}
+        for steered, iv in ((True, on), (False, off)):
+            rows = [k for k, j in enumerate(decided) if j.record["gate"]["steered"] is steered]
+            if rows:
+                out.update(zip(rows, super()._generate([decided[k] for k in rows], sampling, iv), strict=True))
+        records = [out[k] for k in range(len(chunk))]
+        self._note_scores(records)
+        return records
 
     def _turn_score(self, job: Any, reply: Any) -> dict[str, Any]:
         """Every agent turn's score by its persona's measure (or why none: `error`)."""

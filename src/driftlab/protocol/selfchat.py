@@ -126,6 +126,7 @@ class SelfChatConfig(ProtocolConfig):
                                         "the prompt's influence")
 
     RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size", "persona_file")
+    SCORES_TURNS: ClassVar[bool] = False  # whether every agent turn is scored (a replay's are)
     # What a run recorded before the option existed meant: the probe replaced a_i; probes had a turn's budget.
     LEGACY: ClassVar[dict[str, Any]] = {"probe_after": "user", "probe_tokens": "turn", "personas": [], "agents": None,
                                         "judge": None, "kl": False, "users": "personas"}
@@ -139,6 +140,10 @@ class SelfChatConfig(ProtocolConfig):
         if self.probe_tokens == self.sampling.max_new_tokens:
             object.__setattr__(self, "probe_tokens", "turn")
         directions_given(self.backend, self.steer.items)
+        gate = self.steer.get("when-drifting")
+        if gate is not None and gate.by == "score" and not self.SCORES_TURNS:
+            raise ValueError("when-drifting:by=score steers the turn after a failing one, and a self-chat scores "
+                             "its probes only: use driftlab replay, or by=pi / by=projection")
         if self.kl:
             divergence.measured_steer(self.steer)
         return self
@@ -329,7 +334,9 @@ class SelfChat(Protocol[SelfChatConfig]):
 
     def require(self) -> None:
         cfg = self.config
-        self.backend.capabilities.require(self.backend.name, cfg.steer)
+        gate = cfg.steer.get("when-drifting")  # by=score: decided by the replay, not the engine
+        self.backend.capabilities.require(
+            self.backend.name, cfg.steer.without("when-drifting") if gate and gate.by == "score" else cfg.steer)
         if cfg.kl:
             divergence.require(self.backend, "--kl")
         if self.backend.capabilities.tokens:
@@ -432,11 +439,13 @@ class SelfChat(Protocol[SelfChatConfig]):
                 records += self._generate(jobs, sampling)
         return records
 
-    def _generate(self, chunk: list[Job], sampling: Sampling) -> list[TurnRecord | ProbeRecord]:
+    def _generate(self, chunk: list[Job], sampling: Sampling,
+                  steer: Interventions | None = None) -> list[TurnRecord | ProbeRecord]:
+        """The chunk's replies as records, the agent's under `steer` (the run's by default)."""
         agent_side = chunk[0].role == "agent"
         request = ChatRequest(
             [j.conversation for j in chunk], sampling, seeds=[j.seed for j in chunk],
-            interventions=self.config.steer if agent_side else Interventions(),
+            interventions=(self.config.steer if steer is None else steer) if agent_side else Interventions(),
             cache_store=[j.keep_cache for j in chunk], distributions=agent_side and self.config.kl,
         )
         replies = (self.backend if agent_side else self.user).generate(request)

@@ -332,13 +332,19 @@ class WhenDrifting(BaseIntervention):
     persona vectors and the Assistant Axis. Otherwise the reply is plain (traced if trace is
     asked). Decided per conversation and turn from the conversation alone, so a server stays
     stateless; costs one prefill a turn. Why: a steer costs task accuracy where it acts, and a
-    conversation that has not drifted (a first turn, an MMLU question) needs none."""
+    conversation that has not drifted (a first turn, an MMLU question) needs none.
+
+    `by=score`: the reply is steered where the dialog's previous agent turn scored below r by its
+    persona's measure, i.e. the turn after a failing one. The best warning on real user turns is
+    the turn's own compliance (a failure persists: docs/measures.md), and it costs nothing to read.
+    Only a replay scores every agent turn, so only `driftlab replay` decides it (before each batch,
+    `gate.score_decision`); it can then gate every steer, SPR and CFG included."""
 
     kind: Literal["when-drifting"] = "when-drifting"
     r: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
-    by: Literal["pi", "projection"] = "pi"
+    by: Literal["pi", "projection", "score"] = "pi"
     hook: ClassVar[Hook] = "gate"
-    form: ClassVar[str] = "when-drifting:r=0.9[,by=pi|projection]"
+    form: ClassVar[str] = "when-drifting:r=0.9[,by=pi|projection|score]"
 
     def spec(self) -> str:
         """Without `by=pi`, the default: a gate's spec (in manifests, records and sweeps) reads as
@@ -423,10 +429,12 @@ class Interventions(BaseModel):
             if kinds.count(kind) > 1:
                 raise ValueError(f"--steer {kind} is given {kinds.count(kind)} times; give it once")
         if "when-drifting" in kinds:
-            clash = sorted(WhenDrifting.ungateable & set(kinds))
+            by_score = next(i for i in self.items if i.kind == "when-drifting").by == "score"
+            clash = [] if by_score else sorted(WhenDrifting.ungateable & set(kinds))
             if clash:
                 raise ValueError(f"--steer when-drifting decides per conversation, and {clash[0]} acts on the whole "
-                                 "batch; gate split-softmax, instaboost, pasta, bias, pi-floor, vector or cap")
+                                 "batch; gate split-softmax, instaboost, pasta, bias, pi-floor, vector or cap "
+                                 "(a replay's when-drifting:by=score gates any steer)")
             if not set(kinds) - {"when-drifting"}:  # with trace alone it is a monitor: it reads, steers nothing
                 raise ValueError("--steer when-drifting gates the other steers, and none is given; add one, "
                                  "e.g. --steer split-softmax:k=0.5 (or --steer trace: a monitor that records "
