@@ -259,3 +259,7 @@ def test_a_gate_by_score_steers_the_turn_after_a_failing_one(tmp_path, smol32) -
     (tmp_path / "run" / "records.jsonl").write_text("".join(lines[:-1]))
     run_protocol(Replay(config, smol32), tmp_path / "run", progress=False)
     assert sorted(RunDir(tmp_path / "run").records(), key=lambda r: (r["pair"], r["round"])) == records
+    from driftlab.report.results import summarize
+
+    (share,) = [e for e in summarize(tmp_path / "run").estimates if e.metric == "steered"]
+    assert (share.value, share.n) == (len(steered) / len(records), len(records))

@@ -9,10 +9,12 @@ one turn, and the turn index is the line every warning must clear.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 from sklearn.metrics import roc_auc_score
 from typer.testing import CliRunner
@@ -176,6 +178,17 @@ def test_where_the_gates_own_reading_warns_warn_names_the_gate_that_acts_on_it(t
     assert warn.write_warn([run], tmp_path / "plain")[2] is None
     result = CliRunner().invoke(app, ["warn", "--from-run", str(tmp_path / "gated"), "-o", str(tmp_path / "cli")])
     assert result.exit_code == 0 and f"gate: --steer {gate}" in result.output
+
+
+def test_where_the_turn_s_own_compliance_warns_the_gate_is_a_replay_s_score_gate(found) -> None:
+    """No measure's reading to threshold: where the turn's own compliance clears the turn index as a warning
+    must (pooled and within dialogs), the gate steers the turn after a failing one; else there is none."""
+    turns = pd.DataFrame()
+    own = dataclasses.replace(found["score"], vs_turn_low=0.02, within_low=0.6)
+    rest = [s for s in found.values() if s.name not in ("score", "gate")]
+    assert warn.gate_steer(turns, [own, *rest], "pi", fail_below=0.4) == "when-drifting:r=0.4,by=score"
+    for weak in (dataclasses.replace(own, vs_turn_low=-0.01), dataclasses.replace(own, within_low=0.45)):
+        assert warn.gate_steer(turns, [weak, *rest], "pi") is None
 
 
 def test_the_measures_combined_are_fitted_without_the_dialog_they_score(found) -> None:

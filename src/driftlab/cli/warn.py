@@ -37,6 +37,7 @@ def warn(
     print_text_table(table(found, fail_below))
     for label, how in unmeasured(found):  # a measure these runs lack: how to read it afterwards
         typer.echo(f"not measured here: {label}: {how}", err=True)
-    if gate is not None:  # the gate's own reading warns: the steer that acts on it
-        typer.echo(f"gate: --steer {gate}  (add the steer it gates; price it with `driftlab sweep`)")
+    if gate is not None:  # a warning a gate can act on: the steer that does
+        then = "to `driftlab replay`" if gate.endswith("by=score") else "price it with `driftlab sweep`"
+        typer.echo(f"gate: --steer {gate}  (add the steer it gates; {then})")
     typer.echo(str(where / "warn.json"))

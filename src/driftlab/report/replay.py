@@ -23,27 +23,31 @@ COMPLIANCE_PNG = "compliance.png"
 
 def compliance_frame(run_dir: str | Path) -> pd.DataFrame:
     """One row per agent turn: dialog (`pair`), round, its persona, the turn's score (NaN where the
-    measure gave none: a reply cut at its token limit, or an error), tokens and finish reason."""
+    measure gave none: a reply cut at its token limit, or an error), tokens, finish reason and, under
+    `when-drifting`, whether the turn was steered (1 or 0; NaN in a run without a gate)."""
     rd = RunDir(run_dir)
     agents = {p["pair"]: p["agent"] for p in rd.read_manifest().get("pairs", [])}
     rows = [{"pair": r["pair"], "round": r["round"], "agent": agents.get(r["pair"]),
              "score": np.nan if r.get("score") is None else float(r["score"]), "n_tokens": r["n_tokens"],
-             "finish_reason": r["finish_reason"], "error": r.get("error")}
+             "finish_reason": r["finish_reason"], "error": r.get("error"),
+             "steered": np.nan if r.get("gate") is None else float(r["gate"]["steered"])}
             for r in rd.records() if r.get("kind") == "turn" and r.get("speaker") == "agent"]
-    columns = ["pair", "round", "agent", "score", "n_tokens", "finish_reason", "error"]
+    columns = ["pair", "round", "agent", "score", "n_tokens", "finish_reason", "error", "steered"]
     return pd.DataFrame(rows, columns=columns).sort_values(["pair", "round"], ignore_index=True)
 
 
 def per_round(frame: pd.DataFrame) -> pd.DataFrame:
     """Per round: mean compliance over the dialogs scored there, its 95% interval (within [0, 1]),
-    method and n."""
+    method and n; under a gate, the share of that round's turns it steered (NaN without one)."""
     rows = []
     for r in sorted(frame["round"].unique()):
-        i = mean_interval(frame.loc[frame["round"] == r, "score"].astype(float))
+        at = frame[frame["round"] == r]
+        i = mean_interval(at["score"].astype(float))
         # scores live in [0, 1]: a t interval of a few dialogs may pass its ends
         rows.append({"round": int(r), "mean": i.estimate, "ci_low": float(np.clip(i.low, 0, 1)),
-                     "ci_high": float(np.clip(i.high, 0, 1)), "ci_method": i.method, "n": i.n})
-    return pd.DataFrame(rows, columns=["round", "mean", "ci_low", "ci_high", "ci_method", "n"])
+                     "ci_high": float(np.clip(i.high, 0, 1)), "ci_method": i.method, "n": i.n,
+                     "steered": at["steered"].mean()})
+    return pd.DataFrame(rows, columns=["round", "mean", "ci_low", "ci_high", "ci_method", "n", "steered"])
 
 
 def drift(frame: pd.DataFrame) -> dict[str, Any] | None:
@@ -76,6 +80,8 @@ def compliance_figure(frame: pd.DataFrame, path: str | Path, title: str = "") ->
     ax.fill_between(table["round"], table["ci_low"], table["ci_high"], color="C0", alpha=0.25, lw=0, zorder=2,
                     label="95% interval")
     ax.plot(table["round"], table["mean"], color="C0", lw=2, marker="o", ms=3, zorder=3, label="mean")
+    if table["steered"].notna().any():  # a gated run: what the compliance cost in steered turns
+        ax.plot(table["round"], table["steered"], color="C3", lw=1.2, ls="--", zorder=3, label="share steered")
     ax.set(xlabel="agent turn (round)", ylabel="compliance (the turn's score)", ylim=(-0.05, 1.05),
            title=title or f"compliance per turn, {frame['pair'].nunique()} dialogs")
     round_ticks(ax, table["round"].tolist())
@@ -98,18 +104,21 @@ def print_compliance(frame: pd.DataFrame) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    gated = frame["steered"].notna().any()
     table = Table(title=f"compliance per turn ({frame['pair'].nunique()} dialogs)", caption=_drift_note(frame))
-    for col in ("round", "compliance", "95% interval", "n"):
+    for col in ("round", "compliance", "95% interval", "n", *(["steered"] if gated else [])):
         table.add_column(col, justify="right")
     for row in per_round(frame).itertuples():
         table.add_row(str(row.round), f"{row.mean:.3f}", f"[{row.ci_low:.3f}, {row.ci_high:.3f}] {row.ci_method}",
-                      str(row.n))
+                      str(row.n), *([f"{row.steered:.2f}"] if gated else []))
     Console(stderr=True).print(table)
 
 
 def _drift_note(frame: pd.DataFrame) -> str:
     d = drift(frame)
+    steered = frame["steered"].dropna()
+    gate = f"; the gate steered {int(steered.sum())} of {len(steered)} turns" if len(steered) else ""
     if d is None:
-        return "one round: no drift to test"
+        return "one round: no drift to test" + gate
     return (f"round {d['last']} minus round {d['first']}: {d['diff']:+.3f} [{d['diff_ci_low']:+.3f}, "
-            f"{d['diff_ci_high']:+.3f}], {d['method']} p = {d['p']:.3g}, n = {d['n']} dialogs")
+            f"{d['diff_ci_high']:+.3f}], {d['method']} p = {d['p']:.3g}, n = {d['n']} dialogs{gate}")

@@ -239,6 +239,9 @@ def _replay(run_dir: Path) -> list[Estimate]:
     if d is not None:
         out.append(Estimate("drift", d["diff"], d["n"], d["diff_ci_low"], d["diff_ci_high"], d["ci_method"],
                             d["method"], d["p"], group={"first": d["first"], "last": d["last"]}))
+    steered = frame["steered"].dropna()
+    if len(steered):  # under when-drifting: the share of agent turns the gate steered
+        out.append(Estimate("steered", float(steered.mean()), len(steered)))
     return out
 
 

@@ -165,13 +165,17 @@ def combined(features: np.ndarray, labels: np.ndarray, dialogs: np.ndarray, seed
     return out
 
 
-def gate_steer(turns: pd.DataFrame, found: list[Signal], by: str) -> str | None:
-    """Where when-drifting's reading warns: the gate that acts on it, `when-drifting:r=R[,by=...]`, with R
-    the reading below which the next turn fails most often (Youden's J over this run's dialogs, all held
-    out from the runs it will steer; the lead times beside it are cross-fitted over dialogs). None
-    where the reading does not warn."""
+def gate_steer(turns: pd.DataFrame, found: list[Signal], by: str, fail_below: float = PASS) -> str | None:
+    """The gate that acts on a warning, or None. Where when-drifting's reading warns:
+    `when-drifting:r=R[,by=...]`, with R the reading below which the next turn fails most often (Youden's
+    J over this run's dialogs, all held out from the runs it will steer; the lead times beside it are
+    cross-fitted over dialogs). Else, where the turn's own compliance clears the turn index as a warning
+    must (pooled and within dialogs): a replay's `when-drifting:r=FAIL_BELOW,by=score`, which steers the
+    turn after a failing one (no threshold to fit: a failure is the reading)."""
     if not any(s.name == GATE[0] and s.warns for s in found):
-        return None
+        own = next((s for s in found if s.name == "score"), None)
+        beats = own is not None and own.vs_turn_low > 0 and own.within_low > 0.5
+        return f"when-drifting:r={fail_below:.4g},by=score" if beats else None
     rows = turns.dropna(subset=[GATE[0]])
     threshold = youden_threshold(GATE[2] * rows[GATE[0]].to_numpy(float), rows.fails_next.to_numpy(bool))
     r = min(max(-threshold, 1e-6), 1.0)
@@ -305,7 +309,7 @@ def write_warn(run_dirs: list[Path], out: Path, fail_below: float = PASS,
     table.to_csv(out / WARN_CSV, index=False)
     (out / WARN_JSON).write_text(table.to_json(orient="records", indent=2))
     figure(found, out / WARN_PNG, fail_below)
-    gate = gate_steer(turns, found, _gate_signal(run_dirs[0]))
+    gate = gate_steer(turns, found, _gate_signal(run_dirs[0]), fail_below)
     if gate is not None:
         (out / GATE_JSON).write_text(json.dumps({"steer": gate, "fail_below": fail_below}, indent=2))
     else:  # (an earlier analysis of other records may have named one)
