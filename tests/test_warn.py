@@ -211,3 +211,17 @@ def test_the_measures_combined_are_fitted_without_the_dialog_they_score(found) -
     rare = np.zeros(len(dialogs), dtype=bool)
     rare[dialogs == 5] = True  # failures in one dialog only: the folds without it cannot be fitted
     assert np.isnan(warn.combined(features, rare, dialogs, seed=0)).any()
+
+
+def test_replays_compared_show_their_compliance_curves_side_by_side(tmp_path, run) -> None:
+    """`driftlab report RUN RUN`: where two runs or more are replays, compare.html carries their compliance per
+    turn on one axes (compliance.png); a single replay gets none there (its own report has its curve)."""
+    _write_run(tmp_path / "other", seed=1)
+    page = CliRunner().invoke(app, ["report", str(run), str(tmp_path / "other"), "-o", str(tmp_path / "cmp")])
+    assert page.exit_code == 0, page.output
+    assert (tmp_path / "cmp" / "compliance.png").stat().st_size > 10_000
+    assert "Compliance per turn" in (tmp_path / "cmp" / "compare.html").read_text()
+    from driftlab.report.compare import _replay_curves
+    from driftlab.report.results import summarize
+
+    assert _replay_curves([run], [summarize(run)], tmp_path / "one.png") is None

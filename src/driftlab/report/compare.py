@@ -67,8 +67,21 @@ def figure(rows: pd.DataFrame, path: Path) -> Path:
     return path
 
 
+def _replay_curves(run_dirs: list[str | Path], results: list[Results], path: Path) -> Path | None:
+    """The replays among the runs, their compliance per turn on one axes (each labelled by its run and
+    steer); None where fewer than two runs are replays."""
+    from driftlab.report.replay import compliance_frame, curves_figure
+
+    replays = [(d, r) for d, r in zip(run_dirs, results, strict=True) if r.protocol == "replay"]
+    if len(replays) < 2:
+        return None
+    labels = [Path(d).name + (f" [{r.identity['steer']}]" if r.identity.get("steer") else "") for d, r in replays]
+    return curves_figure({label: compliance_frame(d) for label, (d, _) in zip(labels, replays, strict=True)}, path)
+
+
 def compare_page(run_dirs: list[str | Path], out: str | Path) -> Path:
-    """Write OUT/compare.html, compare.csv and compare.png for several run directories."""
+    """Write OUT/compare.html, compare.csv and compare.png for several run directories (and, where two
+    or more are replays, compliance.png: their compliance per turn side by side)."""
     from driftlab.report.html import _png_data_uri
 
     out = Path(out)
@@ -78,6 +91,7 @@ def compare_page(run_dirs: list[str | Path], out: str | Path) -> Path:
     frame.to_csv(out / "compare.csv", index=False)
     rows = headline(frame)
     png = figure(rows, out / "compare.png") if len(rows) else None
+    curves = _replay_curves(run_dirs, results, out / "compliance.png")
     shown = rows.dropna(axis=1, how="all").drop(columns=["revision"], errors="ignore")
     runs = "".join(f"<li>{html.escape(str(r.identity['run']))}: {html.escape(r.protocol)}, "
                    f"{html.escape(str(r.identity['model']))}, {html.escape(str(r.identity['dtype']))}"
@@ -87,6 +101,8 @@ def compare_page(run_dirs: list[str | Path], out: str | Path) -> Path:
             "td,th{border:1px solid #ccc;padding:2px 6px}</style></head><body>"
             f"<h1>{len(results)} runs compared</h1><ul>{runs}</ul>"
             + (f"<img src='{_png_data_uri(png)}' alt='headline estimates'>" if png else "")
+            + (f"<h2>Compliance per turn</h2><img src='{_png_data_uri(curves)}' alt='compliance per turn'>"
+               if curves else "")
             + "<h2>Headline estimates</h2><p>Each with the n behind it, its interval method and, for a difference, "
               "its paired test and p-value (Holm-corrected within its run's family). Every estimate of every run: "
               "compare.csv.</p>"

@@ -89,6 +89,30 @@ def compliance_figure(frame: pd.DataFrame, path: str | Path, title: str = "") ->
     return save_png(fig, path)
 
 
+def curves_figure(frames: dict[str, pd.DataFrame], path: str | Path) -> Path:
+    """Several replays' compliance per turn on one axes, each mean with its 95% band: the conditions of a
+    study (plain, a steer always on, the steer gated) side by side, as `driftlab report RUN RUN ...` draws
+    them where the runs are replays."""
+    from matplotlib.figure import Figure
+
+    from driftlab.report.figures import round_ticks, save_png
+
+    fig = Figure(figsize=(7, 3.6), layout="constrained", dpi=120)
+    ax = fig.add_subplot()
+    rounds: set[int] = set()
+    for k, (label, frame) in enumerate(frames.items()):
+        table = per_round(frame)
+        ax.fill_between(table["round"], table["ci_low"], table["ci_high"], color=f"C{k}", alpha=0.15, lw=0)
+        ax.plot(table["round"], table["mean"], color=f"C{k}", lw=2, marker="o", ms=3,
+                label=f"{label} ({frame['pair'].nunique()} dialogs)")
+        rounds |= set(table["round"].tolist())
+    ax.set(xlabel="agent turn (round)", ylabel="compliance (mean, 95% band)", ylim=(-0.05, 1.05),
+           title="compliance per turn")
+    round_ticks(ax, sorted(rounds))
+    ax.legend(loc="lower left", fontsize=8, frameon=False)
+    return save_png(fig, path)
+
+
 def write_replay_figures(run_dir: str | Path) -> list[Path]:
     """`driftlab report RUN` for a replay: the compliance table on stderr and compliance.png (the other
     measures of a run that took them: `cli.finish.print_measures`)."""
