@@ -128,6 +128,21 @@ def test_a_data_source_not_pulled_says_how_to_pull_it(tmp_path, monkeypatch) -> 
     assert "driftlab data pull mtbench" in err.value.hint
 
 
+def test_the_score_gate_reads_the_last_agent_turn_a_conversation_shows() -> None:
+    """A turn of round i is decided by b_{i-1}'s score; a probe after b_i (its conversation shows b_i) by b_i's,
+    though b_{i+1} may be scored by then; a first turn by none."""
+    from driftlab.protocol.replay import Replay
+    from driftlab.protocol.selfchat import Job
+
+    replay = Replay.__new__(Replay)
+    replay._turn_scores = {(0, "persona", 1): 0.0, (0, "persona", 2): 1.0, (0, "persona", 3): 0.0}
+    shows = lambda n: [{"role": "system", "content": "s"}] + [  # noqa: E731
+        m for i in range(n) for m in ({"role": "user", "content": f"u{i}"}, {"role": "assistant", "content": f"b{i}"})]
+    job = lambda n: Job({"pair": 0, "condition": "persona"}, [*shows(n), {"role": "user", "content": "next"}], 0,  # noqa: E731
+                        "agent", True)
+    assert [replay._previous_score(job(n)) for n in (0, 1, 2, 3)] == [None, 0.0, 1.0, 0.0]
+
+
 # -- on a real model ----------------------------------------------------------------------------------
 LOGS = [
     {"messages": [{"role": "system", "content": "You are a logged bot."},

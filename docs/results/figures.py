@@ -464,6 +464,32 @@ def replay_block(name: str) -> str:
             + _markdown(warned))
 
 
+def replay_conditions(*names: str, upto: int | None = None) -> str:
+    """Replays of the same dialogs under different steers (the first is the baseline): compliance at some
+    turns, each dialog's mean compliance over turns 2..T against the baseline's (paired over dialogs, exact
+    Wilcoxon), and the share of turns a gate steered. T: the last round every run completed (or `upto`)."""
+    from driftlab.report.replay import compliance_frame
+    from driftlab.stats import paired_test
+
+    frames = {name: compliance_frame(HERE / name) for name in names}
+    last = min(int(f.groupby("pair")["round"].max().min()) for f in frames.values()) if upto is None else upto
+    turns = sorted({1, *range(5, last + 1, 5), last})
+    means = {name: f[(f["round"] >= 2) & (f["round"] <= last)].groupby("pair")["score"].mean().to_dict()
+             for name, f in frames.items()}
+    rows = ["| run | " + " | ".join(f"turn {t}" for t in turns) + f" | turns 2-{last}, per dialog | minus "
+            f"{names[0]}: better / worse, p | turns steered |", "|---" * (len(turns) + 4) + "|"]
+    for name, f in frames.items():
+        at = [f.loc[f["round"] == t, "score"].mean() for t in turns]
+        test = paired_test(means[name], means[names[0]]) if name != names[0] else None
+        vs = "" if test is None else (f"{test.diff.estimate:+.2f} {_ci(test.diff.low, test.diff.high, sign=True)}: "
+                                      f"{test.better} / {test.worse}, p = {_p(test.p)}")
+        steered = f[f["round"] <= last]["steered"].dropna()
+        rows.append(f"| {name} | " + " | ".join(f"{v:.2f}" for v in at)
+                    + f" | {np.nanmean(list(means[name].values())):.2f} | {vs} | "
+                    + (f"{steered.mean():.0%} of {len(steered)}" if len(steered) else "") + " |")
+    return "\n".join(rows)
+
+
 def _persistence(turns: pd.DataFrame) -> str:
     """How often the next turn fails after a failing turn and after a passing one, with 95% intervals from a
     bootstrap over dialogs (`driftlab warn`'s turns)."""

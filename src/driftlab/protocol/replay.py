@@ -175,26 +175,31 @@ class Replay(SelfChat, Protocol[ReplayConfig]):
         return {"turn": sum(lengths), "probe": sum(reps * sum(1 for r in probed if r <= n) for n in lengths)}
 
     def units(self, state: RunState) -> Iterator[list[Job]]:
-        """The self-chat's batches, knowing each dialog's latest agent score (what `by=score` reads)."""
-        self._latest: dict[tuple[int, str], tuple[int, float | None]] = {}
+        """The self-chat's batches, knowing every agent turn's score so far (what `by=score` reads)."""
+        self._turn_scores: dict[tuple[int, str, int], float | None] = {}
         self._note_scores(state.records)
         yield from super().units(state)
 
     def _note_scores(self, records: list[Any]) -> None:
-        for r in records:
-            if r.kind == "turn" and r.speaker == "agent" and r.round > self._latest.get((r.pair, r.condition), (0,))[0]:
-                self._latest[(r.pair, r.condition)] = (r.round, getattr(r, "score", None))
+        self._turn_scores.update({(r.pair, r.condition, r.round): getattr(r, "score", None) for r in records
+                             if r.kind == "turn" and r.speaker == "agent"})
+
+    def _previous_score(self, job: Job) -> float | None:
+        """The score of the last agent turn the job's conversation shows (None on a first turn): a turn of
+        round i reads b_{i-1}'s, a probe after b_i reads b_i's."""
+        shown = sum(m["role"] == "assistant" for m in job.conversation)
+        return self._turn_scores.get((job.record["pair"], job.record["condition"], shown)) if shown else None
 
     def _generate(self, chunk: list[Job], sampling: Sampling,
                   steer: Interventions | None = None) -> list[TurnRecord | ProbeRecord]:
-        """Under `when-drifting:by=score`, the chunk in two calls: the agent jobs whose dialog's latest turn
-        failed under the steer, the others under its trace only; each record keeps its decision."""
+        """Under `when-drifting:by=score`, the chunk in two calls: the agent jobs whose conversation's last
+        agent turn failed under the steer, the others under its trace only; each record keeps its decision."""
         found = self.config.steer.gated()
         if steer is not None or found is None or found[0].by != "score" or chunk[0].role != "agent":
             return super()._generate(chunk, sampling, steer)
         gate, on, off = found
-        decided = [replace(j, record={**j.record, "gate": score_decision(
-            gate, self._latest.get((j.record["pair"], j.record["condition"]), (0, None))[1])}) for j in chunk]
+        decided = [replace(j, record={**j.record, "gate": score_decision(gate, self._previous_score(j))})
+                   for j in chunk]
         out: dict[int, TurnRecord | ProbeRecord] = {}
         for steered, iv in ((True, on), (False, off)):
             rows = [k for k, j in enumerate(decided) if j.record["gate"]["steered"] is steered]
