@@ -119,6 +119,18 @@ def test_config_validation():
         MMLUConfig(n=0)
     assert MMLUConfig(steer=["Split-Softmax:k=.5"]).steer.specs() == ["split-softmax:k=0.5,heads=all"]
     assert MMLUConfig().conditions == ["plain"] and MMLUConfig(steer=["trace"]).conditions == ["plain", "steered"]
+    # a recorded run's dialogs before the questions: both conditions after the same dialogs; the score gate
+    # needs them (it reads the score of the replay's last agent turn before each question)
+    assert MMLUConfig(history_from="runs/replay", steer=["spr:p=1"]).history == "run"
+    with pytest.raises(ValueError, match="ask after a replay's dialogs"):
+        MMLUConfig(steer=["when-drifting:r=0.5,by=score", "spr:p=1"])
+
+
+def test_a_history_from_what_is_no_run_is_one_line_before_any_model_loads(tmp_path):
+    from driftlab.protocol.mmlu import MMLU
+
+    with pytest.raises(DriftlabError, match="is not a run directory"):
+        MMLU(MMLUConfig(history_from=str(tmp_path), data=str(RAW))).check()
 
 
 # -- scoring on a tiny model ---------------------------------------------------------------------
@@ -455,6 +467,11 @@ def test_a_given_dialog_history_is_cut_before_the_question_and_says_where_it_cam
         dialog_history(chat, 2, pairs=7)
     both = dialog_history(chat, 3, pairs=2, source="../chat")  # several dialogs: one entry each, in pair order
     assert [e["pair"] for e in both] == [0, 1] and both[0] == h and len(both[1]["conversation"]) == 5
+    # A self-chat's agent turns are not scored: a score gate cannot price questions after them (one line).
+    gate = MMLUConfig(n=2, turn=4, history_from=str(chat), steer=["when-drifting:r=0.5,by=score", "spr:p=1"],
+                      data=str(RAW))
+    with pytest.raises(DriftlabError, match="has unscored agent turns there"):
+        MMLU(gate, _Scoring()).check()
     # Standalone, a run that expects a given dialog and was handed none says so in one line.
     config = MMLUConfig(n=2, turn=2, history="dialog", data=str(RAW))
     with pytest.raises(DriftlabError, match=r"takes its MMLU histories from 1 dialog\(s\) its parent hands over"):

@@ -278,3 +278,16 @@ def test_a_gate_by_score_steers_the_turn_after_a_failing_one(tmp_path, smol32) -
 
     (share,) = [e for e in summarize(tmp_path / "run").estimates if e.metric == "steered"]
     assert (share.value, share.n) == (len(steered) / len(records), len(records))
+
+    # Its MMLU price (`driftlab mmlu --history-from RUN`): questions after the replay's own dialog, steered where
+    # the turn before them failed (after b_3, scored 0), and then exactly as always-on SPR scores them.
+    from driftlab.api import mmlu
+
+    raw = str(Path(__file__).parent / "fixtures" / "mmlu_raw_sample.jsonl")
+    ask = dict(n=2, turn=6, data=raw, history_from=str(tmp_path / "run"), progress=False)
+    gated = mmlu(smol32, steer=["when-drifting:r=0.5,by=score", "spr:p=1"], out=tmp_path / "m-gated", **ask).records
+    always = mmlu(smol32, steer=["spr:p=1"], out=tmp_path / "m-always", **ask).records
+    lp = lambda rs, c: {r["index"]: r["logprobs"] for r in rs if r["condition"] == c}  # noqa: E731
+    assert lp(gated, "steered") == lp(always, "steered") != lp(always, "plain") == lp(gated, "plain")
+    assert [r["gate"] for r in gated if r["condition"] == "steered"] == [
+        {"r": 0.5, "by": "score", "score": records[2]["score"], "steered": True}] * 2

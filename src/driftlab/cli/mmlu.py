@@ -30,6 +30,11 @@ def mmlu(
     turn: TurnOpt = 4,
     turn_counting: TurnCountingOpt = "paper",
     histories: HistoriesOpt = 1,
+    history_from: Annotated[Path | None, typer.Option(
+        "--history-from", help="Ask after the recorded dialogs of this run (a replay or a self-chat; its first "
+                               "--histories), the same under both conditions, instead of generating a history. "
+                               "With --steer when-drifting:r=R,by=score, a question is steered where the replay's "
+                               "last agent turn before it scored below R.")] = None,
     ties: TiesOpt = "random",
     history_tokens: HistoryTokensOpt = 64,
     seed: MMLUSeedOpt = 0,

@@ -12,7 +12,10 @@ Here, per condition (plain, and steered when --steer is given):
    condition's interventions (kept in RUN/history-<condition>, itself a resumable run
    directory); "dialog": dialogs the parent hands over in the plan (a sweep point's own
    self-chat, so the point's stability gain and MMLU cost are measured on the same dialogs),
-   recorded in the manifest. The questions are spread evenly over the dialogs (question i of
+   recorded in the manifest; "run" (`--history-from RUN`): a recorded self-chat's or replay's
+   dialogs, the same before every condition's questions, so the drop is the steer's alone at
+   the question's turn (and `when-drifting:by=score` steers the questions after a dialog whose
+   last agent turn failed). The questions are spread evenly over the dialogs (question i of
    the plan after dialog i mod `histories`), and each answer records its dialog;
 2. each question is asked as the user turn of that round, and the answer is the letter
    (A-D) with the highest next-token log-likelihood as the start of the agent's reply, under
@@ -67,6 +70,7 @@ from pydantic import (
 )
 
 from driftlab.chat.base import MAX_SEED, Conversation, Sampling
+from driftlab.chat.gate import score_decision
 from driftlab.errors import DriftlabError
 from driftlab.protocol.dialog import RECORDS as DIALOG_RECORDS
 from driftlab.protocol.dialog import Dialog, pairs_from_manifest
@@ -90,7 +94,7 @@ COLLAPSE = 0.6  # a condition choosing one letter for more than this share of qu
 COLLAPSE_MIN_N = 20  # ... judged from this many answers on (2 of 3 alike says nothing)
 Condition = Literal["plain", "steered"]
 TurnCounting = Literal["paper", "round"]
-HistorySource = Literal["selfchat", "dialog"]
+HistorySource = Literal["selfchat", "dialog", "run"]
 TieRule = Literal["random", "first"]
 
 
@@ -187,8 +191,10 @@ class MMLUConfig(ProtocolConfig):
     turn: int = Field(4, ge=0, le=128, description="ask at this turn of the agent's dialog; 0 = plain MMLU")
     history: HistorySource = Field(
         "selfchat", description="where the dialog before the question comes from: 'selfchat' (a fresh probe-free "
-                                "self-chat per condition) or 'dialog' (handed over by the parent, e.g. a sweep point's "
-                                "own self-chat)")
+                                "self-chat per condition), 'dialog' (handed over by the parent, e.g. a sweep point's "
+                                "own self-chat) or 'run' (a recorded run's dialogs: --history-from)")
+    history_from: str | None = Field(None, description="a self-chat or replay run whose recorded dialogs (the first "
+                                     "--histories) come before the questions, the same under every condition")
     steer: DialogSteer = Field(default_factory=Interventions, description="the interventions whose cost is measured")
     seed: int = Field(0, ge=0, le=MAX_SEED)
     histories: int = Field(1, ge=1, le=1000, description="dialogs the questions are spread over (1: the paper's "
@@ -200,7 +206,7 @@ class MMLUConfig(ProtocolConfig):
     data: str | None = Field(None, description="an MMLU jsonl file instead of the pulled data set")
     plain: bool = Field(True, description="also measure without the interventions (the baseline)")
 
-    RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size")
+    RESUME_IGNORES: ClassVar[tuple[str, ...]] = (*ProtocolConfig.RESUME_IGNORES, "batch_size", "history_from")
     # Runs recorded before these options counted rounds and made their own history.
     LEGACY: ClassVar[dict[str, Any]] = {"turn_counting": "round", "history": "selfchat", "ties": "first",
                                         "histories": 1}
@@ -215,8 +221,16 @@ class MMLUConfig(ProtocolConfig):
     def _something_to_measure(self) -> MMLUConfig:
         if not self.plain and not self.steer:
             raise ValueError("nothing to measure: no baseline (plain=False) and no --steer")
+        if self.history_from is not None:
+            object.__setattr__(self, "history", "run")
+        if self.history == "run" and self.history_from is None:
+            raise ValueError("history 'run' needs the run its dialogs come from (--history-from RUN)")
         if self.history == "dialog" and len(self.conditions) != 1:
             raise ValueError("a given dialog was made under one condition: measure plain or steered, not both")
+        gate = self.steer.get("when-drifting")
+        if gate is not None and gate.by == "score" and self.history != "run":
+            raise ValueError("when-drifting:by=score reads the score of the last agent turn before the question: ask "
+                             "after a replay's dialogs (--history-from RUN)")
         directions_given(self.backend, self.steer.items)
         return self
 
@@ -286,19 +300,41 @@ class MMLU(Protocol[MMLUConfig]):
         load_questions(self.config.data)  # a missing data set fails before anything is loaded or written
         if self.config.round and self.config.history == "selfchat":
             SelfChat(self.config.history_run("plain")).check()
+        if self.config.history == "run":
+            self._run_history()
 
     def require(self) -> None:
         backend = self.backend
         if not backend.capabilities.loglikelihood:
             raise DriftlabError(f"{backend.name} cannot score log-likelihoods, which MMLU letter scoring needs.",
                                 hint="Use a local model (a preset name or a Hugging Face directory).")
-        backend.capabilities.require(backend.name, self.config.steer)
+        gate = self.config.steer.get("when-drifting")  # by=score: decided here, per dialog, not by the engine
+        backend.capabilities.require(backend.name, self.config.steer.without("when-drifting")
+                                     if gate and gate.by == "score" else self.config.steer)
+
+    def _run_history(self) -> dict[str, Any] | list[dict[str, Any]] | None:
+        """The recorded run's dialogs before the question (`dialog_history`); one line where it is no run, or
+        where `by=score` asks for scores its agent turns lack (a self-chat's)."""
+        cfg = self.config
+        if not (Path(cfg.history_from) / "manifest.json").is_file():
+            raise DriftlabError(f"--history-from {cfg.history_from} is not a run directory.",
+                                hint="Give the --out of a finished `driftlab replay` or `driftlab run`.")
+        history = dialog_history(cfg.history_from, cfg.round, cfg.histories)
+        gate = cfg.steer.get("when-drifting")
+        unscored = cfg.round > 1 and any("score" not in e for e in history_entries(history))
+        if gate is not None and gate.by == "score" and unscored:
+            raise DriftlabError(f"when-drifting:by=score reads the score of the agent turn before each question, and "
+                                f"{cfg.history_from} has unscored agent turns there (a self-chat scores probes only).",
+                                hint="Ask after a replay's dialogs (`driftlab replay` scores every agent turn).")
+        return history
 
     def plan(self) -> dict[str, Any]:
         cfg = self.config
         questions = stratified_subset(load_questions(cfg.data), cfg.n, cfg.seed)
         # With a given dialog the parent fills "history" in (`dialog_history`) before the run starts.
         history = SelfChat(cfg.history_run("plain")).draw_plan() if cfg.round and cfg.history == "selfchat" else None
+        if cfg.history == "run":
+            history = self._run_history()
         return {"questions": [q.model_dump() for q in questions], "history": history}
 
     def inputs(self) -> dict[str, str]:
@@ -334,26 +370,46 @@ class MMLU(Protocol[MMLUConfig]):
         condition, slot, chunk = unit
         if condition not in self._contexts:
             self._contexts[condition] = self._dialogs(condition)
-        dialog, context = self._contexts[condition][slot]
+        dialog, context, previous = self._contexts[condition][slot]
         convs = [context + [{"role": "user", "content": q.prompt()}] for q in chunk]
+        steer, gate = self._steer(condition, previous)
         scores = self.backend.loglikelihood([c for c in convs for _ in LETTERS], list(LETTERS) * len(chunk),
-                                            self.config.interventions(condition), batch_size=self.config.batch_size)
+                                            steer, batch_size=self.config.batch_size)
         records = []
         for j, q in enumerate(chunk):
             lp = {letter: scores[4 * j + k].logprob for k, letter in enumerate(LETTERS)}
             best = choose_letter(lp, self.config.ties, self.config.seed, q.index)
             records.append(AnswerRecord(condition=condition, index=q.index, subject=q.subject, answer=q.answer,
-                                        predicted=best, correct=best == q.answer, logprobs=lp, dialog=dialog))
+                                        predicted=best, correct=best == q.answer, logprobs=lp, dialog=dialog,
+                                        **({"gate": gate} if gate else {})))
         return records
 
-    def _dialogs(self, condition: str) -> list[tuple[int | None, Conversation]]:
-        """(pair index, the dialog before the question) per slot: the agent's histories under this
-        condition's interventions, continued (RUN/history-<condition>) from the persona pairs
-        recorded in the plan, or the dialogs the parent handed over."""
+    def _steer(self, condition: str, previous: float | None) -> tuple[Interventions, dict | None]:
+        """The condition's steer for questions after a dialog whose last agent turn scored `previous`: under
+        `when-drifting:by=score` the steer where that turn failed, else none, and the decision."""
+        steer = self.config.interventions(condition)
+        found = steer.gated()
+        if found is None or found[0].by != "score":
+            return steer, None
+        decision = score_decision(found[0], previous)
+        return (found[1] if decision["steered"] else found[2]), decision
+
+    def _dialogs(self, condition: str) -> list[tuple[int | None, Conversation, float | None]]:
+        """(pair index, the dialog before the question, its last agent turn's score where recorded) per slot:
+        the agent's histories under this condition's interventions, continued (RUN/history-<condition>) from
+        the persona pairs recorded in the plan, or the dialogs handed over (a parent's, or a recorded run's)."""
+        return [(*d, e.get("score")) for d, e in zip(self._histories(condition), self._entries(), strict=True)]
+
+    def _entries(self) -> list[dict[str, Any]]:
+        """The plan's handed-over dialog entries, or one empty entry per slot."""
+        found = history_entries(self._plan["history"]) if self.config.history in ("dialog", "run") else []
+        return found or [{}] * (self.config.histories if self.config.round else 1)
+
+    def _histories(self, condition: str) -> list[tuple[int | None, Conversation]]:
         cfg, history = self.config, self._plan["history"]
         if cfg.round == 0:
             return [(None, [])]
-        if cfg.history == "dialog":
+        if cfg.history in ("dialog", "run"):
             entries = history_entries(history)
             if len(entries) != cfg.histories or any("conversation" not in e for e in entries):
                 raise DriftlabError(f"{self.run_dir} takes its MMLU histories from {cfg.histories} dialog(s) its "
@@ -400,10 +456,10 @@ def history_entries(history: dict[str, Any] | list[dict[str, Any]] | None) -> li
 
 def dialog_history(selfchat_run: str | Path, round_: int, pairs: int = 1, source: str = "",
                    ) -> dict[str, Any] | list[dict[str, Any]] | None:
-    """The "history" plan entry of an MMLU run asking at `round_` of a finished self-chat's dialogs:
-    that run's first `pairs` pairs (persona condition) up to the question, and where they came
-    from; one dict for one pair (the shape runs recorded before several dialogs hold), a list
-    for more.
+    """The "history" plan entry of an MMLU run asking at `round_` of a finished self-chat's or replay's
+    dialogs: that run's first `pairs` pairs (persona condition) up to the question, and where they came
+    from, with a replay's score of the last agent turn before the question (`score`); one dict for one
+    pair (the shape runs recorded before several dialogs hold), a list for more.
 
     None for round 0 (plain MMLU). Too few pairs, or a dialog shorter than the question needs,
     is an error.
@@ -416,14 +472,20 @@ def dialog_history(selfchat_run: str | Path, round_: int, pairs: int = 1, source
         raise DriftlabError(f"{rd.path} holds {len(chosen)} persona pair(s); MMLU over {pairs} dialogs needs {pairs}.",
                             hint="Use --histories at most the number of pairs of the dialogs' run.")
     entries = []
-    for dialog in Dialog.from_records(chosen, ["persona"], rd.records(DIALOG_RECORDS)):
+    records = rd.records(DIALOG_RECORDS)
+    scores = {(r.pair, r.round): r.score for r in records  # a replay scores every agent turn
+              if r.kind == "turn" and r.speaker == "agent" and getattr(r, "score", None) is not None}
+    for dialog in Dialog.from_records(chosen, ["persona"], records):
         if dialog.rounds_complete() < round_ - 1:
             raise DriftlabError(f"{rd.path} holds {dialog.rounds_complete()} complete rounds of pair "
                                 f"{dialog.pair.index}; the MMLU question at round {round_} needs {round_ - 1}.",
                                 hint="Run more dialog rounds, or ask MMLU at an earlier turn.")
         entries.append({"from": source or str(rd.path), "pair": dialog.pair.index, "condition": "persona",
-                        "rounds": round_ - 1, "agent": dialog.pair.agent.id, "user": dialog.pair.user.id,
+                        "rounds": round_ - 1, "agent": dialog.pair.agent.id,
+                        "user": dialog.pair.user.id if dialog.pair.user else None,  # (a replay's user is data)
                         "starter": dialog.pair.starter, "conversation": dialog.agent_view(round_, "")[:-1]})
+        if (dialog.pair.index, round_ - 1) in scores:  # what `when-drifting:by=score` reads
+            entries[-1]["score"] = scores[dialog.pair.index, round_ - 1]
     return entries[0] if pairs == 1 else entries
 
 
