@@ -291,3 +291,4 @@ def test_a_gate_by_score_steers_the_turn_after_a_failing_one(tmp_path, smol32) -
     assert lp(gated, "steered") == lp(always, "steered") != lp(always, "plain") == lp(gated, "plain")
     assert [r["gate"] for r in gated if r["condition"] == "steered"] == [
         {"r": 0.5, "by": "score", "score": records[2]["score"], "steered": True}] * 2
+    assert "The gate steered 2 of 2 questions" in CliRunner().invoke(app, ["report", str(tmp_path / "m-gated")]).output

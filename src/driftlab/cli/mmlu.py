@@ -73,7 +73,7 @@ def print_mmlu(run_dir: Path, effect: float = 0.05) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from driftlab.protocol.mmlu import MMLUConfig, correctness, questions_needed, summarize
+    from driftlab.protocol.mmlu import MMLUConfig, answers, correctness, questions_needed, summarize
     from driftlab.protocol.runner import config_of
     from driftlab.records.rundir import RunDir
 
@@ -109,6 +109,10 @@ def print_mmlu(run_dir: Path, effect: float = 0.05) -> None:
                       f"[{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]", f"{d['ci_method']}; {d['method']}", f"{d['p']:.3g}")
         console.print(table)
         console.print(f"{d['lost']} questions lost and {d['gained']} gained under steering.", highlight=False)
+        gated = [r.gate["steered"] for r in answers(run_dir)["steered"].values() if getattr(r, "gate", None)]
+        if gated:  # when-drifting:by=score: steered only after a dialog whose last agent turn failed
+            console.print(f"The gate steered {sum(gated)} of {len(gated)} questions (those after a failing turn).",
+                          highlight=False)
         if d["dialogs"] == 1 and config.round:
             console.print("The drop rests on one dialog: every question was asked after the same context "
                           "(--histories N spreads them over N dialogs).", highlight=False)
