@@ -54,3 +54,31 @@ def test_committed_sweep_tables_are_what_the_point_records_give(name, tmp_path):
     fresh = pd.read_csv(copy / "sweep.csv")
     committed = pd.read_csv(RESULTS / name / "sweep.csv")
     pd.testing.assert_frame_equal(fresh.reset_index(drop=True), committed, check_dtype=False, atol=1e-9)
+
+
+def test_replay_conditions_compare_each_dialog_s_mean_compliance_with_the_first_run_s(tmp_path):
+    """Runs of the same dialogs: compliance at turns 1, 5, ..., each dialog's mean over turns 2..T against the
+    first run's (paired over dialogs), and a gate's steered share; T the last round every run completed."""
+    import json
+
+    from driftlab.report.replay import compliance_frame
+    from driftlab.stats import paired_test
+    from test_warn import _write_run
+
+    _write_run(tmp_path / "a", rounds=10)
+    _write_run(tmp_path / "b", rounds=10, seed=1)
+    lines = (tmp_path / "b" / "records.jsonl").read_text().splitlines()
+    gated = [json.loads(line) | {"gate": {"r": 0.5, "by": "score", "score": None, "steered": i % 4 == 0}}
+             for i, line in enumerate(lines)]
+    (tmp_path / "b" / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gated))
+    figures = _figures()
+    table = figures.replay_conditions(str(tmp_path / "a"), str(tmp_path / "b"), upto=8).splitlines()
+    assert table[0].startswith("| run | turn 1 | turn 5 | turn 8 | turns 2-8, per dialog |")
+    frames = [compliance_frame(tmp_path / n) for n in "ab"]
+    means = [f[(f["round"] >= 2) & (f["round"] <= 8)].groupby("pair")["score"].mean().to_dict() for f in frames]
+    test = paired_test(means[1], means[0])
+    steered = frames[1][frames[1]["round"] <= 8]["steered"]
+    assert f"| {test.diff.estimate:+.2f} " in table[3] and f": {test.better} / {test.worse}, p = {figures._p(test.p)} |" \
+        in table[3] and f"{steered.mean():.0%} of {len(steered)}" in table[3]
+    assert table[3].split(" | ")[1:3] == [f"{frames[1].loc[frames[1]['round'] == t, 'score'].mean():.2f}"
+                                          for t in (1, 5)]

@@ -729,6 +729,10 @@ def finished(name: str) -> bool:
 for run in ("replay-qwen-plain", "replay-smollm2-plain", "replay-qwen-spr", "replay-smollm2-spr"):
     if finished(run):
         BLOCKS[run] = functools.partial(replay_block, run)
+# The qwen replay's conditions side by side (plain first): once each has finished, the block names them all.
+CONDITIONS = [f"replay-qwen-{c}" for c in ("plain", "spr", "gate-spr", "instaboost")]
+if all(finished(name) for name in CONDITIONS[:3]):
+    BLOCKS["replay-qwen-conditions"] = functools.partial(replay_conditions, *filter(finished, CONDITIONS))
 for model in ("qwen", "smollm2"):
     if finished(f"replay-{model}-plain") and finished(f"project-replay-{model}-plain"):
         BLOCKS[f"project-replay-{model}-plain"] = functools.partial(replay_projected, f"replay-{model}-plain",
