@@ -80,5 +80,8 @@ def test_replay_conditions_compare_each_dialog_s_mean_compliance_with_the_first_
     steered = frames[1][frames[1]["round"] <= 8]["steered"]
     assert f"| {test.diff.estimate:+.2f} " in table[3] and f": {test.better} / {test.worse}, p = {figures._p(test.p)} |" \
         in table[3] and f"{steered.mean():.0%} of {len(steered)}" in table[3]
+    b = frames[1].assign(prev=frames[1].groupby("pair")["score"].shift())
+    after = b[(b["round"] <= 8) & (b.prev < 0.5)]  # a turn after a failing one: does it pass?
+    assert f"| {(after.score >= 0.5).mean():.2f} [" in table[3] and f"(n = {len(after)}) |" in table[3]
     assert table[3].split(" | ")[1:3] == [f"{frames[1].loc[frames[1]['round'] == t, 'score'].mean():.2f}"
                                           for t in (1, 5)]

@@ -477,7 +477,8 @@ def replay_conditions(*names: str, upto: int | None = None) -> str:
     means = {name: f[(f["round"] >= 2) & (f["round"] <= last)].groupby("pair")["score"].mean().to_dict()
              for name, f in frames.items()}
     rows = ["| run | " + " | ".join(f"turn {t}" for t in turns) + f" | turns 2-{last}, per dialog | minus "
-            f"{names[0]}: better / worse, p | turns steered |", "|---" * (len(turns) + 4) + "|"]
+            f"{names[0]}: better / worse, p | a turn after a failing one passes | turns steered |",
+            "|---" * (len(turns) + 5) + "|"]
     for name, f in frames.items():
         at = [f.loc[f["round"] == t, "score"].mean() for t in turns]
         test = paired_test(means[name], means[names[0]]) if name != names[0] else None
@@ -485,9 +486,22 @@ def replay_conditions(*names: str, upto: int | None = None) -> str:
                                       f"{test.better} / {test.worse}, p = {_p(test.p)}")
         steered = f[f["round"] <= last]["steered"].dropna()
         rows.append(f"| {name} | " + " | ".join(f"{v:.2f}" for v in at)
-                    + f" | {np.nanmean(list(means[name].values())):.2f} | {vs} | "
+                    + f" | {np.nanmean(list(means[name].values())):.2f} | {vs} | {_rescued(f, last)} | "
                     + (f"{steered.mean():.0%} of {len(steered)}" if len(steered) else "") + " |")
     return "\n".join(rows)
+
+
+def _rescued(frame: pd.DataFrame, last: int) -> str:
+    """How often an agent turn passes after a failing one (rounds 2..last), with a 95% interval from a bootstrap
+    over dialogs: what a steer does for a dialog that already slipped."""
+    from driftlab.stats import percentile_interval, resample_counts
+
+    f = frame.sort_values(["pair", "round"]).assign(prev=lambda x: x.groupby("pair")["score"].shift())
+    f = f[(f["round"] <= last) & f.prev.notna() & f.score.notna() & (f.prev < 0.5)].reset_index(drop=True)
+    passed = (f.score >= 0.5).to_numpy()
+    counts = resample_counts(len(f), f.pair.to_numpy(), 2000, 0)
+    low, high = percentile_interval((counts * passed).sum(1) / counts.sum(1), 2000, 0.95)
+    return f"{passed.mean():.2f} {_ci(low, high)} (n = {len(f)})"
 
 
 def _persistence(turns: pd.DataFrame) -> str:
