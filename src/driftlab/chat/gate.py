@@ -62,6 +62,12 @@ def engine_reads(gate: WhenDrifting) -> None:
                             "every agent turn.", hint="Use it with driftlab replay, or by=pi / by=projection here.")
 
 
+def engine_steer(steer: Interventions) -> Interventions:
+    """What an engine is asked to apply: `steer`, less a `by=score` gate (its protocol decides that one)."""
+    gate = steer.get("when-drifting")
+    return steer.without("when-drifting") if gate is not None and gate.by == "score" else steer
+
+
 def score_decision(gate: WhenDrifting, previous: float | None) -> dict:
     """A replayed turn's decision under `by=score`: steered where the dialog's previous agent turn scored
     below r. A first turn, or one after a reply the measure could not score (cut at the token limit, an

@@ -70,7 +70,7 @@ from pydantic import (
 )
 
 from driftlab.chat.base import MAX_SEED, Conversation, Sampling
-from driftlab.chat.gate import score_decision
+from driftlab.chat.gate import engine_steer, score_decision
 from driftlab.errors import DriftlabError
 from driftlab.protocol.dialog import RECORDS as DIALOG_RECORDS
 from driftlab.protocol.dialog import Dialog, pairs_from_manifest
@@ -301,20 +301,19 @@ class MMLU(Protocol[MMLUConfig]):
         if self.config.round and self.config.history == "selfchat":
             SelfChat(self.config.history_run("plain")).check()
         if self.config.history == "run":
-            self._run_history()
+            self._run_history  # noqa: B018 - its one-line errors, before any model loads
 
     def require(self) -> None:
         backend = self.backend
         if not backend.capabilities.loglikelihood:
             raise DriftlabError(f"{backend.name} cannot score log-likelihoods, which MMLU letter scoring needs.",
                                 hint="Use a local model (a preset name or a Hugging Face directory).")
-        gate = self.config.steer.get("when-drifting")  # by=score: decided here, per dialog, not by the engine
-        backend.capabilities.require(backend.name, self.config.steer.without("when-drifting")
-                                     if gate and gate.by == "score" else self.config.steer)
+        backend.capabilities.require(backend.name, engine_steer(self.config.steer))  # by=score: decided here
 
+    @functools.cached_property
     def _run_history(self) -> dict[str, Any] | list[dict[str, Any]] | None:
-        """The recorded run's dialogs before the question (`dialog_history`); one line where it is no run, or
-        where `by=score` asks for scores its agent turns lack (a self-chat's)."""
+        """The recorded run's dialogs before the question (`dialog_history`, read once for `check` and `plan`);
+        one line where it is no run, or where `by=score` asks for scores its agent turns lack (a self-chat's)."""
         cfg = self.config
         if not (Path(cfg.history_from) / "manifest.json").is_file():
             raise DriftlabError(f"--history-from {cfg.history_from} is not a run directory.",
@@ -334,7 +333,7 @@ class MMLU(Protocol[MMLUConfig]):
         # With a given dialog the parent fills "history" in (`dialog_history`) before the run starts.
         history = SelfChat(cfg.history_run("plain")).draw_plan() if cfg.round and cfg.history == "selfchat" else None
         if cfg.history == "run":
-            history = self._run_history()
+            history = self._run_history
         return {"questions": [q.model_dump() for q in questions], "history": history}
 
     def inputs(self) -> dict[str, str]:
@@ -398,31 +397,23 @@ class MMLU(Protocol[MMLUConfig]):
         """(pair index, the dialog before the question, its last agent turn's score where recorded) per slot:
         the agent's histories under this condition's interventions, continued (RUN/history-<condition>) from
         the persona pairs recorded in the plan, or the dialogs handed over (a parent's, or a recorded run's)."""
-        return [(*d, e.get("score")) for d, e in zip(self._histories(condition), self._entries(), strict=True)]
-
-    def _entries(self) -> list[dict[str, Any]]:
-        """The plan's handed-over dialog entries, or one empty entry per slot."""
-        found = history_entries(self._plan["history"]) if self.config.history in ("dialog", "run") else []
-        return found or [{}] * (self.config.histories if self.config.round else 1)
-
-    def _histories(self, condition: str) -> list[tuple[int | None, Conversation]]:
         cfg, history = self.config, self._plan["history"]
         if cfg.round == 0:
-            return [(None, [])]
+            return [(None, [], None)]
         if cfg.history in ("dialog", "run"):
             entries = history_entries(history)
             if len(entries) != cfg.histories or any("conversation" not in e for e in entries):
                 raise DriftlabError(f"{self.run_dir} takes its MMLU histories from {cfg.histories} dialog(s) its "
                                     f"parent hands over, and its manifest records {len(entries)}.",
                                     hint="Run it through `driftlab sweep`, or use the 'selfchat' history.")
-            return [(e.get("pair"), [dict(m) for m in e["conversation"]]) for e in entries]
+            return [(e.get("pair"), [dict(m) for m in e["conversation"]], e.get("score")) for e in entries]
         pairs = pairs_from_manifest(history)
         if cfg.round == 1:  # no earlier round: the agent's system prompt only
-            return [(p.index, [{"role": "system", "content": p.agent.system_prompt}]) for p in pairs]
+            return [(p.index, [{"role": "system", "content": p.agent.system_prompt}], None) for p in pairs]
         where = self.run_dir / f"history-{condition}"
         rd = run_protocol(SelfChat(cfg.history_run(condition), self.backend), where, plan=history, progress=False)
         dialogs = Dialog.from_records(pairs, ["persona"], rd.records(DIALOG_RECORDS))
-        return [(d.pair.index, d.agent_view(cfg.round, "")[:-1]) for d in dialogs]  # [s_B, a_1, ..., b_{r-1}]
+        return [(d.pair.index, d.agent_view(cfg.round, "")[:-1], None) for d in dialogs]  # [s_B, ..., b_{r-1}]
 
 
 def top_letters(logprobs: dict[str, float]) -> list[str]:

@@ -53,6 +53,7 @@ from driftlab.bench import (
 from driftlab.bench.probes import ProbeVersion
 from driftlab.bench.starters import StarterSetName
 from driftlab.chat.base import MAX_SEED, ChatBackend, ChatRequest, Conversation, Sampling
+from driftlab.chat.gate import engine_steer
 from driftlab.chat.spec import BackendSpec, ModelName
 from driftlab.errors import DriftlabError
 from driftlab.protocol import divergence
@@ -334,9 +335,7 @@ class SelfChat(Protocol[SelfChatConfig]):
 
     def require(self) -> None:
         cfg = self.config
-        gate = cfg.steer.get("when-drifting")  # by=score: decided by the replay, not the engine
-        self.backend.capabilities.require(
-            self.backend.name, cfg.steer.without("when-drifting") if gate and gate.by == "score" else cfg.steer)
+        self.backend.capabilities.require(self.backend.name, engine_steer(cfg.steer))
         if cfg.kl:
             divergence.require(self.backend, "--kl")
         if self.backend.capabilities.tokens:
