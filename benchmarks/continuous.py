@@ -50,7 +50,7 @@ import httpx
 import numpy as np
 from common import Result, Table, size_of
 
-from driftlab.chat import ChatRequest, Sampling, hf
+from driftlab.chat import ChatRequest, Sampling, decoding
 from driftlab.chat.hf import HFChatBackend
 from driftlab.serve import ServeSettings, background, create_app
 
@@ -158,14 +158,14 @@ def _ceiling(backend: HFChatBackend, loads, longest: int, gap: float) -> Table:
 
 class StepMeter:
     """The decode steps of a load: their count, rows, cache slots and time, from timing
-    `_Decoding.feed` (a step's one forward pass) while the meter is entered."""
+    `Decoding.feed` (a step's one forward pass) while the meter is entered."""
 
     def __init__(self) -> None:
         self.steps = self.rows = self.slots = 0
         self.seconds = 0.0
 
     def __enter__(self) -> StepMeter:
-        feed = self._feed = hf._Decoding.feed
+        feed = self._feed = decoding.Decoding.feed
 
         def timed(run, nxt) -> None:
             t = time.perf_counter()
@@ -173,11 +173,11 @@ class StepMeter:
             self.seconds += time.perf_counter() - t
             self.steps, self.rows, self.slots = self.steps + 1, self.rows + len(nxt), self.slots + run.mask.shape[1]
 
-        hf._Decoding.feed = timed
+        decoding.Decoding.feed = timed
         return self
 
     def __exit__(self, *exc) -> None:
-        hf._Decoding.feed = self._feed
+        decoding.Decoding.feed = self._feed
 
     def row(self) -> list[str]:
         n = max(self.steps, 1)

@@ -361,6 +361,7 @@ def test_pi_floor_takes_pi_1_from_the_first_turn_and_a_floor_below_pi_changes_no
     """The floor's reference is pi at the first turn's last prompt token (what `trace` of that turn
     says); a floor that never binds (f tiny) gives plain decoding's tokens, and f = 1 changes them."""
     from driftlab.attention.config import AttentionConfig
+    from driftlab.chat import teacher_forced
 
     conv = [{"role": "system", "content": FRENCH}, {"role": "user", "content": "Tell me about London."},
             {"role": "assistant", "content": "London is big."},
@@ -368,7 +369,7 @@ def test_pi_floor_takes_pi_1_from_the_first_turn_and_a_floor_below_pi_changes_no
     rendered = smol32.render(conv, interventions=Interventions.parse(["pi-floor:f=0.5"]))
     first = smol32.trace(conv[:2])  # the first turn, read with its generation prompt
     assert rendered.first_turn == first.prefill.shape[0] - 1
-    values, starts = smol32._floors([AttentionConfig(pi_floor=0.5)], [rendered.spans()], [rendered.ids])
+    values, starts = teacher_forced.floors(smol32, [AttentionConfig(pi_floor=0.5)], [rendered.spans()], [rendered.ids])
     np.testing.assert_allclose(values[0].numpy(), 0.5 * first.prefill[-1], atol=1e-5)
     assert starts == [rendered.first_turn + 1]
     greedy = Sampling(greedy=True, max_new_tokens=16)

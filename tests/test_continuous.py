@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from devices import backend_device, tol
-from driftlab.chat import ChatRequest, Sampling, hf
+from driftlab.chat import ChatRequest, Sampling, decoding
 from driftlab.chat.sampling import sample, uniform, warpers
 from driftlab.errors import DriftlabError
 from driftlab.serve import ServeSettings, create_app
@@ -58,9 +58,9 @@ def test_rows_that_join_a_running_batch_decode_as_they_do_alone(smol32, steer, s
     try:
         iv = Interventions.parse(steer)
         first, request = waves_of(sampling, iv)
-        monkeypatch.setattr(hf, "sample", together_draws)
+        monkeypatch.setattr(decoding, "sample", together_draws)
         together = smol32.generate(first)
-        monkeypatch.setattr(hf, "sample", alone_draws)
+        monkeypatch.setattr(decoding, "sample", alone_draws)
         alone = [smol32.generate(request([i]))[0] for i in range(len(CONVS))]
     finally:
         smol32.use_directions(None)
@@ -124,14 +124,14 @@ def test_a_batch_that_rows_keep_joining_keeps_only_its_live_rows_slots(smol32, m
     prompt and reply, at most), not a slot for every step the batch has lived. The last joiners
     still get the tokens they get alone."""
     widths: list[int] = []
-    feed = hf._Decoding.feed
+    feed = decoding.Decoding.feed
 
     def measured(self, nxt):
         feed(self, nxt)
         widths.append(self.mask.shape[1])
         assert all(layer.keys.shape[2] == widths[-1] for layer in self.cache.layers)
 
-    monkeypatch.setattr(hf._Decoding, "feed", measured)
+    monkeypatch.setattr(decoding.Decoding, "feed", measured)
     sampling = Sampling(greedy=True, max_new_tokens=6, ignore_eos=True)
     joiners = [[CONVS[i % len(CONVS)]] for i in range(40)]
 

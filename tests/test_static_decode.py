@@ -371,7 +371,7 @@ def test_a_dynamic_decode_step_reads_the_device_once(backends, kernel: str, spec
     without reading the padding on the host (transformers' causal-skip check)."""
     import torch
 
-    import driftlab.chat.hf as hf
+    from driftlab.chat import decoding
     from host_reads import HOST_READS, HostReads
 
     if kernel == "flex":
@@ -391,7 +391,7 @@ def test_a_dynamic_decode_step_reads_the_device_once(backends, kernel: str, spec
     for method in ("tolist", "numpy"):
         monkeypatch.setattr(torch.Tensor, method, host_read(method))
     for name in ("sample", "take", "compact", "feed"):
-        def counted(self, *args, _method=getattr(hf._Decoding, name), _name=name, **kwargs):
+        def counted(self, *args, _method=getattr(decoding.Decoding, name), _name=name, **kwargs):
             if _name == "sample":
                 per_step.append([])
             inside.append(_name)
@@ -400,7 +400,7 @@ def test_a_dynamic_decode_step_reads_the_device_once(backends, kernel: str, spec
                     return _method(self, *args, **kwargs)
             finally:
                 inside.pop()
-        monkeypatch.setattr(hf._Decoding, name, counted)
+        monkeypatch.setattr(decoding.Decoding, name, counted)
     convs = CONVS + [[{"role": "user", "content": "Count to ten."}]]
     _run(backends["dynamic"], specs, convs=convs, sampling=Sampling(greedy=True, max_new_tokens=6, ignore_eos=True))
     assert len(per_step) == 6 and all(seen == ["tolist"] for seen in per_step), per_step
@@ -491,7 +491,7 @@ def test_row_limits_cancellation_and_early_handover(backends, mode: str) -> None
 @pytest.mark.parametrize("mode", ["static", COMPILED])
 def test_prefix_cache_hit_fills_the_static_cache(tiny_dir: Path, backends, mode: str) -> None:
     """The second call reuses the first's KV (prompt and fed-back reply) from the prefix cache:
-    `_cache_from_hits` writes it into the static cache's first slots, `_store_prefixes` reads
+    `decoding.kv_from_hits` writes it into the static cache's first slots, `decoding.store_prefixes` reads
     the static cache's slots back; tokens equal the dynamic loop's without any cache."""
     cached = HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), decode=mode)
     specs = ["instaboost:m=5"]

@@ -740,7 +740,8 @@ def finished(name: str) -> bool:
     return path.exists() and json.loads(path.read_text()).get("completed") is True
 
 
-for run in ("replay-qwen-plain", "replay-smollm2-plain", "replay-qwen-spr", "replay-smollm2-spr"):
+for run in ("replay-qwen-plain", "replay-smollm2-plain", "replay-qwen-spr", "replay-qwen-gate-spr", "replay-qwen-instaboost",
+            "replay-smollm2-spr"):
     if finished(run):
         BLOCKS[run] = functools.partial(replay_block, run)
 # The qwen replay's conditions side by side (plain first): once each has finished, the block names them all.

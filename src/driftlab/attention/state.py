@@ -306,7 +306,7 @@ class AttentionState:
         batch position, so the decode loop cuts them per row first."""
         if self.static or (self.trace and self.records[0]):
             raise DriftlabError("Rows cannot leave a batch laid out statically, or one whose pi records are "
-                                "not yet cut per row (_Decoding._cut_traces).")
+                                "not yet cut per row (Decoding._cut_traces).")
         index = torch.tensor(list(keep), dtype=torch.long, device=self.system_keys.device)
         self.rows = [self.rows[i] for i in keep]
         self.spans = [self.spans[i] for i in keep]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 import traceback
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -101,6 +102,18 @@ class Attachment:
         except BaseException:
             self.restore()
             raise
+
+    def placement(self) -> dict[str, Any]:
+        """Where the held model lives, as a backend built by name records it: its local directory
+        (`path`, None unless `name_or_path` is one), `device_map` ("hf_device_map" where accelerate
+        placed it) and `quantize` (its quantisation method, None if none)."""
+        base = self.base
+        quant = getattr(base.config, "quantization_config", None)
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        where = getattr(base, "name_or_path", "") or ""
+        return {"path": Path(where) if where and Path(where).is_dir() else None,
+                "device_map": "hf_device_map" if getattr(base, "hf_device_map", None) else None,
+                "quantize": str(method) if method else None}
 
     def restore(self) -> None:
         """Give the model back: its own attention implementation, and no holder. Idempotent."""

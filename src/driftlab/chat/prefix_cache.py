@@ -8,7 +8,7 @@ unpadded, and tagged with a fingerprint of anything that changes the hidden stat
 for a plain run.
 
 Its budget is a share of the memory the cache lives in (`auto_budget`), not a fixed size: a batch
-decodes from the shortest cached prefix of its rows (`hf._Decoding._layout`), so one row whose
+decodes from the shortest cached prefix of its rows (`decoding.Decoding._layout`), so one row whose
 entry was evicted makes the whole batch compute its prompts again. A self-chat of 20 dialogs of 40
 rounds keeps about 4 GB of qwen2.5-1.5B's KV; under the former fixed 2 GiB, every step past round
 ~25 recomputed every dialog: 10 minutes a step of 20 replies on a 2-core CPU, against 2 minutes on

@@ -50,18 +50,27 @@ import re
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 
 from driftlab.chat import precompiled
+from driftlab.chat.base import ChatRequest, Sampling
 from driftlab.chat.spec import DecodeMode
 from driftlab.cuda_support import auto_fast_path
 from driftlab.errors import DriftlabError
+from driftlab.steering.interventions import Interventions
+
+if TYPE_CHECKING:
+    from driftlab.activation.state import ResidualState
+    from driftlab.attention.state import AttentionState
 
 logger = logging.getLogger(__name__)
+
+# An `HFChatBackend`: `static_step` and `warm` are the bodies of its methods (importing it would close a circle).
+Backend = Any
 
 DECODE_MODES: tuple[str, ...] = get_args(DecodeMode)
 # The most compiled variants kept per step function (dynamo's default is 8). Dynamo counts them
@@ -501,3 +510,98 @@ class StaticDecoder:
             say(f"the {'steered' if steered else 'plain'} decode step for batch {batch} compiled again, past the "
                 f"budget of one graph per batch size and kind, because {guard} (recorded under ran.decode.over_budget; "
                 "said once).")
+
+
+def static_step(backend: Backend, ids, mask, positions, cache, state: AttentionState | None,
+                 residual: ResidualState | None = None) -> torch.Tensor:
+    """One decode step on the static cache, compiled in `compiled` mode.
+
+    A step that cannot be compiled (dynamo or inductor refuses it, before anything runs)
+    runs eagerly, with the same numbers, and so do the later ones, said once. The logits
+    are copied: a CUDA graph's next replay overwrites its outputs."""
+    static = backend._static
+    if not static.compiled:
+        return backend._forward(ids, mask, positions, cache, state, forward=static.step(), residual=residual)
+    from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
+
+    calls = state._calls if state is not None else 0
+    residual_calls = residual._calls if residual is not None else 0
+    steered = state is not None and not state.lean
+    slots = state.bias_heads.shape[0] if steered else 0
+    # One graph per key; the attention implementation too (a benchmark runs stock SDPA beside driftlab's).
+    key = (ids.shape[0], steered, slots, backend.model.config._attn_implementation, residual is not None)
+    try:
+        return static.run(lambda: backend._forward(ids, mask, positions, cache, state, forward=static.step(),
+                                                   residual=residual).clone(),
+                          key, lambda message: backend._fallback(f"--decode compiled: {backend.name}: {message}"))
+    except (TorchDynamoException, FailOnRecompileLimitHit) as err:
+        if state is not None:
+            state._calls = calls  # the failed pass did not run
+        if residual is not None:
+            residual._calls = residual_calls
+        static.compiled = False
+        if isinstance(err, FailOnRecompileLimitHit):
+            why = (f"its decode step reached dynamo's recompile limit ({RECOMPILE_LIMIT} compiled variants: "
+                   "batch sizes x cache lengths x intervention layouts)")
+        else:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            why = f"a decode step cannot be compiled ({type(err).__name__}: {first})"
+        static.eager_reason = why
+        backend._fallback(f"--decode compiled: {backend.name}: {why}; it and the later steps run eagerly on the "
+                       "static cache (the run's manifest records it under ran.agent.decode).")
+        return backend._forward(ids, mask, positions, cache, state, forward=static.step(), residual=residual)
+
+
+def warm(backend: Backend, batches: Sequence[int] = (1, 2, 4, 8)) -> list[dict[str, Any]]:
+    """Compile the decode step ahead of a run: a plain and a steered call per batch bucket of
+    `batches`, each a few tokens (the cache length is dynamic, so one short prompt serves every
+    length). Compiled code lands in the compile cache (`static_decode.compile_cache_dir`), which
+    later processes read, and so do the precompiled steps (`chat.precompiled`), which they load
+    instead of tracing again. Returns one row per (bucket, kind): graphs compiled, seconds
+    (compiling or loading), inductor cache hits and misses, precompiled steps saved and loaded."""
+    static = backend._static
+    if static is None or not static.compiled:
+        raise DriftlabError(f"{backend.name} does not decode with the compiled loop (--decode {backend.decode_mode}"
+                            f"{': ' + backend._static_refused if backend._static_refused else ''}): nothing to warm.",
+                            hint="Load it with decode='compiled' (--decode compiled).")
+    # With directions, a persona's rows carry the residual state (its projection is recorded): the
+    # run's graphs are those, so warm on a persona the directions hold (an axis serves any prompt).
+    held = [p.system_prompt for p in backend.directions.personas.values()] if backend.directions else []
+    system = next((s for s in held if s is not None), "You are brief.")
+    conversation = [{"role": "system", "content": system}, {"role": "user", "content": "Say hello."}]
+    steered = Interventions.parse(["split-softmax:k=0.9", "trace", "instaboost:m=2"])
+    rows = []
+    for bucket in warm_buckets(batches):
+        for interventions in (Interventions(), steered):
+            before = static.tally()
+            sampling = Sampling(greedy=True, max_new_tokens=3, ignore_eos=True)
+            backend.generate(ChatRequest([conversation] * bucket, sampling, interventions=interventions))
+            row = {k: v - before[k] for k, v in static.tally().items()}
+            rows.append({"batch": bucket, "steered": interventions is steered, "graphs": row["graphs"],
+                         "compile_s": round(row["compile_s"], 2), "cache_hits": row["cache_hits"],
+                         "cache_misses": row["cache_misses"], "saved": row["saved"], "loaded": row["loaded"]})
+    return rows
+
+
+def static_decoder(model, decode: DecodeMode, device: torch.device, *, device_map: str | None,
+                   quantize: str | None) -> tuple[StaticDecoder | None, str | None]:
+    """The static decoder `decode` asks for on `device` (`auto`: `auto_decode`), None for the dynamic loop;
+    and why a static loop asked for cannot serve this model (`static_refusal`), else None."""
+    wanted = auto_decode(device) if decode == "auto" else decode
+    if wanted not in ("static", "compiled"):
+        return None, None
+    why = static_refusal(model, device_map=device_map, quantize=quantize)
+    return (StaticDecoder(model, compiled=wanted == "compiled") if why is None else None), why
+
+
+def decode_facts(asked: DecodeMode, static: StaticDecoder | None, refused: str | None) -> dict[str, Any]:
+    """What decoded (`HFChatBackend.ran`): the loop asked for and the one that ran, with the graphs a
+    compiled step compiled and why a faster loop was not taken."""
+    facts: dict[str, Any] = {"asked": asked}
+    if static is not None:
+        facts.update(static.ran())
+    else:
+        facts["loop"] = "dynamic"
+        if refused:
+            facts["refused"] = refused
+    return facts

@@ -24,6 +24,7 @@ import torch
 
 from driftlab.chat.base import Rendered, TokenLogprob
 from driftlab.chat.guidance import guide
+from driftlab.chat.teacher_forced import row_logprobs
 from driftlab.errors import DriftlabError
 from driftlab.steering.interventions import Interventions
 
@@ -215,8 +216,8 @@ def logprobs(backend: HFChatBackend, prompts: Sequence[Rendered], interventions:
 def _teacher_forced(backend: HFChatBackend, prompts: Sequence[Rendered], interventions: Interventions, keep: int,
                     generated: Sequence[int]) -> torch.Tensor:
     keep = min(keep, max(len(p.ids) for p in prompts))
-    return backend._teacher_forced([np.asarray(p.ids, dtype=np.int64) for p in prompts], [p.spans() for p in prompts],
-                                   interventions, keep, list(generated))
+    return row_logprobs(backend, [np.asarray(p.ids, dtype=np.int64) for p in prompts], [p.spans() for p in prompts],
+                        interventions, keep, list(generated))
 
 
 def row_scores(lp: torch.Tensor, ids: list[int], k: int, top: int) -> TokenScores:

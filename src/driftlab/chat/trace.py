@@ -291,6 +291,21 @@ class Trace:
         return torch.from_numpy(np.array(getattr(self, key)))  # a writable copy
 
 
+def trace_of(tokenizer: Any, row: dict[str, Any], prompt: Sequence[int], generated: Sequence[int],
+             spans: dict[str, list[tuple[int, int]]]) -> Trace | None:
+    """The typed Trace of one row of `AttentionState.row_traces` (None where nothing was traced),
+    with the token texts (one decode per token: what each row of pi belongs to)."""
+    if not row:
+        return None
+
+    def texts(ids: Sequence[int]) -> tuple[str, ...]:  # (batch_decode([]) is [""], not [])
+        return tuple(tokenizer.batch_decode([[int(t)] for t in ids])) if len(ids) else ()
+
+    return Trace(decode=row["decode"], prefill=row.get("prefill"), prompt_length=len(prompt),
+                 system_spans=tuple(spans.get("system", ())), prompt_tokens=texts(prompt),
+                 generated_tokens=texts(generated))
+
+
 @runtime_checkable
 class Tracer(Protocol):
     """A backend that measures pi over a conversation without generating (a local model)."""

@@ -18,7 +18,7 @@ lane waits until the running batch drains, and stops the batch admitting more (f
 first served: no lane starves).
 With `continuous=False` (static batching) the requests that arrive while a batch decodes form
 the next batch. The backend decides which batches can take rows (a dynamic cache without prefill
-traces, CFG, floors, grammars or penalties: `_Decoding.admissible`); others run as static ones.
+traces, CFG, floors, grammars or penalties: `Decoding.admissible`); others run as static ones.
 
 A job belongs to one client, and nothing one client does reaches another (vLLM's rule):
 - a job whose client left, timed out or was drained is *aborted*: it is skipped if still
