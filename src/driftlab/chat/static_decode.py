@@ -548,7 +548,7 @@ def static_step(backend: Backend, ids, mask, positions, cache, state: AttentionS
             why = f"a decode step cannot be compiled ({type(err).__name__}: {first})"
         static.eager_reason = why
         backend._fallback(f"--decode compiled: {backend.name}: {why}; it and the later steps run eagerly on the "
-                       "static cache (the run's manifest records it under ran.agent.decode).")
+                          "static cache (the run's manifest records it under ran.agent.decode).")
         return backend._forward(ids, mask, positions, cache, state, forward=static.step(), residual=residual)
 
 
@@ -570,11 +570,11 @@ def warm(backend: Backend, batches: Sequence[int] = (1, 2, 4, 8)) -> list[dict[s
     system = next((s for s in held if s is not None), "You are brief.")
     conversation = [{"role": "system", "content": system}, {"role": "user", "content": "Say hello."}]
     steered = Interventions.parse(["split-softmax:k=0.9", "trace", "instaboost:m=2"])
+    sampling = Sampling(greedy=True, max_new_tokens=3, ignore_eos=True)
     rows = []
     for bucket in warm_buckets(batches):
         for interventions in (Interventions(), steered):
             before = static.tally()
-            sampling = Sampling(greedy=True, max_new_tokens=3, ignore_eos=True)
             backend.generate(ChatRequest([conversation] * bucket, sampling, interventions=interventions))
             row = {k: v - before[k] for k, v in static.tally().items()}
             rows.append({"batch": bucket, "steered": interventions is steered, "graphs": row["graphs"],
