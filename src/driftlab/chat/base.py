@@ -415,6 +415,22 @@ def model_shape(config) -> ModelShape:
     )
 
 
+def scored_pairs(backend: Any, contexts: Sequence[Conversation], continuations: Sequence[str],
+                 interventions: Interventions) -> list[tuple[Conversation, Rendered, list[int]]]:
+    """Each (context, continuation) pair a `loglikelihood` scores, as every engine reads it: the context
+    as the model sees it (`model_view`), rendered with the generation prompt, and the continuation's
+    token ids. One-line errors, before any pass, for an invalid conversation or an empty continuation."""
+    out = []
+    for i, (conv, cont) in enumerate(zip(contexts, continuations, strict=True)):
+        validate_conversation(conv, i)
+        view = interventions.model_view(conv)
+        cont_ids = backend.renderer.encode(cont)
+        if not cont_ids:
+            raise DriftlabError(f"Continuation {i} ({cont!r}) encodes to no tokens.")
+        out.append((view, backend.render(view, interventions=interventions), cont_ids))
+    return out
+
+
 def without_system(conversation: Conversation) -> Conversation:
     """The unconditional conversation of CFG: the system prompt emptied, its repeated copies (SPR) removed.
 

@@ -22,6 +22,7 @@ from driftlab.chat.base import (
     LogLikelihood,
     Rendered,
     Sampling,
+    scored_pairs,
     system_of,
     validate_conversation,
     without_system,
@@ -65,13 +66,7 @@ def loglikelihood(
     # Nothing to record in a score: the residual stream matters here only where it is steered.
     residual = backend.residual_rows([system_of(c) for c in contexts], interventions) if steers else None
     rows, plain_rows, spans, n_cont = [], [], [], []
-    for i, (conv, cont) in enumerate(zip(contexts, continuations, strict=True)):
-        validate_conversation(conv, i)
-        conv = interventions.model_view(conv)
-        cont_ids = backend.renderer.encode(cont)
-        if not cont_ids:
-            raise DriftlabError(f"Continuation {i} ({cont!r}) encodes to no tokens.")
-        rendered = backend.render(conv, interventions=interventions)
+    for conv, rendered, cont_ids in scored_pairs(backend, contexts, continuations, interventions):
         rows.append(np.asarray(rendered.ids + cont_ids, dtype=np.int64))
         spans.append(rendered.spans())
         n_cont.append(len(cont_ids))

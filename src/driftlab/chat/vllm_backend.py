@@ -39,6 +39,7 @@ from driftlab.chat.base import (
     Sampling,
     TokenLogprob,
     model_shape,
+    scored_pairs,
     system_of,
     validate_conversation,
 )
@@ -263,13 +264,7 @@ class VLLMChatBackend:
         from vllm import SamplingParams
 
         prompts, params, n_cont = [], [], []
-        for i, (conv, cont) in enumerate(zip(contexts, continuations, strict=True)):
-            validate_conversation(conv, i)
-            view = iv.model_view(conv)
-            cont_ids = self.renderer.encode(cont)
-            if not cont_ids:
-                raise DriftlabError(f"Continuation {i} ({cont!r}) encodes to no tokens.")
-            rendered = self.render(view, interventions=iv)
+        for view, rendered, cont_ids in scored_pairs(self, contexts, continuations, iv):
             ids = rendered.ids + cont_ids
             self._check_context(len(ids), 1)
             payload = self._payload(rendered, iv, system_of(view), prompt_len=len(rendered.ids))
