@@ -312,6 +312,38 @@ def test_bias_terms_add_up_and_rows_may_differ_in_them() -> None:
         AttentionState([AttentionConfig(trace=True, trace_prefill=True), AttentionConfig()], [{}, {}], 2, 2, current())
 
 
+def test_a_bias_on_the_system_keys_applied_after_attention_equals_it_in_the_logits() -> None:
+    """`kernels.boost_system` (vLLM's path for InstABoost: its kernel takes no key bias) against the biased
+    softmax itself, computed in float64: the output, and pi as the biased call sees it. Rows: one that sees no system
+    key (unchanged), one inside the system span (no rest key), and biases that lift and that lower.
+    `AttentionState.system_bias` gives each row's bias on its system keys, per layer and head."""
+    torch.manual_seed(0)
+    B, H, K, d = 4, 3, 12, 8
+    logits, values = torch.randn(B, H, 1, K, dtype=torch.float64) * 2, torch.randn(B, 1, K, d, dtype=torch.float64)
+    system = torch.zeros(B, K, dtype=torch.bool)
+    system[0, :5], system[2, :], system[3, 2:4] = True, True, True  # row 1: no system key; row 2: no rest key
+    bias = torch.tensor([0.0, 1.5, -2.0])[None, :, None, None].expand(B, H, 1, 1)  # per head (log m)
+    sys_mask = system[:, None, None, :]
+
+    def attend(extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights = torch.softmax(logits + torch.where(sys_mask, extra, 0.0), dim=-1)
+        return weights @ values, (weights * sys_mask).sum(-1, keepdim=True)
+
+    out, pi = attend(torch.zeros(B, H, 1, 1, dtype=torch.float64))
+    o_sys = torch.softmax(logits.masked_fill(~sys_mask, float("-inf")), dim=-1).nan_to_num() @ values
+    expected, expected_pi = attend(bias.double())
+    got, t, rest_t = kernels.boost_system(out, o_sys, pi, 1 - pi, bias)
+    # It computes in float32, as every epilogue here does.
+    assert (got - expected).abs().max() < 1e-6 and (t - expected_pi).abs().max() < 1e-6
+    assert (t + rest_t - 1).abs().max() < 1e-6
+    assert torch.equal(got[1], out[1]) and torch.equal(got[:, 0], out[:, 0])  # no system key; bias 0
+    cfg = AttentionConfig(biases=[BiasTerm(value=1.5, span="system"), BiasTerm(value=-1.0, span="system", heads="1.2")])
+    state = AttentionState([cfg, cfg], [{"system": [(1, 3)]}, {}], n_layers=2, n_heads=3, device=current())
+    state.on_layout(pads=[0, 0], prompt_len=4, max_len=5)
+    assert state.system_bias().tolist() == [[[1.5, 1.5, 1.5], [1.5, 1.5, 0.5]], [[0.0] * 3] * 2]
+    assert cfg.boosts_system and not AttentionConfig(biases=[BiasTerm(value=1.0, invert=True)]).boosts_system
+
+
 def test_on_layout_rejects_wrong_span_count() -> None:
     state = AttentionState(AttentionConfig(trace=True), [{}], 2, 3, current())
     with pytest.raises(DriftlabError, match="span sets"):

@@ -118,6 +118,12 @@ class AttentionConfig(BaseModel):
         return self.pi_floor > 0
 
     @property
+    def boosts_system(self) -> bool:
+        """Every key bias acts on the system keys alone (InstABoost, `bias` on the system span): it moves
+        the system prompt's share of attention and nothing else (`attention.kernels.boost_system`)."""
+        return all(t.span == "system" and not t.invert for t in self.biases)
+
+    @property
     def prompt_scoped(self) -> bool:
         """Some bias spares generated keys: their KV differs from the same tokens' KV as prompt."""
         return any(t.scope == "prompt" for t in self.biases)

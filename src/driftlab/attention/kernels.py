@@ -220,6 +220,28 @@ def split_softmax(out: torch.Tensor, o_sys: torch.Tensor, pi: torch.Tensor, rest
     return torch.where(change, new if new.dtype == out.dtype else new.to(out.dtype), out)
 
 
+def boost_system(out: torch.Tensor, o_sys: torch.Tensor, pi: torch.Tensor, rest: torch.Tensor,
+                 bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An output computed without a key bias, turned into the output with `bias` added to every system
+    key's logit (InstABoost's log m; `bias` broadcastable to pi [B, H, q, 1], 0: unchanged). Returns
+    (that output, its pi, its 1 - pi), what `split_softmax` then takes.
+
+    Why it is exact: a bias on the system keys alone scales their softmax mass by m = e^bias and leaves
+    their own output O_sys unchanged, so the share moves from pi to t = m pi / (m pi + 1 - pi) and the
+    output is t O_sys + ((1 - t) / (1 - pi)) (O - pi O_sys), split-softmax's epilogue with another t.
+    An engine whose kernel takes no key bias (vLLM's CPU one) reads only the system keys' values for it,
+    not every key's again."""
+    m = _f32(bias).exp()
+    lifted = m * pi
+    total = lifted + rest
+    t, rest_t = lifted / total, rest / total
+    w = torch.where(rest > 0, 1.0 / total, 0.0)  # (1 - t) / (1 - pi); no rest key visible: O is O_sys
+    o32, s32 = _f32(out), _f32(o_sys)
+    new = (t * s32 + w * (o32 - pi * s32)).to(out.dtype)
+    # `out` itself, bit for bit, on a head without a bias and where no system key is seen (o_sys is garbage there).
+    return torch.where((pi > 0) & (bias != 0), new, out), t, rest_t
+
+
 def merge(out: torch.Tensor, o_sys: torch.Tensor, lse_all: torch.Tensor, lse_sys: torch.Tensor,
           k: torch.Tensor | None, floor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The epilogue of the two attention calls: (the output, split-softmax applied with per-head

@@ -441,6 +441,20 @@ class AttentionState:
         device = device or self.device
         return bias_logits(self.on("bias_keys", device)[:, :, lo:hi], self.on("bias_heads", device)[:, :, layer])
 
+    def biases_on(self, layer: int) -> bool:
+        """Whether some key bias acts on `layer` (a host-side flag: no device sync)."""
+        return self._bias_layers[layer]
+
+    def system_bias(self) -> torch.Tensor | None:
+        """[B, L, H] float32: the logit each row's key biases add to its system keys, per layer and head
+        (None without a bias). What `attention.kernels.boost_system` takes where every bias acts on the
+        system keys alone (`AttentionConfig.boosts_system`): there the bias is the same on each of them."""
+        if self.bias_heads is None or self.bias_keys is None:
+            return None
+        first = self.system_keys.to(torch.uint8).argmax(1)  # each row's first system slot (0: none, no bias there)
+        on_system = self.bias_keys[:, torch.arange(len(first), device=first.device), first]  # [J, B]
+        return torch.einsum("jb,jblh->blh", on_system, self.bias_heads)
+
     def record(self, layer: int, pi: torch.Tensor) -> None:
         """Keep pi [B, H, q]: all queries on the prefill if asked, else only the last."""
         if self.trace_buf is not None:  # static layout: in place, at the step index (see static_layout)

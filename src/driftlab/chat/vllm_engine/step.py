@@ -32,6 +32,7 @@ import torch
 from driftlab.activation.state import ResidualRow, steer_stream
 from driftlab.attention.config import AttentionConfig
 from driftlab.attention.kernels import (
+    boost_system,
     decode_lses,
     decode_system_parts,
     split_softmax,
@@ -119,8 +120,9 @@ class AttentionGroup:
         # alone, on a prompt's pass as on a decode step.
         self.reads_only = all(_reads_last(r) for r in rows)
         self.decode = self.reads_only or all(r.q == 1 for r in rows)  # one query per row
-        # Decode rows whose steer only reweights the system prompt's share (split-softmax, the pi floor): the
-        # kernel's output stands and is reweighted (`reweight`), with no second pass over every key's value.
+        # Decode rows whose steer only reweights the system prompt's share (split-softmax, the pi floor, a key bias
+        # on the system keys alone: InstABoost): the kernel's output stands and is reweighted (`reweight`), with no
+        # second pass over every key's value.
         self.reweights = not self.reads_only and all(_reweights(r) for r in rows)
         q = 1 if self.decode else max(r.q for r in rows)
         K = max(r.seq_len for r in rows)
@@ -162,6 +164,7 @@ class AttentionGroup:
                 self.system_slots = max(1, int(system.any(0).nonzero().max()) + 1) if bool(system.any()) else 1
                 n_system = -(-self.system_slots // block_size)
                 self.system_block_ids = self.blocks.view(len(rows), n_blocks)[:, :n_system].flatten()
+                self.system_bias = state.system_bias()  # [B, L, H], or None
             return
         token = slot - torch.tensor(pads)[:, None]  # [B, K] token index per slot
         present = token >= 0
@@ -218,13 +221,17 @@ class AttentionGroup:
                                                       self.state.system_keys, v, scale)
         H = query.shape[1]
         pi, rest = system_share(lse_all.reshape(B, H, 1), lse_sys.reshape(B, H, 1))
+        o_sys = o_sys.reshape(B, H, 1, -1)
+        new = output[at].view(B, H, 1, -1)
+        if self.state.biases_on(layer):  # the bias first, as the engine adds it to the logits: pi becomes its pi
+            new, pi, rest = boost_system(new, o_sys, pi, rest, self.system_bias[:, layer, :, None, None])
         device = query.device
         split = self.state.split_strength(layer, device)
         floor = self.state.layer_floor(layer, 1, device)
-        if split is None:  # a floor alone: strength 1 on every head
-            split = self.state.on("split_table", device)[:, layer]
-        out = output[at].view(B, H, 1, -1)
-        new = split_softmax(out, o_sys.reshape(B, H, 1, -1), pi, rest, split, floor)
+        if split is not None or floor is not None:
+            if split is None:  # a floor alone: strength 1 on every head
+                split = self.state.on("split_table", device)[:, layer]
+            new = split_softmax(new, o_sys, pi, rest, split, floor)
         output[at] = new.view(B, H, -1).to(output.dtype)
         if self.state.trace:
             self.state.record(layer, pi[..., 0])
@@ -248,9 +255,10 @@ class AttentionGroup:
 
 def _reweights(row: Row) -> bool:
     """Whether a decode row's steer only reweights the system prompt's share of attention (split-softmax,
-    the pi floor, with or without a trace): `AttentionGroup.reweight` serves it."""
+    the pi floor, key biases on the system keys alone, with or without a trace): `AttentionGroup.reweight`
+    serves it."""
     config = row.parsed.attention
-    return row.q == 1 and (config.splits or config.floors) and not config.biased and not any(config.shared())
+    return (row.q == 1 and config.changes_outputs and config.boosts_system and not any(config.shared()))
 
 
 def _reads_last(row: Row) -> bool:
