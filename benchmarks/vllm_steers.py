@@ -11,10 +11,10 @@ transformers engine alike ("Reducing Torch threads ... for serving"), so both ru
 Variants: the transformers engine, plain; vLLM plain; vLLM with `trace` (pi telemetry), `vector`
 and `cap` (directions: random unit vectors with made-up statistics for every persona, as the tests
 use; what they cost does not depend on what they point at), `split-softmax`, `instaboost` and
-`pasta` (on the system prompt). Protocol: a warm-up run of each variant (untimed), then `repeats`
-rounds in which every variant runs once, the order rotating each round; per variant the best wall
-time is kept and tokens/s = generated tokens / that time; each steer's ratio is its time over vLLM
-plain's, best against best, and per round (paired, back to back).
+`pasta` (on the system prompt; `pasta-all` with scope=all). Protocol: a warm-up run of each variant
+(untimed), then `repeats` rounds in which every variant runs once, the order rotating each round; per
+variant the best wall time is kept and tokens/s = generated tokens / that time; each steer's ratio is
+its time over vLLM plain's, best against best, and per round (paired, back to back).
 
 Memory: the process's peak resident set after each variant's first run (ru_maxrss only grows, so a
 variant that needs more than all before it shows as a step) and vLLM's KV cache size.
@@ -51,6 +51,9 @@ STEERS = {  # variant -> (steer specs, target ratio to vLLM plain)
     "split-softmax": (["split-softmax:k=0.6"], 1.3),
     "instaboost": (["instaboost:m=5"], 1.3),
     "pasta": (["pasta:heads=0-29,span=system"], 1.3),
+    # scope=all: the reply's keys are lowered as the prompt's are, so a turn's KV is the same as prompt and as
+    # generated and vLLM's prefix cache serves it; pastalib's scope=prompt (above) must prefill each turn whole.
+    "pasta-all": (["pasta:heads=0-29,span=system,scope=all"], 1.3),
 }
 
 

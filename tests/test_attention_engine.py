@@ -313,10 +313,11 @@ def test_bias_terms_add_up_and_rows_may_differ_in_them() -> None:
 
 
 def test_a_bias_on_the_system_keys_applied_after_attention_equals_it_in_the_logits() -> None:
-    """`kernels.boost_system` (vLLM's path for InstABoost: its kernel takes no key bias) against the biased
-    softmax itself, computed in float64: the output, and pi as the biased call sees it. Rows: one that sees no system
-    key (unchanged), one inside the system span (no rest key), and biases that lift and that lower.
-    `AttentionState.system_bias` gives each row's bias on its system keys, per layer and head."""
+    """`kernels.boost_keys` (vLLM's path for InstABoost and PASTA: its kernel takes no key bias) against the
+    biased softmax itself, computed in float64: the output, and pi as the biased call sees it. Rows: one that
+    sees no system key (unchanged), one inside the system span (no rest key), and biases that lift and that
+    lower. `AttentionState.lifted` gives each row's set of keys and the bias on them, per layer and head:
+    InstABoost's on the system keys, PASTA's as minus its value on the keys it spares."""
     torch.manual_seed(0)
     B, H, K, d = 4, 3, 12, 8
     logits, values = torch.randn(B, H, 1, K, dtype=torch.float64) * 2, torch.randn(B, 1, K, d, dtype=torch.float64)
@@ -332,16 +333,24 @@ def test_a_bias_on_the_system_keys_applied_after_attention_equals_it_in_the_logi
     out, pi = attend(torch.zeros(B, H, 1, 1, dtype=torch.float64))
     o_sys = torch.softmax(logits.masked_fill(~sys_mask, float("-inf")), dim=-1).nan_to_num() @ values
     expected, expected_pi = attend(bias.double())
-    got, t, rest_t = kernels.boost_system(out, o_sys, pi, 1 - pi, bias)
+    got, t, rest_t = kernels.boost_keys(out, o_sys, pi, 1 - pi, bias)
     # It computes in float32, as every epilogue here does.
     assert (got - expected).abs().max() < 1e-6 and (t - expected_pi).abs().max() < 1e-6
     assert (t + rest_t - 1).abs().max() < 1e-6
     assert torch.equal(got[1], out[1]) and torch.equal(got[:, 0], out[:, 0])  # no system key; bias 0
     cfg = AttentionConfig(biases=[BiasTerm(value=1.5, span="system"), BiasTerm(value=-1.0, span="system", heads="1.2")])
-    state = AttentionState([cfg, cfg], [{"system": [(1, 3)]}, {}], n_layers=2, n_heads=3, device=current())
-    state.on_layout(pads=[0, 0], prompt_len=4, max_len=5)
-    assert state.system_bias().tolist() == [[[1.5, 1.5, 1.5], [1.5, 1.5, 0.5]], [[0.0] * 3] * 2]
-    assert cfg.boosts_system and not AttentionConfig(biases=[BiasTerm(value=1.0, invert=True)]).boosts_system
+    pasta = AttentionConfig(biases=[BiasTerm(value=-3.0, span="system", invert=True, heads="1.0", scope="prompt")])
+    state = AttentionState([cfg, cfg, pasta], [{"system": [(1, 3)]}, {}, {"system": [(0, 2)]}], n_layers=2, n_heads=3,
+                           device=current())
+    state.on_layout(pads=[0, 0, 0], prompt_len=4, max_len=6)  # slots 4-5: the reply's keys
+    keys, lift = state.lifted()
+    assert keys.tolist() == [[False, True, True, False, False, False], [False] * 6,
+                             [True, True, False, False, True, True]]  # PASTA spares its span and the reply
+    assert lift.tolist() == [[[1.5, 1.5, 1.5], [1.5, 1.5, 0.5]], [[0.0] * 3] * 2, [[0.0] * 3, [3.0, 0.0, 0.0]]]
+    assert cfg.boosts_system and not cfg.spares_one_span and pasta.spares_one_span and not pasta.boosts_system
+    # The same softmax, bit for bit in the logits' differences: -3 on the keys PASTA lowers, or +3 on those it spares.
+    biased = state.layer_bias(1, 0, 6)[2, 0, 0]
+    assert torch.equal(biased - biased.max(), torch.where(keys[2], 0.0, -3.0))
 
 
 def test_on_layout_rejects_wrong_span_count() -> None:

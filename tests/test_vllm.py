@@ -44,6 +44,8 @@ STEERS = {
     "bias": ["bias:value=2.0,heads=3+5.1", "trace"],
     "pasta": ["pasta:heads=3.1+5.2+11,span=system", "trace"],
     "pasta-all": ["pasta:heads=3.1+5.2,span=system,scope=all,alpha=0.05"],
+    # Untraced, PASTA's decode steps reweight vLLM's output (step.AttentionGroup.reweight); traced, they attend again.
+    "pasta-untraced": ["pasta:heads=3.1+5.2+11,span=system"],
     "pi-floor": ["pi-floor:f=0.9", "trace"],
     "vector": ["vector:alpha=2"],
     "cap": ["cap:q=0.9", "trace"],

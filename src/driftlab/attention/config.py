@@ -120,8 +120,15 @@ class AttentionConfig(BaseModel):
     @property
     def boosts_system(self) -> bool:
         """Every key bias acts on the system keys alone (InstABoost, `bias` on the system span): it moves
-        the system prompt's share of attention and nothing else (`attention.kernels.boost_system`)."""
+        the system prompt's share of attention and nothing else (`attention.kernels.boost_keys`)."""
         return all(t.span == "system" and not t.invert for t in self.biases)
+
+    @property
+    def spares_one_span(self) -> bool:
+        """One key bias, on every key but a span's (PASTA): against the rest, it lifts the keys it spares
+        (the span, and with `scope="prompt"` the reply's keys too) by minus its value, and does nothing
+        else (`attention.kernels.boost_keys`)."""
+        return len(self.biases) == 1 and self.biases[0].invert
 
     @property
     def prompt_scoped(self) -> bool:

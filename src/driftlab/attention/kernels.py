@@ -154,7 +154,8 @@ def decode_system_parts(query: torch.Tensor, key_blocks: torch.Tensor, visible: 
     with an engine's own all-keys output O, what `split_softmax` reweights (split-softmax, the pi floor)
     without attending to every key's value again. `values` [B, G, S, dv] are those of the first S key
     slots, which hold every system key (a system prompt is a prefix). A row without a system key gets
-    o_sys = NaN, which `split_softmax` never reads (pi = 0 there)."""
+    o_sys = NaN, which `split_softmax` never reads (pi = 0 there). Any other set of keys may stand for
+    the system keys (`boost_keys`' set: the keys PASTA spares), with the values of every slot it holds."""
     weights, top = _decode_weights(query, key_blocks, visible, scale)
     S = values.shape[2]
     on_system = weights[..., :S] * system_keys[:, None, None, :S]
@@ -220,25 +221,28 @@ def split_softmax(out: torch.Tensor, o_sys: torch.Tensor, pi: torch.Tensor, rest
     return torch.where(change, new if new.dtype == out.dtype else new.to(out.dtype), out)
 
 
-def boost_system(out: torch.Tensor, o_sys: torch.Tensor, pi: torch.Tensor, rest: torch.Tensor,
-                 bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An output computed without a key bias, turned into the output with `bias` added to every system
-    key's logit (InstABoost's log m; `bias` broadcastable to pi [B, H, q, 1], 0: unchanged). Returns
-    (that output, its pi, its 1 - pi), what `split_softmax` then takes.
+def boost_keys(out: torch.Tensor, o_set: torch.Tensor, pi: torch.Tensor, rest: torch.Tensor,
+               bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An output computed without a key bias, turned into the output with `bias` added to the logits of
+    one set of keys (InstABoost: log m on the system keys; PASTA: minus log alpha on the keys it spares,
+    the same softmax as log alpha on all the others). `o_set` is the attention output over that set
+    alone and pi, rest its share of the attention and the others'; `bias` broadcastable to pi
+    [B, H, q, 1], 0: unchanged. Returns (that output, the set's share under the bias, the others'),
+    what `split_softmax` then takes where the set is the system keys.
 
-    Why it is exact: a bias on the system keys alone scales their softmax mass by m = e^bias and leaves
-    their own output O_sys unchanged, so the share moves from pi to t = m pi / (m pi + 1 - pi) and the
-    output is t O_sys + ((1 - t) / (1 - pi)) (O - pi O_sys), split-softmax's epilogue with another t.
-    An engine whose kernel takes no key bias (vLLM's CPU one) reads only the system keys' values for it,
+    Why it is exact: a bias on one set of keys scales their softmax mass by m = e^bias and leaves
+    their own output unchanged, so their share moves from pi to t = m pi / (m pi + 1 - pi) and the
+    output is t O_set + ((1 - t) / (1 - pi)) (O - pi O_set), split-softmax's epilogue with another t.
+    An engine whose kernel takes no key bias (vLLM's CPU one) reads only that set's values for it,
     not every key's again."""
     m = _f32(bias).exp()
     lifted = m * pi
     total = lifted + rest
     t, rest_t = lifted / total, rest / total
-    w = torch.where(rest > 0, 1.0 / total, 0.0)  # (1 - t) / (1 - pi); no rest key visible: O is O_sys
-    o32, s32 = _f32(out), _f32(o_sys)
+    w = torch.where(rest > 0, 1.0 / total, 0.0)  # (1 - t) / (1 - pi); no other key visible: O is O_set
+    o32, s32 = _f32(out), _f32(o_set)
     new = (t * s32 + w * (o32 - pi * s32)).to(out.dtype)
-    # `out` itself, bit for bit, on a head without a bias and where no system key is seen (o_sys is garbage there).
+    # `out` itself, bit for bit, on a head without a bias and where no key of the set is seen (o_set is garbage there).
     return torch.where((pi > 0) & (bias != 0), new, out), t, rest_t
 
 

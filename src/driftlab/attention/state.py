@@ -445,15 +445,22 @@ class AttentionState:
         """Whether some key bias acts on `layer` (a host-side flag: no device sync)."""
         return self._bias_layers[layer]
 
-    def system_bias(self) -> torch.Tensor | None:
-        """[B, L, H] float32: the logit each row's key biases add to its system keys, per layer and head
-        (None without a bias). What `attention.kernels.boost_system` takes where every bias acts on the
-        system keys alone (`AttentionConfig.boosts_system`): there the bias is the same on each of them."""
+    def lifted(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's key biases as one set of keys lifted against all the others (where they are that:
+        `AttentionConfig.boosts_system` or `spares_one_span`, what `attention.kernels.boost_keys` serves):
+        the set [B, K] bool (the system keys, or the keys a PASTA bias spares) and the lift [B, L, H]
+        float32, a logit per layer and head (None without a bias). A bias is the same on every key of its
+        set, so one slot of each row tells it: the first system key, or the first key PASTA lowers."""
+        system = self.system_keys
         if self.bias_heads is None or self.bias_keys is None:
-            return None
-        first = self.system_keys.to(torch.uint8).argmax(1)  # each row's first system slot (0: none, no bias there)
-        on_system = self.bias_keys[:, torch.arange(len(first), device=first.device), first]  # [J, B]
-        return torch.einsum("jb,jblh->blh", on_system, self.bias_heads)
+            return system, None
+        spares = torch.tensor([c.spares_one_span for c in self.rows], device=system.device)
+        lowered = self.bias_keys[0] != 0  # [B, K]: a PASTA row's one term (0 where its span is missing)
+        keys = torch.where(spares[:, None], ~lowered, system)
+        probe = torch.where(spares, lowered.to(torch.uint8).argmax(1), system.to(torch.uint8).argmax(1))
+        values = self.bias_keys[:, torch.arange(len(probe), device=probe.device), probe]  # [J, B]
+        values = torch.where(spares, -values, values)
+        return keys, torch.einsum("jb,jblh->blh", values, self.bias_heads)
 
     def record(self, layer: int, pi: torch.Tensor) -> None:
         """Keep pi [B, H, q]: all queries on the prefill if asked, else only the last."""

@@ -32,7 +32,7 @@ import torch
 from driftlab.activation.state import ResidualRow, steer_stream
 from driftlab.attention.config import AttentionConfig
 from driftlab.attention.kernels import (
-    boost_system,
+    boost_keys,
     decode_lses,
     decode_system_parts,
     split_softmax,
@@ -120,9 +120,9 @@ class AttentionGroup:
         # alone, on a prompt's pass as on a decode step.
         self.reads_only = all(_reads_last(r) for r in rows)
         self.decode = self.reads_only or all(r.q == 1 for r in rows)  # one query per row
-        # Decode rows whose steer only reweights the system prompt's share (split-softmax, the pi floor, a key bias
-        # on the system keys alone: InstABoost): the kernel's output stands and is reweighted (`reweight`), with no
-        # second pass over every key's value.
+        # Decode rows whose steer only reweights one set of keys' share (split-softmax, the pi floor, InstABoost: the
+        # system keys; untraced PASTA: the keys it spares): the kernel's output stands and is reweighted
+        # (`reweight`), with no second attention over every key.
         self.reweights = not self.reads_only and all(_reweights(r) for r in rows)
         q = 1 if self.decode else max(r.q for r in rows)
         K = max(r.seq_len for r in rows)
@@ -159,12 +159,15 @@ class AttentionGroup:
             self.blocks = torch.where(used, table[:, :n_blocks], 0).flatten().to(device)  # [B * n_blocks]
             self.visible = (slot < lengths[:, None]).to(device)  # [B, K]
             self.mask = self.visible[:, None, None, :]  # [B, 1, 1, K]
-            if self.reweights:  # the blocks holding every row's system keys (a prefix): their values suffice
-                system = state.system_keys
-                self.system_slots = max(1, int(system.any(0).nonzero().max()) + 1) if bool(system.any()) else 1
-                n_system = -(-self.system_slots // block_size)
-                self.system_block_ids = self.blocks.view(len(rows), n_blocks)[:, :n_system].flatten()
-                self.system_bias = state.system_bias()  # [B, L, H], or None
+            if self.reweights:
+                self.lift_keys, self.lift = state.lifted()  # [B, K] the keys reweighted, [B, L, H] a bias on them
+                if any(r.parsed.attention.spares_one_span for r in rows):  # PASTA's span and the reply: every block
+                    self.value_slots, self.value_block_ids = K, self.blocks
+                else:  # the blocks holding every row's system keys (a prefix): their values suffice
+                    system = state.system_keys
+                    self.value_slots = max(1, int(system.any(0).nonzero().max()) + 1) if bool(system.any()) else 1
+                    n_system = -(-self.value_slots // block_size)
+                    self.value_block_ids = self.blocks.view(len(rows), n_blocks)[:, :n_system].flatten()
             return
         token = slot - torch.tensor(pads)[:, None]  # [B, K] token index per slot
         present = token >= 0
@@ -205,33 +208,34 @@ class AttentionGroup:
     def reweight(self, layer: int, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
                  scale: float) -> None:
         """A reweighting group's layer: the kernel's all-keys output O of each row's query, the LSEs over all
-        keys and over the system keys from the keys alone, and the system keys' output from their values
-        alone (`attention.kernels.decode_system_parts`); then `split_softmax`, the transformers engine's own
-        epilogue, with its strengths and floors, and pi recorded where traced."""
+        keys and over the keys reweighted (the system keys; PASTA's: the keys it spares) from the keys alone,
+        and those keys' output from their values alone (`attention.kernels.decode_system_parts`); then a key
+        bias on them (`boost_keys`), and `split_softmax`, the transformers engine's own epilogue, with its
+        strengths and floors, and pi recorded where traced."""
         keys, values = cache_regions(kv_cache)
         B, n_kv, d, bs = len(self.rows), keys.shape[1], keys.shape[2], self.block_size
         k = torch.index_select(keys, 0, self.blocks, out=self.scratch("k.blocks", (len(self.blocks), *keys.shape[1:]),
                                                                        keys.dtype)).view(B, -1, n_kv, d, bs)
-        S = self.system_slots
-        v = torch.index_select(values, 0, self.system_block_ids,
-                               out=self.scratch("v.system", (len(self.system_block_ids), *values.shape[1:]), values.dtype))
+        S = self.value_slots
+        v = torch.index_select(values, 0, self.value_block_ids,
+                               out=self.scratch("v.lifted", (len(self.value_block_ids), *values.shape[1:]), values.dtype))
         v = v.view(B, -1, n_kv, bs, d).transpose(1, 2).reshape(B, n_kv, -1, d)[:, :, :S]
         at = self.queries[:, 0]
-        lse_all, lse_sys, o_sys = decode_system_parts(query[at].view(B, n_kv, -1, d), k, self.visible,
-                                                      self.state.system_keys, v, scale)
+        lse_all, lse_set, o_set = decode_system_parts(query[at].view(B, n_kv, -1, d), k, self.visible,
+                                                      self.lift_keys, v, scale)
         H = query.shape[1]
-        pi, rest = system_share(lse_all.reshape(B, H, 1), lse_sys.reshape(B, H, 1))
-        o_sys = o_sys.reshape(B, H, 1, -1)
+        pi, rest = system_share(lse_all.reshape(B, H, 1), lse_set.reshape(B, H, 1))
+        o_set = o_set.reshape(B, H, 1, -1)
         new = output[at].view(B, H, 1, -1)
         if self.state.biases_on(layer):  # the bias first, as the engine adds it to the logits: pi becomes its pi
-            new, pi, rest = boost_system(new, o_sys, pi, rest, self.system_bias[:, layer, :, None, None])
+            new, pi, rest = boost_keys(new, o_set, pi, rest, self.lift[:, layer, :, None, None])
         device = query.device
         split = self.state.split_strength(layer, device)
         floor = self.state.layer_floor(layer, 1, device)
         if split is not None or floor is not None:
             if split is None:  # a floor alone: strength 1 on every head
                 split = self.state.on("split_table", device)[:, layer]
-            new = split_softmax(new, o_sys, pi, rest, split, floor)
+            new = split_softmax(new, o_set, pi, rest, split, floor)
         output[at] = new.view(B, H, -1).to(output.dtype)
         if self.state.trace:
             self.state.record(layer, pi[..., 0])
@@ -254,11 +258,14 @@ class AttentionGroup:
 
 
 def _reweights(row: Row) -> bool:
-    """Whether a decode row's steer only reweights the system prompt's share of attention (split-softmax,
-    the pi floor, key biases on the system keys alone, with or without a trace): `AttentionGroup.reweight`
-    serves it."""
+    """Whether a decode row's steer only reweights the share of attention of one set of keys:
+    `AttentionGroup.reweight` serves it. That is split-softmax, the pi floor and key biases on the system
+    keys alone (InstABoost), with or without a trace; or PASTA alone, untraced (its set is the keys it
+    spares, not the system keys whose pi a trace records)."""
     config = row.parsed.attention
-    return (row.q == 1 and config.changes_outputs and config.boosts_system and not any(config.shared()))
+    if row.q != 1 or not config.changes_outputs or any(config.shared()):
+        return False
+    return config.boosts_system or (config.spares_one_span and not (config.splits or config.floors or config.trace))
 
 
 def _reads_last(row: Row) -> bool:
