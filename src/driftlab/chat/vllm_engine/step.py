@@ -161,13 +161,12 @@ class AttentionGroup:
             self.mask = self.visible[:, None, None, :]  # [B, 1, 1, K]
             if self.reweights:
                 self.lift_keys, self.lift = state.lifted()  # [B, K] the keys reweighted, [B, L, H] a bias on them
-                if any(r.parsed.attention.spares_one_span for r in rows):  # PASTA's span and the reply: every block
-                    self.value_slots, self.value_block_ids = K, self.blocks
-                else:  # the blocks holding every row's system keys (a prefix): their values suffice
-                    system = state.system_keys
-                    self.value_slots = max(1, int(system.any(0).nonzero().max()) + 1) if bool(system.any()) else 1
-                    n_system = -(-self.value_slots // block_size)
-                    self.value_block_ids = self.blocks.view(len(rows), n_blocks)[:, :n_system].flatten()
+                # The values of the blocks up to every row's last reweighted key suffice (the system keys: a prefix;
+                # PASTA's at scope=prompt: the reply too, so every block).
+                held = self.lift_keys & self.visible
+                self.value_slots = max(1, int(held.any(0).nonzero().max()) + 1) if bool(held.any()) else 1
+                n_values = -(-self.value_slots // block_size)
+                self.value_block_ids = self.blocks.view(len(rows), n_blocks)[:, :n_values].flatten()
             return
         token = slot - torch.tensor(pads)[:, None]  # [B, K] token index per slot
         present = token >= 0
