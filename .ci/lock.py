@@ -4,6 +4,7 @@
     python3 .ci/lock.py check      # are the locks current with pyproject.toml? (CI's first step)
     python3 .ci/lock.py refresh    # resolve again in new virtualenvs and rewrite the locks
     python3 .ci/lock.py refresh --lock vllm-lock.txt   # one of them
+    python3 .ci/lock.py refresh --keep  # add new dependencies, every locked version kept
 
 Two environments because vLLM 0.32 (the `vllm` extra) pins transformers below 5.20, and the main
 suite runs on 5.23: `test-lock.txt` is `.[test]`, `vllm-lock.txt` is `.[vllm,test]` (CI runs the
@@ -113,14 +114,18 @@ def extras_of(lock: Path) -> str:
     return LOCKS.get(lock.name, "test")
 
 
-def refresh(pyproject: Path = PYPROJECT, lock: Path = LOCK) -> None:
-    """Resolve the lock's extras in a new virtualenv (the README's install) and write the lock."""
+def refresh(pyproject: Path = PYPROJECT, lock: Path = LOCK, keep: bool = False) -> None:
+    """Resolve the lock's extras in a new virtualenv (the README's install) and write the lock.
+
+    `keep`: resolve under the lock as it is (pip's `-c`), so a dependency added to pyproject comes in
+    and no locked version moves (a refresh without it takes what the registries serve on the day)."""
     digest = dependency_digest(pyproject)  # a missing or broken pyproject fails before any install
     extras = extras_of(lock)
     with tempfile.TemporaryDirectory(prefix="driftlab-lock-") as tmp:
         py = str(Path(tmp) / "bin" / "python")
         subprocess.run([sys.executable, "-m", "venv", tmp], check=True)
-        for args in (["install", TORCH], ["install", "-e", f"{pyproject.parent}[{extras}]"]):
+        kept = ["-c", str(lock)] if keep else []
+        for args in (["install", TORCH], ["install", "-e", f"{pyproject.parent}[{extras}]", *kept]):
             print(f"pip {' '.join(args)}", file=sys.stderr, flush=True)
             if subprocess.run([py, "-m", "pip", "-q", *args]).returncode:
                 raise LockError(f"`pip {' '.join(args)}` failed (its output is above); the lock is unchanged")
@@ -147,12 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["check", "refresh"])
     parser.add_argument("--pyproject", type=Path, default=PYPROJECT)
     parser.add_argument("--lock", type=Path, default=None, help="one lock file (default: every lock)")
+    parser.add_argument("--keep", action="store_true", help="refresh: keep every locked version, add what is new")
     args = parser.parse_args(argv)
     locks = [args.lock] if args.lock is not None else [args.pyproject.parent / name for name in LOCKS]
     try:
         if args.command == "refresh":
             for lock in locks:
-                refresh(args.pyproject, lock)
+                refresh(args.pyproject, lock, keep=args.keep)
             return 0
         reasons = [reason for lock in locks if (reason := check(args.pyproject, lock))]
     except LockError as err:

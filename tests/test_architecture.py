@@ -29,7 +29,8 @@ LAYERS: list[set[str]] = [
     {"chat"},
     {"steering"},
     {"activation", "attention", "theory"},
-    {"assets", "bench", "cuda_support", "messages", "records", "stats"},
+    {"bench"},
+    {"assets", "cuda_support", "messages", "records", "stats"},
     {"plugins"},
     {"console", "environment", "errors"},
 ]

@@ -211,6 +211,7 @@ def test_measures_that_need_a_complete_reply() -> None:
         "questions",  # the last sentence has not reached its "?"
         "min_words",  # a reply still going when cut off is what "extremely long" asks for
         "ifeval",  # by its instruction (an end phrase, a count; tests/test_ifeval.py), where none is named
+        "ifbench",  # the same (tests/test_ifbench.py)
     }
     # word_count is not among them: a cut-off reply already longer than n words is a true violation.
     assert not needs_complete("word_count") and not needs_complete("mentions_any")
@@ -261,15 +262,17 @@ ADVERSARIAL = {
 @pytest.mark.timeout(90)
 def test_every_measure_scores_a_megabyte_in_bounded_time() -> None:
     """Every measure on every adversarial megabyte, within one budget (each takes well under a second)."""
-    from driftlab.bench import ifeval, ifeval_constraints, load_personas
+    from driftlab.bench import constraint_personas, load_personas
+    from driftlab.bench.constraints import MAX_CHARS
 
     personas = {p.measure: [p.params] for p in load_personas()}
-    personas["ifeval"] = [p.params for p in ifeval_constraints()]  # each of IFEval's checkers driftlab ships
+    for p in constraint_personas():  # each of IFEval's and IFBench's checkers driftlab ships
+        personas.setdefault(p.measure, []).append(p.params)
     for name in MEASURES:
         for params in personas.get(name, [{}]):
             for text in ADVERSARIAL.values():
-                if name == "ifeval":  # upstream's checkers are unbounded: driftlab judges replies up to a bound
+                if name in ("ifeval", "ifbench"):  # upstream's checkers are unbounded: driftlab judges up to a bound
                     with pytest.raises(ValueError, match="at most"):
                         MEASURES[name](text, **params)
-                    text = text[:ifeval.MAX_CHARS]
+                    text = text[:MAX_CHARS]
                 assert 0.0 <= MEASURES[name](text, **params) <= 1.0, (name, params)

@@ -93,7 +93,7 @@ def test_a_category_of_your_own_is_a_category(tmp_path: Path) -> None:
     assert [p.id for p in load_personas(category="pirates", extra=path)] == ["pirate"]
     with pytest.raises(DriftlabError) as err:
         load_personas(category="pirate", extra=path)
-    assert err.value.hint.endswith("language, ifeval, pirates")  # the built-ins (the paper's order, IFEval's), then yours
+    assert err.value.hint.endswith("language, ifbench, ifeval, pirates")  # the built-ins (the paper's order, the constraint suites'), then yours
 
 
 def test_duplicate_ids_and_broken_json(tmp_path: Path) -> None:

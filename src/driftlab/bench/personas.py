@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args, overload
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from driftlab.bench import ifeval
+from driftlab.bench import ifbench, ifeval
 from driftlab.bench.judge import JUDGE
 from driftlab.bench.measures import (
     MEASURES,
@@ -165,32 +165,43 @@ def drift_user_sources() -> dict[str, dict[str, str | None]]:
     return json.loads((resources.files("driftlab.bench") / "data" / "drift_users_sources.json").read_text("utf-8"))
 
 
+#: The verifiable-instruction suites whose constraints are personas (`bench.constraints.Suite`).
+CONSTRAINT_SUITES = {ifeval.CATEGORY: ifeval.SUITE, ifbench.CATEGORY: ifbench.SUITE}
+
+
 @functools.cache
-def _ifeval_constraints() -> tuple[Persona, ...]:
-    source = resources.files("driftlab.bench") / "data" / "ifeval_constraints.jsonl"
-    return tuple(_parse_jsonl(source.read_text(encoding="utf-8"), "ifeval_constraints.jsonl", builtin=True))
+def _constraints(category: str) -> tuple[Persona, ...]:
+    name = f"{category}_constraints.jsonl"
+    source = resources.files("driftlab.bench") / "data" / name
+    return tuple(_parse_jsonl(source.read_text(encoding="utf-8"), name, builtin=True))
+
+
+def constraint_personas(category: str | None = None) -> list[Persona]:
+    """Verifiable instructions as standing system prompts, scored by their benchmark's own checkers:
+    IFEval's (category "ifeval", `bench.ifeval`) and IFBench's ("ifbench", `bench.ifbench`); both
+    when `category` is None. Shipped apart from the 100 so that the default draw and its data hash
+    stay as they were; a run takes them where it names them (`--categories ifbench`, `--agents ifbench-...`)."""
+    return [p.model_copy(deep=True) for c in ([category] if category else CONSTRAINT_SUITES) for p in _constraints(c)]
 
 
 def ifeval_constraints() -> list[Persona]:
-    """IFEval instructions as standing system prompts, scored by IFEval's own checkers (`bench.ifeval`):
-    category "ifeval", shipped apart from the 100 so that the default draw and its data hash stay as
-    they were; a run takes them where it names them (`--categories ifeval`, `--agents ifeval-...`)."""
-    return [p.model_copy(deep=True) for p in _ifeval_constraints()]
+    """IFEval's constraint personas (`constraint_personas("ifeval")`)."""
+    return constraint_personas(ifeval.CATEGORY)
 
 
 def load_personas(category: str | None = None, extra: str | Path | None = None) -> list[Persona]:
     """The 100 built-in personas, plus the entries of a user file `extra`, optionally of one category
-    (category "ifeval": the IFEval constraints)."""
+    (categories "ifeval" and "ifbench": the constraint personas)."""
     # Copies: Persona is frozen but `params` is a dict; a caller changing it must not change the cache.
     personas = [p.model_copy(deep=True) for p in _builtin()]
-    if category == ifeval.CATEGORY:
-        personas += ifeval_constraints()
+    if category in CONSTRAINT_SUITES:
+        personas += constraint_personas(category)
     if extra is not None:
         personas += load_user_personas(extra)
     if category is None:
         return personas
     present = {p.category for p in personas}
-    known = [c for c in CATEGORIES if c in present] + sorted(present - set(CATEGORIES) | {ifeval.CATEGORY})
+    known = [c for c in CATEGORIES if c in present] + sorted(present - set(CATEGORIES) | set(CONSTRAINT_SUITES))
     if category not in known:
         raise DriftlabError(f"unknown category {category!r}", hint=f"use one of: {', '.join(known)}")
     return [p for p in personas if p.category == category]

@@ -36,7 +36,7 @@ def replay(
     rounds: Annotated[int, typer.Option(help="Most user turns per dialog.")] = 10,
     max_words: Annotated[int, typer.Option(help="Longest user turn drawn from ShareGPT, in words.")] = 60,
     categories: Annotated[str | None, typer.Option(
-        help="Agent persona categories whose measure scores every reply (default 'language,pattern'; 'ifeval': IFEval's instructions, scored by IFEval's checkers).")] = None,
+        help="Agent persona categories whose measure scores every reply (default 'language,pattern'; 'ifeval', 'ifbench': IFEval's or IFBench's instructions, scored by their own checkers).")] = None,
     agents: Annotated[str | None, typer.Option(help="Agent persona ids, comma-separated (any category).")] = None,
     system: Annotated[str | None, typer.Option(
         help="Your own system prompt: the agent of every dialog, its turns scored by --measure.")] = None,

@@ -43,13 +43,13 @@ from driftlab.bench import (
     JUDGE,
     JudgeParams,
     Persona,
+    constraint_personas,
     drift_users,
-    ifeval,
-    ifeval_constraints,
     load_personas,
     starters,
     user_probe,
 )
+from driftlab.bench.personas import CONSTRAINT_SUITES
 from driftlab.bench.probes import ProbeVersion
 from driftlab.bench.starters import StarterSetName
 from driftlab.chat.base import MAX_SEED, ChatBackend, ChatRequest, Conversation, Sampling
@@ -154,7 +154,7 @@ class SelfChatConfig(ProtocolConfig):
     def _known_categories(cls, v):
         from driftlab.bench import CATEGORIES
 
-        known = [*CATEGORIES, ifeval.CATEGORY]
+        known = [*CATEGORIES, *CONSTRAINT_SUITES]
         if v is not None:
             bad = [c for c in v if c not in known]
             if bad:
@@ -197,7 +197,8 @@ class SelfChatConfig(ProtocolConfig):
             raise DriftlabError(f"No personas in categories {self.categories}.", hint="See `driftlab personas list`.")
         if not self.pair_ids and not self.pairs:
             raise DriftlabError("No persona pairs to run.", hint="Use --pairs N or --pair AGENT_ID:USER_ID.")
-        ifeval.ready(agents)
+        for suite in CONSTRAINT_SUITES.values():
+            suite.ready(agents)
         return pool, agents
 
 
@@ -217,13 +218,14 @@ def measured(reply: Any) -> dict[str, Any]:
 
 def all_personas(config: SelfChatConfig) -> list[Persona]:
     """The built-in personas, those of `persona_file` and those given in code (ids unique); the
-    drift-pushing users where the run draws its users from them; the IFEval constraints where the run
-    names them (their category or one of their ids), so other runs' draws and data hashes stay as they were."""
+    drift-pushing users where the run draws its users from them; a suite's constraints (IFEval's,
+    IFBench's) where the run names them (their category or one of their ids), so other runs' draws and data hashes stay as they were."""
     pool = load_personas(extra=config.persona_file) + (drift_users() if config.users == "drift-pushing" else [])
-    constraints = ifeval_constraints()
     named = set(config.agents or []) | {pid for ids in config.pair_ids for pid in ids}
-    if ifeval.CATEGORY in (config.categories or []) or named & {p.id for p in constraints}:
-        pool += constraints
+    for category in CONSTRAINT_SUITES:
+        constraints = constraint_personas(category)
+        if category in (config.categories or []) or named & {p.id for p in constraints}:
+            pool += constraints
     taken = {p.id for p in pool}
     for p in config.personas:
         if p.id in taken:
