@@ -473,8 +473,19 @@ def test_a_given_dialog_history_is_cut_before_the_question_and_says_where_it_cam
     # A self-chat's agent turns are not scored: a score gate cannot price questions after them (one line).
     gate = MMLUConfig(n=2, turn=4, history_from=str(chat), steer=["when-drifting:r=0.5,by=score", "spr:p=1"],
                       data=str(RAW))
-    with pytest.raises(DriftlabError, match="has unscored agent turns there"):
+    with pytest.raises(DriftlabError, match="has no scored agent turn there"):
         MMLU(gate, _Scoring()).check()
+    # A replay's agent turns are scored, but a cut-off reply whose measure needs a whole one is not (4 of the 30
+    # at round 9 of the committed qwen replay): the questions after it go unsteered, as the replay's gate decided.
+    replay = MMLUConfig(n=2, turn=10, turn_counting="round", histories=30, data=str(RAW),
+                        history_from=str(Path(__file__).parents[1] / "docs" / "results" / "replay-qwen-plain"),
+                        steer=["when-drifting:r=0.5,by=score", "spr:p=1"])
+    mmlu = MMLU(replay, _Scoring())
+    mmlu.check()
+    previous = [e.get("score") for e in mmlu._run_history]
+    assert previous.count(None) == 4 and len(previous) == 30
+    steered = [mmlu._steer("steered", s)[1]["steered"] for s in previous]
+    assert steered == [s is not None and s < 0.5 for s in previous] and 0 < sum(steered) < 26
     # Standalone, a run that expects a given dialog and was handed none says so in one line.
     config = MMLUConfig(n=2, turn=2, history="dialog", data=str(RAW))
     with pytest.raises(DriftlabError, match=r"takes its MMLU histories from 1 dialog\(s\) its parent hands over"):

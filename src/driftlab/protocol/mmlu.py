@@ -313,17 +313,19 @@ class MMLU(Protocol[MMLUConfig]):
     @functools.cached_property
     def _run_history(self) -> dict[str, Any] | list[dict[str, Any]] | None:
         """The recorded run's dialogs before the question (`dialog_history`, read once for `check` and `plan`);
-        one line where it is no run, or where `by=score` asks for scores its agent turns lack (a self-chat's)."""
+        one line where it is no run, or where `by=score` asks for scores its agent turns lack (a self-chat's).
+        A replay's single unscored turn (a cut-off reply its measure cannot judge) is no such lack: the gate
+        leaves the questions after it unsteered, as the replay's own gate did (`score_decision`)."""
         cfg = self.config
         if not (Path(cfg.history_from) / "manifest.json").is_file():
             raise DriftlabError(f"--history-from {cfg.history_from} is not a run directory.",
                                 hint="Give the --out of a finished `driftlab replay` or `driftlab run`.")
         history = dialog_history(cfg.history_from, cfg.round, cfg.histories)
         gate = cfg.steer.get("when-drifting")
-        unscored = cfg.round > 1 and any("score" not in e for e in history_entries(history))
+        unscored = cfg.round > 1 and not any("score" in e for e in history_entries(history))
         if gate is not None and gate.by == "score" and unscored:
             raise DriftlabError(f"when-drifting:by=score reads the score of the agent turn before each question, and "
-                                f"{cfg.history_from} has unscored agent turns there (a self-chat scores probes only).",
+                                f"{cfg.history_from} has no scored agent turn there (a self-chat scores probes only).",
                                 hint="Ask after a replay's dialogs (`driftlab replay` scores every agent turn).")
         return history
 
