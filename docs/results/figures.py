@@ -744,9 +744,6 @@ for run in ("replay-qwen-plain", "replay-smollm2-plain", "replay-qwen-spr", "rep
             "replay-smollm2-spr"):
     if finished(run):
         BLOCKS[run] = functools.partial(replay_block, run)
-if finished("replay-qwen-plain") and finished("replay-qwen-gate-spr"):  # over every turn both have
-    BLOCKS["replay-qwen-gate-spr-vs-plain"] = functools.partial(replay_conditions, "replay-qwen-plain",
-                                                                "replay-qwen-gate-spr")
 # The qwen replay's conditions side by side (plain first): once each has finished, the block names them all.
 CONDITIONS = [f"replay-qwen-{c}" for c in ("plain", "spr", "gate-spr", "instaboost")]
 if all(finished(name) for name in CONDITIONS[:3]):
