@@ -46,8 +46,8 @@ gc.set_threshold(50_000, 20, 20)
 # Seconds (and tests) of the test files that take 8 s or more, whole, and of the many-test light
 # ones (one recorded run, 2026-11-28, 2-core AMD EPYC with AVX-512, unloaded, warm compile cache:
 # docs/results/suite/durations-2026-11-28.txt; its ratios are what counts; test_graph_budget.py
-# and test_when_drifting.py less what the tests cut after it took); every other file is costed at
-# LIGHT_TEST_S a test.
+# and test_when_drifting.py less what the tests cut after it took; test_ifbench.py, newer, from its
+# own run on 2026-11-29 beside two studies, halved); every other file is costed at LIGHT_TEST_S a test.
 # Workers take whole files (`--dist loadfile`) in the order of the collection, which
 # `pytest_collection_modifyitems` below makes longest first, so that no long file starts last
 # while the other worker has run dry: xdist's own order (most tests first) put the few-test,
@@ -68,7 +68,7 @@ FILE_SECONDS = {
     "test_results_figures.py": (17, 9), "test_readme.py": (15, 4), "test_sampling_fields.py": (14, 47),
     "test_directions_formats.py": (14, 13), "test_decay.py": (14, 4), "test_judge.py": (13, 23),
     "test_results_contract.py": (13, 12), "test_plugins.py": (12, 4), "test_response_format.py": (11, 8),
-    "test_flex_guard.py": (11, 5), "test_report.py": (9, 31), "test_warn.py": (9, 10), "test_ifeval.py": (9, 10),
+    "test_flex_guard.py": (11, 5), "test_report.py": (9, 31), "test_warn.py": (9, 10), "test_ifeval.py": (9, 10), "test_ifbench.py": (5, 10),
     "test_bench_personas.py": (6, 359), "test_theory.py": (6, 32), "test_stats.py": (5, 64),
     "test_mmlu.py": (5, 27), "test_options.py": (3, 21), "test_claims.py": (2, 111), "test_selfchat.py": (1, 30),
     "test_sampling.py": (0, 49), "test_pasta_data.py": (0, 31), "test_pasta_metrics.py": (0, 27),
