@@ -142,6 +142,10 @@ def test_a_constraint_without_its_arguments_is_refused_before_any_work() -> None
                       params={"instruction": "words:repeats"})
     with pytest.raises(DriftlabError, match="small_n"):
         ib.ready([persona])
+    wrong = Persona(system_prompt="Repeat no word often.", probe="Hi?", measure="ifbench",
+                    params={"instruction": "words:repeats", "kwargs": {"small_n": "many"}})
+    with pytest.raises(DriftlabError, match="cannot take the arguments"):  # upstream's own error, as one line
+        ib.ready([wrong])
 
 
 @pytest.mark.process  # a fresh interpreter

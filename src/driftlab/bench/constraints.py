@@ -79,8 +79,12 @@ class Suite:
                 f"{self.title} instruction {instruction!r} needs its arguments {sorted(missing)} (upstream would "
                 "draw them at random).", hint=f"name them in the params' kwargs, e.g. --measure-params "
                 f"'{{\"instruction\": \"{instruction}\", \"kwargs\": {{\"{first}\": ...}}}}'")
-        with self.calling():
-            found.build_description(**kwargs)
+        try:
+            with self.calling():
+                found.build_description(**kwargs)
+        except (TypeError, ValueError, KeyError) as err:  # an argument upstream cannot take, or of the wrong type
+            raise DriftlabError(f"{self.title} instruction {instruction!r} cannot take the arguments {kwargs}: {err}.",
+                                hint="`driftlab personas measures` and docs/personas.md name each one's arguments.") from None
         return found
 
     def description(self, instruction: str, kwargs: dict[str, Any] | None = None) -> str:
