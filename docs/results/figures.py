@@ -748,6 +748,9 @@ for run in ("replay-qwen-plain", "replay-smollm2-plain", "replay-qwen-spr", "rep
 CONDITIONS = [f"replay-qwen-{c}" for c in ("plain", "spr", "gate-spr", "instaboost")]
 if all(finished(name) for name in CONDITIONS[:3]):
     BLOCKS["replay-qwen-conditions"] = functools.partial(replay_conditions, *filter(finished, CONDITIONS))
+if finished("replay-smollm2-plain") and finished("replay-smollm2-spr"):
+    BLOCKS["replay-smollm2-conditions"] = functools.partial(replay_conditions, "replay-smollm2-plain",
+                                                            "replay-smollm2-spr")
 for model in ("qwen", "smollm2"):
     if finished(f"replay-{model}-plain") and finished(f"project-replay-{model}-plain"):
         BLOCKS[f"project-replay-{model}-plain"] = functools.partial(replay_projected, f"replay-{model}-plain",
