@@ -491,6 +491,43 @@ def replay_conditions(*names: str, upto: int | None = None) -> str:
     return "\n".join(rows)
 
 
+def mmlu_prices(*names: str) -> str:
+    """MMLU runs asked after the same dialogs, each with its plain answers and one steer's (a gate's, SPR always
+    on): accuracy, the steered minus plain difference, and each later run against the first's steered answers
+    (all paired by question, clustered by dialog: `clustered_paired_test`, exact sign-flip over dialogs).
+    The runs must share their plain answers (same questions, dialogs and model), or the comparison is void."""
+    from driftlab.records.rundir import RunDir
+    from driftlab.stats import clustered_paired_test
+
+    runs = {}
+    for name in names:
+        records = [r for r in RunDir(HERE / name).records() if r["kind"] == "answer"]
+        runs[name] = {c: {r["index"]: r for r in records if r["condition"] == c} for c in ("plain", "steered")}
+    plain = runs[names[0]]["plain"]
+    assert all({k: r["predicted"] for k, r in run["plain"].items()} == {k: r["predicted"] for k, r in plain.items()}
+               for run in runs.values()), "the runs' plain answers differ"
+    dialogs = {k: r["dialog"] for k, r in plain.items()}
+    correct = lambda answers: {k: float(r["correct"]) for k, r in answers.items()}  # noqa: E731
+
+    def vs(a: dict, b: dict) -> str:
+        t = clustered_paired_test(correct(a), correct(b), dialogs)
+        return f"{t.diff.estimate:+.3f} {_ci(t.diff.low, t.diff.high, 3, sign=True)}: {t.better} / {t.worse}, p = {_p(t.p)}"
+
+    first = runs[names[0]]["steered"]
+    rows = [f"| run | plain | steered | steered minus plain: gained / lost, p | minus {names[0]}'s steered | "
+            "questions steered |", "|---|---|---|---|---|---|"]
+    for name, run in runs.items():
+        steered = run["steered"]
+        gates = [r["gate"]["steered"] for r in steered.values() if r.get("gate")]
+        assert all(r["logprobs"] == plain[k]["logprobs"] for k, r in steered.items()
+                   if r.get("gate") and not r["gate"]["steered"]), "a question the gate left plain differs from plain"
+        share = f"{sum(gates)} of {len(gates)}" if gates else f"all {len(steered)}"
+        rows.append(f"| {name} | {np.mean(list(correct(run['plain']).values())):.3f} | "
+                    f"{np.mean(list(correct(steered).values())):.3f} | {vs(steered, run['plain'])} | "
+                    f"{vs(steered, first) if name != names[0] else ''} | {share} |")
+    return "\n".join(rows)
+
+
 def _rescued(frame: pd.DataFrame, last: int) -> str:
     """How often an agent turn passes after a failing one (rounds 2..last), with a 95% interval from a bootstrap
     over dialogs: what a steer does for a dialog that already slipped."""
@@ -748,6 +785,9 @@ for run in ("replay-qwen-plain", "replay-smollm2-plain", "replay-qwen-spr", "rep
 CONDITIONS = [f"replay-qwen-{c}" for c in ("plain", "spr", "gate-spr", "instaboost")]
 if all(finished(name) for name in CONDITIONS[:3]):
     BLOCKS["replay-qwen-conditions"] = functools.partial(replay_conditions, *filter(finished, CONDITIONS))
+if finished("mmlu-qwen-gate-spr-gated"):  # the gate's price, then always-on SPR's once it has finished
+    BLOCKS["mmlu-qwen-gate-spr"] = functools.partial(mmlu_prices, *filter(finished, ("mmlu-qwen-gate-spr-gated",
+                                                                                     "mmlu-qwen-gate-spr-always")))
 if finished("replay-smollm2-plain") and finished("replay-smollm2-spr"):
     BLOCKS["replay-smollm2-conditions"] = functools.partial(replay_conditions, "replay-smollm2-plain",
                                                             "replay-smollm2-spr")
