@@ -778,7 +778,7 @@ def finished(name: str) -> bool:
 
 
 for run in ("replay-qwen-plain", "replay-smollm2-plain", "replay-qwen-spr", "replay-qwen-gate-spr", "replay-qwen-instaboost",
-            "replay-smollm2-spr"):
+            "replay-smollm2-spr", "replay-smollm2-instaboost", "replay-qwen-constraints"):
     if finished(run):
         BLOCKS[run] = functools.partial(replay_block, run)
 # The qwen replay's conditions side by side (plain first): once each has finished, the block names them all.
@@ -788,9 +788,9 @@ if all(finished(name) for name in CONDITIONS[:3]):
 if finished("mmlu-qwen-gate-spr-gated"):  # the gate's price, then always-on SPR's once it has finished
     BLOCKS["mmlu-qwen-gate-spr"] = functools.partial(mmlu_prices, *filter(finished, ("mmlu-qwen-gate-spr-gated",
                                                                                      "mmlu-qwen-gate-spr-always")))
-if finished("replay-smollm2-plain") and finished("replay-smollm2-spr"):
-    BLOCKS["replay-smollm2-conditions"] = functools.partial(replay_conditions, "replay-smollm2-plain",
-                                                            "replay-smollm2-spr")
+SMOLLM2_CONDITIONS = [f"replay-smollm2-{c}" for c in ("plain", "spr", "instaboost")]
+if all(finished(name) for name in SMOLLM2_CONDITIONS[:2]):
+    BLOCKS["replay-smollm2-conditions"] = functools.partial(replay_conditions, *filter(finished, SMOLLM2_CONDITIONS))
 for model in ("qwen", "smollm2"):
     if finished(f"replay-{model}-plain") and finished(f"project-replay-{model}-plain"):
         BLOCKS[f"project-replay-{model}-plain"] = functools.partial(replay_projected, f"replay-{model}-plain",
