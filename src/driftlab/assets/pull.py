@@ -309,7 +309,6 @@ def _convert(gguf: Path, out: Path, dtype: str) -> None:
     import functools
     from unittest import mock
 
-    import gguf as gguf_py
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -320,9 +319,10 @@ def _convert(gguf: Path, out: Path, dtype: str) -> None:
     # Each read of a GGUF parses all its metadata (a 49k-token vocabulary: seconds in Python), and
     # transformers builds gguf's tensor-name map once per submodule (hundreds of identical maps,
     # a fifth of the pull): read the config once and hand it on, and build each map once.
-    same_map = functools.cache(gguf_py.get_tensor_name_map)
     try:
-        with mock.patch.object(gguf_py, "get_tensor_name_map", same_map):
+        import gguf as gguf_py
+
+        with mock.patch.object(gguf_py, "get_tensor_name_map", functools.cache(gguf_py.get_tensor_name_map)):
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
             config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
             # float32 is the fast path for GGUF dequantisation; cast once afterwards.
