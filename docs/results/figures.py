@@ -781,16 +781,16 @@ for run in ("replay-qwen-plain", "replay-smollm2-plain", "replay-qwen-spr", "rep
             "replay-smollm2-spr", "replay-smollm2-instaboost", "replay-qwen-constraints"):
     if finished(run):
         BLOCKS[run] = functools.partial(replay_block, run)
-# The qwen replay's conditions side by side (plain first): once each has finished, the block names them all.
-CONDITIONS = [f"replay-qwen-{c}" for c in ("plain", "spr", "gate-spr", "instaboost")]
-if all(finished(name) for name in CONDITIONS[:3]):
-    BLOCKS["replay-qwen-conditions"] = functools.partial(replay_conditions, *filter(finished, CONDITIONS))
+# Each model's replay conditions side by side (plain first): once plain and SPR have finished, the block
+# names every condition that has.
+CONDITIONS = {"qwen": ("plain", "spr", "gate-spr", "instaboost"), "smollm2": ("plain", "spr", "instaboost")}
+for model, conditions in CONDITIONS.items():
+    names = [f"replay-{model}-{c}" for c in conditions]
+    if all(finished(name) for name in names[:2]):
+        BLOCKS[f"replay-{model}-conditions"] = functools.partial(replay_conditions, *filter(finished, names))
 if finished("mmlu-qwen-gate-spr-gated"):  # the gate's price, then always-on SPR's once it has finished
     BLOCKS["mmlu-qwen-gate-spr"] = functools.partial(mmlu_prices, *filter(finished, ("mmlu-qwen-gate-spr-gated",
                                                                                      "mmlu-qwen-gate-spr-always")))
-SMOLLM2_CONDITIONS = [f"replay-smollm2-{c}" for c in ("plain", "spr", "instaboost")]
-if all(finished(name) for name in SMOLLM2_CONDITIONS[:2]):
-    BLOCKS["replay-smollm2-conditions"] = functools.partial(replay_conditions, *filter(finished, SMOLLM2_CONDITIONS))
 for model in ("qwen", "smollm2"):
     if finished(f"replay-{model}-plain") and finished(f"project-replay-{model}-plain"):
         BLOCKS[f"project-replay-{model}-plain"] = functools.partial(replay_projected, f"replay-{model}-plain",
