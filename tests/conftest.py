@@ -33,6 +33,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+    # Inductor's compile threads likewise: at its default (one per core) every process that compiles
+    # starts a pool of worker interpreters (each imports torch) to run g++ beside a core the other
+    # test worker already uses; in-process it costs 4% less CPU (test_benchmarks_gpu.py, 2026-11-29).
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 MAX_WORKERS = 4  # each worker holds its own copies of the test models (a few GB)
 
 # Fewer cyclic garbage collections in the test processes. Their tests make and drop many

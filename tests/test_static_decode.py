@@ -843,8 +843,9 @@ def test_cuda_options_compile_one_graph_per_batch_bucket_with_a_concrete_batch(f
     """CUDA's compile options (`static_batch`) on this CPU, dynamo's graphs captured: each batch
     bucket compiles its own graph, in which every flex call's query has a concrete batch (what
     inductor's split-KV decoding kernel needs, `flex_decoding._use_flex_decoding`), steered or
-    plain (the lean step's one pass); a longer cache still compiles nothing. CPU's options keep
-    one graph for every bucket of 2 rows or more."""
+    plain (the lean step's one pass); a longer cache still compiles nothing. (CPU's options, one
+    graph for every bucket of 2 rows or more, are test_graph_budget.py's: on the same model and
+    flex path, batches 3 and 8 run on batch 2's graphs under fail_on_recompile.)"""
     import driftlab.chat.static_decode as sd
 
     batches: list[list] = []
@@ -856,24 +857,33 @@ def test_cuda_options_compile_one_graph_per_batch_bucket_with_a_concrete_batch(f
 
     cuda = {k: v for k, v in sd.COMPILE_OPTIONS["cuda"].items() if k != "mode"}
     model = _gqa7_model()
-    # Batch 1 only under CPU's options: dynamo makes a dimension of size 1 concrete whatever the
-    # options, so under CUDA's it would check nothing that batches 2 and 4 do not.
-    for options, sizes, graphs in ((cuda, (2, 4), 4), (sd.COMPILE_OPTIONS["cpu"], (1, 2, 4), 4)):
-        monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {**options, "backend": capture})
-        decoder, batches[:] = sd.StaticDecoder(model, compiled=True), []
-        torch._dynamo.reset()
-        for batch in sizes:
-            for steered in (False, True):
-                _probe_step(decoder, model, batch, 200 + batch, steered)
-        assert decoder.graphs == graphs, decoder.ran()
-        steered_calls = [b for b in batches if len(b) == 2 * model.config.num_hidden_layers]
-        if options is cuda:
-            assert sorted({b for call in batches for b in call}) == [2, 4], batches
-            assert all(isinstance(b, int) for call in batches for b in call), batches
-            with torch.compiler.set_stance("fail_on_recompile"):
-                _probe_step(decoder, model, 4, 600, steered=True)
-        else:
-            assert any(not isinstance(b, int) for call in steered_calls for b in call), batches
+    # Batches 2 and 4 (dynamo makes a dimension of size 1 concrete whatever the options, so batch 1
+    # would check nothing that they do not).
+    monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {**cuda, "backend": capture})
+    decoder = sd.StaticDecoder(model, compiled=True)
+    torch._dynamo.reset()
+    for batch in (2, 4):
+        for steered in (False, True):
+            _probe_step(decoder, model, batch, 200 + batch, steered)
+    assert decoder.graphs == 4, decoder.ran()
+    assert sorted({b for call in batches for b in call}) == [2, 4], batches
+    assert all(isinstance(b, int) for call in batches for b in call), batches
+    assert sum(len(b) == 2 * model.config.num_hidden_layers for b in batches) == 2, batches  # the steered graphs
+    with torch.compiler.set_stance("fail_on_recompile"):
+        _probe_step(decoder, model, 4, 600, steered=True)
+
+
+def test_flex_is_imported_before_the_first_step_is_traced(backends, monkeypatch) -> None:
+    """flex.py is imported on first use: imported inside a compiled step's first trace, it left a
+    guard on the engine's module global that the import itself then broke, so a process that had
+    not run flex before compiled its first graph twice (found running the test above alone)."""
+    import driftlab.chat.static_decode as sd
+    from driftlab.attention import engine
+
+    monkeypatch.setattr(engine, "_flex", None)
+    monkeypatch.setattr(engine, "_flex_missing", None)
+    sd.StaticDecoder(backends["compiled"].model, compiled=True).step()  # builds the compiled step; traces nothing
+    assert engine._flex is not None or engine._flex_missing is not None
 
 
 # Extra aten ops per layer of a steered decode step over a plain one (eager static steps), for every

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 
+from driftlab.attention import engine
 from driftlab.chat import precompiled
 from driftlab.chat.base import ChatRequest, Sampling
 from driftlab.chat.spec import DecodeMode
@@ -411,6 +412,10 @@ class StaticDecoder:
                 torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
             cache = use_compile_cache()
             options = self._options()
+            # flex.py is imported on first use (engine._flex_module): imported inside the first trace,
+            # it would leave a guard on the module global the import then changes, and that step's
+            # first graph would be compiled twice in a process that had not used flex before.
+            engine._flex_module()
             self.static_batch = options.pop("static_batch", False)
             compiled = torch.compile(self.model.forward, **options)
             if precompiled.wanted(self.model.device, options):
