@@ -131,16 +131,17 @@ def test_pull_then_load_offline(tmp_path):
     assert "20568" in reply.text
 
 
-def test_local_directory_model_matches_preset(smol_dir, tmp_path):
-    """--model accepts a plain HF directory: a copy of the preset gives the same greedy text."""
+def test_local_directory_model_matches_preset(smol_dir, smol32, tmp_path):
+    """--model accepts a plain HF directory: a copy of the preset gives the same greedy text
+    (as the session's float32 preset model, smol32)."""
     from driftlab.chat import Sampling, chat
     from driftlab.chat.hf import HFChatBackend
 
     copy = linked_copy(smol_dir, tmp_path / "my-model", leave_out="driftlab.json")
     conv = [{"role": "user", "content": "Name a fruit that is yellow."}]
     g = Sampling(greedy=True, max_new_tokens=12)
-    by_dir = chat(HFChatBackend(str(copy), dtype="float32"), [conv], g)[0].text
-    by_name = chat(HFChatBackend("smollm2-135m", dtype="float32"), [conv], g)[0].text
+    by_dir = chat(HFChatBackend(str(copy), dtype="float32", prefix_cache_bytes=0), [conv], g)[0].text
+    by_name = chat(smol32, [conv], g)[0].text
     assert by_dir == by_name and by_dir
 
 

@@ -22,16 +22,37 @@ CONVS = [
 GREEDY = Sampling(greedy=True, max_new_tokens=20)
 
 
-def test_batched_greedy_equals_one_at_a_time(smol32):
-    batch = chat(smol32, CONVS, GREEDY)
+@pytest.fixture(scope="module")
+def greedy_batch(smol32):
+    """The four conversations decoded greedily in one batch (two tests read the same replies)."""
+    return chat(smol32, CONVS, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def cached_backend(smol_dir):
+    """SmolLM2 with its prefix cache (the session's smol32 has none), loaded once for the module."""
+    from driftlab.chat.hf import HFChatBackend
+
+    return HFChatBackend(str(smol_dir), dtype="float32", device=backend_device())
+
+
+@pytest.fixture
+def cached(cached_backend):
+    """`cached_backend` with an empty prefix cache, as a backend just loaded has."""
+    cached_backend.prefix_cache.clear()
+    return cached_backend
+
+
+def test_batched_greedy_equals_one_at_a_time(smol32, greedy_batch):
+    batch = greedy_batch
     single = [chat(smol32, [c], GREEDY)[0] for c in CONVS]
     assert [r.text for r in batch] == [r.text for r in single]
     assert [r.token_ids for r in batch] == [r.token_ids for r in single]
     assert len({len(smol32.render(c).ids) for c in CONVS}) > 1  # really padded
 
 
-def test_eos_and_length_limits(smol32):
-    replies = chat(smol32, CONVS, GREEDY)
+def test_eos_and_length_limits(greedy_batch):
+    replies = greedy_batch
     assert replies[1].finish_reason == "stop" and "4" in replies[1].text  # short answer ends by itself
     for r in replies:
         assert r.n_tokens <= GREEDY.max_new_tokens
@@ -41,7 +62,7 @@ def test_eos_and_length_limits(smol32):
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(smol32):
-    s = Sampling(max_new_tokens=16, temperature=1.0, top_p=0.9)
+    s = Sampling(max_new_tokens=8, temperature=1.0, top_p=0.9)  # 8 sampled tokens differ between seeds
     a = chat(smol32, CONVS, s, seeds=[11, 12, 13, 14])
     b = chat(smol32, CONVS, s, seeds=[11, 12, 13, 14])
     assert [r.text for r in a] == [r.text for r in b]
@@ -52,19 +73,17 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(smol32):
     assert [r.text for r in other] != [r.text for r in a]
 
 
-def test_prefix_cache_gives_the_same_text_and_is_used(smol_dir):
-    from driftlab.chat.hf import HFChatBackend
-
-    cached = HFChatBackend(str(smol_dir), dtype="float32", device=backend_device())
-    first = chat(cached, CONVS, GREEDY)
+def test_prefix_cache_gives_the_same_text_and_is_used(cached):
+    greedy = Sampling(greedy=True, max_new_tokens=8)  # a reply read from a wrong cache differs at once
+    first = chat(cached, CONVS, greedy)
     follow = [c + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "Tell me more."}]
               for c, r in zip(CONVS, first)]
     hits_before = cached.prefix_cache.hits_tokens
-    warm = chat(cached, follow, GREEDY)
+    warm = chat(cached, follow, greedy)
     reused = cached.prefix_cache.hits_tokens - hits_before
     assert reused >= sum(len(cached.render(c).ids) for c in CONVS)  # at least every first prompt
     cached.prefix_cache.clear()
-    cold = chat(cached, follow, GREEDY)
+    cold = chat(cached, follow, greedy)
     assert [r.text for r in warm] == [r.text for r in cold]
 
 
@@ -87,11 +106,12 @@ def test_plain_template_for_models_without_chat_template(smol_dir, tmp_path):
     assert "User:" not in reply.text and "Assistant:" not in reply.text
 
 
-def test_system_span_modes(smol_dir):
+def test_system_span_modes(smol_dir, smol32):
     from driftlab.chat.hf import HFChatBackend
 
     prefix = HFChatBackend(str(smol_dir), dtype="float32", device=backend_device(), span_mode="prefix")
-    content = HFChatBackend(str(smol_dir), dtype="float32", device=backend_device(), span_mode="content")
+    content = smol32  # span_mode="content", the default
+    assert content.renderer.span_mode == "content"
     tok = prefix.tokenizer
     rp, rc = prefix.render(CONVS[0]), content.render(CONVS[0])
     assert rp.ids == rc.ids
@@ -249,7 +269,8 @@ def test_rows_stop_at_their_own_limit_when_cancelled_and_hand_over_early(smol32)
 
     convs = [[{"role": "user", "content": f"Count from {i} to one hundred."}] for i in (1, 5, 9)]
     sampling = Sampling(max_new_tokens=12, temperature=0, ignore_eos=True)
-    alone = [smol32.generate(ChatRequest([c], sampling))[0] for c in convs]
+    alone = [smol32.generate(ChatRequest([c], sampling.model_copy(update={"max_new_tokens": n})))[0]
+             for c, n in zip(convs, [4, 12, 6], strict=True)]  # each as many tokens as it is compared on
     finished_at: list[tuple[int, int]] = []  # (row, tokens the longest row had by then)
     streamed = [0, 0, 0]
 
@@ -270,8 +291,7 @@ def test_rows_stop_at_their_own_limit_when_cancelled_and_hand_over_early(smol32)
 
 
 @pytest.mark.parametrize("steer", [[], ["instaboost:m=5"], ["cfg:alpha=1.5"]])
-def test_done_rows_leave_the_batch_with_the_same_tokens_and_their_prefixes_kept(smol_dir, smol32, monkeypatch,
-                                                                                 steer):
+def test_done_rows_leave_the_batch_with_the_same_tokens_and_their_prefixes_kept(cached, smol32, monkeypatch, steer):
     """Rows that finish early leave the batch (their KV dropped from the cache, their attention
     state and guidance twins with them) while the others decode on: every reply equals the
     same conversation decoded alone, the batch really shrank, and a dropped row's prompt and
@@ -279,7 +299,6 @@ def test_done_rows_leave_the_batch_with_the_same_tokens_and_their_prefixes_kept(
     from transformers.cache_utils import DynamicCache
 
     from driftlab.chat import ChatRequest
-    from driftlab.chat.hf import HFChatBackend
     from driftlab.steering import Interventions
 
     sizes: list[int] = []
@@ -291,11 +310,11 @@ def test_done_rows_leave_the_batch_with_the_same_tokens_and_their_prefixes_kept(
 
     monkeypatch.setattr(DynamicCache, "batch_select_indices", counted)
     iv = Interventions.parse(steer) if steer else Interventions()
-    sampling = Sampling(max_new_tokens=14, temperature=0, ignore_eos=True)
-    limits = [2, 14, 5, 9]  # rows end at steps 2, 5 and 9: three times a quarter of the batch is done
-    cached = HFChatBackend(str(smol_dir), dtype="float32", device=backend_device())
+    sampling = Sampling(max_new_tokens=8, temperature=0, ignore_eos=True)
+    limits = [2, 8, 4, 6]  # rows end at steps 2, 4 and 6: three times a quarter of the batch is done
     batch = cached.generate(ChatRequest(CONVS, sampling, interventions=iv, row_max_tokens=limits))
-    alone = [smol32.generate(ChatRequest([c], sampling, interventions=iv))[0] for c in CONVS]
+    alone = [smol32.generate(ChatRequest([c], sampling.model_copy(update={"max_new_tokens": n}), interventions=iv))[0]
+             for c, n in zip(CONVS, limits, strict=True)]  # each as many tokens as it is compared on
     assert [r.n_tokens for r in batch] == limits
     assert [r.token_ids for r in batch] == [a.token_ids[:n] for a, n in zip(alone, limits, strict=True)]
     twins = 2 if steer == ["cfg:alpha=1.5"] else 1

@@ -29,38 +29,44 @@ def driftlab(commands) -> Callable[..., subprocess.CompletedProcess]:
     return lambda *args: commands.run(list(args))
 
 
-@pytest.mark.model
-def test_chat_prints_only_the_reply(smol_dir, driftlab):
-    from driftlab.chat import Sampling, chat
-    from driftlab.chat.hf import HFChatBackend
+SYSTEM = "Always reply in French."
+TOKENS = 12  # the steer below changes the reply from its second token on
 
-    args = ["chat", "--model", "smollm2-135m", "--system", "Always reply in French.", "--greedy",
-            "--max-new-tokens", "32", "--dtype", "float32", QUESTION]
+
+@pytest.fixture(scope="module")
+def plain_reply(smol32) -> str:
+    """The greedy reply to SYSTEM and QUESTION, computed in-process (the session's float32 SmolLM2)."""
+    from driftlab.chat import Sampling, chat
+
+    conv = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    return chat(smol32, [conv], Sampling(greedy=True, max_new_tokens=TOKENS))[0].text
+
+
+@pytest.mark.model
+def test_chat_prints_only_the_reply(driftlab, plain_reply):
+    args = ["chat", "--model", "smollm2-135m", "--system", SYSTEM, "--greedy",
+            "--max-new-tokens", str(TOKENS), "--dtype", "float32", QUESTION]
     proc = driftlab(*args)
     assert proc.returncode == 0, proc.stderr
-    conv = [{"role": "system", "content": "Always reply in French."}, {"role": "user", "content": QUESTION}]
-    expected = chat(HFChatBackend(str(smol_dir), dtype="float32"), [conv], Sampling(greedy=True, max_new_tokens=32))
-    assert proc.stdout == expected[0].text + "\n"
+    assert proc.stdout == plain_reply + "\n"
 
 
 @pytest.mark.model
-def test_chat_split_softmax_matches_the_eager_reference(smol_dir, driftlab):
+def test_chat_split_softmax_matches_the_eager_reference(smol_dir, driftlab, plain_reply):
     """`--steer split-softmax:k=0.9` gives the greedy text of the slow weight-materialising reference."""
     from attention_reference import NAME, register_reference
     from driftlab.chat import Sampling, chat
     from driftlab.chat.hf import HFChatBackend
 
-    proc = driftlab("chat", "--system", "Always reply in French.", "--greedy", "--max-new-tokens", "24",
+    proc = driftlab("chat", "--system", SYSTEM, "--greedy", "--max-new-tokens", str(TOKENS),
                     "--dtype", "float32", "--steer", "split-softmax:k=0.9", QUESTION)
     assert proc.returncode == 0, proc.stderr
     register_reference()
     ref = HFChatBackend(str(smol_dir), dtype="float32", attn_implementation=NAME, prefix_cache_bytes=0)
-    conv = [{"role": "system", "content": "Always reply in French."}, {"role": "user", "content": QUESTION}]
-    want = chat(ref, [conv], Sampling(greedy=True, max_new_tokens=24), steer=["split-softmax:k=0.9"])[0]
+    conv = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    want = chat(ref, [conv], Sampling(greedy=True, max_new_tokens=TOKENS), steer=["split-softmax:k=0.9"])[0]
     assert proc.stdout.strip() == want.text
-    plain = driftlab("chat", "--system", "Always reply in French.", "--greedy", "--max-new-tokens", "24",
-                     "--dtype", "float32", QUESTION)
-    assert plain.stdout != proc.stdout  # the intervention changes the reply
+    assert proc.stdout.strip() != plain_reply  # the intervention changes the reply
 
 
 @pytest.mark.parametrize(

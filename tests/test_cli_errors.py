@@ -263,8 +263,9 @@ CASES = [
                                                 "--out", "{ws}/e"), ("already generates",), hint="--max-new-tokens"),
     Case("pasta-eval-train-split", ("pasta", "eval", "--task", "json", "--split", "train", "--out", "{ws}/e"),
          ("Invalid --split train",)),
+    # (refused before the default model is pulled or loaded: the case's own, empty cache stays absent)
     Case("chat-pasta-unclosed-mark", ("chat", "--steer", "pasta:heads=all", "an *open span", "--device", "cpu",
-                                      "--dtype", "float32"), ("never closed",), hint="literal marker", model=True),
+                                      "--dtype", "float32"), ("never closed",), hint="literal marker"),
     Case("pasta-eval-missing-data", ("pasta", "eval", "--task", "json", "--data", "{ws}/nope.jsonl",
                                      "--out", "{ws}/e", "--device", "cpu", "--dtype", "float32"),
          ("nope.jsonl: file not found",), model=True),
@@ -355,14 +356,22 @@ def _snapshot(*roots: Path) -> dict[str, tuple]:
 # --------------------------------------------------------------------------- the test
 
 
+# What the cases' commands import, once in the server rather than in each of ~120 forked commands
+# (0.1-1.2 s of a CPU each: run and sweep reach the protocols and pandas, report matplotlib, serve
+# its web stack). None of them reads a variable a case sets at import: not transformers, whose
+# huggingface_hub reads HF_HOME then (run-hub-offline-not-cached sets it).
+PRELOAD = ["torch", "driftlab.report.html", "driftlab.protocol.sweep", "driftlab.protocol.decay",
+           "driftlab.pasta.evaluate", "driftlab.chat.openai", "openai", "driftlab.serve", "langdetect"]
+
+
 @pytest.fixture(scope="module")
 def commands(tmp_path_factory):
     """Each case's `driftlab` is a process forked from one server that imported driftlab's entry
-    point (driftlab.cli) and torch once (tests/conftest.py's CommandServer; no case sets a
+    point (driftlab.cli) and PRELOAD once (tests/conftest.py's CommandServer; no case sets a
     variable they read at import), instead of a new interpreter paying those imports: ~0.5 s of
     a CPU per case, ~2 s for the cases that reach torch. What those imports print would be in
     every case's output: it must be nothing."""
-    server = CommandServer(tmp_path_factory.mktemp("commands"), ["torch"])
+    server = CommandServer(tmp_path_factory.mktemp("commands"), PRELOAD)
     assert server.import_output == "", server.import_output
     yield server
     server.close()
@@ -460,16 +469,16 @@ def test_usable_devices_resolve():
 
 
 @pytest.mark.parametrize("columns", [None, "60"])
-def test_models_list_never_clips_preset_names(columns, tmp_path):
-    """`driftlab models list | grep NAME` finds every preset, piped or in a narrow terminal."""
+def test_models_list_never_clips_preset_names(columns, tmp_path, commands):
+    """`driftlab models list | grep NAME` finds every preset, piped or in a narrow terminal (rich reads
+    COLUMNS when it prints, so a command forked from the server meets the job's own)."""
     from driftlab.assets import PRESETS
 
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     env["DRIFTLAB_CACHE"] = str(tmp_path)
     if columns:
         env["COLUMNS"] = columns
-    proc = subprocess.run([sys.executable, "-m", "driftlab", "models", "list"], capture_output=True, text=True,
-                          env=env)  # fmt: skip
+    proc = commands.run(["models", "list"], env=env)
     assert proc.returncode == 0, proc.stderr
     for name in PRESETS:
         assert any(name in line.split() for line in proc.stdout.splitlines() if "│" in line), (name, proc.stdout)

@@ -11,19 +11,26 @@ from driftlab.chat.base import ChatRequest, Sampling
 from driftlab.serve import ServeSettings, create_app
 from driftlab.serve.background import background as serving
 from driftlab.steering.interventions import Interventions
-from test_serve import MODEL, server_backend  # noqa: F401 - fixture
+from test_serve import MODEL
 
 STEER = "split-softmax:k=0.8"
 
 
 @pytest.fixture(scope="module")
-def url(server_backend):  # noqa: F811
-    app = create_app(server_backend, ServeSettings(max_batch_size=8, max_wait_ms=20, max_tokens_limit=64))
+def server_backend(smol32):
+    """The session's float32 SmolLM2 (no prefix cache, as test_serve's server has), served as MODEL."""
+    return smol32
+
+
+@pytest.fixture(scope="module")
+def url(server_backend):
+    app = create_app(server_backend, ServeSettings(max_batch_size=8, max_wait_ms=20, max_tokens_limit=64,
+                                                   served_model_name=MODEL))
     with serving(app) as base:
         yield base
 
 
-def test_inspect_ai_evaluates_a_steered_model_with_stop_seqs_and_two_choices(url, server_backend, tmp_path,  # noqa: F811
+def test_inspect_ai_evaluates_a_steered_model_with_stop_seqs_and_two_choices(url, server_backend, tmp_path,
                                                                               monkeypatch):
     from inspect_ai import Task
     from inspect_ai import eval as inspect_eval
@@ -34,7 +41,7 @@ def test_inspect_ai_evaluates_a_steered_model_with_stop_seqs_and_two_choices(url
     monkeypatch.setenv("DRIFTLAB_API_KEY", "none")
     monkeypatch.setenv("DRIFTLAB_BASE_URL", f"{url}/v1")
     system = "Answer with the number only."
-    samples = [Sample(input=f"What is {a} + {a}?", target=str(2 * a)) for a in range(1, 6)]
+    samples = [Sample(input=f"What is {a} + {a}?", target=str(2 * a)) for a in range(1, 4)]
     task = Task(dataset=MemoryDataset(samples), solver=[system_message(system), generate()], scorer=includes())
     log = inspect_eval(task, model=f"openai-api/driftlab/{MODEL}+{STEER}", max_tokens=12, temperature=0.0,
                        stop_seqs=["\n"], num_choices=2, log_dir=str(tmp_path), display="none")[0]
@@ -50,7 +57,7 @@ def test_inspect_ai_evaluates_a_steered_model_with_stop_seqs_and_two_choices(url
         out = got[i].output
         assert [c.message.text for c in out.choices] == [expected[i - 1]] * 2  # greedy: both choices agree
     accuracy = log.results.scores[0].metrics["accuracy"].value
-    assert accuracy == pytest.approx(sum(s.target in e for s, e in zip(samples, expected, strict=True)) / 5)
+    assert accuracy == pytest.approx(sum(s.target in e for s, e in zip(samples, expected, strict=True)) / len(samples))
 
 
 FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "lm_eval"
@@ -70,7 +77,7 @@ def _lm_eval(model: str, model_args: dict, tasks: list[str], monkeypatch, **kwar
 
 
 @pytest.mark.parametrize("steer", [[], [STEER]])
-def test_lm_eval_local_completions_scores_multiple_choice_as_driftlab_does(url, server_backend, smol_dir,  # noqa: F811
+def test_lm_eval_local_completions_scores_multiple_choice_as_driftlab_does(url, server_backend, smol_dir,
                                                                             steer, monkeypatch):
     """lm-eval's log-likelihood path (token ids, echo, logprobs) against the server, with the
     system instruction in the chat template lm-eval renders with the model's tokenizer (its
@@ -81,7 +88,7 @@ def test_lm_eval_local_completions_scores_multiple_choice_as_driftlab_does(url, 
     model = "+".join([MODEL, *steer])
     out = _lm_eval("local-completions", {"model": model, "base_url": f"{url}/v1/completions", "batch_size": 8,
                                          "tokenizer_backend": "huggingface", "tokenizer": str(smol_dir)},
-                   ["driftlab_mc", "driftlab_arith"], monkeypatch, limit=4, apply_chat_template=True,
+                   ["driftlab_mc", "driftlab_arith"], monkeypatch, limit=2, apply_chat_template=True,
                    system_instruction="Always reply in French.")
     assert out["config"]["model_args"]["model"] == model  # the steer is recorded with the results
     iv = Interventions.parse(steer)
@@ -108,7 +115,7 @@ def test_lm_eval_local_completions_scores_multiple_choice_as_driftlab_does(url, 
         assert sample["resps"][0][0] == server_backend.decode(ours.token_ids).split("\n")[0]
 
 
-def test_lm_eval_local_chat_completions_generates_with_the_tasks_stop_and_a_per_request_steer(url, server_backend,  # noqa: F811
+def test_lm_eval_local_chat_completions_generates_with_the_tasks_stop_and_a_per_request_steer(url, server_backend,
                                                                                               monkeypatch):
     """lm-eval's generate path through chat completions: the task's `until` is sent as `stop`
     (a 422 before issue 34), the steer rides in gen_kwargs' `driftlab` field, and every logged

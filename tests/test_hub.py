@@ -187,8 +187,9 @@ def test_cli_chat_and_selfchat_run_by_hub_id_and_resume_refuses_changed_weights(
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.process  # fresh interpreters
-def test_models_list_shows_cached_causal_lms(hub: Path) -> None:
+def test_models_list_shows_cached_causal_lms(hub: Path, commands: CommandServer) -> None:
+    """(Each command forked from the server on `hub`'s cache: cli()'s environment, COLUMNS added.)"""
+    cli = lambda env, *args: commands.run(list(args), env=_full(env))  # noqa: E731
     proc = cli(hub_env(hub), "models", "list", "--format", "json")
     assert proc.returncode == 0, proc.stderr
     rows = [r for r in json.loads(proc.stdout) if r["source"] == "hf-cache"]
@@ -241,6 +242,29 @@ def online(root: Path, endpoint: str, **extra: str) -> dict[str, str]:
             "HF_HUB_ETAG_TIMEOUT": "2", "HF_HUB_DOWNLOAD_TIMEOUT": "2", **extra}
 
 
+@pytest.fixture(scope="module")
+def online_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The HF_HOME of `online_commands`: one cache for the tests below that download from the hub
+    server (or must download nothing), since huggingface_hub reads it at import."""
+    return tmp_path_factory.mktemp("hf_online")
+
+
+@pytest.fixture(scope="module")
+def online_commands(online_root: Path, hub_server: str,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[CommandServer]:
+    """`driftlab` commands against the hub server, each forked from one server started with
+    online(online_root)'s environment (what cli() gives a new interpreter) that imported torch
+    and transformers once: a command's own variables (HF_TOKEN) are ones read when used."""
+    server = CommandServer(tmp_path_factory.mktemp("online-commands"), ["torch", "transformers", "huggingface_hub"],
+                           _full(online(online_root, hub_server)))
+    yield server
+    server.close()
+
+
+def models_files(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*") if p.is_file() and "models--" in str(p)}
+
+
 @pytest.mark.process  # fresh interpreters
 def test_pull_downloads_once_then_loads_offline(tmp_path: Path, hub_server: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
@@ -263,12 +287,14 @@ def test_pull_downloads_once_then_loads_offline(tmp_path: Path, hub_server: str,
 
 
 @pytest.mark.model  # a whole protocol
-def test_a_run_downloads_its_agent_and_user_models(tmp_path: Path, hub_server: str) -> None:
+def test_a_run_downloads_its_agent_and_user_models(tmp_path: Path, online_root: Path,
+                                                   online_commands: CommandServer) -> None:
     """Two uncached Hub models in one process: loading the first must not switch the hub off."""
+    assert not models_files(online_root)  # the first test of online_root: neither model is cached
     out = tmp_path / "run"
-    proc = cli(online(tmp_path, hub_server), "run", "--model", SERVED, "--user-model", SERVED_B, "--out", str(out),
-               "--device", "cpu", "--dtype", "float32", "--pairs", "1", "--rounds", "1", "--max-new-tokens", "2",
-               "--probe-tokens", "2", "--no-report")
+    proc = online_commands.run(["run", "--model", SERVED, "--user-model", SERVED_B, "--out", str(out),
+                                "--device", "cpu", "--dtype", "float32", "--pairs", "1", "--rounds", "1",
+                                "--max-new-tokens", "2", "--probe-tokens", "2", "--no-report"])
     assert proc.returncode == 0, proc.stderr
     models = json.loads((out / "manifest.json").read_text())["models"]
     assert (models["agent"]["hub"]["sha"], models["user"]["hub"]["sha"]) == (SHA_SERVED, SHA_SERVED_B)
@@ -283,18 +309,19 @@ def test_a_run_downloads_its_agent_and_user_models(tmp_path: Path, hub_server: s
     ("tiny-org/not-a-model", ("has no config.json: it is not a transformers model",), "causal LMs"),
     ("some-org/model", ("Could not download 'some-org/model'",), "HF_ENDPOINT"),  # the hub fails (500)
 ])
-def test_hub_errors_are_one_line_and_download_nothing(tmp_path: Path, hub_server: str, model: str,
+def test_hub_errors_are_one_line_and_download_nothing(online_root: Path, online_commands: CommandServer, model: str,
                                                       expect: tuple[str, ...], hint: str) -> None:
-    proc = cli(online(tmp_path, hub_server), "models", "pull", model)
+    before = models_files(online_root)
+    proc = online_commands.run(["models", "pull", model])
     one_line_error(proc, *expect)
     assert hint in proc.stderr.splitlines()[1]
-    assert not any(p.is_file() and "models--" in str(p) for p in tmp_path.rglob("*")), list(tmp_path.rglob("*"))
+    assert models_files(online_root) == before
 
 
-@pytest.mark.process
-def test_gated_with_a_token_says_the_token_lacks_access(tmp_path: Path, hub_server: str) -> None:
-    env = online(tmp_path, hub_server, HF_TOKEN="hf_fake")
-    one_line_error(cli(env, "chat", "--model", "gated-org/llama", "--device", "cpu", "hi"),
+def test_gated_with_a_token_says_the_token_lacks_access(online_root: Path, hub_server: str,
+                                                        online_commands: CommandServer) -> None:
+    env = _full(online(online_root, hub_server, HF_TOKEN="hf_fake"))  # huggingface_hub reads HF_TOKEN when used
+    one_line_error(online_commands.run(["chat", "--model", "gated-org/llama", "--device", "cpu", "hi"], env=env),
                    "is gated", "has not been granted access")
 
 

@@ -196,13 +196,29 @@ def test_driftlab_imports_without_lm_eval_and_cli_wrapper_registers():
     assert "--model_args" in out.stdout
 
 
+# `python -m driftlab.integrations.lm_eval ARGS`, run as -m runs a module (runpy, as __main__), less
+# lm-eval's index of its own ~14k task files (~6 s of a CPU, lm-eval's work, not the wrapper's): the
+# CLI's task manager reads --include_path's fixture tasks only, as _lm_eval's in test_harnesses.py.
+_CLI_ON_FIXTURE_TASKS = """
+import runpy
+import lm_eval.tasks
+
+class FixtureTasksOnly(lm_eval.tasks.TaskManager):
+    def __init__(self, *args, include_defaults=False, **kwargs):
+        super().__init__(*args, include_defaults=include_defaults, **kwargs)
+
+lm_eval.tasks.TaskManager = FixtureTasksOnly
+runpy.run_module("driftlab.integrations.lm_eval", run_name="__main__", alter_sys=True)
+"""
+
+
 @pytest.mark.slow
 def test_lm_eval_cli_runs_driftlab(smol_dir, tmp_path):
     """`python -m driftlab.integrations.lm_eval run --model driftlab ...` end to end (lm-eval 0.4.13 has
     no entry point for models: the wrapper registers "driftlab" before lm-eval's own CLI runs)."""
     env = {**__import__("os").environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     subprocess.run(
-        [sys.executable, "-m", "driftlab.integrations.lm_eval", "run", "--model", "driftlab", "--model_args",
+        [sys.executable, "-c", _CLI_ON_FIXTURE_TASKS, "run", "--model", "driftlab", "--model_args",
          f"pretrained={smol_dir},dtype=float32,steer=split-softmax:k=0.8", "--tasks", "driftlab_mc",
          "--include_path", str(FIXTURES), "--limit", "2", "--output_path", str(tmp_path)],
         check=True, env=env, capture_output=True, text=True, timeout=600)

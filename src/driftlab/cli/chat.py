@@ -38,17 +38,21 @@ def chat(
     from driftlab.chat.base import MAX_SEED
     from driftlab.errors import DriftlabError
     from driftlab.steering import Interventions
+    from driftlab.steering.emphasis import strip_emphasis
 
     # Everything cheap is checked before the model loads.
     interventions = Interventions.parse(steer)
     sampling = build(Sampling, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy)
     if not 0 <= seed <= MAX_SEED:
         raise DriftlabError(f"Invalid --seed {seed}: use 0 to 2^63-1.")
-    model = make_backend(backend, prefix_cache_bytes=0)
-    model.capabilities.require(model.name, interventions)
     conversation = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": prompt}
     ]
+    marker = interventions.emphasis_marker()
+    if marker is not None:  # an unclosed or empty *mark* is the user's to fix: said before a model loads
+        strip_emphasis(conversation, marker)
+    model = make_backend(backend, prefix_cache_bytes=0)
+    model.capabilities.require(model.name, interventions)
     reply = model.generate(ChatRequest([conversation], sampling, seeds=[seed], interventions=interventions))[0]
     typer.echo(reply.text)
     if reply.trace is not None:
