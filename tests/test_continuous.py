@@ -8,6 +8,7 @@ finishes first."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import httpx
@@ -118,11 +119,15 @@ def same_draws(got: list[int], want: list[int], seed: int, together: Draws, alon
     return False
 
 
+JOINERS = 20
+
+
 def test_a_batch_that_rows_keep_joining_keeps_only_its_live_rows_slots(smol32, monkeypatch) -> None:
-    """A row joins at every step boundary for 40 steps, each leaving 6 tokens later: the batch lives
-    for about 46 steps, but each step's cache holds only what its live rows attend to (a row's
-    prompt and reply, at most), not a slot for every step the batch has lived. The last joiners
-    still get the tokens they get alone."""
+    """A row joins at every step boundary for 20 steps, each leaving 6 tokens later: the batch lives
+    for about 26 steps, but each step's cache holds only what its live rows attend to (a row's
+    prompt and reply, at most), not a slot for every step the batch has lived (that would be 20
+    slots past the longest prompt, where the prompts differ by fewer). The last joiners still get
+    the tokens they get alone."""
     widths: list[int] = []
     feed = decoding.Decoding.feed
 
@@ -133,25 +138,29 @@ def test_a_batch_that_rows_keep_joining_keeps_only_its_live_rows_slots(smol32, m
 
     monkeypatch.setattr(decoding.Decoding, "feed", measured)
     sampling = Sampling(greedy=True, max_new_tokens=6, ignore_eos=True)
-    joiners = [[CONVS[i % len(CONVS)]] for i in range(40)]
+    joiners = [[CONVS[i % len(CONVS)]] for i in range(JOINERS)]
 
     def admit() -> ChatRequest | None:
         return ChatRequest(joiners.pop(0), sampling) if joiners else None
 
     together = smol32.generate(ChatRequest(CONVS[:2], sampling, admit=admit))
     longest = max(len(smol32.render(c).ids) for c in CONVS)
-    assert len(together) == 42 and len(widths) >= 45
+    shortest = min(len(smol32.render(c).ids) for c in CONVS)
+    assert shortest + JOINERS > longest + 6  # a slot per step lived would break the bound below
+    assert len(together) == JOINERS + 2 and len(widths) >= JOINERS + 5
     assert max(widths) <= longest + 6, (max(widths), longest)
-    alone = smol32.generate(ChatRequest([CONVS[i % len(CONVS)] for i in range(37, 40)], sampling))
+    alone = smol32.generate(ChatRequest([CONVS[i % len(CONVS)] for i in range(JOINERS - 3, JOINERS)], sampling))
     assert [r.token_ids for r in together[-3:]] == [r.token_ids for r in alone]
 
 
-def test_joined_rows_store_their_prefixes_as_a_lone_row_does(smol_dir) -> None:
-    """A follow-up turn on a joined row's reply reuses the KV the batch stored and decodes as without it."""
+def test_joined_rows_store_their_prefixes_as_a_lone_row_does(smol_dir, smol32) -> None:
+    """A follow-up turn on a joined row's reply reuses the KV the batch stored and decodes as without it
+    (as smol32 decodes it: the same model and dtype, with no prefix cache)."""
     from driftlab.chat.hf import HFChatBackend
 
     cached = HFChatBackend(str(smol_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=64 << 20)
-    plain = HFChatBackend(str(smol_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
+    plain = smol32
+    assert plain.prefix_cache.max_bytes == 0
     greedy = Sampling(greedy=True, max_new_tokens=14)
     first, _ = waves_of(greedy, Interventions())
     replies = cached.generate(first)
@@ -209,13 +218,14 @@ def test_rows_of_another_sampling_are_refused_and_a_prefill_trace_takes_none(smo
 def test_a_short_request_joins_a_long_one_and_finishes_first(smol32) -> None:
     """Sent once a 64-token request streams, a 5-token one of the same sampling joins its batch
     (continuous) and ends before it, with the tokens it gets alone; under --batching static it
-    waits for the long one."""
+    waits for the long one. Once the short reply is in, a continuous run has shown its order, so
+    the long stream's client leaves then instead of reading its remaining tokens."""
     long = {"model": smol32.name, "messages": CONVS[1], "max_tokens": 64, "ignore_eos": True, "temperature": 0,
             "stream": True}
     short = {"model": smol32.name, "messages": CONVS[2], "max_tokens": 5, "ignore_eos": True, "temperature": 0}
     (alone,) = smol32.generate(ChatRequest([CONVS[2]], Sampling(greedy=True, max_new_tokens=5, ignore_eos=True)))
 
-    async def race(url: str, extra: dict) -> tuple[dict, list[str]]:
+    async def race(url: str, extra: dict, wait_for_long: bool) -> tuple[dict, list[str]]:
         order: list[str] = []
         async with httpx.AsyncClient(timeout=600) as http:
             streaming = asyncio.Event()
@@ -231,7 +241,10 @@ def test_a_short_request_joins_a_long_one_and_finishes_first(smol32) -> None:
             await streaming.wait()
             reply = (await http.post(f"{url}/v1/chat/completions", json={**short, **extra})).json()
             order.append("short")
-            await task
+            if not wait_for_long and not task.done():
+                task.cancel()  # closes the stream: its row leaves the batch
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         return reply, order
 
     telemetry = {"driftlab": {"telemetry": True}}  # a traced row joins the plain stream's batch too
@@ -239,7 +252,7 @@ def test_a_short_request_joins_a_long_one_and_finishes_first(smol32) -> None:
                                    ("static", "long", {})):
         app = create_app(smol32, ServeSettings(max_wait_ms=0, batching=batching))
         with serving(app) as url:
-            reply, order = asyncio.run(race(url, extra))
+            reply, order = asyncio.run(race(url, extra, wait_for_long=batching == "static"))
             admitted = app.state.server.batcher.n_admitted
         assert order[0] == first, (batching, extra, order)
         choice = reply["choices"][0]

@@ -11,7 +11,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from tests.test_mmlu import RAW
 
-from devices import backend_device
 from driftlab.chat import BackendSpec, ChatRequest, Sampling, make_backend
 from driftlab.chat.openai import REQUEST_LOG, OpenAIChatBackend
 from driftlab.chat.spec import Runtime
@@ -24,18 +23,16 @@ from driftlab.records.rundir import RunDir
 from driftlab.serve import ServeSettings, create_app
 from driftlab.serve.background import background as serving
 from driftlab.steering import Interventions
+from test_serve import served_as
 
 MODEL = "smollm2-135m"
 FAST = (0.01, 0.05)  # backoff for tests: first delay and cap, seconds
 
 
 @pytest.fixture(scope="module")
-def served(smol_dir):
-    from driftlab.chat.hf import HFChatBackend
-
-    backend = HFChatBackend(str(smol_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
-    backend.name = MODEL
-    with serving(create_app(backend, ServeSettings(max_wait_ms=20))) as url:
+def served(smol32):
+    """smol32 served (under MODEL, sharing its weights: no second load of the same model)."""
+    with serving(create_app(served_as(smol32, MODEL), ServeSettings(max_wait_ms=20))) as url:
         yield f"{url}/v1"
 
 
@@ -66,8 +63,11 @@ def test_selfchat_over_http_equals_the_local_run_and_resumes_without_resending(s
     assert again.sent == 0 and _records(tmp_path / "killed") == local
 
 
+QUESTIONS = 6  # each one HTTP request and a local scoring: enough to compare letters and log-probabilities
+
+
 def test_mmlu_letters_over_http_match_local_loglikelihood(served, smol32, tmp_path):
-    config = MMLUConfig(n=12, turn=0, data=str(RAW))
+    config = MMLUConfig(n=QUESTIONS, turn=0, data=str(RAW))
     run_protocol(MMLU(config, smol32), tmp_path / "local", progress=False)
     remote = OpenAIChatBackend(MODEL, Runtime(base_url=served), log_dir=tmp_path / "remote")
     remote_cfg = config.model_copy(update={"backend": BackendSpec(model=f"openai:{MODEL}")})
@@ -78,12 +78,12 @@ def test_mmlu_letters_over_http_match_local_loglikelihood(served, smol32, tmp_pa
         return {r.index: r for r in RunDir(run).records(ANSWERS)}
 
     a, b = answers(tmp_path / "local"), answers(tmp_path / "remote")
-    assert a.keys() == b.keys() and len(a) == 12
+    assert a.keys() == b.keys() and len(a) == QUESTIONS
     assert [a[q].predicted for q in a] == [b[q].predicted for q in a]
     for q in a:  # the chosen letter is in the top 20, so it has the local log-probability
         letter = a[q].predicted
         assert abs(a[q].logprobs[letter] - b[q].logprobs[letter]) < 1e-3
-    assert remote.sent == 12  # the four letters of a question share one request
+    assert remote.sent == QUESTIONS  # the four letters of a question share one request
 
 
 def test_attention_interventions_and_cfg_are_refused_naming_what_works(tmp_path):

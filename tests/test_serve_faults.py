@@ -19,15 +19,17 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
 
+from conftest import CommandServer
 from devices import backend_device
 from driftlab.chat import Sampling, chat
 from driftlab.serve import ServeSettings, create_app
@@ -143,11 +145,11 @@ class Faulty:
 
 
 def test_a_poisoned_batch_fails_only_its_poison(backend, smol32):
-    """Oversized, unencodable, deeply nested and model-crashing requests among 6 normal ones,
-    all sent while the model is busy, so that the 7 that pass the checks queue up and run as
-    one batch: the 6 normal ones get the replies they get alone."""
+    """Oversized, unencodable, deeply nested and model-crashing requests among 3 normal ones,
+    all sent while the model is busy, so that the 4 that pass the checks queue up and run as
+    one batch: the 3 normal ones get the replies they get alone (each decoded alone again here)."""
     app = create_app(Faulty(backend), ServeSettings(max_batch_size=32, max_wait_ms=300))
-    prompts = [f"Name a colour, please ({i})." for i in range(6)]
+    prompts = [f"Name a colour, please ({i})." for i in range(3)]
     oversize = json.dumps(body("word " * 9000)).encode()  # > the 8192-token context window
     surrogate = json.dumps(body("hi")).replace('"hi"', '"hi \\ud800"').encode()
     poisons = {"oversize": oversize, "surrogate": surrogate, "deep": b"[" * 100_000,
@@ -158,7 +160,7 @@ def test_a_poisoned_batch_fails_only_its_poison(backend, smol32):
             def post(content: bytes):
                 return asyncio.create_task(client.post(f"{url}/v1/chat/completions", content=content,
                                                        headers={"content-type": "application/json"}))
-            async with holding_the_model(client, url):  # the 7 that pass the checks queue behind it
+            async with holding_the_model(client, url):  # the 4 that pass the checks queue behind it
                 tasks = [*(post(json.dumps(body(p)).encode()) for p in prompts),
                          *(post(c) for c in poisons.values())]
                 await until(client, url, lambda h: h["waiting"] + sum(t.done() for t in tasks) == len(tasks),
@@ -168,7 +170,7 @@ def test_a_poisoned_batch_fails_only_its_poison(backend, smol32):
     with serving(app) as url:
         responses = asyncio.run(send_all(url))
         sizes = app.state.batcher.sizes_since(0)
-    normal, bad = responses[:6], dict(zip(poisons, responses[6:]))
+    normal, bad = responses[:len(prompts)], dict(zip(poisons, responses[len(prompts):]))
     for p, r in zip(prompts, normal):
         assert r.status_code == 200, r.text
         alone = chat(backend, [[{"role": "user", "content": p}]], Sampling(max_new_tokens=8, temperature=0))[0]
@@ -178,7 +180,7 @@ def test_a_poisoned_batch_fails_only_its_poison(backend, smol32):
     assert "nests JSON too deeply" in openai_error(bad["deep"], 400)["message"]
     err = openai_error(bad["crash"], 500)
     assert err["type"] == "server_error" and "injected" not in err["message"]  # no internals leak
-    assert 7 in sizes, sizes  # the crash really shared a batch with the 6 normal requests, then was isolated
+    assert len(prompts) + 1 in sizes, sizes  # the crash really shared a batch with the normal ones, then was isolated
 
 
 def test_framework_errors_are_openai_json_and_types_are_strict(backend):
@@ -275,7 +277,8 @@ def test_a_full_queue_answers_429_with_retry_after(backend):
 def test_a_request_past_its_deadline_ends_with_504_and_frees_the_server(backend):
     """A request still decoding at --request-timeout gets 504 at its deadline (a stream: an
     error event, then [DONE]), its row stops decoding, and the server keeps serving: a short
-    request sent next is answered within that same timeout.
+    request sent next is answered within that same timeout. The plain and the streamed long
+    request are sent together, so the test waits for one deadline.
 
     The timeout is 20 times a short request's latency measured here first (at least 2 s), and
     the long requests ask for 20 timeouts' worth of tokens at the measured decode speed: a
@@ -290,17 +293,28 @@ def test_a_request_past_its_deadline_ends_with_504_and_frees_the_server(backend)
     tokens = min(LONGEST, math.ceil(20 * timeout / step))
     assert tokens * step > 5 * timeout, "this machine decodes too fast for a request to outlast the deadline"
 
+    async def past_the_deadline(url: str) -> tuple[httpx.Response, float, list[str]]:
+        """A plain and a streamed long request at once: one deadline to wait for, not two."""
+        async with httpx.AsyncClient(timeout=timeout + TIMEOUT) as client:
+            async def plain() -> tuple[httpx.Response, float]:
+                start = time.perf_counter()
+                r = await client.post(f"{url}/v1/chat/completions", json=long_body(tokens))
+                return r, time.perf_counter() - start
+
+            async def stream() -> list[str]:
+                async with client.stream("POST", f"{url}/v1/chat/completions",
+                                         json=long_body(tokens, stream=True)) as s:
+                    return [line.removeprefix("data: ") async for line in s.aiter_lines() if line.startswith("data:")]
+
+            (r, took), events = await asyncio.gather(plain(), stream())
+        return r, took, events
+
     app = create_app(backend, ServeSettings(request_timeout=timeout, max_tokens_limit=LONGEST))
     with serving(app) as url:
         before = _tokens_generated(url)
-        start = time.perf_counter()
-        r = httpx.post(f"{url}/v1/chat/completions", json=long_body(tokens), timeout=timeout + TIMEOUT)
-        took = time.perf_counter() - start
+        r, took, events = asyncio.run(past_the_deadline(url))
         assert openai_error(r, 504)["type"] == "timeout_error", r.text
         assert timeout <= took < 3 * timeout, (took, timeout)  # at the deadline, not after the decode
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=long_body(tokens, stream=True),
-                          timeout=timeout + TIMEOUT) as s:
-            events = [line.removeprefix("data: ") for line in s.iter_lines() if line.startswith("data:")]
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 504
         # The server is free again: a short request gets its 200 within the same --request-timeout
         # (it would get 504 if the 2 rows past their deadline still held the model).
@@ -345,27 +359,27 @@ def test_deterministic_replies_do_not_depend_on_their_batch_in_bfloat16(smol_dir
     """In bfloat16 a batch can change the arithmetic, and with it greedy text (whether it does
     for given prompts depends on the machine's kernels, so that is not what is tested here);
     --deterministic decodes each request alone and keeps no prefix cache, so a reply is the
-    same alone and among 5 concurrent ones: every batch the server ran held one request, and
-    each reply equals the one decoded alone, by a backend that never batches it."""
+    same alone and among 3 concurrent ones (one decoding, two waiting): every batch the server
+    ran held one request, and each reply equals the one decoded alone, one request per call,
+    before the server started, by the backend it serves (no prefix cache, as --deterministic
+    makes the server's, so no KV outlives its request)."""
     from driftlab.chat.hf import HFChatBackend
 
-    prompts = [f"Write a long sentence about the number {i} and why it matters." for i in range(5)]
+    prompts = [f"Write a long sentence about the number {i} and why it matters." for i in range(3)]
     settings = ServeSettings(deterministic=True, max_wait_ms=200)
     assert settings.prefix_cache_bytes == 0
     # Without a prefix cache, as the server's: with one, a reply could reuse KV computed in another batch.
-    plain = HFChatBackend(str(smol_dir), dtype="bfloat16", device=backend_device(), prefix_cache_bytes=0)
-    start = time.perf_counter()
-    alone = [chat(plain, [[{"role": "user", "content": p}]], Sampling(max_new_tokens=12, temperature=0))[0].text
-             for p in prompts]
-    sequential = time.perf_counter() - start  # what the server's work costs on this machine now
-
     b = HFChatBackend(str(smol_dir), dtype="bfloat16", device=backend_device(),
                       prefix_cache_bytes=settings.prefix_cache_bytes)
     b.name = MODEL
+    start = time.perf_counter()
+    alone = [chat(b, [[{"role": "user", "content": p}]], Sampling(max_new_tokens=12, temperature=0))[0].text
+             for p in prompts]
+    sequential = time.perf_counter() - start  # what the server's work costs on this machine now
     app = create_app(b, settings)
 
     async def ask_all(url):
-        # The last reply waits for the 4 before it: allow 10 times the measured sequential work.
+        # The last reply waits for the ones before it: allow 10 times the measured sequential work.
         async with httpx.AsyncClient(timeout=TIMEOUT + 10 * sequential) as client:
             tasks = [asyncio.create_task(client.post(f"{url}/v1/chat/completions", json=body(p, 12)))
                      for p in prompts]
@@ -382,36 +396,73 @@ def test_deterministic_replies_do_not_depend_on_their_batch_in_bfloat16(smol_dir
 
 
 # -- the whole server process: drain on SIGTERM, exposure ---------------------------------------
+PRELOAD = ["torch", "transformers", "transformers.models.llama.modeling_llama", "driftlab.chat.hf",
+           "driftlab.chat.openai", "driftlab.serve", "driftlab.serve.drain", "uvicorn", "httpx", "openai"]
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    """`driftlab` commands, each its own process forked from one server that imported torch,
+    transformers and the server's modules once (tests/conftest.py's CommandServer), not a new
+    interpreter paying seconds of imports each."""
+    server = CommandServer(tmp_path_factory.mktemp("commands"), PRELOAD)
+    yield server
+    server.close()
+
+
+class ServerProcess:
+    """A `driftlab serve` process forked by `commands`: its pid, and its exit (`wait`)."""
+
+    def __init__(self, pid: int, done: Future) -> None:
+        self.pid, self._done = pid, done
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess:
+        return self._done.result(timeout=timeout)
+
+
+def _only_child(pid: int) -> int | None:
+    """The one child process of `pid` (Linux's /proc), or None while it has none."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return int(children[0]) if children else None
+
+
 @contextmanager
-def server_process(smol_dir, *args: str):
+def server_process(commands, smol_dir, *args: str):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "driftlab", "serve", "--model", str(smol_dir), "--port", str(port),
-                             "--dtype", "float32", "--device", backend_device(), "--served-model-name", MODEL, *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + TIMEOUT  # starting takes seconds, or minutes on a busy machine
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
-            time.sleep(0.3)
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    argv = ["serve", "--model", str(smol_dir), "--port", str(port), "--dtype", "float32", "--device", backend_device(),
+            "--served-model-name", MODEL, *args]
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(commands.run, argv)
+        pid = None
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + TIMEOUT  # starting takes seconds, or minutes on a busy machine
+            while True:
+                pid = pid or _only_child(commands.server.pid)
+                try:
+                    if pid and httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert not done.done() and time.monotonic() < deadline, done.result() if done.done() else "no start"
+                time.sleep(0.1)
+            yield ServerProcess(pid, done), url
+        finally:
+            pid = pid or _only_child(commands.server.pid)
+            if pid and not done.done():
+                os.kill(pid, signal.SIGKILL)
 
 
-def test_sigterm_drains_finishes_what_it_can_ends_the_rest_cleanly_and_exits_0(smol_dir, backend):
+def test_sigterm_drains_finishes_what_it_can_ends_the_rest_cleanly_and_exits_0(commands, smol_dir, backend):
     """2 plain + 2 streamed requests in flight at SIGTERM, one of each short and one too long
     for --graceful-timeout: the short ones complete, the long plain one gets 503 JSON, the long
     stream an error event then [DONE]; a request sent while draining gets 503; exit 0.
 
     The graceful timeout is 10 times what the short requests' batch takes here, measured first
-    on the same model (at least 10 s), and the long requests ask for 20 graceful timeouts'
+    on the same model (at least 5 s: the long rows decode for all of it), and the long requests ask for 20 graceful timeouts'
     worth of tokens at the measured speed: how busy the machine is moves both, so only the
     drain decides which requests finish (--request-timeout is set far beyond the drain)."""
     short_tokens = 4  # few: the drain must outlast them by far, and every test second waits on the drain
@@ -424,12 +475,12 @@ def test_sigterm_drains_finishes_what_it_can_ends_the_rest_cleanly_and_exits_0(s
 
     batch_of_4(short_tokens)  # warm-up
     measured = min(batch_of_4(short_tokens) for _ in range(2))
-    graceful = max(10.0, 10 * measured)
+    graceful = max(5.0, 10 * measured)
     step = measured / short_tokens  # seconds per decode step, an overestimate (it includes the prefill)
     tokens = min(LONGEST, math.ceil(20 * graceful / step))
     assert tokens * step > 5 * graceful, "this machine decodes too fast for a request to outlast the drain"
 
-    with server_process(smol_dir, "--graceful-timeout", f"{graceful:.1f}", "--max-tokens-limit", str(LONGEST),
+    with server_process(commands, smol_dir, "--graceful-timeout", f"{graceful:.1f}", "--max-tokens-limit", str(LONGEST),
                         "--request-timeout", f"{3 * graceful + TIMEOUT:.0f}") as (proc, url):
         async def scenario():
             async with httpx.AsyncClient(timeout=graceful + TIMEOUT) as client:
@@ -457,7 +508,8 @@ def test_sigterm_drains_finishes_what_it_can_ends_the_rest_cleanly_and_exits_0(s
                 return late, await asyncio.gather(*tasks)
 
         late, (short, short_stream, long, long_stream) = asyncio.run(scenario())
-        assert proc.wait(timeout=TIMEOUT) == 0, proc.stdout.read().decode()
+        exited = proc.wait(timeout=TIMEOUT)
+        assert exited.returncode == 0, exited.stdout + exited.stderr
     openai_error(late, 503)
     assert short.status_code == 200, (short.text, graceful)
     assert short.json()["usage"]["completion_tokens"] == short_tokens, short.text
@@ -470,10 +522,10 @@ def test_sigterm_drains_finishes_what_it_can_ends_the_rest_cleanly_and_exits_0(s
         httpx.get(f"{url}/health", timeout=2)
 
 
-def test_an_api_key_file_guards_an_exposed_server(smol_dir, tmp_path):
+def test_an_api_key_file_guards_an_exposed_server(commands, smol_dir, tmp_path):
     key = tmp_path / "key.txt"
     key.write_text("file-key-123\n")
-    with server_process(smol_dir, "--host", "0.0.0.0", "--api-key-file", str(key)) as (proc, url):
+    with server_process(commands, smol_dir, "--host", "0.0.0.0", "--api-key-file", str(key)) as (proc, url):
         assert httpx.post(f"{url}/v1/chat/completions", json=body(max_tokens=1), timeout=TIMEOUT).status_code == 401
         r = httpx.post(f"{url}/v1/chat/completions", json=body(max_tokens=1), timeout=TIMEOUT,
                        headers={"Authorization": "Bearer file-key-123"})
@@ -509,17 +561,14 @@ def hanging_server():
 
 
 @pytest.mark.process
-def test_the_client_gives_up_on_a_hung_server_with_one_line(tmp_path):
+def test_the_client_gives_up_on_a_hung_server_with_one_line(commands, tmp_path):
     start = time.monotonic()
-    subprocess.run([sys.executable, "-m", "driftlab", "chat", "--help"], capture_output=True, timeout=120,
-                   check=True)
+    assert commands.run(["chat", "--help"]).returncode == 0
     cli_start = time.monotonic() - start  # how long the CLI takes to start on this machine now
     with hanging_server() as base_url:
         start = time.monotonic()
-        out = subprocess.run([sys.executable, "-m", "driftlab", "chat", "--model", "openai:any", "--base-url", base_url,
-                              "--timeout", "1", "--max-retries", "1", "Hello"],
-                             capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                             env={**os.environ, "OPENAI_API_KEY": "none"})
+        out = commands.run(["chat", "--model", "openai:any", "--base-url", base_url, "--timeout", "1",
+                            "--max-retries", "1", "Hello"], cwd=tmp_path, env={**os.environ, "OPENAI_API_KEY": "none"})
         took = time.monotonic() - start
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     error = [line for line in out.stderr.splitlines() if line.startswith("Error:")]
