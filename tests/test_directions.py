@@ -73,7 +73,8 @@ def test_a_prompt_smollm2_follows_separates_held_out_replies_and_a_shuffled_cont
     from safetensors.torch import load_file
     from scipy.stats import mannwhitneyu
 
-    run = dl.directions(smol32, personas=["reply-in-french"], starters=11, max_new_tokens=16, out=tmp_path,
+    # 8 tokens separate as 16 did (held-out p = 1/70, the exact test's least; control AUROC 0.60 against 0.59), at 70% of the CPU
+    run = dl.directions(smol32, personas=["reply-in-french"], starters=11, max_new_tokens=8, out=tmp_path,
                         progress=False)
     p = run.summary.personas["reply-in-french"]
     replies = {(r["prompt"], r["condition"]): r["text"] for r in run.records}

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import driftlab as dl
+from devices import backend_device
 from driftlab.api import spec_of
 from driftlab.errors import DriftlabError
 from driftlab.protocol.kl import KL, KLConfig
@@ -27,19 +28,28 @@ def same_kl(value: float) -> object:
     return pytest.approx(value, rel=5e-5, abs=1e-5)
 
 
+SIZES = {"rounds": 3, "max_new_tokens": 10, "probe_tokens": 6}  # (6 and 4 tokens: a series D* cannot fit)
+
+
 @pytest.fixture(scope="module")
 def recorded(smol32, tmp_path_factory) -> Path:
     """A greedy self-chat of two pairs over three rounds, with probes after the agent's turns, and the live KL."""
     out = tmp_path_factory.mktemp("kl") / "run"
-    dl.selfchat(smol32, pair=PAIRS, rounds=3, max_new_tokens=10, probe_tokens=6, greedy=True, kl=True, out=out,
-                progress=False)
+    dl.selfchat(smol32, pair=PAIRS, **SIZES, greedy=True, kl=True, out=out, progress=False)
     return out
 
 
+def kl_args(recorded: Path) -> list[str]:
+    return ["kl", "--from-run", str(recorded), "--dtype", "float32", "--device", backend_device()]
+
+
 @pytest.fixture(scope="module")
-def kl_run(smol32, recorded, tmp_path_factory) -> Path:
+def kl_run(commands, recorded, tmp_path_factory) -> Path:  # noqa: F811
+    """`driftlab kl` of the recorded run, uninterrupted: also the reference of the killed and resumed one
+    (a command of the same server, so the same float32 arithmetic: the records compare exactly)."""
     out = tmp_path_factory.mktemp("kl") / "kl"
-    dl.run(KL(KLConfig(backend=spec_of(smol32), from_run=str(recorded)), smol32), out=out, progress=False)
+    done = commands.run([*kl_args(recorded), "--out", str(out)])
+    assert done.returncode == 0, done.stderr[-2000:]
     return out
 
 
@@ -89,8 +99,7 @@ def test_the_live_kl_of_a_self_chat_is_driftlab_kl_of_its_records(smol32, record
         assert kl["reminded"] == same_kl(rec["reminded"]) and kl["prompt"] == same_kl(rec["prompt"]), (kl, rec)
     user = [r for r in RunDir(recorded).records() if r["kind"] == "turn" and r["speaker"] == "user"]
     assert user and all(r.get("kl") is None for r in user)  # the user LM is not the model under test
-    plain = dl.selfchat(smol32, pair=PAIRS, rounds=3, max_new_tokens=10, probe_tokens=6, greedy=True,
-                        out=tmp_path / "plain", progress=False)
+    plain = dl.selfchat(smol32, pair=PAIRS, **SIZES, greedy=True, out=tmp_path / "plain", progress=False)
     texts = lambda records: sorted((r["pair"], r["round"], r["kind"], r["text"]) for r in records)  # noqa: E731
     assert texts(plain.records) == texts(RunDir(recorded).records())
 
@@ -138,8 +147,8 @@ def _reference(model, backend, context: list[dict], n: int) -> torch.Tensor:
     ids = backend.render(context, add_generation_prompt=False).ids
     start = len(backend.render(context[:-1], add_generation_prompt=True).ids)
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].double()
-    return torch.log_softmax(logits, dim=-1)[start - 1 : start - 1 + n]
+        logits = model(torch.tensor([ids])).logits[0, start - 1 : start - 1 + n]
+    return torch.log_softmax(logits.double(), dim=-1)
 
 
 def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
@@ -147,10 +156,9 @@ def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
-def test_a_killed_kl_run_resumes_to_the_records_of_an_uninterrupted_one(commands, recorded, tmp_path) -> None:  # noqa: F811
-    args = ["kl", "--from-run", str(recorded), "--dtype", "float32"]
-    ref = commands.run([*args, "--out", str(tmp_path / "ref")])
-    assert ref.returncode == 0, ref.stderr[-2000:]
+def test_a_killed_kl_run_resumes_to_the_records_of_an_uninterrupted_one(commands, recorded, kl_run,  # noqa: F811
+                                                                        tmp_path) -> None:
+    args = kl_args(recorded)
     killed = commands.run([*args, "--out", str(tmp_path / "run")], kill_after=1)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     kept = (tmp_path / "run" / "records.jsonl").read_bytes()
@@ -158,7 +166,7 @@ def test_a_killed_kl_run_resumes_to_the_records_of_an_uninterrupted_one(commands
     done = commands.run([*args, "--out", str(tmp_path / "run")])
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "run" / "records.jsonl").read_bytes().startswith(kept)
-    assert sorted(map(str, RunDir(tmp_path / "run").records())) == sorted(map(str, RunDir(tmp_path / "ref").records()))
+    assert sorted(map(str, RunDir(tmp_path / "run").records())) == sorted(map(str, RunDir(kl_run).records()))
     assert "reminded KL" in done.stderr and "how far the measures agree" in done.stderr  # the per-round tables
 
 

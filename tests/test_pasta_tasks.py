@@ -136,7 +136,7 @@ def test_eval_runs_every_baseline_and_resumes(tmp_path, smol32) -> None:
     from driftlab.pasta.evaluate import PastaEval, summarize
     from driftlab.report.pasta import write_pasta_figures
 
-    cfg = PastaEvalConfig(task="json", n=2, max_new_tokens=12, backend=BackendSpec(dtype="float32", device=backend_device()),
+    cfg = PastaEvalConfig(task="json", n=2, max_new_tokens=6, backend=BackendSpec(dtype="float32", device=backend_device()),
                           baselines=list(BASELINES), steer=["pasta:heads=all,alpha=0.01"])
     run_protocol(PastaEval(cfg, smol32), tmp_path / "eval", progress=False)
     rd = RunDir(tmp_path / "eval")
@@ -156,11 +156,11 @@ def test_eval_runs_every_baseline_and_resumes(tmp_path, smol32) -> None:
 def test_counterfact_eval_scores_es_and_ps(tmp_path, smol32) -> None:
     from driftlab.pasta.evaluate import PastaEval
 
-    cfg = PastaEvalConfig(task="counterfact", n=3, backend=BackendSpec(dtype="float32", device=backend_device()), baselines=["zero-shot", "pasta"],
+    cfg = PastaEvalConfig(task="counterfact", n=2, backend=BackendSpec(dtype="float32", device=backend_device()), baselines=["zero-shot", "pasta"],
                           steer=["pasta:heads=0-29,alpha=0.01"])
     run_protocol(PastaEval(cfg, smol32), tmp_path / "cf", progress=False)
     recs = RunDir(tmp_path / "cf").records()
-    assert len(recs) == 6 and all(set(r["metrics"]) == {"es", "ps"} for r in recs)
+    assert len(recs) == 4 and all(set(r["metrics"]) == {"es", "ps"} for r in recs)
     assert all(r["metrics"]["ps"] in (0.0, 0.5, 1.0) for r in recs)
 
 
@@ -185,8 +185,8 @@ def test_profile_scoring_modes(tmp_path, smol32, task, score) -> None:
     """Log-likelihood profiling (a scoring task's metric, or the answer's likelihood): 9 heads of one layer."""
     from driftlab.pasta.profile import HeadProfiler, build_profile
 
-    n = 1 if score == "metric" else 2  # (a metric is an example's 0, 0.5 or 1 either way; one example is enough)
-    cfg = ProfileConfig(task=task, n=n, layers="5", score=score, backend=BackendSpec(dtype="float32", device=backend_device()))
+    # One example: a metric is its 0, 0.5 or 1 either way, and single heads move one answer's likelihood differently.
+    cfg = ProfileConfig(task=task, n=1, layers="5", score=score, backend=BackendSpec(dtype="float32", device=backend_device()))
     run_protocol(HeadProfiler(cfg, smol32), tmp_path / "p", progress=False)
     profile = build_profile(tmp_path / "p")
     assert [(layer, h) for layer, h, _ in profile.scores] != [] and {layer for layer, _, _ in profile.scores} == {5}
