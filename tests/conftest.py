@@ -333,6 +333,30 @@ class CommandServer:
         self._err.close()
 
 
+# What the protocol commands of test_resume.py, test_directions.py and test_kl.py import, once, in
+# their shared server (each command still imports the rest itself), and the protocols they run
+# (their modules import no data and start no thread).
+PROTOCOL_PRELOAD = [
+    "matplotlib.pyplot", "pandas", "scipy.stats", "torch", "transformers", "transformers.masking_utils",
+    "transformers.models.llama.modeling_llama", "driftlab.chat.hf", "driftlab.protocol.runner",
+    "driftlab.protocol.selfchat", "driftlab.protocol.replay", "driftlab.protocol.mmlu", "driftlab.protocol.sweep",
+    "driftlab.protocol.calibrate", "driftlab.protocol.decay", "driftlab.pasta.profile", "driftlab.pasta.tune",
+    "driftlab.report.html"]
+
+
+@pytest.fixture(scope="session")
+def protocol_commands(tmp_path_factory, smol_dir):
+    """One command server per test worker for the protocol commands (`driftlab selfchat|kl|directions
+    ...`): its start imports PROTOCOL_PRELOAD (seconds of a CPU), paid once, not once per file.
+    tests/ is on its PYTHONPATH for the fakes; the caller's PYTHONPATH is kept, so every process
+    imports the same driftlab."""
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    server = CommandServer(tmp_path_factory.mktemp("protocol-commands"), PROTOCOL_PRELOAD,
+                           {**os.environ, "PYTHONPATH": path})
+    yield server
+    server.close()
+
+
 def linked_copy(src: Path, dst: Path, leave_out: str) -> Path:
     """A model directory made of symlinks to `src`'s files, all but `leave_out` (cheap variants)."""
     dst.mkdir()

@@ -5,7 +5,6 @@ same tensors as an uninterrupted run, teacher-forced projections equal to the re
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
 
@@ -18,18 +17,14 @@ from driftlab.activation.directions import Directions
 from driftlab.api import spec_of
 from driftlab.protocol.directions import HELD_OUT_EVERY
 from driftlab.records.rundir import RunDir
-from test_resume import _Commands
 
 TESTS = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
-def commands(tmp_path_factory):
-    """`driftlab` commands, each its own process, forked from one server that imported torch once."""
-    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
-    server = _Commands(tmp_path_factory.mktemp("commands"), {**os.environ, "PYTHONPATH": path})
-    yield server
-    server.close()
+def commands(protocol_commands):
+    """`driftlab` commands, each its own process, forked from the session's server (tests/conftest.py)."""
+    return protocol_commands
 
 
 @pytest.mark.slow

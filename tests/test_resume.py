@@ -18,7 +18,6 @@ kill for a command run as its own interpreter: tests/test_directions.py.)
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import textwrap
@@ -29,7 +28,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import CommandServer
 from driftlab.protocol.registry import protocol_of
 from driftlab.records.rundir import RunDir
 
@@ -210,29 +208,11 @@ def _all_records(out: Path) -> dict[str, list[str]]:
             for m in sorted(out.rglob("manifest.json"))}
 
 
-# What every command imports, once, in the server (each command still imports the rest itself), and
-# the protocols the commands run (their modules import no data and start no thread).
-PRELOAD = ["matplotlib.pyplot", "pandas", "scipy.stats", "torch", "transformers", "transformers.masking_utils",
-           "transformers.models.llama.modeling_llama", "driftlab.chat.hf", "driftlab.protocol.runner",
-           "driftlab.protocol.selfchat", "driftlab.protocol.replay", "driftlab.protocol.mmlu", "driftlab.protocol.sweep",
-           "driftlab.protocol.calibrate", "driftlab.protocol.decay", "driftlab.pasta.profile", "driftlab.pasta.tune",
-           "driftlab.report.html"]
-
-
-class _Commands(CommandServer):
-    """A command server preloading PRELOAD (tests/test_directions.py starts its own by this name)."""
-
-    def __init__(self, workdir: Path, env: dict[str, str]) -> None:
-        super().__init__(workdir, PRELOAD, env)
-
-
 @pytest.fixture(scope="module")
-def commands(tmp_path_factory, smol_dir):
-    # tests/ for fakes; the caller's PYTHONPATH kept, so every process imports the same driftlab.
-    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
-    server = _Commands(tmp_path_factory.mktemp("commands"), {**os.environ, "PYTHONPATH": path})
-    yield server
-    server.close()
+def commands(protocol_commands):
+    """The session's command server for protocol commands (tests/conftest.py: shared with
+    test_directions.py and test_kl.py, so a worker starts it once)."""
+    return protocol_commands
 
 
 @pytest.mark.parametrize("name", list(CASES))
