@@ -37,6 +37,10 @@ RUN = ROOT / "benchmarks" / "run.py"
 # loads what it stored): its compiled steps take a third less compiling than at the default 4, and
 # every path (PASTA's layer 1 on, the compiled loop, the check) is the same.
 TINY = {"GPUBENCH_TINY_LAYERS": "2"}
+# Inductor's kernels compiled in the compiling process itself, not in a pool of worker interpreters
+# (its default on 2 cores: each worker pays torch's imports, and competes for the 2 cores with the
+# other test worker): the same kernels and steps, ~10 s less CPU per process that compiles.
+SERIAL_COMPILE = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +88,7 @@ def test_models_warm_compiles_into_the_compile_cache(driftlab_cache, smol_dir, t
     a precompiled step (chat.precompiled; aot_compile does not go through inductor's FX graph
     cache: no hits, no misses). It warms the benchmark's tiny shape: the benchmark's sweep then
     runs on its steered step, and its second process loads the steps instead of tracing again."""
-    env = {**os.environ, "DRIFTLAB_CACHE": str(driftlab_cache), "OMP_NUM_THREADS": "1", **TINY,
+    env = {**os.environ, "DRIFTLAB_CACHE": str(driftlab_cache), "OMP_NUM_THREADS": "1", **TINY, **SERIAL_COMPILE,
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # inductor sets it in this process once it compiled anything
     assert not (driftlab_cache / "compile").exists()
@@ -116,7 +120,7 @@ def bench(tmp_path_factory, smol_dir, driftlab_cache):
         "GPUBENCH_LOOP": "compiled",
         "DRIFTLAB_CACHE": str(driftlab_cache),  # what `models warm` compiled above (empty if it did not run)
         "CUDA_VISIBLE_DEVICES": "",  # the CPU path, even on a GPU machine
-        **TINY,
+        **TINY, **SERIAL_COMPILE,
     }
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "gpu", "--quick"],
