@@ -8,10 +8,11 @@ inside 10-minute commands).
 Models: randomly initialised from real configs, built directly on the device (a model's speed and
 memory do not depend on its weights' values): the Llama-2-7B and Qwen2.5-7B shapes (vocabulary
 49152, SmolLM2's, so its tokenizer and chat template serve), and on a CPU or with `--quick` a tiny
-Llama-family shape with grouped-query attention (4 layers, hidden 128, 8 query / 2 KV heads, init
-std 0.1 so attention is far from uniform). The model goes into driftlab's real `HFChatBackend` (its
-decode loop, prefix cache, renderer and attention engine): the benchmark hands the backend the
-in-memory model in place of `load_model`'s disk load, for the construction only (see `_backend`).
+Llama-family shape with grouped-query attention (4 layers unless GPUBENCH_TINY_LAYERS, hidden 128,
+8 query / 2 KV heads, init std 0.1 so attention is far from uniform). The model goes into driftlab's
+real `HFChatBackend` (its decode loop, prefix cache, renderer and attention engine): the benchmark
+hands the backend the in-memory model in place of `load_model`'s disk load, for the construction
+only (see `_backend`).
 
 Dtype: bf16 on CUDA; float32 on a CPU (set GPUBENCH_DTYPE to change). The numeric check always
 runs in float32 (see below).
@@ -64,7 +65,7 @@ against a naive loop (batch 1, no prefix cache, plain); probes decode with the t
 agent's call. Tokens/s = generated tokens / wall.
 
 Numeric check (every device, float32): a float32 copy of the shape cut to 2 layers (its real head
-counts, groups and widths; init std 0.1; the tiny shape, already small, keeps its 4, so its check
+counts, groups and widths; init std 0.1; the tiny shape, already small, keeps its layers, so its check
 runs on the steps `driftlab models warm` stored for it instead of compiling two more) decodes 8
 greedy tokens per mode in the benchmark's loop and under an independent eager reference that
 materialises and reweights the weights (tests/attention_reference.py: Eq. 7 of the persona-drift
@@ -97,6 +98,8 @@ Sizes (`python benchmarks/run.py gpu [--quick | --full | --paper]`; each setting
 
 Settings (environment variables; run.py takes no others):
   GPUBENCH_SHAPES       comma list of llama2-7b, qwen2.5-7b, tiny
+  GPUBENCH_TINY_LAYERS  the tiny shape's layer count, at least 2 (default 4, what every recorded run
+                        used; fewer compile faster: tests/test_benchmarks_gpu.py runs 2)
   GPUBENCH_CONTEXTS     comma list of prompt lengths
   GPUBENCH_DECODE       decode steps per call
   GPUBENCH_REPEATS      timed rounds
@@ -171,11 +174,22 @@ def shape_config(name: str):
         return Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                            num_key_value_heads=4, rope_theta=1e6, **common)
     if name == "tiny":
-        cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
-                          num_key_value_heads=2, head_dim=16, rope_theta=10000.0, **common)
+        cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=tiny_layers(),
+                          num_attention_heads=8, num_key_value_heads=2, head_dim=16, rope_theta=10000.0, **common)
         cfg.initializer_range = 0.1  # attention far from uniform: interventions change tokens
         return cfg
     raise ValueError(f"unknown shape {name!r}; use llama2-7b, qwen2.5-7b or tiny")
+
+
+def tiny_layers() -> int:
+    """GPUBENCH_TINY_LAYERS, the tiny shape's depth: 4 by default (every recorded run of the shape). A
+    CPU run of the compiled loop spends most of its time compiling, per layer: fewer layers check the
+    same paths sooner. At least 2, since PASTA steers heads from layer 1 on (`pasta_heads`)."""
+    text = os.environ.get("GPUBENCH_TINY_LAYERS", "4")
+    if not (text.isdigit() and int(text) >= 2):
+        raise SystemExit(f"GPUBENCH_TINY_LAYERS={text!r}: use a whole number of at least 2 (PASTA steers layer 1 "
+                         "and up).")
+    return int(text)
 
 
 def pasta_heads(n_layers: int, n_heads: int) -> dict[str, list[int]]:
@@ -497,7 +511,7 @@ CHECK_TOL = {"logprob": 1e-3, "pi": 1e-4}
 
 def check_config(shape: str):
     """The shape cut to 2 layers, init std 0.1 (attention far from uniform): float32 at real widths. The
-    tiny shape (4 layers, std 0.1 already) stays whole: its compiled steps are then the timed model's."""
+    tiny shape (std 0.1 already) stays whole: its compiled steps are then the timed model's."""
     cfg = shape_config(shape)
     if shape != "tiny":
         cfg.num_hidden_layers = 2
@@ -772,6 +786,7 @@ def run(quick: bool = False, full: bool = False, paper: bool = False) -> Result:
     device = torch.device("cuda" if CUDA else "cpu")
     dtype = pick_dtype(device)
     decode_loop()  # a bad GPUBENCH_LOOP stops here, before any model is built
+    tiny_layers()  # and a bad GPUBENCH_TINY_LAYERS
     if paper:
         return paper_result(device, dtype)
     parts = _env_list("GPUBENCH_PARTS", list(PARTS))

@@ -1,9 +1,9 @@
 """benchmarks/gpu.py on the CPU: the tiny shape at a very small context, on the compiled loop.
 
 Runs the benchmark the way a user does (`python benchmarks/run.py gpu --quick`), in its own
-process, with settings that keep it short (64-token prompt, 4 decode steps, one round, a
-one-pair self-chat) and the compiled decode loop (what `auto` means on a GPU), then reads its
-RESULT lines: every variant must have a finite, positive time; the sweep of 11 steers must stay
+process, with settings that keep it short (the tiny shape at 2 layers, 64-token prompt, 4 decode
+steps, one round, a one-pair self-chat) and the compiled decode loop (what `auto` means on a GPU),
+then reads its RESULT lines: every variant must have a finite, positive time; the sweep of 11 steers must stay
 within the graph budget and a second process must load the precompiled steps; every mode
 must agree with the independent eager reference in float32 (and change plain's numbers, so the
 comparison has teeth); the strength-0 modes must give plain's numbers exactly; on a CPU no GPU
@@ -33,13 +33,22 @@ pytestmark = pytest.mark.model  # runs a whole (tiny) protocol
 
 
 RUN = ROOT / "benchmarks" / "run.py"
+# The tiny shape at 2 layers, in every run here that builds it (`models warm`'s too, so the benchmark
+# loads what it stored): its compiled steps take a third less compiling than at the default 4, and
+# every path (PASTA's layer 1 on, the compiled loop, the check) is the same.
+TINY = {"GPUBENCH_TINY_LAYERS": "2"}
+# Inductor's kernels compiled in the compiling process itself, not in a pool of worker interpreters
+# (its default on 2 cores: each worker pays torch's imports, and competes for the 2 cores with the
+# other test worker): the same kernels and steps, ~10 s less CPU per process that compiles.
+SERIAL_COMPILE = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
 def scripts(tmp_path_factory):
-    """`python benchmarks/run.py ...` for the runs that stop at a bad setting: each forked from one
-    server that imported torch and transformers once (tests/conftest.py's CommandServer), not a new
-    interpreter paying those imports. No such run sets a variable they read at import."""
+    """`python benchmarks/run.py ...` for the runs that stop at a bad setting and the paper's tiny run:
+    each forked from one server that imported torch and transformers once (tests/conftest.py's
+    CommandServer), not a new interpreter paying those imports. No such run sets a variable they read
+    at import that the run does not set again (OMP_NUM_THREADS: the benchmark pins its threads)."""
     server = CommandServer(tmp_path_factory.mktemp("scripts"), ["torch", "transformers"])
     assert server.import_output == "", server.import_output
     yield server
@@ -79,7 +88,7 @@ def test_models_warm_compiles_into_the_compile_cache(driftlab_cache, smol_dir, t
     a precompiled step (chat.precompiled; aot_compile does not go through inductor's FX graph
     cache: no hits, no misses). It warms the benchmark's tiny shape: the benchmark's sweep then
     runs on its steered step, and its second process loads the steps instead of tracing again."""
-    env = {**os.environ, "DRIFTLAB_CACHE": str(driftlab_cache), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "DRIFTLAB_CACHE": str(driftlab_cache), "OMP_NUM_THREADS": "1", **TINY, **SERIAL_COMPILE,
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # inductor sets it in this process once it compiled anything
     assert not (driftlab_cache / "compile").exists()
@@ -111,6 +120,7 @@ def bench(tmp_path_factory, smol_dir, driftlab_cache):
         "GPUBENCH_LOOP": "compiled",
         "DRIFTLAB_CACHE": str(driftlab_cache),  # what `models warm` compiled above (empty if it did not run)
         "CUDA_VISIBLE_DEVICES": "",  # the CPU path, even on a GPU machine
+        **TINY, **SERIAL_COMPILE,
     }
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "gpu", "--quick"],
@@ -181,9 +191,8 @@ def test_selfchat_and_targets(bench):
 def test_the_paper_size_runs_its_tiny_check_on_a_cpu(tmp_path, smol_dir, scripts):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "COLUMNS": "200", "GPUBENCH_TOKENIZER": str(smol_dir), "CUDA_VISIBLE_DEVICES": "",
-           "GPUBENCH_PAPER_MODES": "plain,split", "GPUBENCH_PAPER_BATCH": "2"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "gpu", "--paper"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+           "GPUBENCH_PAPER_MODES": "plain,split", "GPUBENCH_PAPER_BATCH": "2", **TINY}
+    proc = scripts.run(["gpu", "--paper"], script=RUN, cwd=ROOT, env=env)  # forked: no interpreter's imports to pay
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = dict(line.removeprefix("RESULT ").split("=", 1) for line in proc.stdout.splitlines()
              if line.startswith("RESULT "))
@@ -236,6 +245,7 @@ def test_a_bad_benchmark_setting_is_one_error_line(model: str, scripts) -> None:
     ({"GPUBENCH_JSON": "."}, "is a directory"),
     ({"GPUBENCH_TOKENIZER": "/no/such/dir"}, "holds no tokenizer"),
     ({"GPUBENCH_VARIANTS": "split,nope"}, "GPUBENCH_VARIANTS: unknown variant 'nope'; use sdpa, plain"),
+    ({"GPUBENCH_TINY_LAYERS": "1"}, "GPUBENCH_TINY_LAYERS='1': use a whole number of at least 2"),
 ])
 def test_a_bad_gpu_benchmark_setting_stops_before_any_model_is_built(setting: dict, says: str, scripts) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
@@ -269,7 +279,7 @@ def test_a_run_stopped_by_sigterm_keeps_what_it_measured(size: str, settings: di
     out = tmp_path / "gpu.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "GPUBENCH_TOKENIZER": str(smol_dir), "GPUBENCH_JSON": str(out),
-           "CUDA_VISIBLE_DEVICES": "", **settings}
+           "CUDA_VISIBLE_DEVICES": "", **TINY, **settings}
     proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "run.py"), "gpu", size], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
