@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -78,8 +76,13 @@ def test_sweep_gains_carry_their_holm_corrected_tests():
     assert mine.value == pytest.approx(cfg3.stability_gain) and mine.p_holm == pytest.approx(cfg3.gain_p_holm)
 
 
-@pytest.mark.process
 def test_runs_concatenate_and_compare_in_one_page(tmp_path):
+    """`driftlab report` in this process (`python -m driftlab` itself is tests/test_cli_errors.py's):
+    the page and the CSV are the command's work, not an interpreter's seconds of imports."""
+    from typer.testing import CliRunner
+
+    from driftlab.cli import app
+
     runs = []
     for name in ("qwen-paper-20", "judge-smollm2-qwen-20"):
         runs.append(shutil.copytree(RESULTS / name, tmp_path / name))
@@ -87,16 +90,15 @@ def test_runs_concatenate_and_compare_in_one_page(tmp_path):
     assert set(both.model) == {"qwen2.5-coder-1.5b", "smollm2-135m"}
     assert set(both.dtype) == {"bfloat16", "float32"}
 
-    done = subprocess.run([sys.executable, "-m", "driftlab", "report", *map(str, runs), "--out", str(tmp_path / "cmp")],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    done = CliRunner().invoke(app, ["report", *map(str, runs), "--out", str(tmp_path / "cmp")])
+    assert done.exit_code == 0, (done.output[-3000:], done.exception)
     page = (tmp_path / "cmp" / "compare.html").read_text()
     assert "qwen-paper-20" in page and "judge-smollm2-qwen-20" in page and "data:image/png;base64," in page
     csv = pd.read_csv(tmp_path / "cmp" / "compare.csv")
     assert len(csv) == len(both)
 
-    one = subprocess.run([sys.executable, "-m", "driftlab", "report", str(runs[1])], capture_output=True, text=True)
-    assert one.returncode == 0, one.stderr
+    one = CliRunner().invoke(app, ["report", str(runs[1])])
+    assert one.exit_code == 0, (one.output[-3000:], one.exception)
     written = json.loads((runs[1] / RESULTS_JSON).read_text())  # strict JSON: NaN written as null
     assert written["protocol"] == "selfchat" and written["identity"]["model"] == "smollm2-135m"
     judge = [e for e in written["estimates"] if e["metric"] == "judge_agreement"]
