@@ -148,7 +148,7 @@ def test_recorded_projections_equal_the_teacher_forced_ones(smol_dirs) -> None:
     then each reply token but the last) equals a teacher-forced pass over the prompt and the reply."""
     backend, _ = smol_dirs
     convs = [_conv(FRENCH), _conv(PIRATE, "What is 2+2?")]
-    replies = backend.generate(ChatRequest(convs, Sampling(greedy=True, max_new_tokens=40)))
+    replies = backend.generate(ChatRequest(convs, Sampling(greedy=True, max_new_tokens=16)))  # the pirate stops at 9
     assert {r.finish_reason for r in replies} == {"stop", "length"}  # both ends are covered
     for conv, reply in zip(convs, replies, strict=True):
         prompt = backend.render(conv)
@@ -167,9 +167,11 @@ def test_rows_leaving_the_batch_keep_what_they_recorded(smol_dirs) -> None:
     """A dynamic batch drops finished rows; each row's projection is the one it gets alone."""
     backend, _ = smol_dirs
     convs = [_conv(FRENCH, "Say yes."), _conv(PIRATE, "Tell me a long story about your ship."), _conv(FRENCH)]
-    together = backend.generate(ChatRequest(convs, Sampling(greedy=True, max_new_tokens=30)))
+    sampling = Sampling(greedy=True, max_new_tokens=12)  # "Say yes." stops within it, the others run on
+    together = backend.generate(ChatRequest(convs, sampling))
+    assert together[0].finish_reason == "stop" and together[1].finish_reason == "length"  # a row left early
     for conv, reply in zip(convs, together, strict=True):
-        (alone,) = backend.generate(ChatRequest([conv], Sampling(greedy=True, max_new_tokens=30)))
+        (alone,) = backend.generate(ChatRequest([conv], sampling))
         assert alone.token_ids == reply.token_ids
         np.testing.assert_allclose(reply.activation["reply"], alone.activation["reply"], atol=1e-4)
 
@@ -372,7 +374,7 @@ def test_pi_floor_takes_pi_1_from_the_first_turn_and_a_floor_below_pi_changes_no
     values, starts = teacher_forced.floors(smol32, [AttentionConfig(pi_floor=0.5)], [rendered.spans()], [rendered.ids])
     np.testing.assert_allclose(values[0].numpy(), 0.5 * first.prefill[-1], atol=1e-5)
     assert starts == [rendered.first_turn + 1]
-    greedy = Sampling(greedy=True, max_new_tokens=16)
+    greedy = Sampling(greedy=True, max_new_tokens=8)  # f = 1 changes the second token already
     plain, tiny, full = (smol32.generate(ChatRequest([conv], greedy, interventions=Interventions.parse(s)))[0]
                          for s in ([], ["pi-floor:f=0.0001"], ["pi-floor:f=1"]))
     assert tiny.token_ids == plain.token_ids and full.token_ids != plain.token_ids

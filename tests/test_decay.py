@@ -42,7 +42,7 @@ def test_decay_cli_writes_traces_and_figures(tmp_path, smol_dir):
 
     from driftlab.cli import app
 
-    result = CliRunner().invoke(app, ["decay", "--model", str(smol_dir), "--rounds", "2", "--pairs", "2",
+    result = CliRunner().invoke(app, ["decay", "--model", str(smol_dir), "--rounds", "2", "--pairs", "1",
                                       "--max-new-tokens", "8", "--dtype", "float32", "--device", backend_device(),
                                       "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output

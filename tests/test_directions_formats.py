@@ -26,7 +26,7 @@ from driftlab.errors import DriftlabError
 from driftlab.steering.interventions import Interventions
 
 L, D = 4, 8
-GREEDY = Sampling(greedy=True, max_new_tokens=12)
+GREEDY = Sampling(greedy=True, max_new_tokens=6)
 KEY = "layer_{}/contrast_role_pos3_default1".format  # the Assistant Axis's key of a capping vector
 
 

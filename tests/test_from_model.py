@@ -87,15 +87,16 @@ def test_from_model_matches_the_model_loaded_by_name(smol32, hf) -> None:
 
     model, tokenizer = hf
     assert attn(model) == "sdpa"
+    wants = {}
     for spec in (None, "split-softmax:k=0.8"):
-        want = chat_tokens(smol32, [CONV], spec)[0].token_ids
+        want = wants[spec] = chat_tokens(smol32, [CONV], spec)[0].token_ids
         with HFChatBackend.from_model(model, tokenizer, prefix_cache_bytes=0, name="my-smol") as backend:
             assert attn(model) == "driftlab"
             got = chat_tokens(backend, [CONV], spec)[0].token_ids
             facts = backend.describe()
         assert got == want, spec
         assert attn(model) == "sdpa"  # given back with its own attention
-    assert want != chat_tokens(smol32, [CONV])[0].token_ids  # the intervention changed the reply
+    assert wants[None] != wants["split-softmax:k=0.8"]  # the intervention changed the reply
     assert facts["source"] == "memory" and facts["name"] == "my-smol" and facts["peft"] is None
     assert facts["architecture"] == "LlamaForCausalLM" and facts["dtype"] == "float32"
     with pytest.raises(DriftlabError, match="closed"):

@@ -32,18 +32,24 @@ def _tokens(backend, specs, convs=CONVS, sampling=GREEDY):
 
 
 def test_no_op_strengths_give_exactly_plain_decoding(smol32):
-    plain = _tokens(smol32, [])
+    """Five tokens: the prompt's forward and four cached steps; each real strength below changes
+    a row's first token already."""
+    short = GREEDY.model_copy(update={"max_new_tokens": 5})
+    plain = _tokens(smol32, [], sampling=short)
     for specs in (["spr:p=0"], ["cfg:alpha=1"], ["split-softmax:k=1"], ["instaboost:m=1"],
                   ["spr:p=0", "cfg:alpha=1", "split-softmax:k=1", "instaboost:m=1"]):
-        assert _tokens(smol32, specs) == plain, specs
+        assert _tokens(smol32, specs, sampling=short) == plain, specs
     # ... and the same methods at real strengths do change the text (the test can fail).
     for specs in (["spr:p=1"], ["cfg:alpha=3"], ["split-softmax:k=0.5"], ["instaboost:m=20"]):
-        assert _tokens(smol32, specs) != plain, specs
+        assert _tokens(smol32, specs, sampling=short) != plain, specs
 
 
-def _logprobs(model, ids: list[int]) -> torch.Tensor:
+def _logprobs(model, ids: list[int], n: int) -> torch.Tensor:
+    """Log-probs of the next token after each of the last n prefixes of `ids`, from one full
+    forward (no cache): causal attention makes position p's logits those of `ids[:p + 1]` alone."""
     with torch.inference_mode():
-        return torch.log_softmax(model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].float(), -1)
+        logits = model(input_ids=torch.tensor([ids], device=model.device)).logits[0, len(ids) - n:]
+    return torch.log_softmax(logits.float(), -1)
 
 
 def _unconditional(conv):
@@ -54,8 +60,10 @@ def _unconditional(conv):
 
 
 def test_cfg_matches_a_two_pass_reference(smol32):
-    """Reference: every step, two full forwards (with and with an empty system prompt, no cache,
-    no batching), Eq. 5 on their log-probs, argmax."""
+    """Reference: two full forwards over the prompt and the reply (with and with an empty system
+    prompt, no cache, no batching), Eq. 5 on their log-probs at each step, argmax. Checking every
+    step's argmax against the reply's next token is greedy decoding step by step, by induction:
+    one forward per prompt serves all steps (teacher forcing) instead of one per step."""
     alpha = 2.5
     got = _tokens(smol32, [f"cfg:alpha={alpha}"])
     assert "SmolLM" not in smol32.render(_unconditional(CONVS[0])).text
@@ -63,11 +71,10 @@ def test_cfg_matches_a_two_pass_reference(smol32):
     for conv, tokens in zip(CONVS, got):
         cond = smol32.render(conv).ids
         uncond = smol32.render(_unconditional(conv)).ids
-        want: list[int] = []
-        for _ in range(GREEDY.max_new_tokens):
-            lc, lu = _logprobs(smol32.model, cond + want), _logprobs(smol32.model, uncond + want)
-            want.append(int((lu + alpha * (lc - lu)).argmax()))
-        assert tokens == want
+        n = GREEDY.max_new_tokens
+        assert len(tokens) == n
+        lc, lu = _logprobs(smol32.model, cond + tokens, n + 1), _logprobs(smol32.model, uncond + tokens, n + 1)
+        assert (lu + alpha * (lc - lu)).argmax(-1)[:n].tolist() == tokens
 
 
 def test_cfg_rows_in_a_batch_equal_solo_runs_and_compose_with_spr(smol32):
@@ -83,10 +90,9 @@ def test_loglikelihood_under_cfg_is_eq5_renormalised(smol32):
     got = smol32.loglikelihood([conv], [cont], Interventions.parse([f"cfg:alpha={alpha}"]))[0]
     cond = smol32.render(conv).ids
     uncond = smol32.render(_unconditional(conv)).ids
-    want = 0.0
-    for i, t in enumerate(cont_ids):
-        lc, lu = _logprobs(smol32.model, cond + cont_ids[:i]), _logprobs(smol32.model, uncond + cont_ids[:i])
-        want += torch.log_softmax(lu + alpha * (lc - lu), -1)[t].item()
+    n = len(cont_ids)
+    lc, lu = _logprobs(smol32.model, cond + cont_ids, n + 1)[:n], _logprobs(smol32.model, uncond + cont_ids, n + 1)[:n]
+    want = torch.log_softmax(lu + alpha * (lc - lu), -1)[torch.arange(n), cont_ids].sum().item()
     assert got.logprob == pytest.approx(want, abs=tol(2e-3))
     plain = smol32.loglikelihood([conv], [cont])[0]
     assert got.logprob > plain.logprob  # guidance towards the system prompt raises the secret's probability

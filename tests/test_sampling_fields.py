@@ -260,7 +260,9 @@ def test_repetition_penalty_equals_transformers_generate_on_smollm2(smol32, smol
 # -- driftlab serve ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    app = create_app(_backend(tiny_dir), ServeSettings(max_batch_size=8, max_wait_ms=300, max_tokens_limit=32))
+    """A short batching window: the requests but one test's come one at a time, and each would wait
+    it out (the batching test widens it while its requests are in flight)."""
+    app = create_app(_backend(tiny_dir), ServeSettings(max_batch_size=8, max_wait_ms=10, max_tokens_limit=32))
     with serving(app) as url:
         yield url, app
 
@@ -295,9 +297,13 @@ def test_the_server_never_batches_requests_of_different_settings_together(server
     requests = [({}, STORY), ({}, OTHER), ({"logit_bias": {str(TOKEN): 100}}, STORY),
                 ({"logit_bias": {str(TOKEN): 100}}, OTHER), ({"presence_penalty": 2.0}, STORY),
                 ({"repetition_penalty": 1.3, "frequency_penalty": 0.5}, OTHER)]
-    before = app.state.batcher.n_batches
-    with ThreadPoolExecutor(len(requests)) as pool:
-        replies = list(pool.map(lambda rq: ask(url, rq[1], **rq[0]), requests))
+    before, window = app.state.batcher.n_batches, app.state.batcher.max_wait_s
+    app.state.batcher.max_wait_s = 0.3  # long enough that the six requests meet in the queue
+    try:
+        with ThreadPoolExecutor(len(requests)) as pool:
+            replies = list(pool.map(lambda rq: ask(url, rq[1], **rq[0]), requests))
+    finally:
+        app.state.batcher.max_wait_s = window
     for (fields, conv), r in zip(requests, replies):
         assert r.status_code == 200, r.text
         want = tiny.generate(ChatRequest([conv], greedy(**fields)))[0].text

@@ -181,9 +181,10 @@ def test_scoring_and_residual_steers_follow_each_row_s_decision(smol32) -> None:
             return r.token_ids
 
         vector = "vector:alpha=8"
-        assert reply([vector]) != reply([])
-        assert reply([vector, "when-drifting:r=0.0001"]) == reply([])
-        assert reply([vector, "when-drifting:r=1"]) == reply([vector])
+        plain, steered = reply([]), reply([vector])
+        assert steered != plain
+        assert reply([vector, "when-drifting:r=0.0001"]) == plain
+        assert reply([vector, "when-drifting:r=1"]) == steered
     finally:
         smol32.use_directions(None)
     with pytest.raises(DriftlabError, match="token prompts"):
@@ -283,12 +284,12 @@ def test_a_monitoring_gate_records_its_reading_beside_the_kls_on_every_replayed_
 
     logs = tmp_path / "logs.jsonl"
     logs.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q} for q in qs]}) + "\n" for qs in
-                            (["Where should I travel in May?", "And what should I pack?", "How long should I stay?"],
-                             ["Tell me about bread.", "Which flour is best?", "How long does dough rise?"])))
+                            (["Where should I travel in May?", "And what should I pack?"],
+                             ["Tell me about bread.", "Which flour is best?"])))  # a first turn and a later one
     common = dict(conversations=logs, agents="reply-in-french,all-caps", max_new_tokens=8, greedy=True, kl=True,
                   progress=False)
     watched = dl.replay(smol32, steer=["trace", "when-drifting:r=0.9"], out=tmp_path / "monitor", **common)
     plain = dl.replay(smol32, out=tmp_path / "plain", **{**common, "kl": False})  # --kl changes no reply (test_kl.py)
     assert [r["text"] for r in watched.records] == [r["text"] for r in plain.records]
-    assert len(watched.records) == 6 and all(r["gate"]["pi_ratio"] > 0 and r["kl"] for r in watched.records)
+    assert len(watched.records) == 4 and all(r["gate"]["pi_ratio"] > 0 and r["kl"] for r in watched.records)
     assert turns_frame(tmp_path / "monitor")["gate"].notna().all()
