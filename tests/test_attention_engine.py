@@ -103,20 +103,20 @@ _BACKENDS: dict[str, HFChatBackend] = {}
 
 @pytest.fixture(scope="module", params=["smollm2", "qwen2", "gemma3"])
 def backend(request: pytest.FixtureRequest, tiny_dirs: dict[str, Path]) -> HFChatBackend:
-    """One fp32 backend per model on the test device, loaded once per module (the reference is swapped in per call)."""
+    """One fp32 backend per model on the test device, loaded once per module (the reference is swapped in per call).
+    SmolLM2 is the session's `smol32` (the same settings): a worker loads it once for every file."""
     name = request.param
+    if name == "smollm2":
+        return request.getfixturevalue("smol32")
     if name not in _BACKENDS:
-        path = "smollm2-135m" if name == "smollm2" else str(tiny_dirs[name])
-        _BACKENDS[name] = HFChatBackend(path, dtype="float32", device=backend_device(), prefix_cache_bytes=0)
+        _BACKENDS[name] = HFChatBackend(str(tiny_dirs[name]), dtype="float32", device=backend_device(),
+                                        prefix_cache_bytes=0)
     return _BACKENDS[name]
 
 
 @pytest.fixture(scope="module")
-def smol() -> HFChatBackend:
-    if "smollm2" not in _BACKENDS:
-        _BACKENDS["smollm2"] = HFChatBackend("smollm2-135m", dtype="float32", device=backend_device(),
-                                             prefix_cache_bytes=0)
-    return _BACKENDS["smollm2"]
+def smol(smol32: HFChatBackend) -> HFChatBackend:
+    return smol32
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +179,17 @@ def prefill(
         pi = torch.stack([torch.stack([r[0] for r in recs]) for recs in state.records], dim=1)  # [L, B, H, T]
         pi = pi.permute(1, 0, 2, 3)
     return out.logits.float(), pi, pads
+
+
+_PLAIN_PREFILLS: dict[int, tuple[torch.Tensor, None, list[int]]] = {}
+
+
+def plain_prefill(backend: HFChatBackend) -> tuple[torch.Tensor, None, list[int]]:
+    """`prefill(backend, None)`, computed once per backend: without a state the engine is plain SDPA
+    whatever the kernel setting, and every prefill case compares against it."""
+    if id(backend) not in _PLAIN_PREFILLS:
+        _PLAIN_PREFILLS[id(backend)] = prefill(backend, None)
+    return _PLAIN_PREFILLS[id(backend)]
 
 
 def real_positions(x: torch.Tensor, pads: list[int], dim: int) -> list[torch.Tensor]:
@@ -363,7 +374,7 @@ def test_on_layout_rejects_wrong_span_count() -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_prefill_matches_reference(backend: HFChatBackend, case: str) -> None:
     cfg = CASES[case]
-    plain, _, pads = prefill(backend, None)
+    plain, _, pads = plain_prefill(backend)
     assert min(pads) == 0 and max(pads) > 0  # the batch really is left-padded
     got, pi, _ = prefill(backend, cfg)
     want, pi_ref, _ = prefill(backend, cfg, impl=REFERENCE)
@@ -386,7 +397,7 @@ def test_prefill_matches_reference(backend: HFChatBackend, case: str) -> None:
 
 def test_noop_interventions_equal_plain_model_exactly(backend: HFChatBackend) -> None:
     """k = 1, bias = 0 and m = 1 (with head selections) must leave every logit bit-identical."""
-    plain, _, _ = prefill(backend, None)
+    plain, _, _ = plain_prefill(backend)
     for specs in (
         ["split-softmax:k=1,heads=0-1"],
         ["bias:value=0,heads=2.1,invert=true"],
@@ -477,37 +488,48 @@ def test_plain_path_matches_transformers_sdpa(backend: HFChatBackend) -> None:
         with implementation(backend, "sdpa"):
             theirs = chat(backend, convs, sampling)
         assert [r.token_ids for r in ours] == [r.token_ids for r in theirs]
-    ours, _, pads = prefill(backend, None)
+    ours, _, pads = plain_prefill(backend)
     theirs, _, _ = prefill(backend, None, impl="sdpa")
     assert max_diff(ours, theirs, pads, dim=1) <= tol(LOGIT_TOL)
 
 
 # -- the full decode loop -------------------------------------------------------------------------
-_PLAIN_RUNS: dict[tuple[int, Sampling], tuple[list, list]] = {}
+_ENGINE_RUNS: dict[tuple, list] = {}
+
+
+def engine_run(backend: HFChatBackend, sampling: Sampling, iv: Interventions) -> list:
+    """The engine's replies to CONVERSATIONS, computed once per backend, engine path (the kernel setting,
+    and whether the CPU flash kernel is there: flex, SDPA or its extra-V-channel path), sampling and
+    interventions: the decode tests, the plain runs and the batch test share them (a traced plain run is
+    the "trace" case's own run)."""
+    key = (id(backend), engine_module.kernel_for(backend.device), kernels.CPU_FLASH is None, sampling,
+           tuple(iv.specs()))
+    if key not in _ENGINE_RUNS:
+        _ENGINE_RUNS[key] = chat(backend, CONVERSATIONS, sampling, iv)
+    return _ENGINE_RUNS[key]
 
 
 def plain_runs(backend: HFChatBackend, sampling: Sampling) -> tuple[list, list]:
-    """The unmodified model's replies, traced and untraced (computed once per backend)."""
-    key = (id(backend), sampling)
-    if key not in _PLAIN_RUNS:
-        with_trace = chat(backend, CONVERSATIONS, sampling, TRACE)
-        untraced = chat(backend, CONVERSATIONS, sampling)
-        assert [r.token_ids for r in with_trace] == [r.token_ids for r in untraced]  # tracing never changes text
-        _PLAIN_RUNS[key] = (with_trace, untraced)
-    return _PLAIN_RUNS[key]
+    """The unmodified model's replies, traced and untraced (computed once per backend and engine path)."""
+    with_trace, untraced = engine_run(backend, sampling, TRACE), engine_run(backend, sampling, Interventions())
+    assert [r.token_ids for r in with_trace] == [r.token_ids for r in untraced]  # tracing never changes text
+    return with_trace, untraced
 
 
 @pytest.mark.parametrize("case", DECODE_CASES)
-def test_greedy_decode_matches_reference(backend: HFChatBackend, case: str) -> None:
+def test_greedy_decode_matches_reference(backend: HFChatBackend, case: str, new_tokens: int = 12) -> None:
+    """`new_tokens`: test_attention_flex decodes fewer (each eager flex step on a CPU costs ~0.5 s on SmolLM2)."""
     cfg = traced(CASES[case])
-    sampling = Sampling(greedy=True, max_new_tokens=12, ignore_eos=True)
-    got, want = engine_and_reference(backend, sampling, cfg)
+    sampling = Sampling(greedy=True, max_new_tokens=new_tokens, ignore_eos=True)
+    got = engine_run(backend, sampling, cfg)
+    with implementation(backend, REFERENCE):
+        want = chat(backend, CONVERSATIONS, sampling, cfg)
     plain, untraced = plain_runs(backend, sampling)
     assert_same_decode(got, want)
     assert [r.text for r in got] == [r.text for r in want]
     L, H = _dims(backend)
     for g in got:
-        assert g.trace["decode"].shape == (12, L, H)
+        assert g.trace["decode"].shape == (new_tokens, L, H)
     moved = max((g.trace["decode"] - p.trace["decode"]).abs().max().item() for g, p in zip(got, plain))
     if cfg.fingerprint():
         assert moved > 1e-3  # the intervention changed the computation (not always the greedy text)
@@ -515,11 +537,12 @@ def test_greedy_decode_matches_reference(backend: HFChatBackend, case: str) -> N
         assert [r.token_ids for r in got] == [r.token_ids for r in untraced]
 
 
-def test_batch_rows_match_solo_runs(backend: HFChatBackend) -> None:
-    """Left padding must not leak into a row: batched = each conversation alone."""
+def test_batch_rows_match_solo_runs(backend: HFChatBackend, new_tokens: int = 12) -> None:
+    """Left padding must not leak into a row: batched = each conversation alone. The batched run is
+    the "composed" decode test's (`engine_run`, the same sampling)."""
     cfg = CASES["composed"]
-    sampling = Sampling(greedy=True, max_new_tokens=8, ignore_eos=True)
-    batched = chat(backend, CONVERSATIONS, sampling, cfg)
+    sampling = Sampling(greedy=True, max_new_tokens=new_tokens, ignore_eos=True)
+    batched = engine_run(backend, sampling, cfg)
     for conv, row in zip(CONVERSATIONS, batched):
         (solo,) = chat(backend, [conv], sampling, cfg)
         assert solo.token_ids == row.token_ids  # greedy tokens: equal on every device

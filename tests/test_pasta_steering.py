@@ -258,11 +258,12 @@ _BACKENDS: dict[str, HFChatBackend] = {}
 
 @pytest.fixture(scope="module", params=["smollm2", "qwen2", "gemma3"])
 def backend(request, tmp_path_factory) -> HFChatBackend:
+    """SmolLM2 is the session's `smol32` (fp32, no prefix cache: these settings), loaded once per worker."""
     name = request.param
+    if name == "smollm2":
+        return request.getfixturevalue("smol32")
     if name not in _BACKENDS:
-        path = "smollm2-135m"
-        if name != "smollm2":
-            path = str(make_tiny_model(name, tmp_path_factory.mktemp(name), sliding_window=8))
+        path = str(make_tiny_model(name, tmp_path_factory.mktemp(name), sliding_window=8))
         _BACKENDS[name] = HFChatBackend(path, dtype="float32", device=backend_device(), prefix_cache_bytes=0)
     return _BACKENDS[name]
 
@@ -274,6 +275,25 @@ def chat(backend, convs, iv=Interventions(), n=10, impl=ATTENTION_NAME):
         return backend.generate(ChatRequest(convs, sampling, interventions=iv, logprobs=3))
     finally:
         backend.model.set_attn_implementation(ATTENTION_NAME)
+
+
+_PLAIN: dict[int, list] = {}
+_MARKED: dict[tuple[int, int], list] = {}
+
+
+def marked_steered(backend, rows: int) -> list:
+    """The engine's replies to MARKED[:rows] under STEERS["marked"], once per backend: the reference
+    test, the one-row fast path and the batch test compare the same runs."""
+    if (id(backend), rows) not in _MARKED:
+        _MARKED[id(backend), rows] = chat(backend, MARKED[:rows], Interventions.parse([STEERS["marked"]]))
+    return _MARKED[id(backend), rows]
+
+
+def plain_marked(backend) -> list:
+    """The unsteered replies to MARKED with its markers stripped (what PASTA shows the model), once per backend."""
+    if id(backend) not in _PLAIN:
+        _PLAIN[id(backend)] = chat(backend, [strip_emphasis(c)[0] for c in MARKED])
+    return _PLAIN[id(backend)]
 
 
 def _logprob_diff(a, b) -> float:
@@ -291,19 +311,18 @@ STEERS = {
 @pytest.mark.parametrize("steer", list(STEERS))
 def test_steering_matches_the_eager_reference(backend, steer) -> None:
     iv = Interventions.parse([STEERS[steer]])
-    got = chat(backend, MARKED, iv)
+    got = marked_steered(backend, len(MARKED)) if steer == "marked" else chat(backend, MARKED, iv)
     want = chat(backend, MARKED, iv, impl=REFERENCE)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert _logprob_diff(got, want) <= tol(LOGPROB_TOL)
-    plain = chat(backend, [strip_emphasis(c)[0] for c in MARKED])
-    assert _logprob_diff(got, plain) > 100 * LOGPROB_TOL  # steering changed the distribution
+    assert _logprob_diff(got, plain_marked(backend)) > 100 * LOGPROB_TOL  # steering changed the distribution
 
 
 @pytest.mark.model
 def test_unpadded_prefill_fast_path_matches_the_reference(backend) -> None:
     """One row (no padding): the bias goes to the fused kernel with the causal flag, unchunked."""
     iv = Interventions.parse([STEERS["marked"]])
-    got = chat(backend, MARKED[:1], iv)
+    got = marked_steered(backend, 1)
     want = chat(backend, MARKED[:1], iv, impl=REFERENCE)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert _logprob_diff(got, want) <= tol(LOGPROB_TOL)
@@ -311,7 +330,7 @@ def test_unpadded_prefill_fast_path_matches_the_reference(backend) -> None:
 
 @pytest.mark.model
 def test_alpha_one_and_rows_without_emphasis_are_bit_identical_to_plain(backend) -> None:
-    plain = chat(backend, [strip_emphasis(c)[0] for c in MARKED])  # what PASTA shows the model
+    plain = plain_marked(backend)
     one = chat(backend, MARKED, Interventions.parse(["pasta:heads=all,alpha=1"]))
     assert [r.token_ids for r in one] == [r.token_ids for r in plain]
     _assert_same_logprobs(one, plain)
@@ -332,9 +351,9 @@ def _assert_same_logprobs(a, b) -> None:
 @pytest.mark.model
 def test_batched_rows_with_different_spans_equal_one_at_a_time(backend) -> None:
     iv = Interventions.parse([STEERS["marked"]])
-    batched = chat(backend, MARKED, iv)
-    for conv, row in zip(MARKED, batched):
-        (solo,) = chat(backend, [conv], iv)
+    batched = marked_steered(backend, len(MARKED))
+    for i, (conv, row) in enumerate(zip(MARKED, batched)):
+        (solo,) = marked_steered(backend, 1) if i == 0 else chat(backend, [conv], iv)
         assert solo.token_ids == row.token_ids
         assert max(abs(a.logprob - b.logprob) for a, b in zip(solo.logprobs, row.logprobs)) <= tol(LOGPROB_TOL)
 
@@ -357,12 +376,11 @@ def test_per_row_interventions_equal_each_row_alone(backend) -> None:
 
 
 @pytest.mark.model
-def test_prefix_cache_reuse_under_prompt_scope_is_exact(smol_dir) -> None:
+def test_prefix_cache_reuse_under_prompt_scope_is_exact(smol32) -> None:
     """Turn 2 re-reads turn 1's reply as prompt: a cached KV of the reply computed while it was
     generated (unscaled keys) would be wrong, so only prompt KV is reused."""
     cached = HFChatBackend("smollm2-135m", dtype="float32", device=backend_device())
-    fresh = _BACKENDS.get("smollm2") or HFChatBackend("smollm2-135m", dtype="float32", device=backend_device(),
-                                                      prefix_cache_bytes=0)
+    fresh = smol32  # the same model and dtype without a prefix cache
     iv = Interventions.parse(["pasta:heads=0-3,alpha=0.01,span=system"])
     conv = [{"role": "system", "content": "Always answer in French."}, {"role": "user", "content": "Hi!"}]
     first = chat(cached, [conv], iv, n=6)[0]

@@ -529,6 +529,20 @@ def _tokens_run(backend: HFChatBackend, specs: list[str], floors, convs=CONVS[:2
 STATIC_CASES = {"floor": ["trace"], "floor+split+instaboost": ["split-softmax:k=0.6,heads=0-1", "instaboost:m=3",
                                                                "trace"]}
 STATIC_RANGES = {"floor": (0.1, 0.7), "floor+split+instaboost": (0.6, 0.95)}
+_DYNAMIC_RUNS: dict[tuple[int, str], tuple[dict, list, list]] = {}
+
+
+def dynamic_runs(backend: HFChatBackend, case: str) -> tuple[dict, list, list]:
+    """(floors, floored run, floor-less run) of the dynamic loop on SDPA for the static tests'
+    conversations, once per case: every kernel's static run is checked against the same two."""
+    if (id(backend), case) not in _DYNAMIC_RUNS:
+        convs = [CONVS[0], CONVS[2]]
+        floors = conv_floors(backend, convs=convs, low_high=STATIC_RANGES[case])
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(engine_module.KERNEL_ENV, "sdpa")
+            runs = [_tokens_run(backend, STATIC_CASES[case], f, convs) for f in (floors, None)]
+        _DYNAMIC_RUNS[id(backend), case] = (floors, *runs)
+    return _DYNAMIC_RUNS[id(backend), case]
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "flex", "sdpa-channels"])
@@ -540,10 +554,7 @@ def test_static_decode_with_floors_equals_the_dynamic_loop(static_backends, case
     conversation) at its third generated token) against the dynamic loop on SDPA."""
     specs = STATIC_CASES[case]
     convs = [CONVS[0], CONVS[2]]
-    floors = conv_floors(static_backends["dynamic"], convs=convs, low_high=STATIC_RANGES[case])
-    monkeypatch.setenv(engine_module.KERNEL_ENV, "sdpa")
-    ref = _tokens_run(static_backends["dynamic"], specs, floors, convs)
-    unfloored = _tokens_run(static_backends["dynamic"], specs, None, convs)
+    floors, ref, unfloored = dynamic_runs(static_backends["dynamic"], case)
     assert max(np.abs(a.trace.decode - b.trace.decode).max() for a, b in zip(ref, unfloored, strict=True)) > 1e-3
     monkeypatch.setenv(engine_module.KERNEL_ENV, kernel.split("-")[0])
     if kernel == "sdpa-channels":  # pi from indicator channels appended to V, as CUDA's SDPA family gets it
@@ -559,19 +570,18 @@ def test_static_decode_with_floors_equals_the_dynamic_loop(static_backends, case
 @pytest.mark.compile  # on the CPU out of the fast part (tests/conftest.py)
 def test_compiled_step_compiles_no_second_graph_when_the_floor_changes(static_backends, cheap_compile) -> None:
     compiled, dynamic = static_backends["compiled"], static_backends["dynamic"]
-    specs = STATIC_CASES["floor+split+instaboost"]
-    zeros = _tokens_run(compiled, specs, None)  # floors of zeros: the steered graph
-    assert_same_decode(zeros, _tokens_run(dynamic, specs, None))
+    specs, convs = STATIC_CASES["floor+split+instaboost"], [CONVS[0], CONVS[2]]
+    floors, ref, unfloored = dynamic_runs(dynamic, "floor+split+instaboost")  # the static test's
+    zeros = _tokens_run(compiled, specs, None, convs)  # floors of zeros: the steered graph
+    assert_same_decode(zeros, unfloored)
     ran = compiled.ran()["decode"]
     # The compiled step ran (no eager fallback); its graph may be one this worker compiled before for an
     # identical tiny model (dynamo keys graphs by code and guards, not by model instance): graphs may be 0.
     assert ran["loop"] == "compiled" and "eager_after" not in ran
     graphs = ran["graphs"]
-    floors = conv_floors(dynamic, convs=CONVS[:2], low_high=STATIC_RANGES["floor+split+instaboost"])
     with torch.compiler.set_stance("fail_on_recompile"):
-        got = _tokens_run(compiled, specs, floors)
+        got = _tokens_run(compiled, specs, floors, convs)
     assert compiled.ran()["decode"]["graphs"] == graphs
-    ref = _tokens_run(dynamic, specs, floors)
     assert_same_decode(got, ref)
     assert max(np.abs(a.trace.decode - b.trace.decode).max() for a, b in zip(got, zeros, strict=True)) > 1e-3
 
