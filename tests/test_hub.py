@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import PROTOCOL_PRELOAD as PRELOAD
 from conftest import CommandServer
 from driftlab.assets.hub import HubRef, parse_hub_id
 from driftlab.errors import DriftlabError
 from fake_hub import FakeHub, fake_hub
 from hub_cache import REPO, SHA_MAIN, SHA_V2, build_cache, hub_env, set_ref
-from test_resume import PRELOAD
 
 
 # -- the id itself: string rules only ------------------------------------------------------------

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import PROTOCOL_PRELOAD as PRELOAD
 from conftest import CommandServer
-from test_resume import PRELOAD
 
 PLUGIN = '''
 """driftlab-demo-plugin: one measure, one intervention, one protocol, from outside driftlab."""
