@@ -47,36 +47,37 @@ MAX_WORKERS = 4  # each worker holds its own copies of the test models (a few GB
 gc.set_threshold(50_000, 20, 20)
 
 
-# Seconds (and tests) of the test files that take 8 s or more, whole, and of the many-test light
-# ones (one recorded run, 2026-11-28, 2-core AMD EPYC with AVX-512, unloaded, warm compile cache:
-# docs/results/suite/durations-2026-11-28.txt; its ratios are what counts; test_graph_budget.py
-# and test_when_drifting.py less what the tests cut after it took; test_ifbench.py, newer, from its
-# own run on 2026-11-29 beside two studies, halved); every other file is costed at LIGHT_TEST_S a test.
+# Seconds (and tests) of the test files that take 5 s or more, whole, and of the many-test light
+# ones (one recorded run, 2026-11-29, 2-core Intel Xeon with AMX, unloaded, at 08c0925:
+# docs/results/suite/durations-2026-11-29c.txt; its ratios are what counts); every other file is
+# costed at LIGHT_TEST_S a test.
 # Workers take whole files (`--dist loadfile`) in the order of the collection, which
 # `pytest_collection_modifyitems` below makes longest first, so that no long file starts last
 # while the other worker has run dry: xdist's own order (most tests first) put the few-test,
 # long files (kill-and-resume, compile cache, tutorial) at the end. To refresh the table from a
 # run's `--junitxml`: sum each file's testcase times.
 FILE_SECONDS = {
-    "test_benchmarks_gpu.py": (154, 18), "test_static_decode.py": (114, 68), "test_resume.py": (90, 9),
-    "test_kl.py": (84, 9), "test_continuous.py": (81, 12), "test_attention_flex.py": (75, 69),
-    "test_serve_faults.py": (74, 11), "test_attention_engine.py": (58, 102), "test_backend.py": (57, 23),
-    "test_activation.py": (50, 16), "test_pasta_tasks.py": (48, 24), "test_ray.py": (47, 5),
-    "test_directions.py": (44, 5), "test_tutorial.py": (43, 2), "test_when_drifting.py": (39, 14),
-    "test_graph_budget.py": (37, 5), "test_assets.py": (30, 21), "test_cli_errors.py": (29, 127),
-    "test_hub.py": (29, 40), "test_openai_backend.py": (29, 9), "test_mitigations.py": (29, 4),
-    "test_pasta_steering.py": (27, 56), "test_serve.py": (27, 21), "test_lm_eval_adapter.py": (27, 8),
-    "test_harnesses.py": (27, 4), "test_pasta_tune.py": (25, 5), "test_pi_floor.py": (23, 63),
-    "test_cli.py": (22, 19), "test_from_model.py": (21, 19), "test_bench_measures.py": (20, 50),
-    "test_serve_telemetry.py": (20, 10), "test_sweep_benchmark.py": (18, 7), "test_serve_completions.py": (17, 19),
-    "test_results_figures.py": (17, 9), "test_readme.py": (15, 4), "test_sampling_fields.py": (14, 47),
-    "test_directions_formats.py": (14, 13), "test_decay.py": (14, 4), "test_judge.py": (13, 23),
-    "test_results_contract.py": (13, 12), "test_plugins.py": (12, 4), "test_response_format.py": (11, 8),
-    "test_flex_guard.py": (11, 5), "test_report.py": (9, 31), "test_warn.py": (9, 10), "test_ifeval.py": (9, 10), "test_ifbench.py": (5, 10),
-    "test_bench_personas.py": (6, 359), "test_theory.py": (6, 32), "test_stats.py": (5, 64),
-    "test_mmlu.py": (5, 27), "test_options.py": (3, 21), "test_claims.py": (2, 111), "test_selfchat.py": (1, 30),
-    "test_sampling.py": (0, 49), "test_pasta_data.py": (0, 31), "test_pasta_metrics.py": (0, 27),
-    "test_bench_user_personas.py": (0, 15),
+    "test_static_decode.py": (164, 69), "test_benchmarks_gpu.py": (150, 19), "test_resume.py": (93, 9),
+    "test_continuous.py": (74, 12), "test_kl.py": (57, 10), "test_serve_faults.py": (57, 11),
+    "test_graph_budget.py": (51, 5), "test_attention_flex.py": (47, 69), "test_attention_engine.py": (47, 103),
+    "test_activation.py": (45, 17), "test_ray.py": (42, 5), "test_tutorial.py": (42, 2),
+    "test_backend.py": (39, 23), "test_assets.py": (34, 21), "test_pasta_tasks.py": (33, 24),
+    "test_directions.py": (30, 5), "test_hub.py": (26, 40), "test_pi_floor.py": (26, 63),
+    "test_bench_measures.py": (26, 50), "test_lm_eval_adapter.py": (25, 8), "test_when_drifting.py": (24, 15),
+    "test_pasta_steering.py": (23, 56), "test_cli_errors.py": (22, 127), "test_serve.py": (22, 21),
+    "test_serve_telemetry.py": (22, 10), "test_results_figures.py": (22, 10), "test_from_model.py": (21, 19),
+    "test_sweep_benchmark.py": (20, 8), "test_openai_backend.py": (18, 9), "test_harnesses.py": (18, 4),
+    "test_serve_completions.py": (17, 19), "test_cli.py": (16, 19), "test_plugins.py": (15, 4),
+    "test_replay.py": (15, 13), "test_mitigations.py": (14, 4), "test_judge.py": (14, 23),
+    "test_report.py": (14, 31), "test_readme.py": (12, 4), "test_decay.py": (12, 4),
+    "test_sampling_fields.py": (11, 47), "test_flex_guard.py": (11, 5), "test_pasta_tune.py": (10, 5),
+    "test_sweep.py": (10, 19), "test_stats.py": (10, 65), "test_directions_formats.py": (9, 13),
+    "test_response_format.py": (7, 8), "test_bench_personas.py": (7, 360),
+    "test_serve_openai_compat.py": (7, 20), "test_theory.py": (7, 32), "test_mmlu.py": (7, 28),
+    "test_results_contract.py": (6, 12), "test_ifeval.py": (6, 10), "test_api.py": (6, 17),
+    "test_options.py": (5, 21), "test_claims.py": (4, 111), "test_ifbench.py": (3, 12),
+    "test_warn.py": (2, 13), "test_selfchat.py": (2, 30), "test_sampling.py": (2, 49),
+    "test_bench_user_personas.py": (2, 15), "test_pasta_data.py": (0, 31), "test_pasta_metrics.py": (0, 27),
 }
 LIGHT_TEST_S = 0.3
 
