@@ -2,11 +2,13 @@
 
 Why: flex.py needs torch.nn.attention.flex_attention with `AuxRequest` (flex_attention's
 `return_aux`, torch >= 2.9; torch 2.5-2.8 have FlexAttention with only `return_lse`, older
-ones none). Imported with the engine, it made every HF backend fail to import there. Each test
-runs a fresh interpreter in which the real import machinery runs but FlexAttention is made
-unusable for driftlab's own imports first (transformers keys its imports off torch's version,
-so it keeps the real module): torch.nn.attention.flex_attention comes without `AuxRequest`
-(torch 2.5-2.8), or does not import at all (torch < 2.5). In it, driftlab's
+ones none). Imported with the engine, it made every HF backend fail to import there. Each mode
+runs in a process that has never imported driftlab (forked from one fresh interpreter that
+imported only torch and transformers, once for both modes: seconds of a CPU), in which the real
+import machinery runs but FlexAttention is made unusable for driftlab's own imports first
+(transformers keys its imports off torch's version, so it keeps the real module):
+torch.nn.attention.flex_attention comes without `AuxRequest` (torch 2.5-2.8), or does not
+import at all (torch < 2.5). In it, driftlab's
 HF backend loads a tiny random model and generates with split-softmax on the SDPA path, with
 `auto` saying once why it is not on flex, and an explicit `flex` is a one-line DriftlabError.
 """
@@ -34,7 +36,7 @@ CONVERSATION = [
 STEER = ["trace", "split-softmax:k=0.3"]
 NEW_TOKENS = 8
 
-# Runs in the child: argv = mode (no-aux | no-flex), model directory, conversation, new tokens, steering.
+# Runs in a child: argv = mode (no-aux | no-flex), model directory, conversation, new tokens, steering.
 CHILD = r"""
 import builtins, json, sys
 
@@ -105,6 +107,40 @@ print("RESULT " + json.dumps(out))
 """
 
 
+# Forks the children: imports what they share, never driftlab (torch, transformers and the tiny Qwen2's
+# modules), then runs CHILD once per mode in a forked process, its stdout and stderr in files.
+# argv: JSON [[mode, stdout path, stderr path], ...], CHILD, then CHILD's arguments after the mode.
+SERVER = r"""
+import json, os, sys, traceback
+
+import torch
+import torch.nn.attention.flex_attention
+import transformers
+import transformers.masking_utils
+import transformers.models.qwen2.modeling_qwen2
+
+jobs, code, args = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3:]
+for mode, out, err in jobs:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        for fd, path in ((1, out), (2, err)):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        sys.argv, status = ["-c", mode, *args], 0
+        try:
+            exec(compile(code, "<child>", "exec"), {"__name__": "__main__"})
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps([mode, os.waitstatus_to_exitcode(status)]), flush=True)
+"""
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("qwen2", tmp_path_factory.mktemp("flex_guard") / "qwen2")
@@ -134,20 +170,32 @@ def sdpa_steered(tiny_dir: Path) -> list[int]:
 MISSING = {"no-aux": "FlexAttention without AuxRequest", "no-flex": "has no FlexAttention"}
 
 
-@pytest.fixture(scope="module", params=list(MISSING))
-def child(request: pytest.FixtureRequest, tiny_dir: Path) -> tuple[str, dict, str, str]:
-    """(mode, result, stderr of the auto part, stderr of the flex part) of one child run."""
-    mode = request.param
+@pytest.fixture(scope="module")
+def children(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
+    """Each mode's child run, forked from one SERVER: mode -> (stdout, stderr)."""
+    folder = tmp_path_factory.mktemp("flex_guard_children")
+    jobs = [[mode, str(folder / f"{mode}.out"), str(folder / f"{mode}.err")] for mode in MISSING]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "400"}  # one note = one stderr line
     env.pop(engine.KERNEL_ENV, None)
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, mode, str(tiny_dir), json.dumps(CONVERSATION), str(NEW_TOKENS),
-         json.dumps(STEER)],
+        [sys.executable, "-c", SERVER, json.dumps(jobs), CHILD, str(tiny_dir), json.dumps(CONVERSATION),
+         str(NEW_TOKENS), json.dumps(STEER)],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    auto_err, _, flex_err = proc.stderr.partition("END OF AUTO")
+    out = {mode: (Path(o).read_text(), Path(e).read_text()) for mode, o, e in jobs}
+    statuses = dict(map(json.loads, proc.stdout.splitlines()))
+    assert statuses == dict.fromkeys(MISSING, 0), {mode: err[-4000:] for mode, (_, err) in out.items()}
+    return out
+
+
+@pytest.fixture(scope="module", params=list(MISSING))
+def child(request: pytest.FixtureRequest, children: dict[str, tuple[str, str]]) -> tuple[str, dict, str, str]:
+    """(mode, result, stderr of the auto part, stderr of the flex part) of one child run."""
+    mode = request.param
+    stdout, stderr = children[mode]
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("RESULT "))
+    auto_err, _, flex_err = stderr.partition("END OF AUTO")
     return mode, json.loads(line[len("RESULT "):]), auto_err, flex_err
 
 
