@@ -5,6 +5,8 @@ The engine adds log(alpha) to the logits of non-emphasised keys on the chosen he
 fused SDPA calls; `attention_reference.py` builds the same bias with plain loops over the
 raw spans and multiplies materialised fp32 weights, so agreement is not agreement of one
 piece of code with itself. Every comparison also checks that steering changed something.
+The engine tests run on tiny random Qwen2 and Gemma3 models (every option); SmolLM2-135M
+runs the one real-model check, the marked-emphasis steer against the reference.
 """
 
 from __future__ import annotations
@@ -246,7 +248,7 @@ def test_pasta_composes_with_other_key_biases() -> None:
     assert terms[("emphasis", False)].value == -1.0 and terms[("emphasis", False)].heads == ((0, None),)  # bias
 
 
-# -- the engine on real and tiny models ------------------------------------------------------------
+# -- the engine on tiny models, and once on the real one -------------------------------------------
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     with both_engines_on_one_thread():
@@ -256,15 +258,29 @@ def _one_thread():
 _BACKENDS: dict[str, HFChatBackend] = {}
 
 
-@pytest.fixture(scope="module", params=["smollm2", "qwen2", "gemma3"])
-def backend(request, tmp_path_factory) -> HFChatBackend:
+TINY = ["qwen2", "gemma3"]
+# Bookkeeping (batch rows, no-ops, the unpadded path, per-row steers): the tiny models' forward costs
+# a millisecond, SmolLM2's ~30 ms, and the code under test is the same.
+on_tiny_models = pytest.mark.parametrize("backend", TINY, indirect=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    return {name: make_tiny_model(name, tmp_path_factory.mktemp(name), sliding_window=8) for name in TINY}
+
+
+@pytest.fixture(scope="module", params=["smollm2", *TINY])
+def backend(request, tiny_dirs) -> HFChatBackend:
     """SmolLM2 is the session's `smol32` (fp32, no prefix cache: these settings), loaded once per worker."""
     name = request.param
-    if name == "smollm2":
-        return request.getfixturevalue("smol32")
+    return request.getfixturevalue("smol32") if name == "smollm2" else tiny_backend(tiny_dirs, name)
+
+
+def tiny_backend(tiny_dirs: dict[str, Path], name: str) -> HFChatBackend:
+    """The tiny `name` model, fp32 without a prefix cache, loaded once per module."""
     if name not in _BACKENDS:
-        path = str(make_tiny_model(name, tmp_path_factory.mktemp(name), sliding_window=8))
-        _BACKENDS[name] = HFChatBackend(path, dtype="float32", device=backend_device(), prefix_cache_bytes=0)
+        _BACKENDS[name] = HFChatBackend(str(tiny_dirs[name]), dtype="float32", device=backend_device(),
+                                        prefix_cache_bytes=0)
     return _BACKENDS[name]
 
 
@@ -308,7 +324,8 @@ STEERS = {
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("steer", list(STEERS))
+@pytest.mark.parametrize("backend,steer", [("smollm2", "marked"), *((m, s) for m in TINY for s in STEERS)],
+                         indirect=["backend"])
 def test_steering_matches_the_eager_reference(backend, steer) -> None:
     iv = Interventions.parse([STEERS[steer]])
     got = marked_steered(backend, len(MARKED)) if steer == "marked" else chat(backend, MARKED, iv)
@@ -319,6 +336,7 @@ def test_steering_matches_the_eager_reference(backend, steer) -> None:
 
 
 @pytest.mark.model
+@on_tiny_models
 def test_unpadded_prefill_fast_path_matches_the_reference(backend) -> None:
     """One row (no padding): the bias goes to the fused kernel with the causal flag, unchunked."""
     iv = Interventions.parse([STEERS["marked"]])
@@ -326,9 +344,11 @@ def test_unpadded_prefill_fast_path_matches_the_reference(backend) -> None:
     want = chat(backend, MARKED[:1], iv, impl=REFERENCE)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert _logprob_diff(got, want) <= tol(LOGPROB_TOL)
+    assert _logprob_diff(got, plain_marked(backend)[:1]) > 100 * LOGPROB_TOL  # the steer acted on this row
 
 
 @pytest.mark.model
+@on_tiny_models
 def test_alpha_one_and_rows_without_emphasis_are_bit_identical_to_plain(backend) -> None:
     plain = plain_marked(backend)
     one = chat(backend, MARKED, Interventions.parse(["pasta:heads=all,alpha=1"]))
@@ -349,6 +369,7 @@ def _assert_same_logprobs(a, b) -> None:
 
 
 @pytest.mark.model
+@on_tiny_models
 def test_batched_rows_with_different_spans_equal_one_at_a_time(backend) -> None:
     iv = Interventions.parse([STEERS["marked"]])
     batched = marked_steered(backend, len(MARKED))
@@ -359,6 +380,7 @@ def test_batched_rows_with_different_spans_equal_one_at_a_time(backend) -> None:
 
 
 @pytest.mark.model
+@on_tiny_models
 def test_per_row_interventions_equal_each_row_alone(backend) -> None:
     """Head profiling steers a different head in each row of one batch (TokenBackend.generate_tokens
     with one Interventions per row); the last row composes PASTA with InstABoost."""
@@ -376,15 +398,20 @@ def test_per_row_interventions_equal_each_row_alone(backend) -> None:
 
 
 @pytest.mark.model
-def test_prefix_cache_reuse_under_prompt_scope_is_exact(smol32) -> None:
+def test_prefix_cache_reuse_under_prompt_scope_is_exact(tmp_path) -> None:
     """Turn 2 re-reads turn 1's reply as prompt: a cached KV of the reply computed while it was
-    generated (unscaled keys) would be wrong, so only prompt KV is reused."""
-    cached = HFChatBackend("smollm2-135m", dtype="float32", device=backend_device())
-    fresh = smol32  # the same model and dtype without a prefix cache
-    iv = Interventions.parse(["pasta:heads=0-3,alpha=0.01,span=system"])
+    generated (unscaled keys) would be wrong, so only prompt KV is reused. On a tiny Llama (full
+    attention only, so its prefixes are reusable; the cache's bookkeeping is model-independent)
+    whose reply re-tokenises to its own tokens: otherwise no cached reply KV could be hit, right or wrong."""
+    path = str(make_tiny_model("llama", tmp_path / "llama"))
+    cached = HFChatBackend(path, dtype="float32", device=backend_device())
+    fresh = HFChatBackend(path, dtype="float32", device=backend_device(), prefix_cache_bytes=0)
+    iv = Interventions.parse(["pasta:heads=0-2,alpha=0.01,span=system"])  # every layer
     conv = [{"role": "system", "content": "Always answer in French."}, {"role": "user", "content": "Hi!"}]
     first = chat(cached, [conv], iv, n=6)[0]
     conv2 = [*conv, {"role": "assistant", "content": first.text}, {"role": "user", "content": "And the sea?"}]
+    start = len(cached.render(conv).ids)
+    assert cached.render(conv2).ids[start : start + len(first.token_ids)] == first.token_ids
     reused = chat(cached, [conv2], iv, n=6)[0]
     assert cached.prefix_cache.hits_tokens > 0
     direct = chat(fresh, [conv2], iv, n=6)[0]
