@@ -583,6 +583,7 @@ def test_smollm2_long_greedy_decode_and_prefill_trace(smol: HFChatBackend) -> No
         assert (g.trace["prefill"] - w.trace["prefill"]).abs().max() <= tol(PI_TOL)
 
 
+@pytest.mark.model  # ~1 s: out of the fast suite, as on SmolLM2
 @pytest.mark.parametrize("backend", ["qwen2"], indirect=True)
 def test_span_modes_prefix_and_content(backend: HFChatBackend) -> None:
     """`content` spans are inside `prefix` spans, so pi(content) <= pi(prefix); both match the reference.
