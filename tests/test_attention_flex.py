@@ -4,8 +4,9 @@ Why: on CUDA the intervention path runs on FlexAttention (bias as a score_mod, m
 block masks, pi and split-softmax from two calls' log-sum-exps), a different computation
 from the CPU's SDPA path. FlexAttention also runs on the CPU (eager, unfused), so with
 DRIFTLAB_ATTENTION_KERNEL=flex every mode is checked here against `attention_reference.py`
-with the tolerances the SDPA path gets, on the models of test_attention_engine (SmolLM2:
-9 query / 3 KV heads; tiny Qwen2 and Gemma3: 4 / 2, Gemma3 with sliding-window layers).
+with the tolerances the SDPA path gets, on the models of test_attention_engine (tiny Qwen2 and
+Gemma3: 4 query / 2 KV heads, Gemma3 with sliding-window layers, for every case; SmolLM2: 9 / 3,
+for each matrix's "composed" case and the flex-vs-SDPA pi check).
 The path may hand a call back to SDPA (a mask it does not recognise); here that is an error,
 so every comparison really exercises flex.
 """
@@ -33,6 +34,8 @@ from test_attention_engine import (  # noqa: F401  (fixtures, used by name)
     backend,
     gemma,
     max_diff,
+    on_models,
+    on_tiny_models,
     plain_prefill,
     prefill,
     real_positions,
@@ -303,7 +306,7 @@ def test_auto_keeps_the_cpu_on_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # -- whole models against the reference -----------------------------------------------------------
-@pytest.mark.parametrize("case", list(CASES))
+@on_models(list(CASES))
 def test_flex_prefill_matches_reference(backend, case: str) -> None:  # noqa: F811 (fixture imported from test_attention_engine)
     cfg = CASES[case]
     plain, _, pads = plain_prefill(backend)
@@ -325,19 +328,22 @@ def test_flex_prefill_matches_reference(backend, case: str) -> None:  # noqa: F8
 
 
 # Eager flex on a CPU costs ~0.5 s per decode step on SmolLM2 (30 layers, two calls each): 6 steps,
-# not the SDPA path's 12, check the same per-step code; the batch test reuses the "composed" run.
+# not the SDPA path's 12, check the same per-step code; the batch test reuses the "composed" run
+# (on the tiny models: SmolLM2's one flex decode is the "composed" case's).
 FLEX_DECODE_TOKENS = 6
 
 
-@pytest.mark.parametrize("case", DECODE_CASES)
+@on_models(DECODE_CASES)
 def test_flex_greedy_decode_matches_reference(backend, case: str) -> None:  # noqa: F811 (fixture imported from test_attention_engine)
     base.test_greedy_decode_matches_reference(backend, case, new_tokens=FLEX_DECODE_TOKENS)
 
 
+@on_tiny_models
 def test_flex_batch_rows_match_solo_runs(backend) -> None:  # noqa: F811 (fixture imported from test_attention_engine)
     base.test_batch_rows_match_solo_runs(backend, new_tokens=FLEX_DECODE_TOKENS)
 
 
+@on_tiny_models
 def test_flex_uses_gqa_without_copies(backend, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811 (fixture imported from test_attention_engine)
     """Every model here has fewer KV heads than query heads; flex gets the KV heads as they are."""
     seen: list[tuple[int, int]] = []
