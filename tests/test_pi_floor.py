@@ -519,11 +519,18 @@ def cheap_compile(monkeypatch: pytest.MonkeyPatch) -> None:
                         {"backend": "aot_eager", "fullgraph": True, "dynamic": True})
 
 
+# The second static row's floor starts at its third generated token (decode step 3): 5 tokens give it
+# two floored steps and one (step 2) that a floor one slot early would change. Eager flex on a CPU
+# costs tens of ms a call (vmap over its score_mod), so every step counts.
+STATIC_TOKENS = 5
+
+
 def _tokens_run(backend: HFChatBackend, specs: list[str], floors, convs=CONVS[:2]) -> list:
     iv = Interventions.parse(specs)
     with floors_on_layout(floors) if floors is not None else contextlib.nullcontext():
         return backend.generate_tokens([backend.render(c, interventions=iv) for c in convs],
-                                       Sampling(greedy=True, max_new_tokens=8, ignore_eos=True), interventions=iv)
+                                       Sampling(greedy=True, max_new_tokens=STATIC_TOKENS, ignore_eos=True),
+                                       interventions=iv)
 
 
 STATIC_CASES = {"floor": ["trace"], "floor+split+instaboost": ["split-softmax:k=0.6,heads=0-1", "instaboost:m=3",
