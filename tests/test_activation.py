@@ -257,6 +257,7 @@ def test_residual_steers_run_on_one_compiled_graph_per_bucket(tiny_path, monkeyp
 
 
 # -- errors ---------------------------------------------------------------------------------------------------
+@pytest.mark.model  # a tiny model, but a self-chat's imports: seconds
 def test_directions_held_in_memory_pass_a_runs_checks_and_are_refused_by_name(tiny_dirs) -> None:
     """Directions given to a live backend (`use_directions` of computed ones) are the run's: a vector
     steer passes the config check, the manifest says `memory:`, and loading that spec by name is a
@@ -343,6 +344,7 @@ def test_hooks_install_once_and_come_off(tmp_path) -> None:
     assert all(not _ours(layer) for layer in model.model.layers)
 
 
+@pytest.mark.model  # a tiny model, loaded a second time
 def test_steer_applies_vector_and_cap_to_your_own_generate_as_the_backend_does(tiny_dirs, tiny_path) -> None:
     """`dl.steer(model, "vector:...", system=TEXT, directions=D)` around transformers' generate gives
     driftlab's own tokens (on the tiny model, where both steers change them); after the block the
@@ -374,6 +376,7 @@ def test_steer_applies_vector_and_cap_to_your_own_generate_as_the_backend_does(t
         dl.steer(model, "vector:alpha=1", system=FRENCH, tokenizer=tokenizer)
 
 
+@pytest.mark.model  # a tiny model, but a server
 def test_serve_takes_residual_steers_and_refuses_each_bad_request_alone(tiny_dirs) -> None:
     """`driftlab serve` with directions: a vector steer per request as the local backend gives it (on
     the tiny model, where it changes the reply); a request whose system prompt has no direction, or a

@@ -164,6 +164,7 @@ def steered_pair(request, spec):
     return request.getfixturevalue("tiny"), request.getfixturevalue("tiny_hf")
 
 
+@pytest.mark.model  # (SmolLM2 through getfixturevalue, which conftest's marking by fixture cannot see; the tiny case ~1 s)
 @pytest.mark.parametrize("spec", ["split-softmax:k=0.8", "instaboost:m=10"])
 def test_steer_matches_driftlab_chat(steered_pair, spec) -> None:
     from driftlab.chat.steer import steer
@@ -187,6 +188,7 @@ def test_steer_matches_driftlab_chat(steered_pair, spec) -> None:
             assert generated(model, tokenizer, [CONV], stop) == want
 
 
+@pytest.mark.model  # a tiny model, but loaded twice: out of the fast part
 def test_steer_batch_of_two(tiny, tiny_hf, tol) -> None:
     """Two left-padded prompts of different lengths, each with its system prompt located: the
     same tokens and the same pi per row (pi shows any slip of a span or of the padding)."""
@@ -242,6 +244,7 @@ def _decode_trace(reply):
     return reply.trace.decode if hasattr(reply.trace, "decode") else reply.trace["decode"]
 
 
+@pytest.mark.model  # a tiny model, but loaded twice: out of the fast part
 def test_steer_restores_the_plain_model(tiny, tiny_hf) -> None:
     from driftlab.chat.steer import steer
 
@@ -262,6 +265,7 @@ def test_steer_restores_the_plain_model(tiny, tiny_hf) -> None:
     assert generated(model, tokenizer, [CONV], stop) == before
 
 
+@pytest.mark.model  # a tiny model, but loaded twice: out of the fast part
 def test_steer_forward_logprobs_and_traces_match_driftlab_chat(tiny, tiny_hf, tol) -> None:
     """`model(...)` inside the block scores as driftlab's chat does; `trace` gives its pi."""
     from driftlab.chat.steer import steer
