@@ -4,7 +4,10 @@ one-line errors for directions that do not fit.
 
 The directions here are synthetic (random unit vectors with made-up statistics): what is checked
 is the arithmetic and the plumbing, which hold for any direction. Directions computed from a
-model are tested in test_directions.py.
+model are tested in test_directions.py. SmolLM2 runs the references (transformers' generate with a
+forward hook, teacher-forced projections); the plumbing (caps, monitoring, rows leaving a batch,
+`dl.steer`, serve, pi-floor, errors) runs on a tiny random Llama (tests/tiny_models.py), whose
+steered tokens are checked to differ from plain ones wherever an equality is asserted.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from devices import backend_device
 from driftlab.activation import hooks
 from driftlab.activation.directions import Directions, PersonaDirection
 from driftlab.activation.state import ResidualRow, ResidualState
@@ -54,6 +58,30 @@ def smol_dirs(smol32):
     smol32.use_directions(directions)
     yield smol32, directions
     smol32.use_directions(None)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from tiny_models import make_tiny_model
+
+    return make_tiny_model("llama", tmp_path_factory.mktemp("activation") / "llama")
+
+
+@pytest.fixture(scope="module")
+def tiny_backend(tiny_path):
+    from driftlab.chat.hf import HFChatBackend
+
+    return HFChatBackend(str(tiny_path), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
+
+
+@pytest.fixture
+def tiny_dirs(tiny_backend):
+    """The tiny Llama (3 layers, d_model 64) with synthetic directions for FRENCH and PIRATE (taken off
+    again after the test)."""
+    directions = synthetic(tiny_backend.shape.layers, tiny_backend.d_model, [FRENCH, PIRATE])
+    tiny_backend.use_directions(directions)
+    yield tiny_backend, directions
+    tiny_backend.use_directions(None)
 
 
 def _conv(system: str, user: str = "What do you do in London as a tourist?") -> list[dict]:
@@ -117,14 +145,17 @@ def test_capping_lifts_the_projection_to_tau_and_leaves_the_orthogonal_part_unch
                 assert torch.equal(out[b], h[b])
 
 
-def test_a_cap_from_the_quantiles_of_the_with_prompt_projections(smol_dirs) -> None:
+def test_a_cap_from_the_quantiles_of_the_with_prompt_projections(tiny_dirs) -> None:
     """cap:q=Q clamps at the Q-quantile of the direction's with-prompt projections, on the band by
-    default; the recorded projection of a capped layer is then at least that."""
-    backend, directions = smol_dirs
+    default; the recorded projection of a capped layer is then at least that (and without the cap it
+    is below, on the tiny model: the cap acts)."""
+    backend, directions = tiny_dirs
     p = directions.personas["p0"]
     (reply,) = backend.generate(ChatRequest([_conv(FRENCH)], GREEDY, interventions=Interventions.parse(["cap:q=0.9"])))
+    (plain,) = backend.generate(ChatRequest([_conv(FRENCH)], GREEDY))
     tau = p.quantile(0.9)
     normalised = (tau - p.low) / (p.high - p.low)
+    assert all(plain.activation["reply"][layer] < float(normalised[layer]) for layer in p.band)
     for layer in p.band:
         assert reply.activation["reply"][layer] >= float(normalised[layer]) - 1e-4
         assert reply.activation["prompt"][layer] >= float(normalised[layer]) - 1e-4
@@ -132,8 +163,8 @@ def test_a_cap_from_the_quantiles_of_the_with_prompt_projections(smol_dirs) -> N
 
 
 # -- what is recorded ----------------------------------------------------------------------------------------
-def test_monitoring_changes_no_token_and_records_only_rows_with_a_direction(smol_dirs) -> None:
-    backend, _ = smol_dirs
+def test_monitoring_changes_no_token_and_records_only_rows_with_a_direction(tiny_dirs) -> None:
+    backend, _ = tiny_dirs
     convs = [_conv(FRENCH), _conv("Answer briefly."), _conv(PIRATE, "Hi there.")]
     watched = backend.generate(ChatRequest(convs, GREEDY))
     backend.use_directions(None)
@@ -163,30 +194,40 @@ def test_recorded_projections_equal_the_teacher_forced_ones(smol_dirs) -> None:
         np.testing.assert_allclose(reply.activation["last"], positions[-1], atol=1e-4)
 
 
-def test_rows_leaving_the_batch_keep_what_they_recorded(smol_dirs) -> None:
-    """A dynamic batch drops finished rows; each row's projection is the one it gets alone."""
-    backend, _ = smol_dirs
+def test_rows_leaving_the_batch_keep_what_they_recorded(tiny_dirs, monkeypatch) -> None:
+    """A dynamic batch drops finished rows (here at their own token limits, on the tiny model); each
+    row's projection is the one it gets alone."""
+    from transformers.cache_utils import DynamicCache
+
+    backend, _ = tiny_dirs
+    sizes: list[int] = []
+    select = DynamicCache.batch_select_indices
+    monkeypatch.setattr(DynamicCache, "batch_select_indices",
+                        lambda self, indices: sizes.append(len(indices)) or select(self, indices))
     convs = [_conv(FRENCH, "Say yes."), _conv(PIRATE, "Tell me a long story about your ship."), _conv(FRENCH)]
-    sampling = Sampling(greedy=True, max_new_tokens=12)  # "Say yes." stops within it, the others run on
-    together = backend.generate(ChatRequest(convs, sampling))
-    assert together[0].finish_reason == "stop" and together[1].finish_reason == "length"  # a row left early
-    for conv, reply in zip(convs, together, strict=True):
-        (alone,) = backend.generate(ChatRequest([conv], sampling))
+    sampling = Sampling(greedy=True, max_new_tokens=12, ignore_eos=True)
+    limits = [3, 12, 7]
+    together = backend.generate(ChatRequest(convs, sampling, row_max_tokens=limits))
+    assert sizes == [2, 1]  # rows left early
+    projections = set()
+    for conv, reply, n in zip(convs, together, limits, strict=True):
+        (alone,) = backend.generate(ChatRequest([conv], sampling.model_copy(update={"max_new_tokens": n})))
         assert alone.token_ids == reply.token_ids
         np.testing.assert_allclose(reply.activation["reply"], alone.activation["reply"], atol=1e-4)
+        projections.add(round(reply.activation["reply"][1], 3))
+    assert len(projections) == len(convs)  # each row records its own
 
 
 # -- the compiled step ----------------------------------------------------------------------------------------
 @pytest.mark.compile  # on the CPU out of the fast part (tests/conftest.py)
-def test_residual_steers_run_on_one_compiled_graph_per_bucket(tmp_path, monkeypatch) -> None:
+def test_residual_steers_run_on_one_compiled_graph_per_bucket(tiny_path, monkeypatch) -> None:
     """Vector and cap knobs are tensors: after `warm`, new strengths, layers, caps and their
     composition with attention steers compile nothing, and give the dynamic loop's tokens."""
     import driftlab.chat.static_decode as sd
     from driftlab.chat.hf import HFChatBackend
-    from tiny_models import make_tiny_model
 
     monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {**sd.COMPILE_OPTIONS["cpu"], "backend": "aot_eager"})
-    path = make_tiny_model("llama", tmp_path / "llama")
+    path = tiny_path
     compiled = HFChatBackend(str(path), dtype="float32", prefix_cache_bytes=0, decode="compiled")
     dynamic = HFChatBackend(str(path), dtype="float32", prefix_cache_bytes=0, decode="dynamic")
     directions = synthetic(compiled.shape.layers, compiled.d_model, [FRENCH, PIRATE])
@@ -216,7 +257,8 @@ def test_residual_steers_run_on_one_compiled_graph_per_bucket(tmp_path, monkeypa
 
 
 # -- errors ---------------------------------------------------------------------------------------------------
-def test_directions_held_in_memory_pass_a_runs_checks_and_are_refused_by_name(smol_dirs) -> None:
+@pytest.mark.model  # a tiny model, but a self-chat's imports: seconds
+def test_directions_held_in_memory_pass_a_runs_checks_and_are_refused_by_name(tiny_dirs) -> None:
     """Directions given to a live backend (`use_directions` of computed ones) are the run's: a vector
     steer passes the config check, the manifest says `memory:`, and loading that spec by name is a
     one-line error rather than a missing-file crash."""
@@ -225,7 +267,7 @@ def test_directions_held_in_memory_pass_a_runs_checks_and_are_refused_by_name(sm
     from driftlab.chat.factory import make_backend
     from driftlab.chat.spec import BackendSpec
 
-    backend, _ = smol_dirs
+    backend, _ = tiny_dirs
     spec = spec_of(backend)
     assert spec.directions is not None and spec.directions.startswith("memory:")
     french = next(p for p in dl.personas() if p.id == "reply-in-french").model_copy(update={"id": "french-short", "system_prompt": FRENCH})
@@ -236,8 +278,8 @@ def test_directions_held_in_memory_pass_a_runs_checks_and_are_refused_by_name(sm
         make_backend(BackendSpec(model="smollm2-135m", directions=spec.directions))
 
 
-def test_directions_that_do_not_fit_are_one_line_errors_before_any_work(smol_dirs, tmp_path) -> None:
-    backend, directions = smol_dirs
+def test_directions_that_do_not_fit_are_one_line_errors_before_any_work(tiny_dirs, tmp_path) -> None:
+    backend, directions = tiny_dirs
     with pytest.raises(DriftlabError, match="hold none for it"):
         backend.generate(ChatRequest([_conv("Be terse.")], GREEDY, interventions=Interventions.parse(["vector:alpha=1"])))
     with pytest.raises(DriftlabError, match="Layer 99 is outside"):
@@ -302,28 +344,31 @@ def test_hooks_install_once_and_come_off(tmp_path) -> None:
     assert all(not _ours(layer) for layer in model.model.layers)
 
 
-def test_steer_applies_vector_and_cap_to_your_own_generate_as_the_backend_does(smol_dirs, smol_dir) -> None:
+@pytest.mark.model  # a tiny model, loaded a second time
+def test_steer_applies_vector_and_cap_to_your_own_generate_as_the_backend_does(tiny_dirs, tiny_path) -> None:
     """`dl.steer(model, "vector:...", system=TEXT, directions=D)` around transformers' generate gives
-    driftlab's own tokens; after the block the model is plain again; pi-floor is refused by name."""
+    driftlab's own tokens (on the tiny model, where both steers change them); after the block the
+    model is plain again; pi-floor is refused by name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import driftlab as dl
 
-    backend, directions = smol_dirs
-    model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(smol_dir)
-    ids = torch.tensor([backend.render(_conv(FRENCH)).ids])
+    backend, directions = tiny_dirs
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).to(backend.device)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    ids = torch.tensor([backend.render(_conv(FRENCH)).ids], device=backend.device)
 
     def generate() -> list[int]:
         out = model.generate(ids, max_new_tokens=GREEDY.max_new_tokens, do_sample=False, pad_token_id=backend.pad_id)
         return out[0, ids.shape[1]:].tolist()
 
     plain = generate()
-    for spec in ("vector:alpha=4,layers=3+11", "cap:q=0.95"):
+    for spec in ("vector:alpha=4,layers=0+2", "cap:q=0.95"):
         (want,) = backend.generate(ChatRequest([_conv(FRENCH)], GREEDY, interventions=Interventions.parse([spec])))
         with dl.steer(model, spec, system=FRENCH, tokenizer=tokenizer, directions=directions):
             got = generate()
         assert got[: len(want.token_ids)] == want.token_ids, spec
+        assert want.token_ids != plain[: len(want.token_ids)], spec  # the steer acts
     assert generate() == plain and all(not _ours(layer) for layer in model.model.layers)
     with pytest.raises(DriftlabError, match="cannot apply pi-floor"):
         dl.steer(model, "pi-floor:f=0.8", system=FRENCH, tokenizer=tokenizer)
@@ -331,19 +376,21 @@ def test_steer_applies_vector_and_cap_to_your_own_generate_as_the_backend_does(s
         dl.steer(model, "vector:alpha=1", system=FRENCH, tokenizer=tokenizer)
 
 
-def test_serve_takes_residual_steers_and_refuses_each_bad_request_alone(smol_dirs) -> None:
-    """`driftlab serve` with directions: a vector steer per request as the local backend gives it; a
-    request whose system prompt has no direction, or a text completion asking a pi floor, gets a 422
-    of its own."""
+@pytest.mark.model  # a tiny model, but a server
+def test_serve_takes_residual_steers_and_refuses_each_bad_request_alone(tiny_dirs) -> None:
+    """`driftlab serve` with directions: a vector steer per request as the local backend gives it (on
+    the tiny model, where it changes the reply); a request whose system prompt has no direction, or a
+    text completion asking a pi floor, gets a 422 of its own."""
     import httpx
 
     from driftlab.serve import ServeSettings, create_app
     from driftlab.serve.background import background as serving
 
-    backend, _ = smol_dirs
+    backend, _ = tiny_dirs
     conv = _conv(FRENCH)
     req = {"model": backend.name, "messages": conv, "max_tokens": 12, "temperature": 0}
     (local,) = backend.generate(ChatRequest([conv], GREEDY, interventions=Interventions.parse(["vector:alpha=4"])))
+    assert local.text != backend.generate(ChatRequest([conv], GREEDY))[0].text  # the steer acts
     with serving(create_app(backend, ServeSettings(max_wait_ms=20))) as url:
         post = lambda path, body: httpx.post(f"{url}{path}", json=body, timeout=300)  # noqa: E731
         steered = post("/v1/chat/completions", {**req, "driftlab": {"steer": "vector:alpha=4"}})
@@ -359,25 +406,27 @@ def test_serve_takes_residual_steers_and_refuses_each_bad_request_alone(smol_dir
         assert text.status_code == 422 and "first turn" in text.text
 
 
-def test_pi_floor_takes_pi_1_from_the_first_turn_and_a_floor_below_pi_changes_nothing(smol32) -> None:
+def test_pi_floor_takes_pi_1_from_the_first_turn_and_a_floor_below_pi_changes_nothing(tiny_backend) -> None:
     """The floor's reference is pi at the first turn's last prompt token (what `trace` of that turn
-    says); a floor that never binds (f tiny) gives plain decoding's tokens, and f = 1 changes them."""
+    says); a floor that never binds (f tiny) gives plain decoding's tokens, and f = 1 changes them.
+    On the tiny model (test_pi_floor.py compares floors on SmolLM2 with the reference)."""
     from driftlab.attention.config import AttentionConfig
     from driftlab.chat import teacher_forced
 
+    backend = tiny_backend
     conv = [{"role": "system", "content": FRENCH}, {"role": "user", "content": "Tell me about London."},
             {"role": "assistant", "content": "London is big."},
             {"role": "user", "content": "What else? Tell me about its museums, parks and food."}]
-    rendered = smol32.render(conv, interventions=Interventions.parse(["pi-floor:f=0.5"]))
-    first = smol32.trace(conv[:2])  # the first turn, read with its generation prompt
+    rendered = backend.render(conv, interventions=Interventions.parse(["pi-floor:f=0.5"]))
+    first = backend.trace(conv[:2])  # the first turn, read with its generation prompt
     assert rendered.first_turn == first.prefill.shape[0] - 1
-    values, starts = teacher_forced.floors(smol32, [AttentionConfig(pi_floor=0.5)], [rendered.spans()], [rendered.ids])
+    values, starts = teacher_forced.floors(backend, [AttentionConfig(pi_floor=0.5)], [rendered.spans()], [rendered.ids])
     np.testing.assert_allclose(values[0].numpy(), 0.5 * first.prefill[-1], atol=1e-5)
     assert starts == [rendered.first_turn + 1]
     greedy = Sampling(greedy=True, max_new_tokens=8)  # f = 1 changes the second token already
-    plain, tiny, full = (smol32.generate(ChatRequest([conv], greedy, interventions=Interventions.parse(s)))[0]
-                         for s in ([], ["pi-floor:f=0.0001"], ["pi-floor:f=1"]))
-    assert tiny.token_ids == plain.token_ids and full.token_ids != plain.token_ids
+    plain, low, full = (backend.generate(ChatRequest([conv], greedy, interventions=Interventions.parse(s)))[0]
+                       for s in ([], ["pi-floor:f=0.0001"], ["pi-floor:f=1"]))
+    assert low.token_ids == plain.token_ids and full.token_ids != plain.token_ids
 
 
 def test_auroc_and_spearman_intervals_against_scikit_learn_and_scipy() -> None:

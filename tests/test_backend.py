@@ -1,4 +1,10 @@
-"""The local chat backend on the real default model: batching, seeds, caching, errors."""
+"""The local chat backend: batching, seeds, caching, errors.
+
+On the real default model where what is checked needs one (its replies, its template, its
+log-likelihoods against a reference, composed steers leaving a batch); on a tiny random Llama
+(tests/tiny_models.py) where it is bookkeeping that holds for any weights (seeds, the prefix
+cache, per-row limits, the other steers leaving a batch), each with a check that the tiny
+model's replies differ where they must, so that an equality cannot pass vacuously."""
 
 from __future__ import annotations
 
@@ -20,6 +26,38 @@ CONVS = [
     [{"role": "user", "content": "Write one sentence about the sea, please, with many adjectives."}],
 ]
 GREEDY = Sampling(greedy=True, max_new_tokens=20)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama (tests/tiny_models.py) whose greedy replies to CONVS differ row from row
+    (seed 0's loop on one token in two rows)."""
+    from tiny_models import make_tiny_model
+
+    return make_tiny_model("llama", tmp_path_factory.mktemp("backend") / "llama", seed=1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    """The tiny Llama without a prefix cache (as smol32)."""
+    from driftlab.chat.hf import HFChatBackend
+
+    return HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_cached_backend(tiny_dir):
+    """The tiny Llama with its prefix cache (as cached_backend)."""
+    from driftlab.chat.hf import HFChatBackend
+
+    return HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device())
+
+
+@pytest.fixture
+def tiny_cached(tiny_cached_backend):
+    """`tiny_cached_backend` with an empty prefix cache, as a backend just loaded has."""
+    tiny_cached_backend.prefix_cache.clear()
+    return tiny_cached_backend
 
 
 @pytest.fixture(scope="module")
@@ -61,20 +99,25 @@ def test_eos_and_length_limits(greedy_batch):
         assert "<|im_end|>" not in r.text
 
 
-def test_seeded_sampling_is_reproducible_and_batch_independent(smol32):
-    s = Sampling(max_new_tokens=8, temperature=1.0, top_p=0.9)  # 8 sampled tokens differ between seeds
-    a = chat(smol32, CONVS, s, seeds=[11, 12, 13, 14])
-    b = chat(smol32, CONVS, s, seeds=[11, 12, 13, 14])
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny):
+    """Bookkeeping of seeds, on the tiny model: its near-flat distributions make every seed's
+    sample another (checked), so a row reading another row's seed shows."""
+    s = Sampling(max_new_tokens=8, temperature=1.0, top_p=0.9)
+    a = chat(tiny, CONVS, s, seeds=[11, 12, 13, 14])
+    b = chat(tiny, CONVS, s, seeds=[11, 12, 13, 14])
     assert [r.text for r in a] == [r.text for r in b]
     # A row's sample depends on its own seed, not on its neighbours in the batch.
-    alone = chat(smol32, [CONVS[3]], s, seeds=[14])[0]
+    alone = chat(tiny, [CONVS[3]], s, seeds=[14])[0]
     assert alone.text == a[3].text
-    other = chat(smol32, CONVS, s, seeds=[21, 22, 23, 24])
-    assert [r.text for r in other] != [r.text for r in a]
+    other = chat(tiny, CONVS, s, seeds=[21, 22, 23, 24])
+    assert all(x.text != y.text for x, y in zip(other, a, strict=True))
 
 
-def test_prefix_cache_gives_the_same_text_and_is_used(cached):
-    greedy = Sampling(greedy=True, max_new_tokens=8)  # a reply read from a wrong cache differs at once
+def test_prefix_cache_gives_the_same_text_and_is_used(tiny_cached):
+    """On the tiny model (the cache's bookkeeping holds for any weights; test_done_rows... keeps it on
+    SmolLM2 for CFG): a reply read from a wrong cache differs at once."""
+    cached = tiny_cached
+    greedy = Sampling(greedy=True, max_new_tokens=8)
     first = chat(cached, CONVS, greedy)
     follow = [c + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "Tell me more."}]
               for c, r in zip(CONVS, first)]
@@ -181,21 +224,22 @@ def test_loglikelihood_matches_an_unbatched_eager_reference(smol32):
     assert solo.logprob == pytest.approx(got[3].logprob, abs=tol(1e-4))
 
 
-def test_loglikelihood_under_an_intervention_agrees_with_its_greedy_decode(smol32):
+def test_loglikelihood_under_an_intervention_agrees_with_its_greedy_decode(tiny):
+    """On the tiny model (the reference comparison above is SmolLM2's)."""
     from driftlab.chat import ChatRequest
     from driftlab.steering import Interventions
 
     steer = Interventions.parse(["split-softmax:k=0.5"])
     sampling = Sampling(greedy=True, max_new_tokens=6, ignore_eos=True)
-    steered = smol32.generate(ChatRequest([CONVS[0]], sampling, interventions=steer))[0]
-    plain = smol32.generate(ChatRequest([CONVS[0]], sampling))[0]
+    steered = tiny.generate(ChatRequest([CONVS[0]], sampling, interventions=steer))[0]
+    plain = tiny.generate(ChatRequest([CONVS[0]], sampling))[0]
     assert steered.token_ids != plain.token_ids  # the intervention matters here
-    text = smol32.tokenizer.decode(steered.token_ids)
-    under, without = (smol32.loglikelihood([CONVS[0]], [text], iv)[0] for iv in (steer, Interventions()))
+    text = tiny.tokenizer.decode(steered.token_ids)
+    under, without = (tiny.loglikelihood([CONVS[0]], [text], iv)[0] for iv in (steer, Interventions()))
     assert under.is_greedy and not without.is_greedy
     assert under.logprob != pytest.approx(without.logprob, abs=1e-3)
     with pytest.raises(DriftlabError, match="encodes to no tokens"):
-        smol32.loglikelihood([CONVS[0]], [""])
+        tiny.loglikelihood([CONVS[0]], [""])
 
 
 def _tokenizer(smol_dir, *, bos: bool, chat: bool):
@@ -262,14 +306,15 @@ def test_every_pulled_preset_starts_its_prompts_as_its_tokenizer_does():
     assert "smollm2-135m" in checked  # the default model is always pulled where tests run
 
 
-def test_rows_stop_at_their_own_limit_when_cancelled_and_hand_over_early(smol32):
+def test_rows_stop_at_their_own_limit_when_cancelled_and_hand_over_early(tiny):
     """What a server needs from the decode loop: per-row token limits, a row cancelled mid-way
-    (the others unchanged), and a row's reply handed over as soon as that row is done."""
+    (the others unchanged), and a row's reply handed over as soon as that row is done. On the
+    tiny model: bookkeeping, whose rows' replies differ (checked)."""
     from driftlab.chat import ChatRequest
 
     convs = [[{"role": "user", "content": f"Count from {i} to one hundred."}] for i in (1, 5, 9)]
     sampling = Sampling(max_new_tokens=12, temperature=0, ignore_eos=True)
-    alone = [smol32.generate(ChatRequest([c], sampling.model_copy(update={"max_new_tokens": n})))[0]
+    alone = [tiny.generate(ChatRequest([c], sampling.model_copy(update={"max_new_tokens": n})))[0]
              for c, n in zip(convs, [4, 12, 6], strict=True)]  # each as many tokens as it is compared on
     finished_at: list[tuple[int, int]] = []  # (row, tokens the longest row had by then)
     streamed = [0, 0, 0]
@@ -277,7 +322,7 @@ def test_rows_stop_at_their_own_limit_when_cancelled_and_hand_over_early(smol32)
     def on_token(row: int, token: int) -> None:
         streamed[row] += 1
 
-    replies = smol32.generate(ChatRequest(
+    replies = tiny.generate(ChatRequest(
         convs, sampling, row_max_tokens=[4, 12, 12], on_token=on_token,
         cancelled=lambda row: row == 2 and streamed[2] >= 6,
         on_finish=lambda row, reply: finished_at.append((row, streamed[1]))))
@@ -285,13 +330,26 @@ def test_rows_stop_at_their_own_limit_when_cancelled_and_hand_over_early(smol32)
     assert [r.finish_reason for r in replies] == ["length", "length", "cancelled"]
     assert replies[0].token_ids == alone[0].token_ids[:4] and replies[1].token_ids == alone[1].token_ids
     assert replies[2].token_ids == alone[2].token_ids[:6]
+    assert len({tuple(a.token_ids[:4]) for a in alone}) == 3  # the rows differ: none could stand in for another
     assert finished_at[:2] == [(0, 4), (2, 6)]  # handed over while row 1 was still decoding
     with pytest.raises(DriftlabError, match="outside"):
         ChatRequest(convs, sampling, row_max_tokens=[4, 13, 1])
 
 
-@pytest.mark.parametrize("steer", [[], ["instaboost:m=5"], ["cfg:alpha=1.5"]])
-def test_done_rows_leave_the_batch_with_the_same_tokens_and_their_prefixes_kept(cached, smol32, monkeypatch, steer):
+CFG = ["cfg:alpha=1.5"]
+
+
+@pytest.fixture
+def leaving(request, steer):
+    """(a backend with a prefix cache, one without) for the test below: SmolLM2 for CFG, the
+    composed case (twin rows leave with their rows), the tiny Llama for the others."""
+    if steer == CFG:
+        return request.getfixturevalue("cached"), request.getfixturevalue("smol32")
+    return request.getfixturevalue("tiny_cached"), request.getfixturevalue("tiny")
+
+
+@pytest.mark.parametrize("steer", [[], ["instaboost:m=5"], CFG])
+def test_done_rows_leave_the_batch_with_the_same_tokens_and_their_prefixes_kept(leaving, monkeypatch, steer):
     """Rows that finish early leave the batch (their KV dropped from the cache, their attention
     state and guidance twins with them) while the others decode on: every reply equals the
     same conversation decoded alone, the batch really shrank, and a dropped row's prompt and
@@ -300,6 +358,8 @@ def test_done_rows_leave_the_batch_with_the_same_tokens_and_their_prefixes_kept(
 
     from driftlab.chat import ChatRequest
     from driftlab.steering import Interventions
+
+    cached, alone_backend = leaving
 
     sizes: list[int] = []
     select = DynamicCache.batch_select_indices
@@ -313,11 +373,13 @@ def test_done_rows_leave_the_batch_with_the_same_tokens_and_their_prefixes_kept(
     sampling = Sampling(max_new_tokens=8, temperature=0, ignore_eos=True)
     limits = [2, 8, 4, 6]  # rows end at steps 2, 4 and 6: three times a quarter of the batch is done
     batch = cached.generate(ChatRequest(CONVS, sampling, interventions=iv, row_max_tokens=limits))
-    alone = [smol32.generate(ChatRequest([c], sampling.model_copy(update={"max_new_tokens": n}), interventions=iv))[0]
+    alone = [alone_backend.generate(ChatRequest([c], sampling.model_copy(update={"max_new_tokens": n}),
+                                                interventions=iv))[0]
              for c, n in zip(CONVS, limits, strict=True)]  # each as many tokens as it is compared on
     assert [r.n_tokens for r in batch] == limits
     assert [r.token_ids for r in batch] == [a.token_ids[:n] for a, n in zip(alone, limits, strict=True)]
-    twins = 2 if steer == ["cfg:alpha=1.5"] else 1
+    assert len({tuple(a.token_ids[:2]) for a in alone}) == len(CONVS)  # no row could stand in for another
+    twins = 2 if steer == CFG else 1
     assert sizes == [3 * twins, 2 * twins, 1 * twins]
     # The rows that left early were stored with their replies: the next turn of row 0 (dropped
     # at step 2) reuses its prompt and its fed reply token.

@@ -11,8 +11,12 @@ What must hold (issue 32, item 1):
 * what driftlab cannot steer is refused in one line, and the model is left as it was.
 
 The real SmolLM2 runs in float32 (exact comparisons), on one torch thread (tiny batches; on a
-shared 2-core machine a second thread mostly waits in OpenMP barriers); tiny random models
-from configs cover the refusals and PEFT.
+shared 2-core machine a second thread mostly waits in OpenMP barriers), for `from_model` against
+the model loaded by name and for `steer()` with split-softmax (one prompt, a batch whose system
+prompt is missing from a row, a token range). The other checks of `steer()` (InstABoost, a batch
+of two with traces, restoring the model, `model(...)`'s log-probs and traces) run on a tiny random
+Llama saved with SmolLM2's tokenizer (tests/tiny_models.py), each asserting that the steer
+changes the tiny model's reply or scores; tiny models from configs also cover the refusals and PEFT.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devices import backend_device
 from driftlab.chat.base import ChatRequest, Sampling
 from driftlab.errors import DriftlabError
 from driftlab.steering.interventions import Interventions, SplitSoftmax
@@ -47,6 +52,32 @@ def hf(smol_dir, device):
 
     model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    tokenizer.padding_side = "left"
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tiny_models import make_tiny_model
+
+    return make_tiny_model("llama", tmp_path_factory.mktemp("from_model") / "llama")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    """driftlab's own backend on the tiny Llama (as smol32 on SmolLM2)."""
+    from driftlab.chat.hf import HFChatBackend
+
+    return HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tiny_dir):
+    """The tiny Llama as a user loads it (as `hf`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).to(backend_device()).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
     tokenizer.padding_side = "left"
     return model, tokenizer
 
@@ -124,14 +155,24 @@ def test_from_model_holds_the_model_until_closed(hf) -> None:
 
 
 # -- steer() on the user's own generate ---------------------------------------------------------
+@pytest.fixture
+def steered_pair(request, spec):
+    """(driftlab's backend, the user's (model, tokenizer)) of one model: SmolLM2 for split-softmax,
+    whose case also checks the batch refusal and the token range, the tiny Llama for the others."""
+    if spec.startswith("split"):
+        return request.getfixturevalue("smol32"), request.getfixturevalue("hf")
+    return request.getfixturevalue("tiny"), request.getfixturevalue("tiny_hf")
+
+
+@pytest.mark.model  # (SmolLM2 through getfixturevalue, which conftest's marking by fixture cannot see; the tiny case ~1 s)
 @pytest.mark.parametrize("spec", ["split-softmax:k=0.8", "instaboost:m=10"])
-def test_steer_matches_driftlab_chat(smol32, hf, spec) -> None:
+def test_steer_matches_driftlab_chat(steered_pair, spec) -> None:
     from driftlab.chat.steer import steer
 
-    model, tokenizer = hf
-    stop = smol32.eos_ids
-    assert tokenizer.apply_chat_template(CONV, add_generation_prompt=True)["input_ids"] == smol32.render(CONV).ids
-    want = [r.token_ids for r in chat_tokens(smol32, [CONV], spec)]
+    backend, (model, tokenizer) = steered_pair
+    stop = backend.eos_ids
+    assert tokenizer.apply_chat_template(CONV, add_generation_prompt=True)["input_ids"] == backend.render(CONV).ids
+    want = [r.token_ids for r in chat_tokens(backend, [CONV], spec)]
     with steer(model, spec, system=SYSTEM, tokenizer=tokenizer):
         got = generated(model, tokenizer, [CONV], stop)
     assert got == want
@@ -142,32 +183,33 @@ def test_steer_matches_driftlab_chat(smol32, hf, spec) -> None:
             with pytest.raises(DriftlabError, match=r"not found in the tokens of row 1") as err:
                 generated(model, tokenizer, pair, stop)
         assert "system=(start, end)" in err.value.hint and block.n_runs == 0
-        start, end = smol32.render(CONV).system_span  # the system prompt as a token range
+        start, end = backend.render(CONV).system_span  # the system prompt as a token range
         with steer(model, Interventions.parse([spec]), system=(start, end)):
             assert generated(model, tokenizer, [CONV], stop) == want
 
 
-def test_steer_batch_of_two(smol32, hf, tol) -> None:
+@pytest.mark.model  # a tiny model, but loaded twice: out of the fast part
+def test_steer_batch_of_two(tiny, tiny_hf, tol) -> None:
     """Two left-padded prompts of different lengths, each with its system prompt located: the
     same tokens and the same pi per row (pi shows any slip of a span or of the padding)."""
     from driftlab.chat.steer import steer
 
-    model, tokenizer = hf
+    model, tokenizer = tiny_hf
     other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a big river in Europe, please."}]
     pair = [CONV, other]
-    lengths = [len(smol32.render(c).ids) for c in pair]
+    lengths = [len(tiny.render(c).ids) for c in pair]
     assert lengths[0] != lengths[1]
     specs = ["split-softmax:k=0.8", "trace"]
-    replies = smol32.generate(ChatRequest(pair, Sampling(greedy=True, max_new_tokens=N),
-                                          interventions=Interventions.parse(specs)))
+    replies = tiny.generate(ChatRequest(pair, Sampling(greedy=True, max_new_tokens=N),
+                                        interventions=Interventions.parse(specs)))
     with steer(model, specs, system=SYSTEM, tokenizer=tokenizer) as block:
-        got = generated(model, tokenizer, pair, smol32.eos_ids)
+        got = generated(model, tokenizer, pair, tiny.eos_ids)
     assert got == [r.token_ids for r in replies]
     assert block.n_runs == 1
     for row, reply in zip(block.traces(), replies, strict=True):
         want = torch.tensor(_decode_trace(reply))  # a copy: the record's array is read-only
         assert torch.allclose(row["decode"][: len(want)], want, atol=tol(1e-5))
-    assert got != generated(model, tokenizer, pair, smol32.eos_ids)
+    assert got != generated(model, tokenizer, pair, tiny.eos_ids)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])
@@ -202,11 +244,12 @@ def _decode_trace(reply):
     return reply.trace.decode if hasattr(reply.trace, "decode") else reply.trace["decode"]
 
 
-def test_steer_restores_the_plain_model(smol32, hf) -> None:
+@pytest.mark.model  # a tiny model, but loaded twice: out of the fast part
+def test_steer_restores_the_plain_model(tiny, tiny_hf) -> None:
     from driftlab.chat.steer import steer
 
-    model, tokenizer = hf
-    stop = smol32.eos_ids
+    model, tokenizer = tiny_hf
+    stop = tiny.eos_ids
     before = generated(model, tokenizer, [CONV], stop)
     with steer(model, "split-softmax:k=0.3", system=SYSTEM, tokenizer=tokenizer):
         assert attn(model) == "driftlab" and "forward" in model.__dict__
@@ -222,13 +265,14 @@ def test_steer_restores_the_plain_model(smol32, hf) -> None:
     assert generated(model, tokenizer, [CONV], stop) == before
 
 
-def test_steer_forward_logprobs_and_traces_match_driftlab_chat(smol32, hf, tol) -> None:
+@pytest.mark.model  # a tiny model, but loaded twice: out of the fast part
+def test_steer_forward_logprobs_and_traces_match_driftlab_chat(tiny, tiny_hf, tol) -> None:
     """`model(...)` inside the block scores as driftlab's chat does; `trace` gives its pi."""
     from driftlab.chat.steer import steer
 
-    model, tokenizer = hf
+    model, tokenizer = tiny_hf
     spec = "split-softmax:k=0.5"
-    (reply,) = chat_tokens(smol32, [CONV], spec, logprobs=5)
+    (reply,) = chat_tokens(tiny, [CONV], spec, logprobs=5)
     enc = tokenizer.apply_chat_template(CONV, add_generation_prompt=True, return_tensors="pt",
                                         return_dict=True).to(model.device)
     with torch.inference_mode():
@@ -240,13 +284,13 @@ def test_steer_forward_logprobs_and_traces_match_driftlab_chat(smol32, hf, tol) 
     assert torch.allclose(steered[ids], torch.tensor([lp for _, lp in first.top]), atol=tol(1e-4))
     assert not torch.allclose(plain[ids], steered[ids], atol=1e-2)
 
-    (traced,) = chat_tokens(smol32, [CONV], "trace")
+    (traced,) = chat_tokens(tiny, [CONV], "trace")
     with steer(model, "trace", system=SYSTEM, tokenizer=tokenizer) as block:
-        generated(model, tokenizer, [CONV], smol32.eos_ids)
+        generated(model, tokenizer, [CONV], tiny.eos_ids)
     (row,) = block.traces()
     want = _decode_trace(traced)
     n = len(want)
-    assert row["decode"].shape[1:] == (smol32.shape.layers, smol32.shape.heads) and len(row["decode"]) >= n
+    assert row["decode"].shape[1:] == (tiny.shape.layers, tiny.shape.heads) and len(row["decode"]) >= n
     assert torch.allclose(torch.as_tensor(row["decode"][:n]), torch.as_tensor(want), atol=tol(1e-5))
     assert 0.0 < float(row["decode"].mean()) < 1.0
 

@@ -1,7 +1,8 @@
 """`driftlab serve`'s `response_format` (issue 34, item 1): `json_object` and `json_schema`
 constrain decoding with xgrammar (driftlab.chat.constrain), so greedy replies of a real model
 parse as JSON and satisfy the schema; a plain request decodes as before; a schema xgrammar
-cannot use is a 422 naming `response_format`; `{"type": "text"}` changes nothing."""
+cannot use is a 422 naming `response_format`; `{"type": "text"}` changes nothing (checked on a tiny
+random Llama, tests/tiny_models.py, whose constrained and free replies differ at once)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from driftlab.chat.base import Sampling
 from driftlab.serve import ServeSettings, create_app
 from driftlab.serve.background import background as serving
-from test_serve import MODEL, server_backend  # noqa: F401 - fixture
+from test_serve import MODEL, served_as, server_backend  # noqa: F401 - fixture
 
 ASK = [{"role": "user", "content": "Describe a person as JSON with their name and age."}]
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -23,6 +24,20 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 @pytest.fixture(scope="module")
 def url(server_backend):  # noqa: F811
     app = create_app(server_backend, ServeSettings(max_batch_size=8, max_wait_ms=20, max_tokens_limit=64))
+    with serving(app) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def tiny_url(tmp_path_factory):
+    """A server of a tiny random Llama (under MODEL's name), for what holds for any weights."""
+    from devices import backend_device
+    from driftlab.chat.hf import HFChatBackend
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("response_format") / "llama")
+    backend = HFChatBackend(str(path), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
+    app = create_app(served_as(backend, MODEL), ServeSettings(max_batch_size=8, max_wait_ms=20, max_tokens_limit=64))
     with serving(app) as base:
         yield base
 
@@ -55,11 +70,14 @@ def test_json_object_and_json_schema_replies_parse_and_validate(url):
         jsonschema.validate(value, PERSON)
 
 
-def test_plain_and_text_requests_decode_as_without_response_format(url):
+@pytest.mark.model  # a tiny model, but a server of its own
+def test_plain_and_text_requests_decode_as_without_response_format(tiny_url):
+    url = tiny_url
     short = {"max_tokens": 12}  # an unconstrained reply runs to the limit: 12 tokens compare as well as 48
     plain = reply(url, **short)
     assert reply(url, response_format={"type": "text"}, **short) == plain
     assert reply(url, response_format=None, **short) == plain
+    assert reply(url, response_format={"type": "json_object"}, **short) != plain  # a constraint would show
     assert Sampling().model_dump() == Sampling(json_schema=None).model_dump()  # left out of dumps at its default
     assert "json_schema" not in Sampling().model_dump()
 

@@ -243,14 +243,20 @@ def test_penalties_apply_to_guided_logits(tiny):
 
 
 @pytest.mark.model
-def test_repetition_penalty_equals_transformers_generate_on_smollm2(smol32, smol_dir):
-    from transformers import AutoModelForCausalLM
+def test_repetition_penalty_equals_transformers_generate_on_smollm2(smol32):
+    """transformers' generate runs on smol32's own weights (not a second load of them), with its own
+    attention (sdpa) for the call."""
+    from driftlab.attention import ATTENTION_NAME
 
-    model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).to(smol32.device).eval()
+    model = smol32.model
     prompt = list(smol32.render(STORY).ids)
     n = 16
-    want = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=n,
-                          repetition_penalty=1.3, pad_token_id=2)[0, len(prompt):].tolist()
+    model.set_attn_implementation("sdpa")
+    try:
+        want = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=n,
+                              repetition_penalty=1.3, pad_token_id=2)[0, len(prompt):].tolist()
+    finally:
+        model.set_attn_implementation(ATTENTION_NAME)
     got = smol32.generate(ChatRequest([STORY], Sampling(greedy=True, max_new_tokens=n, repetition_penalty=1.3)))[0]
     assert got.token_ids == want[: len(got.token_ids)] and len(got.token_ids) > 10
     plain = smol32.generate(ChatRequest([STORY], Sampling(greedy=True, max_new_tokens=n)))[0]
