@@ -1,4 +1,7 @@
-"""The OpenAI-compatible backend against real loopback servers: `driftlab serve`, and a misbehaving stub."""
+"""The OpenAI-compatible backend against real loopback servers: `driftlab serve`, and a misbehaving stub.
+
+MMLU's letters are compared on SmolLM2-135M (a random model's letters need not be in the top 20 the
+server returns); the self-chat's equality and its resume are bookkeeping, on a tiny random Llama."""
 
 from __future__ import annotations
 
@@ -36,15 +39,33 @@ def served(smol32):
         yield f"{url}/v1"
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, device):
+    """A tiny random Llama (tests/tiny_models.py) in float32."""
+    from driftlab.chat.hf import HFChatBackend
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
+    return HFChatBackend(str(path), dtype="float32", device=str(device), prefix_cache_bytes=0)
+
+
+@pytest.fixture(scope="module")
+def served_tiny(tiny):
+    """The tiny model served under MODEL."""
+    with serving(create_app(served_as(tiny, MODEL), ServeSettings(max_wait_ms=20))) as url:
+        yield f"{url}/v1"
+
+
 def _records(run) -> dict:
     return {r.key: (r.text, r.n_tokens, r.finish_reason) for r in RunDir(run).records(RECORDS)}
 
 
-def test_selfchat_over_http_equals_the_local_run_and_resumes_without_resending(served, smol32, tmp_path):
+@pytest.mark.model  # seconds: a self-chat twice, and a server
+def test_selfchat_over_http_equals_the_local_run_and_resumes_without_resending(served_tiny, tiny, tmp_path):
     config = SelfChatConfig(pairs=2, rounds=2, seed=5, user_probe=True, steer=["spr:p=0.5"],
                             sampling=Sampling(max_new_tokens=6, temperature=1.0, top_p=0.9), probe_tokens=6)
-    run_protocol(SelfChat(config, smol32), tmp_path / "local", progress=False)
-    remote_spec = BackendSpec(model=f"openai:{MODEL}", runtime=Runtime(base_url=served, concurrency=3))
+    run_protocol(SelfChat(config, tiny), tmp_path / "local", progress=False)
+    remote_spec = BackendSpec(model=f"openai:{MODEL}", runtime=Runtime(base_url=served_tiny, concurrency=3))
     remote_cfg = config.model_copy(update={"backend": remote_spec})
     backend = OpenAIChatBackend(MODEL, remote_spec.runtime, log_dir=tmp_path / "remote")
     run_protocol(SelfChat(remote_cfg, backend), tmp_path / "remote", progress=False)

@@ -4,7 +4,9 @@ What is checked: the data (ShareGPT's cut file read record by record, MT-Bench, 
 one-line errors naming the line before any model loads, the chained draw); on SmolLM2 that the
 model sees the source's user turns verbatim and in order with its own replies (never the logged
 assistant's), each agent turn scored by its persona's own measure, and the compliance per turn
-(the table, results.json, the figure). Resume after SIGKILL is tests/test_resume.py's replay case.
+(the table, results.json, the figure); on a tiny random Llama (tests/tiny_models.py: bookkeeping,
+not language) that a gate by score steers exactly the turns after a failing one. Resume after
+SIGKILL is tests/test_resume.py's replay case.
 """
 
 from __future__ import annotations
@@ -233,10 +235,22 @@ def test_a_replay_shows_the_users_turns_verbatim_in_order_with_the_models_own_re
     assert manifest["config"]["sampling"]["max_new_tokens"] == 12
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, device):
+    """A tiny random Llama with SmolLM2's tokenizer, in float32: the gate's bookkeeping needs no language."""
+    from driftlab.chat.hf import HFChatBackend
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
+    return HFChatBackend(str(path), dtype="float32", device=str(device), prefix_cache_bytes=0)
+
+
 @pytest.mark.model
-def test_a_gate_by_score_steers_the_turn_after_a_failing_one(tmp_path, smol32) -> None:
+def test_a_gate_by_score_steers_the_turn_after_a_failing_one(tmp_path, tiny) -> None:
     """`--steer when-drifting:r=0.5,by=score --steer spr:p=1`: an agent turn is generated under SPR exactly where
-    its dialog's previous agent turn scored below 0.5, else plain, and its record keeps the decision."""
+    its dialog's previous agent turn scored below 0.5, else plain, and its record keeps the decision. On the tiny
+    model, whose replies repeat words in some turns and not in others, its agents score repetition: the dialog
+    of four turns passes, passes, fails (so its fourth turn and the MMLU questions after it are steered)."""
     from driftlab.api import backend_spec
     from driftlab.api.options import KEYWORDS, replay_config
     from driftlab.protocol.replay import Replay
@@ -247,21 +261,21 @@ def test_a_gate_by_score_steers_the_turn_after_a_failing_one(tmp_path, smol32) -
     logs = [{"messages": [*LOGS[0]["messages"], {"role": "user", "content": "And what for dessert?"}]}, LOGS[1]]
     path = tmp_path / "logs.jsonl"
     path.write_text("".join(json.dumps(c) + "\n" for c in logs))
-    asked, generate = [], smol32.generate
+    asked, generate = [], tiny.generate
 
     def spy(request):
         asked.extend((c[1]["content"], sum(m["role"] == "user" for m in c), request.interventions)
                      for c in request.conversations)
         return generate(request)
 
-    smol32.generate = spy
+    tiny.generate = spy
     try:
-        config = replay_config(backend_spec("smollm2-135m", dtype="float32"), KEYWORDS, {
-            "conversations": path, "agents": "reply-in-french,ifeval-no-comma", "rounds": 4, "max_new_tokens": 12,
+        config = replay_config(backend_spec(str(tiny.path), dtype="float32"), KEYWORDS, {
+            "conversations": path, "agents": "every-word-twice,never-repeat-words", "rounds": 4, "max_new_tokens": 12,
             "greedy": True, "steer": ["when-drifting:r=0.5,by=score", "spr:p=1"]})
-        run_protocol(Replay(config, smol32), tmp_path / "run", progress=False)
+        run_protocol(Replay(config, tiny), tmp_path / "run", progress=False)
     finally:
-        smol32.generate = generate
+        tiny.generate = generate
     records = sorted(RunDir(tmp_path / "run").records(), key=lambda r: (r["pair"], r["round"]))
     previous = {}
     for r in records:
@@ -270,6 +284,7 @@ def test_a_gate_by_score_steers_the_turn_after_a_failing_one(tmp_path, smol32) -
         previous[r["pair"]] = r["score"]
     steered = {(r["pair"], r["round"]) for r in records if r["gate"]["steered"]}
     assert steered and len(steered) < len(records)  # both halves taken (round 1 never is)
+    assert any(r["gate"]["score"] is not None and not r["gate"]["steered"] for r in records)  # plain after a pass
     spr = Interventions.parse(["spr:p=1"])
     for first, users, iv in asked:
         pair = 0 if first == LOGS[0]["messages"][1]["content"] else 1
@@ -277,7 +292,7 @@ def test_a_gate_by_score_steers_the_turn_after_a_failing_one(tmp_path, smol32) -
     # a resumed run reads the earlier scores from the records: the last (steered) turn again, the same
     lines = (tmp_path / "run" / "records.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "run" / "records.jsonl").write_text("".join(lines[:-1]))
-    run_protocol(Replay(config, smol32), tmp_path / "run", progress=False)
+    run_protocol(Replay(config, tiny), tmp_path / "run", progress=False)
     assert sorted(RunDir(tmp_path / "run").records(), key=lambda r: (r["pair"], r["round"])) == records
     from driftlab.report.results import summarize
 
@@ -290,8 +305,8 @@ def test_a_gate_by_score_steers_the_turn_after_a_failing_one(tmp_path, smol32) -
 
     raw = str(Path(__file__).parent / "fixtures" / "mmlu_raw_sample.jsonl")
     ask = dict(n=2, turn=6, data=raw, history_from=str(tmp_path / "run"), progress=False)
-    gated = mmlu(smol32, steer=["when-drifting:r=0.5,by=score", "spr:p=1"], out=tmp_path / "m-gated", **ask).records
-    always = mmlu(smol32, steer=["spr:p=1"], out=tmp_path / "m-always", **ask).records
+    gated = mmlu(tiny, steer=["when-drifting:r=0.5,by=score", "spr:p=1"], out=tmp_path / "m-gated", **ask).records
+    always = mmlu(tiny, steer=["spr:p=1"], out=tmp_path / "m-always", **ask).records
     lp = lambda rs, c: {r["index"]: r["logprobs"] for r in rs if r["condition"] == c}  # noqa: E731
     assert lp(gated, "steered") == lp(always, "steered") != lp(always, "plain") == lp(gated, "plain")
     assert [r["gate"] for r in gated if r["condition"] == "steered"] == [

@@ -13,6 +13,10 @@ CommandServer): each is still its own process, killed and exiting on its own, wi
 of imports a new interpreter pays (24 processes: two minutes of a 2-core CPU). The server reads
 no data: a child meets the data as it is on disk when the child starts. (KILLER is the same
 kill for a command run as its own interpreter: tests/test_directions.py.)
+
+The self-chat, the protocol the others build on, runs on SmolLM2-135M; the other protocols run
+on a tiny random Llama (tests/tiny_models.py): what is checked is bookkeeping (the plan, the kill,
+the records), not the model, and there a command's forward passes cost milliseconds, not seconds.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ pytestmark = pytest.mark.model
 RAW_MMLU = Path(__file__).parent / "fixtures" / "mmlu_raw_sample.jsonl"
 BIOS = Path(__file__).resolve().parents[1] / "src" / "driftlab" / "pasta" / "data" / "biosbias.jsonl"
 F32 = ("--dtype", "float32", "--device", "cpu")
+REAL_MODEL = "selfchat"  # the one case on SmolLM2-135M; every other on the tiny Llama
+TINY_HEADS = 4  # heads per layer of the tiny Llama (3 layers)
 
 KILLER = textwrap.dedent("""
     import os, signal, sys
@@ -75,14 +81,14 @@ def _swept(out: Path, stdout: str) -> None:
 
 
 def _profiled(out: Path, stdout: str) -> None:
-    """What a finished profile leaves: its ranking (the 9 heads of layer 0, best first, with the
-    baseline), its heatmap, and a profile `driftlab pasta select` takes."""
+    """What a finished profile leaves: its ranking (the tiny Llama's 4 heads of layer 0, best first,
+    with the baseline), its heatmap, and a profile `driftlab pasta select` takes."""
     from typer.testing import CliRunner
 
     from driftlab.cli import app
 
     profile = json.loads((out / "profile.json").read_text())
-    assert len(profile["scores"]) == 9 and profile["baseline"] is not None
+    assert len(profile["scores"]) == TINY_HEADS and profile["baseline"] is not None
     scores = [s for _, _, s in profile["scores"]]
     assert scores == sorted(scores, reverse=True)
     assert (out / "profile.png").stat().st_size > 5000
@@ -134,11 +140,12 @@ def _bios_change(d: Path) -> None:
 
 
 def _profile_and_bios(d: Path) -> None:
+    """The bios and a profile of the tiny Llama (DATA/model: `pasta tune` refuses another model's)."""
     from driftlab.steering.heads import Profile
 
     _bios(d)
-    scores = [(layer, head, -float(layer * 9 + head)) for layer in range(30) for head in range(9)]
-    profile = Profile(model="smollm2-135m", task="json", metric="score", alpha=0.01, n=2, scores=scores)
+    scores = [(layer, head, -float(layer * TINY_HEADS + head)) for layer in range(3) for head in range(TINY_HEADS)]
+    profile = Profile(model=str(d / "model"), task="json", metric="score", alpha=0.01, n=2, scores=scores)
     (d / "profile.json").write_text(profile.model_dump_json())
 
 
@@ -187,12 +194,12 @@ CASES = {
                              "--data", str(d / "mmlu.jsonl")],
                   _mmlu_data, _mmlu_change, 4, _swept),
     "pasta-eval": Case(lambda d: ["pasta", "eval", "--task", "json", "--n", "2", "--max-new-tokens", "6",
-                                  "--baseline", "zero-shot", "--baseline", "pasta", "--heads", "0-3",
+                                  "--baseline", "zero-shot", "--baseline", "pasta", "--heads", "0-1",
                                   "--batch-size", "1", "--data", str(d / "bios.jsonl")],
                        _bios, _bios_change, 2),
     "pasta-profile": Case(lambda d: ["pasta", "profile", "--task", "json", "--n", "1", "--layers", "0",
-                                     "--max-new-tokens", "4", "--batch-size", "4", "--data", str(d / "bios.jsonl")],
-                          _bios, _bios_change, 2, _profiled),
+                                     "--max-new-tokens", "4", "--batch-size", "2", "--data", str(d / "bios.jsonl")],
+                          _bios, _bios_change, 1, _profiled),
     "pasta-tune": Case(lambda d: ["pasta", "tune", str(d / "profile.json"), "--task", "json", "--select",
                                   "task-specific", "--topk", "2", "--topk", "9", "--n", "2", "--max-new-tokens", "4",
                                   "--batch-size", "1", "--data", str(d / "bios.jsonl")],
@@ -215,17 +222,30 @@ def commands(protocol_commands):
     return protocol_commands
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """A tiny random Llama (3 layers of 4 heads, SmolLM2's tokenizer) for every case but REAL_MODEL's, which
+    the test links as DATA/model."""
+    from tiny_models import make_tiny_model
+
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_killed_run_resumes_from_its_recorded_plan(name, tmp_path, commands) -> None:
+def test_killed_run_resumes_from_its_recorded_plan(name, tmp_path, commands, tiny) -> None:
     case = CASES[name]
     data = tmp_path / "data"
     data.mkdir()
     case.prepare(data)
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    ref = commands.run([*case.args(data), *F32, "--out", str(reference)])
+    model = F32
+    if name != REAL_MODEL:  # the tiny model, under the data directory (a pasta profile names its model)
+        (data / "model").symlink_to(tiny, target_is_directory=True)
+        model = ("--model", str(data / "model"), *F32)
+    ref = commands.run([*case.args(data), *model, "--out", str(reference)])
     assert ref.returncode == 0, ref.stderr[-2000:]
 
-    killed = commands.run([*case.args(data), *F32, "--out", str(resumed)], kill_after=case.kill_after)
+    killed = commands.run([*case.args(data), *model, "--out", str(resumed)], kill_after=case.kill_after)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     manifest = RunDir(resumed).read_manifest()
     assert manifest.get("protocol") == name and "completed" not in manifest, "the kill did not land mid-run"
@@ -234,7 +254,7 @@ def test_killed_run_resumes_from_its_recorded_plan(name, tmp_path, commands) -> 
     assert any(kept.values())
 
     case.change(data)  # the data the plan was drawn from is not what it was
-    done = commands.run([*case.args(data), *F32, "--out", str(resumed)])
+    done = commands.run([*case.args(data), *model, "--out", str(resumed)])
     assert done.returncode == 0, done.stderr[-2000:]
     case.finished(resumed, done.stdout)
 
