@@ -1,9 +1,13 @@
 """Continuous batching: rows that join a running decode batch (`ChatRequest.admit`) get the tokens
-they get alone (their logits to float32 rounding, so a draw at a near tie may part), on the real
-model (float32), plain, under a key bias, along a persona direction, greedy and seeded; a batch
-keeps only the cache slots its live rows attend to; their KV goes to the prefix cache as a lone
-row's does; and over HTTP a short request sent while a long one decodes joins its batch and
-finishes first."""
+they get alone (their logits to float32 rounding, so a draw at a near tie may part), plain, under a
+key bias, along a persona direction, traced, greedy and seeded; a batch keeps only the cache slots
+its live rows attend to; their KV goes to the prefix cache as a lone row's does; and over HTTP a
+short request sent while a long one decodes joins its batch and finishes first.
+
+The real model (SmolLM2-135M, float32) decodes the richest join (a key bias and pi traced, along a
+persona direction) and the HTTP scenes; the other options and the bookkeeping run on a tiny random
+Llama (tests/tiny_models.py: a step costs a millisecond, not ~30 ms), each test checking there that
+its conditions change the tokens, so that its equalities cannot hold vacuously."""
 
 from __future__ import annotations
 
@@ -18,18 +22,31 @@ import torch
 
 from devices import backend_device, tol
 from driftlab.chat import ChatRequest, Sampling, decoding
+from driftlab.chat.hf import HFChatBackend
 from driftlab.chat.sampling import sample, uniform, warpers
 from driftlab.errors import DriftlabError
 from driftlab.serve import ServeSettings, create_app
 from driftlab.serve.background import background as serving
 from driftlab.steering.interventions import Interventions
 from test_activation import FRENCH, synthetic
+from tiny_models import make_tiny_model
 
 USERS = ["Hi!", "Tell me about the sea in detail, please, with many words.", "What is 2+2?", "Name a colour.",
          "Describe a cat.", "Why is the sky blue?"]
 CONVS = [[{"role": "system", "content": FRENCH}, {"role": "user", "content": u}] for u in USERS]
 LIMITS = [14, 6, 10, 14, 3, 12]
 WAVES = [[2, 3], [], [4, 5]]  # the rows admit() gives at the 1st, 2nd and 3rd step boundary
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    return str(make_tiny_model("llama", tmp_path_factory.mktemp("continuous") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def tiny32(tiny_dir: str) -> HFChatBackend:
+    """A tiny random Llama as smol32 is: float32, no prefix cache."""
+    return HFChatBackend(tiny_dir, dtype="float32", device=backend_device(), prefix_cache_bytes=0)
 
 
 def waves_of(sampling: Sampling, steer: Interventions, waves=WAVES):
@@ -47,25 +64,36 @@ def waves_of(sampling: Sampling, steer: Interventions, waves=WAVES):
     return request([0, 1], admit=admit), request
 
 
-@pytest.mark.parametrize("steer, sampling", [
-    ([], Sampling(greedy=True, max_new_tokens=14)),
-    (["instaboost:m=5"], Sampling(temperature=1.0, top_p=0.9, max_new_tokens=14)),
-    (["vector:alpha=4"], Sampling(greedy=True, max_new_tokens=14)),
-    (["split-softmax:k=0.7", "trace"], Sampling(greedy=True, max_new_tokens=14)),
-], ids=["plain-greedy", "instaboost-seeded", "vector-greedy", "traced-greedy"])
-def test_rows_that_join_a_running_batch_decode_as_they_do_alone(smol32, steer, sampling, monkeypatch) -> None:
+@pytest.mark.model
+@pytest.mark.parametrize("model, steer, sampling", [
+    pytest.param("tiny32", [], Sampling(greedy=True, max_new_tokens=14), id="plain-greedy"),
+    pytest.param("tiny32", ["instaboost:m=5"], Sampling(temperature=1.0, top_p=0.9, max_new_tokens=14),
+                 id="instaboost-seeded"),
+    pytest.param("tiny32", ["vector:alpha=4"], Sampling(greedy=True, max_new_tokens=14), id="vector-greedy"),
+    pytest.param("smol32", ["split-softmax:k=0.7", "trace"], Sampling(greedy=True, max_new_tokens=14),
+                 id="traced-greedy"),
+])
+def test_rows_that_join_a_running_batch_decode_as_they_do_alone(request, model, steer, sampling, monkeypatch) -> None:
+    """The richest case (a key bias, pi traced, a persona direction's projection) on SmolLM2; the
+    others on the tiny model, where a steered lone run must differ from a plain one."""
+    backend = request.getfixturevalue(model)
     together_draws, alone_draws = Draws(), Draws()
-    smol32.use_directions(synthetic(smol32.shape.layers, smol32.d_model, [FRENCH]))
+    backend.use_directions(synthetic(backend.shape.layers, backend.d_model, [FRENCH]))
     try:
         iv = Interventions.parse(steer)
-        first, request = waves_of(sampling, iv)
+        first, rows_of = waves_of(sampling, iv)
         monkeypatch.setattr(decoding, "sample", together_draws)
-        together = smol32.generate(first)
+        together = backend.generate(first)
         monkeypatch.setattr(decoding, "sample", alone_draws)
-        alone = [smol32.generate(request([i]))[0] for i in range(len(CONVS))]
+        alone = [backend.generate(rows_of([i]))[0] for i in range(len(CONVS))]
+        monkeypatch.setattr(decoding, "sample", sample)
+        plain = backend.generate(waves_of(sampling, Interventions())[0]) if steer and model == "tiny32" else None
     finally:
-        smol32.use_directions(None)
+        backend.use_directions(None)
     assert len(together) == len(CONVS)
+    assert len({tuple(r.token_ids) for r in alone}) == len(CONVS)  # each row's own tokens, not one repeated
+    if plain is not None:  # the steer changes the tokens, so the rows' equalities below have teeth
+        assert [r.token_ids for r in plain] != [r.token_ids for r in together]
     parted = 0
     for i, (got, want) in enumerate(zip(together, alone, strict=True)):
         if not same_draws(got.token_ids, want.token_ids, 100 + i, together_draws, alone_draws, warpers(sampling)):
@@ -122,7 +150,8 @@ def same_draws(got: list[int], want: list[int], seed: int, together: Draws, alon
 JOINERS = 20
 
 
-def test_a_batch_that_rows_keep_joining_keeps_only_its_live_rows_slots(smol32, monkeypatch) -> None:
+@pytest.mark.model
+def test_a_batch_that_rows_keep_joining_keeps_only_its_live_rows_slots(tiny32, monkeypatch) -> None:
     """A row joins at every step boundary for 20 steps, each leaving 6 tokens later: the batch lives
     for about 26 steps, but each step's cache holds only what its live rows attend to (a row's
     prompt and reply, at most), not a slot for every step the batch has lived (that would be 20
@@ -143,23 +172,22 @@ def test_a_batch_that_rows_keep_joining_keeps_only_its_live_rows_slots(smol32, m
     def admit() -> ChatRequest | None:
         return ChatRequest(joiners.pop(0), sampling) if joiners else None
 
-    together = smol32.generate(ChatRequest(CONVS[:2], sampling, admit=admit))
-    longest = max(len(smol32.render(c).ids) for c in CONVS)
-    shortest = min(len(smol32.render(c).ids) for c in CONVS)
+    together = tiny32.generate(ChatRequest(CONVS[:2], sampling, admit=admit))
+    longest = max(len(tiny32.render(c).ids) for c in CONVS)
+    shortest = min(len(tiny32.render(c).ids) for c in CONVS)
     assert shortest + JOINERS > longest + 6  # a slot per step lived would break the bound below
     assert len(together) == JOINERS + 2 and len(widths) >= JOINERS + 5
     assert max(widths) <= longest + 6, (max(widths), longest)
-    alone = smol32.generate(ChatRequest([CONVS[i % len(CONVS)] for i in range(JOINERS - 3, JOINERS)], sampling))
+    alone = tiny32.generate(ChatRequest([CONVS[i % len(CONVS)] for i in range(JOINERS - 3, JOINERS)], sampling))
     assert [r.token_ids for r in together[-3:]] == [r.token_ids for r in alone]
 
 
-def test_joined_rows_store_their_prefixes_as_a_lone_row_does(smol_dir, smol32) -> None:
+@pytest.mark.model
+def test_joined_rows_store_their_prefixes_as_a_lone_row_does(tiny_dir, tiny32) -> None:
     """A follow-up turn on a joined row's reply reuses the KV the batch stored and decodes as without it
-    (as smol32 decodes it: the same model and dtype, with no prefix cache)."""
-    from driftlab.chat.hf import HFChatBackend
-
-    cached = HFChatBackend(str(smol_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=64 << 20)
-    plain = smol32
+    (as tiny32 decodes it: the same model and dtype, with no prefix cache)."""
+    cached = HFChatBackend(tiny_dir, dtype="float32", device=backend_device(), prefix_cache_bytes=64 << 20)
+    plain = tiny32
     assert plain.prefix_cache.max_bytes == 0
     greedy = Sampling(greedy=True, max_new_tokens=14)
     first, _ = waves_of(greedy, Interventions())
@@ -172,8 +200,9 @@ def test_joined_rows_store_their_prefixes_as_a_lone_row_does(smol_dir, smol32) -
     assert [r.token_ids for r in again] == [r.token_ids for r in plain.generate(ChatRequest(follow, greedy))]
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("first_traced", [False, True], ids=["traced-join-plain", "plain-join-traced"])
-def test_traced_and_untraced_rows_share_a_running_batch(smol32, first_traced: bool) -> None:
+def test_traced_and_untraced_rows_share_a_running_batch(tiny32, first_traced: bool) -> None:
     """Telemetry's pi trace is per row: traced rows join a running untraced batch (and untraced rows
     a traced one) and each row gets what it gets alone: its tokens, and its pi at every step
     where it asked for it, none where it did not."""
@@ -191,8 +220,8 @@ def test_traced_and_untraced_rows_share_a_running_batch(smol32, first_traced: bo
         rows = left.pop(0) if left else []
         return request(rows) if rows else None
 
-    together = smol32.generate(request([0, 1], admit=admit))
-    alone = [smol32.generate(request([i]))[0] for i in range(len(CONVS))]
+    together = tiny32.generate(request([0, 1], admit=admit))
+    alone = [tiny32.generate(request([i]))[0] for i in range(len(CONVS))]
     assert len(together) == len(CONVS)
     for i, (got, want) in enumerate(zip(together, alone, strict=True)):
         assert got.token_ids == want.token_ids, (i, got.text, want.text)
@@ -305,22 +334,25 @@ def test_a_client_that_leaves_mid_stream_changes_no_other_rows_tokens(smol32) ->
     assert admitted >= 2  # the leaving and the short request joined the first one's batch
 
 
-def test_rows_of_different_steers_share_a_running_batch_and_decode_as_alone(smol32) -> None:
+@pytest.mark.model
+def test_rows_of_different_steers_share_a_running_batch_and_decode_as_alone(tiny32) -> None:
     """Plain rows first; split-softmax, InstABoost, a vector steer and system-prompt repetition rows
     join them at later steps (each steer's rows are per-row data in one batch): every row gets the
     tokens it gets alone."""
-    smol32.use_directions(synthetic(smol32.shape.layers, smol32.d_model, [FRENCH]))
+    tiny32.use_directions(synthetic(tiny32.shape.layers, tiny32.d_model, [FRENCH]))
     greedy = Sampling(greedy=True, max_new_tokens=10)
-    steers = [[], ["split-softmax:k=0.7"], ["instaboost:m=5"], ["vector:alpha=4"], ["split-softmax:k=0.5,heads=10-20"]]
+    steers = [[], ["split-softmax:k=0.7"], ["instaboost:m=5"], ["vector:alpha=4"], ["split-softmax:k=0.5,heads=1-2"]]  # heads=: layers 1-2 of 3
     rows = {0: [0, 1], 1: [2], 2: [3], 3: [4], 4: [5]}  # steer index -> rows
     queue = [ChatRequest([CONVS[i] for i in rows[k]], greedy, interventions=Interventions.parse(steers[k]))
              for k in (1, 2, 3, 4)]
     try:
-        together = smol32.generate(ChatRequest([CONVS[i] for i in rows[0]], greedy,
+        together = tiny32.generate(ChatRequest([CONVS[i] for i in rows[0]], greedy,
                                                admit=lambda: queue.pop(0) if queue else None))
-        alone = [smol32.generate(ChatRequest([CONVS[i]], greedy, interventions=Interventions.parse(steers[k])))[0]
+        alone = [tiny32.generate(ChatRequest([CONVS[i]], greedy, interventions=Interventions.parse(steers[k])))[0]
                  for k, ids in rows.items() for i in ids]
+        plain = tiny32.generate(ChatRequest(CONVS[2:], greedy))
     finally:
-        smol32.use_directions(None)
+        tiny32.use_directions(None)
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
-    assert len({tuple(r.token_ids) for r in alone[1:4]}) > 1  # the steers change the replies
+    # each steer changes its row's reply, so the rows' equalities have teeth
+    assert all(p.token_ids != a.token_ids for p, a in zip(plain, alone[2:], strict=True))

@@ -1,4 +1,8 @@
-"""`driftlab serve` over real HTTP: the OpenAI wire format, errors, batching, streaming, shutdown."""
+"""`driftlab serve` over real HTTP: the OpenAI wire format, errors, batching, streaming, shutdown.
+
+Replies, steers and batching on the real model (SmolLM2-135M); streaming's reassembly on a tiny
+random Llama (`tiny_backend`, also the server of test_serve_completions' and
+test_serve_openai_compat's wire-format checks), where a step costs a millisecond."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import pytest
 from driftlab.chat import Sampling, chat
 from driftlab.serve import ServeSettings, TextStream, create_app
 from driftlab.serve.background import background as serving
+from tiny_models import make_tiny_model
 
 MODEL = "smollm2-135m"
 KEY = "s3cret-key-for-tests"
@@ -25,6 +30,23 @@ def server_backend(smol32):
     """smol32 (float32, no prefix cache) under the served model's name: a shallow copy that shares
     its weights, not a second load of the same model."""
     return served_as(smol32, MODEL)
+
+
+@pytest.fixture(scope="module")
+def tiny_backend(tmp_path_factory):
+    """A tiny random Llama (tests/tiny_models.py) served as MODEL, as server_backend is (float32, no
+    prefix cache), for what the wire format does with a reply rather than what the reply says."""
+    from devices import backend_device
+    from driftlab.chat.hf import HFChatBackend
+
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("serve") / "llama")
+    return served_as(HFChatBackend(str(path), dtype="float32", device=backend_device(), prefix_cache_bytes=0), MODEL)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_backend):
+    with serving(create_app(tiny_backend, ServeSettings(max_tokens_limit=64))) as url:
+        yield url
 
 
 def served_as(backend, name: str):
@@ -156,10 +178,13 @@ def test_16_concurrent_clients_are_batched_and_match_sequential_greedy(server, s
     assert sum(sizes) + app.state.batcher.n_admitted - joined == len(prompts) and len(sizes) < len(prompts)
 
 
-def test_streamed_chunks_reassemble_to_the_reply(server):
+@pytest.mark.model
+def test_streamed_chunks_reassemble_to_the_reply(tiny_server):
+    """On the tiny model: its sampled text (random tokens of the whole vocabulary) is a hard case
+    for the chunks' hold-back rules."""
     import openai
 
-    url, _ = server
+    url = tiny_server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
     messages = [{"role": "user", "content": "Write a short poem about the sea."}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0.8, seed=7)

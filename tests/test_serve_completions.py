@@ -1,7 +1,11 @@
 """`driftlab serve`'s `/v1/completions` and tokenizer routes (issue 34, items 1, 2 and 7): raw
 text in, OpenAI's completions wire format out, as lm-eval's `local-completions` reads it;
 log-probabilities equal the backend's own scoring, steered or not; `n` choices; a steer named
-in the model; bad input a 4xx that leaves other requests alone."""
+in the model; bad input a 4xx that leaves other requests alone.
+
+A raw continuation and its stop on the real model (SmolLM2-135M); the rest, equalities of numbers
+and fields, on test_serve's tiny random Llama (a step costs a millisecond), where each steer is
+checked to change the log-probs it is compared under."""
 
 from __future__ import annotations
 
@@ -15,17 +19,26 @@ from driftlab.chat.base import ChatRequest, Sampling
 from driftlab.serve import ServeSettings, create_app
 from driftlab.serve.background import background as serving
 from driftlab.steering.interventions import Interventions
-from test_serve import MODEL, server_backend  # noqa: F401 - fixture
+from test_serve import MODEL, server_backend, tiny_backend  # noqa: F401 - fixtures
 
 SYSTEM = "Always reply in French."
 CONV = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of Italy?"}]
 
 
-@pytest.fixture(scope="module")
-def url(server_backend):  # noqa: F811
-    app = create_app(server_backend, ServeSettings(max_batch_size=8, max_wait_ms=20, max_tokens_limit=64))
+def _served(backend):
+    app = create_app(backend, ServeSettings(max_batch_size=8, max_wait_ms=20, max_tokens_limit=64))
     with serving(app) as base:
         yield base
+
+
+@pytest.fixture(scope="module")
+def url(tiny_backend):  # noqa: F811
+    yield from _served(tiny_backend)
+
+
+@pytest.fixture(scope="module")
+def real_url(server_backend):  # noqa: F811
+    yield from _served(server_backend)
 
 
 def post(url: str, path: str, body: dict) -> tuple[int, dict]:
@@ -41,15 +54,17 @@ def complete(url: str, **body) -> dict:
     return out
 
 
-def test_echo_logprobs_equal_the_backends_scores_plain_and_steered(url, server_backend):  # noqa: F811
+@pytest.mark.model
+def test_echo_logprobs_equal_the_backends_scores_plain_and_steered(url, tiny_backend):  # noqa: F811
     """What lm-eval sends for a log-likelihood request (token ids, max_tokens 1, echo, logprobs 1)
     scores the prompt's tokens exactly as `loglikelihood` scores the conversation's reply, also
     under a steer named in the model (its system span found through the chat template)."""
-    rendered = server_backend.render(CONV)
+    rendered = tiny_backend.render(CONV)
     cont = " The capital is Rome."
+    scores = []  # the continuation's log-probs under each steer
     for steer in ([], ["split-softmax:k=0.8"], ["instaboost:m=5"]):
         iv = Interventions.parse(steer)
-        ll = server_backend.loglikelihood([CONV], [cont], iv)[0]
+        ll = tiny_backend.loglikelihood([CONV], [cont], iv)[0]
         model = "+".join([MODEL, *steer])
         out = complete(url, model=model, prompt=rendered.text + cont, max_tokens=1, temperature=0, echo=True,
                        logprobs=1)
@@ -59,21 +74,24 @@ def test_echo_logprobs_equal_the_backends_scores_plain_and_steered(url, server_b
         n_prompt = out["usage"]["prompt_tokens"]
         scored = lps[n_prompt - ll.n_tokens : n_prompt]  # the continuation's tokens; the last entry is generated
         assert math.isclose(sum(scored), ll.logprob, abs_tol=1e-4), (steer, sum(scored), ll.logprob)
+        scores.append(scored)
         assert out["driftlab"]["steer"] == iv.specs()
         assert choice["text"].startswith(rendered.text + cont)
-        ids = server_backend.tokenizer(rendered.text + cont, add_special_tokens=False)["input_ids"]
+        ids = tiny_backend.tokenizer(rendered.text + cont, add_special_tokens=False)["input_ids"]
         as_ids = complete(url, model=model, prompt=[ids], max_tokens=0, echo=True, logprobs=0)  # as lm-eval sends
         assert as_ids["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(lps[:-1], abs=1e-5)
+    assert scores[1] != scores[0] and scores[2] != scores[0]  # the steers change the scores compared
     plain = complete(url, prompt=rendered.text + cont, max_tokens=0, echo=True, logprobs=0)
     steered = complete(url, prompt=rendered.text + cont, max_tokens=0, echo=True, logprobs=0,
                        driftlab={"steer": "split-softmax:k=0.8", "system": "none"})  # no span: nothing to steer
     assert plain["choices"][0]["logprobs"]["token_logprobs"] == steered["choices"][0]["logprobs"]["token_logprobs"]
 
 
-def test_logprob_fields_are_consistent_as_lm_eval_reads_them(url, server_backend):  # noqa: F811
+@pytest.mark.model
+def test_logprob_fields_are_consistent_as_lm_eval_reads_them(url, tiny_backend):  # noqa: F811
     text = "The capital of France is Paris"
     ids = post(url, "/tokenize", {"prompt": text, "add_special_tokens": False})[1]["tokens"]
-    assert ids == server_backend.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids == tiny_backend.tokenizer(text, add_special_tokens=False)["input_ids"]
     out = complete(url, prompt=[ids], max_tokens=1, temperature=0, echo=True, logprobs=3, seed=1234)
     lp = out["choices"][0]["logprobs"]
     n = len(ids) + 1
@@ -82,14 +100,15 @@ def test_logprob_fields_are_consistent_as_lm_eval_reads_them(url, server_backend
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(n)]
     for tok, own, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
         assert top[tok] == own and 3 <= len(top) <= 4 and max(top.values()) >= own
-    ref = T.score(server_backend, [T.encode(server_backend, text, special=False)])[0]
+    ref = T.score(tiny_backend, [T.encode(tiny_backend, text, special=False)])[0]
     assert lp["token_logprobs"][1:-1] == pytest.approx(ref.logprobs, abs=1e-5)
     assert post(url, "/detokenize", {"tokens": ids})[1]["prompt"] == text
     info = post(url, "/tokenize", {"prompt": "x"})[1]
-    assert info["max_model_len"] == server_backend.shape.max_context and info["count"] == len(info["tokens"])
+    assert info["max_model_len"] == tiny_backend.shape.max_context and info["count"] == len(info["tokens"])
 
 
-def test_generation_is_the_raw_continuation_cut_at_stop(url, server_backend):  # noqa: F811
+def test_generation_is_the_raw_continuation_cut_at_stop(real_url, server_backend):  # noqa: F811
+    url = real_url
     prompt = "1, 2, 3, 4,"
     greedy = server_backend.generate(ChatRequest([T.encode(server_backend, prompt)], Sampling(max_new_tokens=12,
                                                                                                 temperature=0)))[0]
@@ -117,6 +136,7 @@ def _stream(url: str, **body) -> list[dict]:
     return [json.loads(x) for x in lines[:-1]]
 
 
+@pytest.mark.model
 def test_n_choices_and_several_prompts_each_with_their_own_seed(url):
     one = [complete(url, prompt="Once upon a time", max_tokens=8, seed=7 + k)["choices"][0]["text"] for k in range(3)]
     three = complete(url, prompt="Once upon a time", max_tokens=8, seed=7, n=3)["choices"]
@@ -128,11 +148,13 @@ def test_n_choices_and_several_prompts_each_with_their_own_seed(url):
                                                  temperature=0)["choices"][0]["text"]
 
 
+@pytest.mark.model
 def test_chat_completions_give_n_choices_with_consecutive_seeds(url):
     messages = [{"role": "user", "content": "Tell me a story."}]
     status, many = post(url, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 8,
                                                       "seed": 3, "n": 2})
     assert status == 200 and len(many["choices"]) == 2
+    assert many["choices"][0]["message"] != many["choices"][1]["message"]  # the seeds differ, and so do the replies
     for k, choice in enumerate(many["choices"]):
         _, one = post(url, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 8,
                                                     "seed": 3 + k})
@@ -141,6 +163,7 @@ def test_chat_completions_give_n_choices_with_consecutive_seeds(url):
     assert status == 422 and err["error"]["param"] == "stream"
 
 
+@pytest.mark.model
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"prompt": [[10**7]], "max_tokens": 1}, 422, "prompt"),  # token ids outside the vocabulary
     ({"prompt": "hi", "max_tokens": 0}, 422, "max_tokens"),  # nothing asked
@@ -162,10 +185,11 @@ def test_bad_input_is_a_4xx_naming_the_field_and_others_are_unaffected(url, body
     assert complete(url, prompt="Hello", max_tokens=2, temperature=0)["choices"][0]["text"]
 
 
-def test_a_marker_or_character_range_places_the_steer(url, server_backend):  # noqa: F811
+@pytest.mark.model
+def test_a_marker_or_character_range_places_the_steer(url, tiny_backend):  # noqa: F811
     """The same text steered with its system span given three ways scores the same; the span
     found by the marker equals the one the chat template marks."""
-    text = server_backend.render(CONV).text + " Rome."
+    text = tiny_backend.render(CONV).text + " Rome."
     start = text.index(SYSTEM)
     ways = [{"chars": [start, start + len(SYSTEM)]}, "chat"]
     got = [complete(url, prompt=text, max_tokens=0, echo=True, logprobs=0,
@@ -178,6 +202,7 @@ def test_a_marker_or_character_range_places_the_steer(url, server_backend):  # n
     assert span == (0, len(SYSTEM))
 
 
+@pytest.mark.model
 def test_streamed_chat_chunks_carry_the_log_probs_of_their_tokens(url):
     """A stream's chunks carry the log-probs of the tokens their text came from: together, the
     plain reply's list, entry for entry."""

@@ -1,7 +1,9 @@
 """`driftlab serve` under faults and load: one client cannot break the others.
 
-Real HTTP on loopback, the real model. Each test is bounded in time: the model is the
-135M one and replies are a few tokens, except where a request must be long on purpose.
+Real HTTP on loopback, the real model (SmolLM2-135M), or a tiny random Llama with the same
+tokenizer and context (`tiny_dir`: a step costs a millisecond) where a test is about the server's
+bookkeeping, not the model's speed or memory. Each test is bounded in time: replies are a few
+tokens, except where a request must be long on purpose.
 
 The tests must pass on a busy machine (a shared 2-core CPU decodes many times slower than
 an idle one), so none relies on how fast the machine is: an order of events is forced by
@@ -35,6 +37,7 @@ from driftlab.chat import Sampling, chat
 from driftlab.serve import ServeSettings, create_app
 from driftlab.serve.background import background as serving
 from driftlab.serve.background import free_port
+from tiny_models import make_tiny_model
 
 MODEL = "smollm2-135m"
 TIMEOUT = 300  # the 2-core CI machine can be slow; no test relies on this limit
@@ -45,6 +48,26 @@ def backend(smol_dir):
     from driftlab.chat.hf import HFChatBackend
 
     b = HFChatBackend(str(smol_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=8 << 20)
+    b.name = MODEL
+    return b
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama with SmolLM2's context window (8192 positions, as LONGEST and the
+    oversized request assume)."""
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("faults") / "llama")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_backend(tiny_dir):
+    """The tiny model as `backend` serves the real one: float32, an 8 MB prefix cache."""
+    from driftlab.chat.hf import HFChatBackend
+
+    b = HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=8 << 20)
     b.name = MODEL
     return b
 
@@ -144,10 +167,13 @@ class Faulty:
         return self.real.generate(request)
 
 
-def test_a_poisoned_batch_fails_only_its_poison(backend, smol32):
+@pytest.mark.model
+def test_a_poisoned_batch_fails_only_its_poison(tiny_backend):
     """Oversized, unencodable, deeply nested and model-crashing requests among 3 normal ones,
     all sent while the model is busy, so that the 4 that pass the checks queue up and run as
-    one batch: the 3 normal ones get the replies they get alone (each decoded alone again here)."""
+    one batch: the 3 normal ones get the replies they get alone (each decoded alone again here;
+    on the tiny model, whose replies to the 3 differ)."""
+    backend = tiny_backend
     app = create_app(Faulty(backend), ServeSettings(max_batch_size=32, max_wait_ms=300))
     prompts = [f"Name a colour, please ({i})." for i in range(3)]
     oversize = json.dumps(body("word " * 9000)).encode()  # > the 8192-token context window
@@ -175,6 +201,7 @@ def test_a_poisoned_batch_fails_only_its_poison(backend, smol32):
         assert r.status_code == 200, r.text
         alone = chat(backend, [[{"role": "user", "content": p}]], Sampling(max_new_tokens=8, temperature=0))[0]
         assert r.json()["choices"][0]["message"]["content"] == alone.text
+    assert len({r.json()["choices"][0]["message"]["content"] for r in normal}) == len(prompts)  # each its own
     assert "context window of 8192" in openai_error(bad["oversize"], 422)["message"]
     assert "surrogate" in openai_error(bad["surrogate"], 400)["message"]
     assert "nests JSON too deeply" in openai_error(bad["deep"], 400)["message"]
@@ -355,25 +382,27 @@ def test_memory_stays_flat_over_10_rounds_of_32_clients(smol_dir):
     assert last <= 1.10 * first, (first >> 20, last >> 20)
 
 
-def test_deterministic_replies_do_not_depend_on_their_batch_in_bfloat16(smol_dir):
+@pytest.mark.model
+def test_deterministic_replies_do_not_depend_on_their_batch_in_bfloat16(tiny_dir):
     """In bfloat16 a batch can change the arithmetic, and with it greedy text (whether it does
     for given prompts depends on the machine's kernels, so that is not what is tested here);
     --deterministic decodes each request alone and keeps no prefix cache, so a reply is the
     same alone and among 3 concurrent ones (one decoding, two waiting): every batch the server
     ran held one request, and each reply equals the one decoded alone, one request per call,
     before the server started, by the backend it serves (no prefix cache, as --deterministic
-    makes the server's, so no KV outlives its request)."""
+    makes the server's, so no KV outlives its request). On the tiny model, with replies long enough
+    (128 tokens) that two requests wait while one decodes."""
     from driftlab.chat.hf import HFChatBackend
 
     prompts = [f"Write a long sentence about the number {i} and why it matters." for i in range(3)]
     settings = ServeSettings(deterministic=True, max_wait_ms=200)
     assert settings.prefix_cache_bytes == 0
     # Without a prefix cache, as the server's: with one, a reply could reuse KV computed in another batch.
-    b = HFChatBackend(str(smol_dir), dtype="bfloat16", device=backend_device(),
+    b = HFChatBackend(str(tiny_dir), dtype="bfloat16", device=backend_device(),
                       prefix_cache_bytes=settings.prefix_cache_bytes)
     b.name = MODEL
     start = time.perf_counter()
-    alone = [chat(b, [[{"role": "user", "content": p}]], Sampling(max_new_tokens=12, temperature=0))[0].text
+    alone = [chat(b, [[{"role": "user", "content": p}]], Sampling(max_new_tokens=TOKENS, temperature=0))[0].text
              for p in prompts]
     sequential = time.perf_counter() - start  # what the server's work costs on this machine now
     app = create_app(b, settings)
@@ -381,7 +410,7 @@ def test_deterministic_replies_do_not_depend_on_their_batch_in_bfloat16(smol_dir
     async def ask_all(url):
         # The last reply waits for the ones before it: allow 10 times the measured sequential work.
         async with httpx.AsyncClient(timeout=TIMEOUT + 10 * sequential) as client:
-            tasks = [asyncio.create_task(client.post(f"{url}/v1/chat/completions", json=body(p, 12)))
+            tasks = [asyncio.create_task(client.post(f"{url}/v1/chat/completions", json=body(p, TOKENS)))
                      for p in prompts]
             seen = await until(client, url, lambda h: h["waiting"] >= 2 or all(t.done() for t in tasks),
                                "2 requests waiting at once, or all answered")
@@ -393,6 +422,10 @@ def test_deterministic_replies_do_not_depend_on_their_batch_in_bfloat16(smol_dir
     assert sizes == [1] * len(prompts), sizes  # each request decoded alone
     assert waiting >= 2, "the requests never waited together, so nothing tested that they were not batched"
     assert [r.json()["choices"][0]["message"]["content"] for r in responses] == alone
+    assert len(set(alone)) == len(prompts)  # each its own reply
+
+
+TOKENS = 128  # each reply of the test above: enough steps of the tiny model for two requests to wait
 
 
 # -- the whole server process: drain on SIGTERM, exposure ---------------------------------------

@@ -1,5 +1,8 @@
 """`driftlab serve` with requests as real clients send them (issue 34): stop strings, explicit
-nulls, top_logprobs without logprobs, tool-call history, and fields it cannot apply."""
+nulls, top_logprobs without logprobs, tool-call history, and fields it cannot apply.
+
+All on test_serve's tiny random Llama (a step costs a millisecond): these are about the wire format
+and the row's bookkeeping; a real model's reply cut at a stop is test_serve_completions'."""
 
 from __future__ import annotations
 
@@ -10,14 +13,14 @@ import pytest
 
 from driftlab.serve import ServeSettings, TextStream, create_app
 from driftlab.serve.background import background as serving
-from test_serve import MODEL, _WordTokenizer, body, get, post, server_backend  # noqa: F401 - fixture
+from test_serve import MODEL, _WordTokenizer, body, get, post, tiny_backend  # noqa: F401 - fixture
 
 STORY = [{"role": "user", "content": "Tell me a story about a dragon who lives in a castle."}]
 
 
 @pytest.fixture(scope="module")
-def compat(server_backend):  # noqa: F811
-    app = create_app(server_backend, ServeSettings(max_batch_size=8, max_wait_ms=20, max_tokens_limit=64))
+def compat(tiny_backend):  # noqa: F811
+    app = create_app(tiny_backend, ServeSettings(max_batch_size=8, max_wait_ms=20, max_tokens_limit=64))
     with serving(app) as url:
         yield url
 
@@ -45,6 +48,7 @@ def generated_tokens(url: str) -> float:
     return float(re.search(r"^driftlab_generated_tokens_total (\S+)$", get(f"{url}/metrics").text, re.M).group(1))
 
 
+@pytest.mark.model
 def test_stop_cuts_the_reply_before_the_stop_and_ends_the_row_there(compat, client, plain):
     full, stop = plain
     text = full.choices[0].message.content
@@ -66,6 +70,7 @@ def test_stop_cuts_the_reply_before_the_stop_and_ends_the_row_there(compat, clie
     assert decoded <= n + 1 + len(stop)  # a stop string spans at most len(stop) tokens
 
 
+@pytest.mark.model
 def test_stop_as_one_string_and_streamed_never_sends_text_past_it(client, plain):
     full, stop = plain
     want = client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=32, temperature=0, stop=stop)
@@ -94,6 +99,7 @@ def test_text_stream_sends_nothing_past_a_request_stop():
     ("\n\n", 200), (["a", "b", "c", "d"], 200), ([], 200), (None, 200),
     (["a", "b", "c", "d", "e"], 422), ([""], 422), ([1], 422),
 ])
+@pytest.mark.model
 def test_stop_takes_a_string_or_up_to_four(compat, stop, status):
     r = post(f"{compat}/v1/chat/completions", json=body(max_tokens=2, stop=stop))
     assert r.status_code == status, r.text
@@ -101,6 +107,7 @@ def test_stop_takes_a_string_or_up_to_four(compat, stop, status):
         assert r.json()["error"]["param"].startswith("stop")
 
 
+@pytest.mark.model
 def test_explicit_nulls_read_as_the_defaults(compat):
     nulls = dict.fromkeys(["temperature", "top_p", "n", "logprobs", "top_logprobs", "stream", "max_tokens",
                            "stop", "stream_options"], None)
@@ -115,6 +122,7 @@ def test_explicit_nulls_read_as_the_defaults(compat):
 
 
 @pytest.mark.parametrize("extra", [{"top_logprobs": 3}, {"top_logprobs": 0, "logprobs": False}])
+@pytest.mark.model
 def test_top_logprobs_without_logprobs_is_a_400(compat, client, extra):
     import openai
 
@@ -126,7 +134,8 @@ def test_top_logprobs_without_logprobs_is_a_400(compat, client, extra):
         client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=2, top_logprobs=2)
 
 
-def test_tool_calls_and_tool_results_are_read_as_text(compat, server_backend):  # noqa: F811
+@pytest.mark.model
+def test_tool_calls_and_tool_results_are_read_as_text(compat, tiny_backend):  # noqa: F811
     history = [
         {"role": "user", "content": "What is the weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [
@@ -137,7 +146,7 @@ def test_tool_calls_and_tool_results_are_read_as_text(compat, server_backend):  
     assert r.status_code == 200, r.text
     as_text = [history[0], {"role": "assistant", "content": '[tool call weather({"city": "Paris"})]'},
                {"role": "user", "content": "[tool result call_1]\nSunny, 21 C"}]
-    assert r.json()["usage"]["prompt_tokens"] == len(server_backend.render(as_text).ids)
+    assert r.json()["usage"]["prompt_tokens"] == len(tiny_backend.render(as_text).ids)
     bad = post(f"{compat}/v1/chat/completions", json={**body(), "messages": [{"role": "user", "content": None}]})
     assert bad.status_code == 422 and bad.json()["error"]["param"].startswith("messages.0"), bad.text
 
@@ -146,6 +155,7 @@ def test_tool_calls_and_tool_results_are_read_as_text(compat, server_backend):  
     ("tools", [{"type": "function", "function": {"name": "f"}}]),  # response_format: test_response_format.py
     ("tool_choice", "auto"), ("best_of", 2), ("use_beam_search", True),
 ])
+@pytest.mark.model
 def test_unapplied_sampling_fields_are_refused_by_name(compat, field, value):
     r = post(f"{compat}/v1/chat/completions", json=body(**{field: value}))
     assert r.status_code == 422, r.text
@@ -153,6 +163,7 @@ def test_unapplied_sampling_fields_are_refused_by_name(compat, field, value):
     assert err["param"] == field and "not supported" in err["message"] and field in err["message"]
 
 
+@pytest.mark.model
 def test_neutral_values_and_informational_fields_are_accepted(compat, client):
     neutral = {"logit_bias": {}, "frequency_penalty": 0, "presence_penalty": 0.0, "top_k": -1, "min_p": 0,
                "repetition_penalty": 1, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",

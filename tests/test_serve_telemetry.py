@@ -1,5 +1,9 @@
 """Drift telemetry of `driftlab serve` over real HTTP: pi and the persona projection of each reply,
-as the local backend measures them, in the reply, in a stream's last chunk and in /metrics."""
+as the local backend measures them, in the reply, in a stream's last chunk and in /metrics.
+
+A reply's pi and the when-drifting gate (whose ratio is the real model's reading of its system
+prompt) on the real model (SmolLM2-135M); the other checks, equalities with the backend's own
+numbers and /metrics' bookkeeping, on test_serve's tiny random Llama (a step costs a millisecond)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from driftlab.serve.background import background as serving
 from driftlab.serve.telemetry import OTHER, PromptLabels
 from driftlab.steering.interventions import Interventions, Trace
 from test_activation import FRENCH, synthetic
+from test_serve import tiny_backend  # noqa: F401 - fixture
 
 post = functools.partial(httpx.post, timeout=300)
 N = 10
@@ -23,11 +28,20 @@ DIALOG = [{"role": "system", "content": FRENCH}, {"role": "user", "content": "Hi
           {"role": "assistant", "content": "Bonjour ! Je vais bien."}, {"role": "user", "content": "What is Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def server(smol32):
-    app = create_app(smol32, ServeSettings(max_wait_ms=20, telemetry_prompts=1))
+def _served(backend):
+    app = create_app(backend, ServeSettings(max_wait_ms=20, telemetry_prompts=1))
     with serving(app) as url:
-        yield url, smol32
+        yield url, backend
+
+
+@pytest.fixture(scope="module")
+def server(tiny_backend):  # noqa: F811
+    yield from _served(tiny_backend)
+
+
+@pytest.fixture(scope="module")
+def real_server(smol32):
+    yield from _served(smol32)
 
 
 def ask(url: str, backend, messages=DIALOG, **extra) -> httpx.Response:
@@ -46,8 +60,8 @@ def scrape(url: str) -> dict[str, float]:
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line and line[0] != "#"}
 
 
-def test_a_reply_carries_the_pi_the_backend_traces_and_changes_no_token(server) -> None:
-    url, backend = server
+def test_a_reply_carries_the_pi_the_backend_traces_and_changes_no_token(real_server) -> None:
+    url, backend = real_server
     plain = ask(url, backend).json()
     r = ask(url, backend, driftlab={"telemetry": {"layers": True}})
     assert r.status_code == 200, r.text
@@ -66,6 +80,7 @@ def test_a_reply_carries_the_pi_the_backend_traces_and_changes_no_token(server) 
     assert np.mean(layers["first"]) == pytest.approx(pi["first"], abs=1e-4)
 
 
+@pytest.mark.model
 def test_a_stream_ends_with_the_same_telemetry(server) -> None:
     url, backend = server
     whole = ask(url, backend, driftlab={"telemetry": True}).json()["driftlab"]
@@ -78,6 +93,7 @@ def test_a_stream_ends_with_the_same_telemetry(server) -> None:
     assert chunks[-1]["driftlab"] == whole
 
 
+@pytest.mark.model
 def test_a_reply_asked_for_its_kls_carries_those_of_protocol_divergence_whole_or_streamed(server) -> None:
     """"telemetry": {"kl": true}: once the reply is done the server reads it again on the model's thread; the
     numbers are `protocol.divergence`'s on the same dialog and reply (checked against transformers in
@@ -105,6 +121,7 @@ def test_a_reply_asked_for_its_kls_carries_those_of_protocol_divergence_whole_or
     assert cfg.status_code == 422 and "--steer cfg mixes or switches distributions" in cfg.json()["error"]["message"]
 
 
+@pytest.mark.model
 def test_the_openai_client_reads_telemetry_from_extra_body(server) -> None:
     from openai import OpenAI
 
@@ -116,6 +133,7 @@ def test_the_openai_client_reads_telemetry_from_extra_body(server) -> None:
     assert telemetry["rounds"] == 2 and 0 < telemetry["pi"]["first"] <= 1
 
 
+@pytest.mark.model
 def test_without_a_system_prompt_pi_is_null_and_bad_requests_are_one_line_422s(server) -> None:
     url, backend = server
     bare = ask(url, backend, messages=DIALOG[1:], driftlab={"telemetry": True}).json()["driftlab"]["telemetry"]
@@ -128,6 +146,7 @@ def test_without_a_system_prompt_pi_is_null_and_bad_requests_are_one_line_422s(s
     assert text.status_code == 422 and "telemetry" in text.json()["error"]["param"]
 
 
+@pytest.mark.model
 def test_metrics_count_each_measured_reply_under_a_bounded_prompt_label(server) -> None:
     url, backend = server
     label = PromptLabels(1)(FRENCH)
@@ -146,14 +165,16 @@ def test_metrics_count_each_measured_reply_under_a_bounded_prompt_label(server) 
     assert after[total] - before.get(total, 0) == pytest.approx(pi["first"], abs=1e-5)
 
 
-def test_a_server_started_with_telemetry_measures_every_chat_request(smol32) -> None:
-    with serving(create_app(smol32, ServeSettings(max_wait_ms=20, telemetry=True))) as url:
-        out = ask(url, smol32).json()
+@pytest.mark.model
+def test_a_server_started_with_telemetry_measures_every_chat_request(tiny_backend) -> None:  # noqa: F811
+    with serving(create_app(tiny_backend, ServeSettings(max_wait_ms=20, telemetry=True))) as url:
+        out = ask(url, tiny_backend).json()
         measured = scrape(url)
     assert "telemetry" not in out["driftlab"] and out["driftlab"]["steer"] == []  # not asked: not in the reply
     assert measured[f'driftlab_pi_count{{at="last",prompt="{PromptLabels(1)(FRENCH)}"}}'] == 1
 
 
+@pytest.mark.model
 def test_with_directions_the_reply_carries_its_projection(server) -> None:
     url, backend = server
     directions = synthetic(backend.shape.layers, backend.d_model, [FRENCH])
@@ -181,11 +202,11 @@ def test_prompt_labels_are_short_hashes_bounded_in_number() -> None:
 STEER = "instaboost:m=20"
 
 
-def test_when_drifting_steers_a_drifted_conversation_and_not_a_first_turn(server) -> None:
+def test_when_drifting_steers_a_drifted_conversation_and_not_a_first_turn(real_server) -> None:
     """`when-drifting:r=R` over HTTP: a reply is the always-on steer's where pi_t / pi_1 < R (the
     ratio the backend computes), else plain's; a first turn (ratio 1) is never steered; the
     decision is in the reply without telemetry and counted in /metrics."""
-    url, backend = server
+    url, backend = real_server
     steer = Interventions.parse([STEER])
     on, plain = local(backend, steer=steer), local(backend)
     assert on.token_ids != plain.token_ids  # the steer changes this reply, so the comparison has teeth
