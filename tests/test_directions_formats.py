@@ -192,8 +192,7 @@ def test_the_assistant_axis_caps_as_its_own_steerer_and_a_persona_vector_adds_as
     layers 10-13, imported and calibrated on two roles' replies: `cap:q=file` on a conversation
     without a system prompt (the axis's row) gives the tokens and log-probs of upstream's
     `_apply_cap` (`v = vector / (norm + 1e-8); h -= relu(<h, v> - cap) v`) hooked on those layers.
-    A persona vector (float32, [L + 1, d]) imported for reply-in-french: `vector:alpha=2,layers=12`
-    gives those of upstream's `ActivationSteerer(layer_idx=layer - 1)` adding 2 * v[13] at block 12."""
+    The persona vector's import is the tiny model's test below."""
     n_layers, d = smol32.shape.layers, smol32.d_model
     gen = torch.Generator().manual_seed(0)
     axis = (torch.randn(n_layers, d, generator=gen) * 0.5).to(torch.bfloat16)
@@ -218,14 +217,22 @@ def test_the_assistant_axis_caps_as_its_own_steerer_and_a_persona_vector_adds_as
     finally:
         smol32.use_directions(None)
 
-    vectors = torch.randn(n_layers + 1, d, generator=gen)
+
+@pytest.mark.model
+def test_a_persona_vector_adds_as_its_own_steerer_on_a_tiny_model(tmp_path) -> None:
+    """A persona vector (float32, [L + 1, d]) imported for reply-in-french into a tiny random Llama (3 layers):
+    `vector:alpha=2,layers=1` gives the tokens and log-probs of upstream's `ActivationSteerer(layer_idx=layer - 1)`
+    adding 2 * v[2] at block 1. (Split from the Assistant Axis's SmolLM2 test: the import is bookkeeping.)"""
+    from driftlab.chat.hf import HFChatBackend
+    from tiny_models import make_tiny_model
+
+    tiny = HFChatBackend(str(make_tiny_model("llama", tmp_path / "llama")), dtype="float32", device="cpu",
+                         prefix_cache_bytes=0)
+    vectors = torch.randn(tiny.shape.layers + 1, tiny.d_model, generator=torch.Generator().manual_seed(0))
     torch.save(vectors, tmp_path / "french_response_avg_diff.pt")
-    dl.directions(smol32, personas=["reply-in-french"], starters=2, max_new_tokens=6, out=tmp_path / "pv",
+    dl.directions(tiny, personas=["reply-in-french"], starters=2, max_new_tokens=6, out=tmp_path / "pv",
                   from_file=str(tmp_path / "french_response_avg_diff.pt"), format="persona-vectors", progress=False)
     french = get_persona("reply-in-french").system_prompt
-    smol32.use_directions(Directions.load(tmp_path / "pv"))
-    try:
-        _check_against(smol32, [{"role": "system", "content": french}, conv[0]], "vector:alpha=2,layers=12",
-                       {12: lambda h: h + 2.0 * vectors[13]})
-    finally:
-        smol32.use_directions(None)
+    tiny.use_directions(Directions.load(tmp_path / "pv"))
+    conv = [{"role": "system", "content": french}, {"role": "user", "content": "What do you do in London as a tourist?"}]
+    _check_against(tiny, conv, "vector:alpha=2,layers=1", {1: lambda h: h + 2.0 * vectors[2]})

@@ -213,23 +213,23 @@ def test_the_served_judge_gives_the_local_judges_verdicts(smol32, tmp_path):
     local.close()
 
 
-@pytest.mark.process
+@pytest.mark.model
 def test_the_cli_takes_a_judge_measure_in_one_line(tmp_path):
-    """`driftlab run --measure judge:model=...` in a fresh process: the judge named in the manifest,
-    every probe rated or its error recorded, and the verdicts cached."""
-    import subprocess
-    import sys
+    """`driftlab run --measure judge:model=...` (the command, in this process, on a tiny model): the judge
+    named in the manifest, every probe rated or its error recorded, and the verdicts cached."""
+    from typer.testing import CliRunner
 
+    from driftlab.cli import app
     from tiny_models import make_tiny_model
 
     model = make_tiny_model("qwen2", tmp_path / "qwen2")
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "driftlab", "run", "--model", str(model), "--dtype", "float32",
-                           "--device", "cpu", "--system", "Be warm, never familiar.", "--probe", "Hey buddy?",
-                           "--measure", f"judge:model={model},rubric=0: familiar, 10: warm, max_tokens=3",
-                           "--pairs", "1", "--rounds", "1", "--max-new-tokens", "4", "--probe-tokens", "4",
-                           "--no-report", "--out", str(out)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    done = CliRunner().invoke(app, ["run", "--model", str(model), "--dtype", "float32", "--device", "cpu",
+                                    "--system", "Be warm, never familiar.", "--probe", "Hey buddy?",
+                                    "--measure", f"judge:model={model},rubric=0: familiar, 10: warm, max_tokens=3",
+                                    "--pairs", "1", "--rounds", "1", "--max-new-tokens", "4", "--probe-tokens", "4",
+                                    "--no-report", "--out", str(out)])
+    assert done.exit_code == 0, (done.output[-3000:], done.exception)
     manifest = json.loads((out / "manifest.json").read_text())
     (persona,) = [p for p in manifest["personas"].values() if p["measure"] == JUDGE]
     assert persona["params"] == {"model": str(model), "rubric": "0: familiar, 10: warm", "max_tokens": 3}

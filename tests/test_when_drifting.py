@@ -2,18 +2,24 @@
 its pi (the attention mass on its system prompt at the reply's first token, mean over layers and
 heads) has fallen below R times its first turn's.
 
-The ratio is checked against transformers' own eager attention weights; the decision against the
-plain and always-on replies, row by row in one mixed batch; a self-chat records each decision.
+The ratio is checked against transformers' own eager attention weights on SmolLM2; the decision
+against the plain and always-on replies, row by row in one mixed batch; a self-chat records each
+decision. What is the gate's bookkeeping (each row's decision, token for token, and what the records
+keep) runs on a tiny random Llama (tests/tiny_models.py): a forward pass costs a millisecond there, and
+each test asserts that the steer changes its replies, so a row steered wrongly still shows.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from devices import tol
+from devices import backend_device, tol
 from driftlab.chat import ChatRequest, Sampling
+from driftlab.chat.hf import HFChatBackend
 from driftlab.errors import DriftlabError
 from driftlab.protocol.dialog import RECORDS
 from driftlab.protocol.runner import run_protocol
@@ -27,6 +33,19 @@ LATER = [*FIRST, {"role": "assistant", "content": "Je visite le British Museum e
                                      "the pubs, in as much detail as you can."}]
 STEER = "instaboost:m=20"
 GREEDY = Sampling(greedy=True, max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer (tests/tiny_models.py)."""
+    from tiny_models import make_tiny_model
+
+    return make_tiny_model("llama", tmp_path_factory.mktemp("gate") / "llama")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir) -> HFChatBackend:
+    return HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
 
 
 @pytest.mark.parametrize("specs, message", [
@@ -119,35 +138,35 @@ def test_drift_ratio_is_pi_at_the_reply_over_pi_at_the_first_turn_by_eager_atten
 
 
 @pytest.mark.model
-def test_in_one_batch_each_row_gets_the_steer_only_where_it_has_drifted(smol32) -> None:
+def test_in_one_batch_each_row_gets_the_steer_only_where_it_has_drifted(tiny) -> None:
     """Two rows, one batch: the first turn (ratio 1) decodes as plain, the drifted one as the
     always-on steer, token for token; the decisions come back on the replies."""
     def one(conv, specs):
-        (reply,) = smol32.generate(ChatRequest([conv], GREEDY, interventions=Interventions.parse(specs)))
+        (reply,) = tiny.generate(ChatRequest([conv], GREEDY, interventions=Interventions.parse(specs)))
         return reply
 
     plain, on = one(LATER, []), one(LATER, [STEER])
     assert plain.token_ids != on.token_ids  # the steer changes this reply: the test has teeth
     first_plain = one(FIRST, [])
     assert first_plain.token_ids != one(FIRST, [STEER]).token_ids
-    both = smol32.generate(ChatRequest([FIRST, LATER], GREEDY,
+    both = tiny.generate(ChatRequest([FIRST, LATER], GREEDY,
                                        interventions=Interventions.parse([STEER, "when-drifting:r=1"])))
     assert [r.gate["steered"] for r in both] == [False, True]
     assert both[0].gate["pi_ratio"] == 1.0 and both[1].gate["pi_ratio"] < 1
     assert both[0].token_ids == first_plain.token_ids and both[1].token_ids == on.token_ids
-    (never,) = smol32.generate(ChatRequest([LATER], GREEDY, interventions=Interventions.parse(
+    (never,) = tiny.generate(ChatRequest([LATER], GREEDY, interventions=Interventions.parse(
         [STEER, f"when-drifting:r={both[1].gate['pi_ratio'] / 2}"])))
     assert never.gate["steered"] is False and never.token_ids == plain.token_ids
     assert plain.gate is None and on.gate is None
 
 
 @pytest.mark.model
-def test_a_selfchat_records_each_agent_reply_s_decision(smol32, tmp_path) -> None:
+def test_a_selfchat_records_each_agent_reply_s_decision(tiny, tmp_path) -> None:
     """Round 1 is never steered (its ratio is 1); every agent turn carries the gate, and the
     user side, never steered, none."""
     cfg = SelfChatConfig(pairs=1, rounds=2, seed=0, steer=[STEER, "when-drifting:r=1"],
                          sampling=Sampling(max_new_tokens=6, greedy=True), probe_tokens=6)
-    rundir = run_protocol(SelfChat(cfg, smol32), tmp_path / "run", progress=False)
+    rundir = run_protocol(SelfChat(cfg, tiny), tmp_path / "run", progress=False)
     records = rundir.records(RECORDS)
     agent = sorted((r for r in records if r.kind == "turn" and r.speaker == "agent"), key=lambda r: r.round)
     assert [r.round for r in agent] == [1, 2]
@@ -158,14 +177,14 @@ def test_a_selfchat_records_each_agent_reply_s_decision(smol32, tmp_path) -> Non
 
 
 @pytest.mark.model
-def test_scoring_and_residual_steers_follow_each_row_s_decision(smol32) -> None:
+def test_scoring_and_residual_steers_follow_each_row_s_decision(tiny) -> None:
     """MMLU's path (log-likelihoods) scores a first-turn context as plain and a drifted one as the
     steer; a vector steer leaves a row the gate keeps plain unsteered; token prompts refuse a gate."""
     from test_activation import FRENCH as DIRECTED
     from test_activation import synthetic
 
     def ll(contexts, specs):
-        return [x.logprob for x in smol32.loglikelihood(contexts, [" Bonjour"] * len(contexts),
+        return [x.logprob for x in tiny.loglikelihood(contexts, [" Bonjour"] * len(contexts),
                                                         Interventions.parse(specs))]
 
     plain, on = ll([FIRST, LATER], []), ll([FIRST, LATER], [STEER])
@@ -174,10 +193,10 @@ def test_scoring_and_residual_steers_follow_each_row_s_decision(smol32) -> None:
     assert gated[0] == pytest.approx(plain[0], abs=tol(1e-5)) and gated[1] == pytest.approx(on[1], abs=tol(1e-5))
 
     later = [{"role": "system", "content": DIRECTED}, *LATER[1:]]
-    smol32.use_directions(synthetic(smol32.shape.layers, smol32.d_model, [DIRECTED]))
+    tiny.use_directions(synthetic(tiny.shape.layers, tiny.d_model, [DIRECTED]))
     try:
         def reply(specs):
-            (r,) = smol32.generate(ChatRequest([later], GREEDY, interventions=Interventions.parse(specs)))
+            (r,) = tiny.generate(ChatRequest([later], GREEDY, interventions=Interventions.parse(specs)))
             return r.token_ids
 
         vector = "vector:alpha=8"
@@ -186,12 +205,12 @@ def test_scoring_and_residual_steers_follow_each_row_s_decision(smol32) -> None:
         assert reply([vector, "when-drifting:r=0.0001"]) == plain
         assert reply([vector, "when-drifting:r=1"]) == steered
     finally:
-        smol32.use_directions(None)
+        tiny.use_directions(None)
     with pytest.raises(DriftlabError, match="token prompts"):
-        smol32.generate_tokens([smol32.render(FIRST)], GREEDY, interventions=Interventions.parse([STEER, "when-drifting:r=1"]))
+        tiny.generate_tokens([tiny.render(FIRST)], GREEDY, interventions=Interventions.parse([STEER, "when-drifting:r=1"]))
 
 
-def _drifting_directions(smol_dir, device, system: str, convs: list[list[dict]], backend):
+def _drifting_directions(model_dir, device, system: str, convs: list[list[dict]], backend):
     """Directions for `system` built from a plain forward hook's hidden states (an eager copy of the
     model, not driftlab's hooks): per layer, the unit vector from the later turn's last hidden
     state to the first turn's, with the without/with means set 1 below and above the two, so both
@@ -201,7 +220,7 @@ def _drifting_directions(smol_dir, device, system: str, convs: list[list[dict]],
 
     from driftlab.activation.directions import Directions, PersonaDirection
 
-    eager = AutoModelForCausalLM.from_pretrained(str(smol_dir), dtype=torch.float32).to(device).eval()
+    eager = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
     layers = eager.model.layers
 
     def states(ids: list[int]) -> torch.Tensor:  # [L, T, d] each decoder layer's output
@@ -227,7 +246,7 @@ def _drifting_directions(smol_dir, device, system: str, convs: list[list[dict]],
     p_first, p_now = (first * unit).sum(-1), (now * unit).sum(-1)
     low, high = p_now - 1, p_first + 1
     L = len(layers)
-    band = tuple(range(L // 3, L // 3 + 3))
+    band = tuple(range(L // 3, min(L // 3 + 3, L)))
     direction = PersonaDirection(id="drift", system_prompt=system, unit=unit, norm=torch.ones(L),
                                  with_proj=high[None].repeat(4, 1), without_proj=low[None].repeat(4, 1),
                                  auroc=torch.ones(3, L), band=band)
@@ -237,45 +256,45 @@ def _drifting_directions(smol_dir, device, system: str, convs: list[list[dict]],
 
 
 @pytest.mark.model
-def test_by_projection_each_row_is_steered_only_where_its_persona_projection_fell(smol32, smol_dir, device) -> None:
+def test_by_projection_each_row_is_steered_only_where_its_persona_projection_fell(tiny, tiny_dir, device) -> None:
     """`when-drifting:by=projection`: the first turn's and the reply's normalised projections equal
     a plain forward hook's (band mean); in one batch the first turn (ratio 1) decodes as plain and
     the drifted conversation as the always-on steer, token for token; r below its ratio keeps it
     plain. Without directions it is a one-line error before any work."""
-    directions, want = _drifting_directions(smol_dir, device, FRENCH, [FIRST, LATER], smol32)
+    directions, want = _drifting_directions(tiny_dir, device, FRENCH, [FIRST, LATER], tiny)
     gate = Interventions.parse([STEER, "when-drifting:r=1,by=projection"])
     with pytest.raises(DriftlabError, match="no persona directions"):
-        smol32.check_steer(LATER, gate)
-    smol32.use_directions(directions)
+        tiny.check_steer(LATER, gate)
+    tiny.use_directions(directions)
     try:
-        got = [smol32.projection_drift(smol32.render(c, interventions=gate), FRENCH) for c in (FIRST, LATER)]
+        got = [tiny.projection_drift(tiny.render(c, interventions=gate), FRENCH) for c in (FIRST, LATER)]
         np.testing.assert_allclose(got, want, atol=tol(1e-4), rtol=0)
         assert 0 < want[1][1] < want[1][0] < 1 and got[0][0] == got[0][1]  # LATER drifted; FIRST is its own reference
 
         def one(conv, specs):
-            (reply,) = smol32.generate(ChatRequest([conv], GREEDY, interventions=Interventions.parse(specs)))
+            (reply,) = tiny.generate(ChatRequest([conv], GREEDY, interventions=Interventions.parse(specs)))
             return reply
 
         plain, on = one(LATER, []), one(LATER, [STEER])
         assert plain.token_ids != on.token_ids  # the steer changes this reply: the test has teeth
-        both = smol32.generate(ChatRequest([FIRST, LATER], GREEDY, interventions=gate))
+        both = tiny.generate(ChatRequest([FIRST, LATER], GREEDY, interventions=gate))
         assert [r.gate["steered"] for r in both] == [False, True]
         ratio = both[1].gate["projection_ratio"]
         assert both[0].gate["projection_ratio"] == 1.0 and ratio == pytest.approx(want[1][1] / want[1][0], abs=tol(1e-4))
         assert both[0].token_ids == one(FIRST, []).token_ids and both[1].token_ids == on.token_ids
-        (never,) = smol32.generate(ChatRequest([LATER], GREEDY, interventions=Interventions.parse(
+        (never,) = tiny.generate(ChatRequest([LATER], GREEDY, interventions=Interventions.parse(
             [STEER, f"when-drifting:r={ratio / 2},by=projection"])))
         assert never.gate["steered"] is False and never.token_ids == plain.token_ids
         other = [{"role": "system", "content": "You are a pirate."}, *LATER[1:]]
         with pytest.raises(DriftlabError, match="none for system prompt 'You are a pirate.'"):
-            smol32.check_steer(other, gate)
+            tiny.check_steer(other, gate)
     finally:
-        smol32.use_directions(None)
+        tiny.use_directions(None)
 
 
 @pytest.mark.model
-def test_a_monitoring_gate_records_its_reading_beside_the_kls_on_every_replayed_turn(smol32, tmp_path) -> None:
-    """On SmolLM2: a replay under a monitor writes the gate's reading and both KLs on every agent turn, its
+def test_a_monitoring_gate_records_its_reading_beside_the_kls_on_every_replayed_turn(tiny, tmp_path) -> None:
+    """A replay under a monitor writes the gate's reading and both KLs on every agent turn, its
     replies those of the plain run, and `driftlab warn` reads the reading as a signal."""
     import json
 
@@ -288,8 +307,8 @@ def test_a_monitoring_gate_records_its_reading_beside_the_kls_on_every_replayed_
                              ["Tell me about bread.", "Which flour is best?"])))  # a first turn and a later one
     common = dict(conversations=logs, agents="reply-in-french,all-caps", max_new_tokens=8, greedy=True, kl=True,
                   progress=False)
-    watched = dl.replay(smol32, steer=["trace", "when-drifting:r=0.9"], out=tmp_path / "monitor", **common)
-    plain = dl.replay(smol32, out=tmp_path / "plain", **{**common, "kl": False})  # --kl changes no reply (test_kl.py)
+    watched = dl.replay(tiny, steer=["trace", "when-drifting:r=0.9"], out=tmp_path / "monitor", **common)
+    plain = dl.replay(tiny, out=tmp_path / "plain", **{**common, "kl": False})  # --kl changes no reply (test_kl.py)
     assert [r["text"] for r in watched.records] == [r["text"] for r in plain.records]
     assert len(watched.records) == 4 and all(r["gate"]["pi_ratio"] > 0 and r["kl"] for r in watched.records)
     assert turns_frame(tmp_path / "monitor")["gate"].notna().all()
