@@ -187,7 +187,7 @@ def _check_against(backend, conv, spec: str, hooks: dict) -> None:
     np.testing.assert_allclose([t.logprob for t in steered.logprobs], logprobs[:n], atol=2e-4)
 
 
-def test_the_assistant_axis_caps_as_its_own_steerer_and_a_persona_vector_adds_as_its_own(smol32, tmp_path) -> None:
+def test_the_assistant_axis_caps_as_its_own_steerer(smol32, tmp_path) -> None:
     """SmolLM2-135M, float32. An Assistant Axis (bf16, as published) with a capping experiment on
     layers 10-13, imported and calibrated on two roles' replies: `cap:q=file` on a conversation
     without a system prompt (the axis's row) gives the tokens and log-probs of upstream's
