@@ -304,6 +304,7 @@ def test_truncated_weights_are_named_with_the_repair(smol_dir, tmp_path, size):
     assert "save the model directory again" in err.value.hint
 
 
+@pytest.mark.model  # three loads of a tiny model: about a second, not for the fast subset
 def test_a_load_pauses_garbage_collection_and_gives_it_back_as_it_was(tmp_path, monkeypatch):
     """load_model runs transformers' load without cyclic garbage collection (the full collections
     it saves: benchmarks/loading.py), and leaves collection as it found it: on after a load and
