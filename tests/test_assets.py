@@ -304,15 +304,20 @@ def test_truncated_weights_are_named_with_the_repair(smol_dir, tmp_path, size):
     assert "save the model directory again" in err.value.hint
 
 
-def test_a_load_pauses_garbage_collection_and_gives_it_back_as_it_was(smol_dir, tmp_path, monkeypatch):
+@pytest.mark.model  # three loads of a tiny model: about a second, not for the fast subset
+def test_a_load_pauses_garbage_collection_and_gives_it_back_as_it_was(tmp_path, monkeypatch):
     """load_model runs transformers' load without cyclic garbage collection (the full collections
     it saves: benchmarks/loading.py), and leaves collection as it found it: on after a load and
-    after a failed one, still off where the caller had turned it off."""
+    after a failed one, still off where the caller had turned it off. (A tiny random Llama: the
+    bookkeeping around the load is the same for any weights.)"""
     import gc
 
     from transformers import AutoModelForCausalLM
 
     from driftlab.chat.loading import load_model
+    from tiny_models import make_tiny_model
+
+    model = make_tiny_model("llama", tmp_path / "tiny")
 
     real, seen = AutoModelForCausalLM.from_pretrained, []
 
@@ -322,10 +327,10 @@ def test_a_load_pauses_garbage_collection_and_gives_it_back_as_it_was(smol_dir, 
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
     assert gc.isenabled()
-    load_model(str(smol_dir), dtype="float32", device="cpu")
+    load_model(str(model), dtype="float32", device="cpu")
     assert seen == [False] and gc.isenabled()
 
-    broken = linked_copy(smol_dir, tmp_path / "broken", leave_out="config.json")
+    broken = linked_copy(model, tmp_path / "broken", leave_out="config.json")
     (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
     with pytest.raises(DriftlabError, match="Could not load a causal language model"):
         load_model(str(broken), dtype="float32", device="cpu")
@@ -333,7 +338,7 @@ def test_a_load_pauses_garbage_collection_and_gives_it_back_as_it_was(smol_dir, 
 
     gc.disable()
     try:
-        load_model(str(smol_dir), dtype="float32", device="cpu")
+        load_model(str(model), dtype="float32", device="cpu")
         assert seen == [False, False, False] and not gc.isenabled()
     finally:
         gc.enable()

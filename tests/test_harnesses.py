@@ -22,12 +22,34 @@ def server_backend(smol32):
     return smol32
 
 
+def _serve(backend):
+    app = create_app(backend, ServeSettings(max_batch_size=8, max_wait_ms=20, max_tokens_limit=64,
+                                            served_model_name=MODEL))
+    return serving(app)
+
+
 @pytest.fixture(scope="module")
 def url(server_backend):
-    app = create_app(server_backend, ServeSettings(max_batch_size=8, max_wait_ms=20, max_tokens_limit=64,
-                                                   served_model_name=MODEL))
-    with serving(app) as base:
+    with _serve(server_backend) as base:
         yield base
+
+
+@pytest.fixture(scope="module")
+def tiny_served(tmp_path_factory):
+    """(backend, url) of a tiny random Qwen2 with SmolLM2's tokenizer (tests/tiny_models.py), served as MODEL:
+    for an option whose check is driftlab's numbers against the harness's, not a real model's replies."""
+    from driftlab.chat.hf import HFChatBackend
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model("qwen2", tmp_path_factory.mktemp("harness") / "qwen2")
+    backend = HFChatBackend(str(path), dtype="float32", device="cpu", prefix_cache_bytes=0)
+    with _serve(backend) as base:
+        yield backend, base
+
+
+@pytest.fixture(scope="module")
+def smol_served(server_backend, url):
+    return server_backend, url
 
 
 def test_inspect_ai_evaluates_a_steered_model_with_stop_seqs_and_two_choices(url, server_backend, tmp_path,
@@ -76,18 +98,21 @@ def _lm_eval(model: str, model_args: dict, tasks: list[str], monkeypatch, **kwar
                                    **kwargs)
 
 
-@pytest.mark.parametrize("steer", [[], [STEER]])
-def test_lm_eval_local_completions_scores_multiple_choice_as_driftlab_does(url, server_backend, smol_dir,
-                                                                            steer, monkeypatch):
+@pytest.mark.model
+@pytest.mark.parametrize("steer, served", [pytest.param([], "tiny_served", id="steer0"),
+                                           pytest.param([STEER], "smol_served", id="steer1")])
+def test_lm_eval_local_completions_scores_multiple_choice_as_driftlab_does(request, steer, served, monkeypatch):
     """lm-eval's log-likelihood path (token ids, echo, logprobs) against the server, with the
     system instruction in the chat template lm-eval renders with the model's tokenizer (its
     remote tokenizer hands chat templates back unrendered), steered by the model name: every log-likelihood lm-eval logs equals driftlab's in-process score of the same
-    text, and its accuracy is the argmax over them."""
+    text, and its accuracy is the argmax over them. Steered on SmolLM2; unsteered on the tiny model
+    (the same path, no steer: driftlab's numbers against lm-eval's)."""
     from driftlab.chat import text as T
 
+    server_backend, url = request.getfixturevalue(served)
     model = "+".join([MODEL, *steer])
     out = _lm_eval("local-completions", {"model": model, "base_url": f"{url}/v1/completions", "batch_size": 8,
-                                         "tokenizer_backend": "huggingface", "tokenizer": str(smol_dir)},
+                                         "tokenizer_backend": "huggingface", "tokenizer": str(server_backend.path)},
                    ["driftlab_mc", "driftlab_arith"], monkeypatch, limit=2, apply_chat_template=True,
                    system_instruction="Always reply in French.")
     assert out["config"]["model_args"]["model"] == model  # the steer is recorded with the results
@@ -97,7 +122,9 @@ def test_lm_eval_local_completions_scores_multiple_choice_as_driftlab_does(url, 
         fulls, lasts, lls = [], [], []
         for (context, continuation), (ll, _greedy) in zip((a for a in sample["arguments"]),
                                                           (r[0] for r in sample["resps"]), strict=True):
-            ctx = T.encode(server_backend, context, T.SystemSpan(chat=True), special=False)
+            # lm-eval (TemplateLM._encode_pair) moves the context's trailing whitespace, the "\n" after
+            # "assistant", into the continuation: its log-prob is in lm-eval's number (SmolLM2's ~ -2e-4).
+            ctx = T.encode(server_backend, context.rstrip(), T.SystemSpan(chat=True), special=False)
             assert ctx.system_span is not None  # the system instruction was found in lm-eval's prompt
             fulls.append(T.encode(server_backend, context + continuation, T.SystemSpan(chat=True), special=False))
             lasts.append(len(fulls[-1].ids) - len(ctx.ids))

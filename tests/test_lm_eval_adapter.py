@@ -213,14 +213,19 @@ runpy.run_module("driftlab.integrations.lm_eval", run_name="__main__", alter_sys
 
 
 @pytest.mark.slow
-def test_lm_eval_cli_runs_driftlab(smol_dir, tmp_path):
+def test_lm_eval_cli_runs_driftlab(tmp_path):
     """`python -m driftlab.integrations.lm_eval run --model driftlab ...` end to end (lm-eval 0.4.13 has
-    no entry point for models: the wrapper registers "driftlab" before lm-eval's own CLI runs)."""
+    no entry point for models: the wrapper registers "driftlab" before lm-eval's own CLI runs). The
+    model is a tiny random Qwen2 (tests/tiny_models.py): what runs here is the wrapper and lm-eval's
+    CLI; DriftlabLM's numbers on SmolLM2 are the tests above."""
+    from tiny_models import make_tiny_model
+
+    model = make_tiny_model("qwen2", tmp_path / "tiny")
     env = {**__import__("os").environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     subprocess.run(
         [sys.executable, "-c", _CLI_ON_FIXTURE_TASKS, "run", "--model", "driftlab", "--model_args",
-         f"pretrained={smol_dir},dtype=float32,steer=split-softmax:k=0.8", "--tasks", "driftlab_mc",
-         "--include_path", str(FIXTURES), "--limit", "2", "--output_path", str(tmp_path)],
+         f"pretrained={model},dtype=float32,steer=split-softmax:k=0.8", "--tasks", "driftlab_mc",
+         "--include_path", str(FIXTURES), "--limit", "2", "--output_path", str(tmp_path / "out")],
         check=True, env=env, capture_output=True, text=True, timeout=600)
-    found = list(tmp_path.rglob("results_*.json"))
+    found = list((tmp_path / "out").rglob("results_*.json"))
     assert found and "driftlab_mc" in json.loads(found[0].read_text())["results"]

@@ -1,8 +1,11 @@
-"""PASTA's tasks, evaluation and head profiling: prompts per baseline, and real runs on SmolLM2.
+"""PASTA's tasks, evaluation and head profiling: prompts per baseline, and real runs.
 
-The real runs use tiny settings (a few examples, a few tokens, one or two layers): what they
+The runs use tiny settings (a few examples, a few tokens, one or two layers): what they
 check is the protocol — records, resume after kill -9, the ranking and the heatmap, that
-each baseline really prompts differently — not the model's accuracy.
+each baseline really prompts differently — not the model's accuracy. One eval (every
+baseline, resumed) and one profile (the answer's likelihood) run on SmolLM2; the other
+options (a scoring task's metrics, generated text's metrics, profiling by a task's metric)
+are bookkeeping over the same engine and run on a tiny random Qwen2 (tests/tiny_models.py).
 """
 
 from __future__ import annotations
@@ -130,7 +133,20 @@ def test_profile_config_takes_layers_only() -> None:
         ProfileConfig(task="counterfact", prompt="shortened")
 
 
-# -- real runs on SmolLM2 -----------------------------------------------------------------------
+# -- real runs: SmolLM2 once per feature, the options on a tiny model ------------------------------
+TINY_HEADS = "0-2"  # every layer of the tiny Qwen2 (3 layers of 4 heads)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Qwen2 with SmolLM2's tokenizer: the options' bookkeeping in milliseconds a pass."""
+    from driftlab.chat.hf import HFChatBackend
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model("qwen2", tmp_path_factory.mktemp("pasta") / "qwen2")
+    return HFChatBackend(str(path), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
+
+
 @pytest.mark.model
 def test_eval_runs_every_baseline_and_resumes(tmp_path, smol32) -> None:
     from driftlab.pasta.evaluate import PastaEval, summarize
@@ -153,49 +169,57 @@ def test_eval_runs_every_baseline_and_resumes(tmp_path, smol32) -> None:
 
 
 @pytest.mark.model
-def test_counterfact_eval_scores_es_and_ps(tmp_path, smol32) -> None:
+def test_counterfact_eval_scores_es_and_ps(tmp_path, tiny) -> None:
+    """A scoring task's records (on the tiny model: which metrics, not their values)."""
     from driftlab.pasta.evaluate import PastaEval
 
     cfg = PastaEvalConfig(task="counterfact", n=2, backend=BackendSpec(dtype="float32", device=backend_device()), baselines=["zero-shot", "pasta"],
-                          steer=["pasta:heads=0-29,alpha=0.01"])
-    run_protocol(PastaEval(cfg, smol32), tmp_path / "cf", progress=False)
+                          steer=[f"pasta:heads={TINY_HEADS},alpha=0.01"])
+    run_protocol(PastaEval(cfg, tiny), tmp_path / "cf", progress=False)
     recs = RunDir(tmp_path / "cf").records()
     assert len(recs) == 4 and all(set(r["metrics"]) == {"es", "ps"} for r in recs)
     assert all(r["metrics"]["ps"] in (0.0, 0.5, 1.0) for r in recs)
 
 
 @pytest.mark.model
-def test_scoring_tasks_also_score_generated_text(tmp_path, smol32) -> None:
-    """--generate-tokens (App. E): BiasBios gets fluency and consistency, CounterFact fluency."""
+def test_scoring_tasks_also_score_generated_text(tmp_path, tiny) -> None:
+    """--generate-tokens (App. E): BiasBios gets fluency and consistency, CounterFact fluency (on the
+    tiny model: which metrics a record gets, not how fluent its text is)."""
     from driftlab.pasta.evaluate import PastaEval
 
     for task, extra in (("biasbios", {"acc", "fluency", "consistency"}), ("counterfact", {"es", "ps", "fluency"})):
         # One example, 16 tokens: which metrics a record gets does not depend on how many there are.
         cfg = PastaEvalConfig(task=task, n=1, generate_tokens=16, backend=BackendSpec(dtype="float32", device=backend_device()),
                               baselines=["zero-shot"])
-        run_protocol(PastaEval(cfg, smol32), tmp_path / task, progress=False)
+        run_protocol(PastaEval(cfg, tiny), tmp_path / task, progress=False)
         recs = RunDir(tmp_path / task).records()
         assert len(recs) == 1 and all(set(r["metrics"]) == extra and r["text"] for r in recs)
         assert all(0.0 < r["metrics"]["fluency"] < 10.0 for r in recs)
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("task, score", [("counterfact", "metric"), ("json", "likelihood")])
-def test_profile_scoring_modes(tmp_path, smol32, task, score) -> None:
-    """Log-likelihood profiling (a scoring task's metric, or the answer's likelihood): 9 heads of one layer."""
+@pytest.mark.parametrize("task, score, model, layer, heads", [
+    pytest.param("counterfact", "metric", "tiny", 1, 4, id="counterfact-metric"),
+    pytest.param("json", "likelihood", "smol32", 5, 9, id="json-likelihood"),
+])
+def test_profile_scoring_modes(tmp_path, request, task, score, model, layer, heads) -> None:
+    """Log-likelihood profiling (a scoring task's metric, or the answer's likelihood): every head of one
+    layer. The answer's likelihood on SmolLM2 (9 heads of layer 5); the metric's bookkeeping on the tiny
+    model (4 heads of layer 1)."""
     from driftlab.pasta.profile import HeadProfiler, build_profile
 
+    backend = request.getfixturevalue(model)
     # One example: a metric is its 0, 0.5 or 1 either way, and single heads move one answer's likelihood differently.
-    cfg = ProfileConfig(task=task, n=1, layers="5", score=score, backend=BackendSpec(dtype="float32", device=backend_device()))
-    run_protocol(HeadProfiler(cfg, smol32), tmp_path / "p", progress=False)
+    cfg = ProfileConfig(task=task, n=1, layers=str(layer), score=score, backend=BackendSpec(dtype="float32", device=backend_device()))
+    run_protocol(HeadProfiler(cfg, backend), tmp_path / "p", progress=False)
     profile = build_profile(tmp_path / "p")
-    assert [(layer, h) for layer, h, _ in profile.scores] != [] and {layer for layer, _, _ in profile.scores} == {5}
-    assert len(profile.scores) == 9 and profile.baseline is not None
+    assert [(lay, h) for lay, h, _ in profile.scores] != [] and {lay for lay, _, _ in profile.scores} == {layer}
+    assert len(profile.scores) == heads and profile.baseline is not None
     values = [s for _, _, s in profile.scores]
     assert values == sorted(values, reverse=True)
+    assert len(set(values)) > 1  # single heads move the answer's likelihood (the tiny model's metric) differently
     if score == "likelihood":
         assert profile.metric == "answer_logprob_per_token" and all(v < 0 for v in values)
-        assert len(set(values)) > 1  # single heads move the answer's likelihood differently
     else:
         assert profile.metric == "es" and all(v in (0.0, 0.5, 1.0) for v in values)
 

@@ -94,15 +94,19 @@ def test_tune_scores_each_head_count_on_valid_and_resumes(tmp_path, smol32) -> N
 @pytest.mark.model
 def test_tune_cli_prints_the_table_and_writes_heads(tmp_path) -> None:
     """The command in this process (`python -m driftlab` itself is tests/test_cli_errors.py's): no
-    interpreter's seconds of imports for what is the command's table and heads.json."""
+    interpreter's seconds of imports for what is the command's table and heads.json. On a tiny random
+    Qwen2 (3 layers of 4 heads): the tuning itself runs on SmolLM2 above."""
     from typer.testing import CliRunner
 
     from driftlab.cli import app
+    from tiny_models import make_tiny_model
 
-    prof = _profile(tmp_path / "p.json", [(layer, head) for layer in range(30) for head in range(9)])
+    model = str(make_tiny_model("qwen2", tmp_path / "tiny"))
+    prof = _profile(tmp_path / "p.json", [(layer, head) for layer in range(3) for head in range(4)], model=model)
     out = tmp_path / "tune"
     args = ["pasta", "tune", prof, "--task", "json", "--select", "task-specific", "--topk", "3", "--n", "1",
-            "--max-new-tokens", "4", "--dtype", "float32", "--device", backend_device(), "--out", str(out)]
+            "--max-new-tokens", "4", "--model", model, "--dtype", "float32", "--device", backend_device(),
+            "--out", str(out)]
     done = CliRunner().invoke(app, args)
     assert done.exit_code == 0, (done.output[-3000:], done.exception)
     assert "no steering" in done.stdout and "chosen" in done.stdout
