@@ -273,9 +273,6 @@ def test_second_pull_in_another_process_waits_then_uses_the_first_ones_result(tm
     assert not (final.parent / "work").exists()
 
 
-@pytest.mark.network
-@pytest.mark.model
-@pytest.mark.slow
 # --------------------------------------------------------------------------- damaged model files
 
 
