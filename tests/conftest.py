@@ -48,8 +48,8 @@ gc.set_threshold(50_000, 20, 20)
 
 
 # Seconds (and tests) of the test files that take 5 s or more, whole, and of the many-test light
-# ones (one recorded run, 2026-11-29, 2-core Intel Xeon with AMX, unloaded, at 08c0925:
-# docs/results/suite/durations-2026-11-29c.txt; its ratios are what counts); every other file is
+# ones (one recorded run, 2026-11-29, 2-core Intel Xeon with AMX, unloaded, empty compile caches, at
+# 646aa38: docs/results/suite/durations-2026-11-29d.txt; its ratios are what counts); every other file is
 # costed at LIGHT_TEST_S a test.
 # Workers take whole files (`--dist loadfile`) in the order of the collection, which
 # `pytest_collection_modifyitems` below makes longest first, so that no long file starts last
@@ -57,27 +57,27 @@ gc.set_threshold(50_000, 20, 20)
 # long files (kill-and-resume, compile cache, tutorial) at the end. To refresh the table from a
 # run's `--junitxml`: sum each file's testcase times.
 FILE_SECONDS = {
-    "test_static_decode.py": (164, 69), "test_benchmarks_gpu.py": (150, 19), "test_resume.py": (93, 9),
-    "test_continuous.py": (74, 12), "test_kl.py": (57, 10), "test_serve_faults.py": (57, 11),
-    "test_graph_budget.py": (51, 5), "test_attention_flex.py": (47, 69), "test_attention_engine.py": (47, 103),
-    "test_activation.py": (45, 17), "test_ray.py": (42, 5), "test_tutorial.py": (42, 2),
-    "test_backend.py": (39, 23), "test_assets.py": (34, 21), "test_pasta_tasks.py": (33, 24),
-    "test_directions.py": (30, 5), "test_hub.py": (26, 40), "test_pi_floor.py": (26, 63),
-    "test_bench_measures.py": (26, 50), "test_lm_eval_adapter.py": (25, 8), "test_when_drifting.py": (24, 15),
-    "test_pasta_steering.py": (23, 56), "test_cli_errors.py": (22, 127), "test_serve.py": (22, 21),
-    "test_serve_telemetry.py": (22, 10), "test_results_figures.py": (22, 10), "test_from_model.py": (21, 19),
-    "test_sweep_benchmark.py": (20, 8), "test_openai_backend.py": (18, 9), "test_harnesses.py": (18, 4),
-    "test_serve_completions.py": (17, 19), "test_cli.py": (16, 19), "test_plugins.py": (15, 4),
-    "test_replay.py": (15, 13), "test_mitigations.py": (14, 4), "test_judge.py": (14, 23),
-    "test_report.py": (14, 31), "test_readme.py": (12, 4), "test_decay.py": (12, 4),
-    "test_sampling_fields.py": (11, 47), "test_flex_guard.py": (11, 5), "test_pasta_tune.py": (10, 5),
-    "test_sweep.py": (10, 19), "test_stats.py": (10, 65), "test_directions_formats.py": (9, 13),
-    "test_response_format.py": (7, 8), "test_bench_personas.py": (7, 360),
-    "test_serve_openai_compat.py": (7, 20), "test_theory.py": (7, 32), "test_mmlu.py": (7, 28),
-    "test_results_contract.py": (6, 12), "test_ifeval.py": (6, 10), "test_api.py": (6, 17),
-    "test_options.py": (5, 21), "test_claims.py": (4, 111), "test_ifbench.py": (3, 12),
-    "test_warn.py": (2, 13), "test_selfchat.py": (2, 30), "test_sampling.py": (2, 49),
-    "test_bench_user_personas.py": (2, 15), "test_pasta_data.py": (0, 31), "test_pasta_metrics.py": (0, 27),
+    "test_benchmarks_gpu.py": (163, 19), "test_static_decode.py": (163, 69), "test_serve_faults.py": (55, 11),
+    "test_ray.py": (47, 5), "test_resume.py": (47, 9), "test_graph_budget.py": (46, 5), "test_kl.py": (42, 10),
+    "test_tutorial.py": (38, 2), "test_activation.py": (30, 17), "test_assets.py": (29, 21),
+    "test_continuous.py": (29, 12), "test_directions.py": (28, 5), "test_bench_measures.py": (27, 50),
+    "test_pi_floor.py": (25, 63), "test_attention_flex.py": (24, 54), "test_hub.py": (24, 40),
+    "test_backend.py": (23, 23), "test_results_figures.py": (23, 10), "test_attention_engine.py": (21, 83),
+    "test_cli_errors.py": (20, 127), "test_lm_eval_adapter.py": (20, 8), "test_serve.py": (18, 21),
+    "test_sweep_benchmark.py": (18, 8), "test_harnesses.py": (17, 4), "test_plugins.py": (15, 4),
+    "test_cli.py": (14, 19), "test_pasta_tasks.py": (12, 24), "test_readme.py": (12, 4),
+    "test_report.py": (12, 31), "test_openai_backend.py": (11, 9), "test_serve_telemetry.py": (11, 10),
+    "test_stats.py": (11, 65), "test_decay.py": (10, 4), "test_from_model.py": (10, 19),
+    "test_sampling_fields.py": (10, 47), "test_pasta_tune.py": (9, 5), "test_serve_completions.py": (9, 19),
+    "test_sweep.py": (9, 19), "test_flex_guard.py": (8, 5), "test_pasta_steering.py": (8, 50),
+    "test_api.py": (7, 17), "test_bench_personas.py": (7, 360), "test_directions_formats.py": (7, 14),
+    "test_judge.py": (7, 23), "test_response_format.py": (7, 8), "test_theory.py": (7, 32),
+    "test_mmlu.py": (6, 28), "test_results_contract.py": (6, 12), "test_ifeval.py": (4, 10),
+    "test_mitigations.py": (4, 4), "test_options.py": (4, 21), "test_replay.py": (4, 13),
+    "test_claims.py": (3, 111), "test_ifbench.py": (3, 12), "test_serve_openai_compat.py": (3, 20),
+    "test_warn.py": (3, 13), "test_pasta_data.py": (2, 31), "test_pasta_metrics.py": (2, 27),
+    "test_selfchat.py": (2, 30), "test_when_drifting.py": (2, 15), "test_bench_user_personas.py": (0, 15),
+    "test_sampling.py": (0, 49), "test_steering.py": (0, 28), "test_vllm.py": (0, 32),
 }
 LIGHT_TEST_S = 0.3
 
