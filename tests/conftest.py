@@ -165,6 +165,16 @@ def smol_bf16(smol_dir, device):
     return HFChatBackend(str(smol_dir), dtype="bfloat16", device=str(device))
 
 
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """The directory of a tiny random Llama (tests/tiny_models.py: 3 layers of 4 heads, SmolLM2's
+    tokenizer), built once per worker, for the tests where an option's check needs no language.
+    Read only: a test that changes a model's files builds its own."""
+    from tiny_models import make_tiny_model
+
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama") / "llama")
+
+
 @pytest.fixture
 def holm_reference(monkeypatch):
     """statsmodels' Holm adjustment, the independent reference for driftlab's: p-values -> adjusted.

@@ -61,17 +61,10 @@ def smol_dirs(smol32):
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from tiny_models import make_tiny_model
-
-    return make_tiny_model("llama", tmp_path_factory.mktemp("activation") / "llama")
-
-
-@pytest.fixture(scope="module")
-def tiny_backend(tiny_path):
+def tiny_backend(tiny_llama):
     from driftlab.chat.hf import HFChatBackend
 
-    return HFChatBackend(str(tiny_path), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
+    return HFChatBackend(str(tiny_llama), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
 
 
 @pytest.fixture
@@ -220,14 +213,14 @@ def test_rows_leaving_the_batch_keep_what_they_recorded(tiny_dirs, monkeypatch) 
 
 # -- the compiled step ----------------------------------------------------------------------------------------
 @pytest.mark.compile  # on the CPU out of the fast part (tests/conftest.py)
-def test_residual_steers_run_on_one_compiled_graph_per_bucket(tiny_path, monkeypatch) -> None:
+def test_residual_steers_run_on_one_compiled_graph_per_bucket(tiny_llama, monkeypatch) -> None:
     """Vector and cap knobs are tensors: after `warm`, new strengths, layers, caps and their
     composition with attention steers compile nothing, and give the dynamic loop's tokens."""
     import driftlab.chat.static_decode as sd
     from driftlab.chat.hf import HFChatBackend
 
     monkeypatch.setitem(sd.COMPILE_OPTIONS, "cpu", {**sd.COMPILE_OPTIONS["cpu"], "backend": "aot_eager"})
-    path = tiny_path
+    path = tiny_llama
     compiled = HFChatBackend(str(path), dtype="float32", prefix_cache_bytes=0, decode="compiled")
     dynamic = HFChatBackend(str(path), dtype="float32", prefix_cache_bytes=0, decode="dynamic")
     directions = synthetic(compiled.shape.layers, compiled.d_model, [FRENCH, PIRATE])
@@ -345,7 +338,7 @@ def test_hooks_install_once_and_come_off(tmp_path) -> None:
 
 
 @pytest.mark.model  # a tiny model, loaded a second time
-def test_steer_applies_vector_and_cap_to_your_own_generate_as_the_backend_does(tiny_dirs, tiny_path) -> None:
+def test_steer_applies_vector_and_cap_to_your_own_generate_as_the_backend_does(tiny_dirs, tiny_llama) -> None:
     """`dl.steer(model, "vector:...", system=TEXT, directions=D)` around transformers' generate gives
     driftlab's own tokens (on the tiny model, where both steers change them); after the block the
     model is plain again; pi-floor is refused by name."""
@@ -354,8 +347,8 @@ def test_steer_applies_vector_and_cap_to_your_own_generate_as_the_backend_does(t
     import driftlab as dl
 
     backend, directions = tiny_dirs
-    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).to(backend.device)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).to(backend.device)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     ids = torch.tensor([backend.render(_conv(FRENCH)).ids], device=backend.device)
 
     def generate() -> list[int]:

@@ -51,15 +51,8 @@ def test_chat_prints_only_the_reply(driftlab, plain_reply):
     assert proc.stdout == plain_reply + "\n"
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from tiny_models import make_tiny_model
-
-    return make_tiny_model("llama", tmp_path_factory.mktemp("cli") / "llama")
-
-
 @pytest.mark.model
-def test_chat_split_softmax_matches_the_eager_reference(tiny_dir, driftlab):
+def test_chat_split_softmax_matches_the_eager_reference(tiny_llama, driftlab):
     """`--steer split-softmax:k=0.9` gives the greedy text of the slow weight-materialising reference.
     On a tiny random Llama, where the steer changes the reply: what is checked here is that the
     command applies the steer (the engine against the reference on SmolLM2 is test_attention_engine.py's)."""
@@ -67,11 +60,11 @@ def test_chat_split_softmax_matches_the_eager_reference(tiny_dir, driftlab):
     from driftlab.chat import Sampling, chat
     from driftlab.chat.hf import HFChatBackend
 
-    proc = driftlab("chat", "--model", str(tiny_dir), "--system", SYSTEM, "--greedy", "--max-new-tokens", str(TOKENS),
+    proc = driftlab("chat", "--model", str(tiny_llama), "--system", SYSTEM, "--greedy", "--max-new-tokens", str(TOKENS),
                     "--dtype", "float32", "--steer", "split-softmax:k=0.9", QUESTION)
     assert proc.returncode == 0, proc.stderr
     register_reference()
-    ref = HFChatBackend(str(tiny_dir), dtype="float32", attn_implementation=NAME, prefix_cache_bytes=0)
+    ref = HFChatBackend(str(tiny_llama), dtype="float32", attn_implementation=NAME, prefix_cache_bytes=0)
     conv = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
     greedy = Sampling(greedy=True, max_new_tokens=TOKENS)
     want = chat(ref, [conv], greedy, steer=["split-softmax:k=0.9"])[0]

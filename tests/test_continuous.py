@@ -29,7 +29,6 @@ from driftlab.serve import ServeSettings, create_app
 from driftlab.serve.background import background as serving
 from driftlab.steering.interventions import Interventions
 from test_activation import FRENCH, synthetic
-from tiny_models import make_tiny_model
 
 USERS = ["Hi!", "Tell me about the sea in detail, please, with many words.", "What is 2+2?", "Name a colour.",
          "Describe a cat.", "Why is the sky blue?"]
@@ -39,14 +38,9 @@ WAVES = [[2, 3], [], [4, 5]]  # the rows admit() gives at the 1st, 2nd and 3rd s
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> str:
-    return str(make_tiny_model("llama", tmp_path_factory.mktemp("continuous") / "llama"))
-
-
-@pytest.fixture(scope="module")
-def tiny32(tiny_dir: str) -> HFChatBackend:
+def tiny32(tiny_llama) -> HFChatBackend:
     """A tiny random Llama as smol32 is: float32, no prefix cache."""
-    return HFChatBackend(tiny_dir, dtype="float32", device=backend_device(), prefix_cache_bytes=0)
+    return HFChatBackend(str(tiny_llama), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
 
 
 def waves_of(sampling: Sampling, steer: Interventions, waves=WAVES):
@@ -183,10 +177,10 @@ def test_a_batch_that_rows_keep_joining_keeps_only_its_live_rows_slots(tiny32, m
 
 
 @pytest.mark.model
-def test_joined_rows_store_their_prefixes_as_a_lone_row_does(tiny_dir, tiny32) -> None:
+def test_joined_rows_store_their_prefixes_as_a_lone_row_does(tiny_llama, tiny32) -> None:
     """A follow-up turn on a joined row's reply reuses the KV the batch stored and decodes as without it
     (as tiny32 decodes it: the same model and dtype, with no prefix cache)."""
-    cached = HFChatBackend(tiny_dir, dtype="float32", device=backend_device(), prefix_cache_bytes=64 << 20)
+    cached = HFChatBackend(str(tiny_llama), dtype="float32", device=backend_device(), prefix_cache_bytes=64 << 20)
     plain = tiny32
     assert plain.prefix_cache.max_bytes == 0
     greedy = Sampling(greedy=True, max_new_tokens=14)

@@ -7,7 +7,6 @@ written from a tiny random Llama (tests/tiny_models.py)."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,14 +17,6 @@ from driftlab.errors import DriftlabError
 from driftlab.protocol.decay import DecayTrace, agent_conversation, trace_dialogs, traces, turn_spans
 
 pytestmark = pytest.mark.model
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama with SmolLM2's tokenizer: 3 layers of 4 heads."""
-    from tiny_models import make_tiny_model
-
-    return make_tiny_model("llama", tmp_path_factory.mktemp("decay") / "llama")
 
 
 def test_replay_reproduces_the_pi_of_decoding(smol32):
@@ -50,12 +41,12 @@ def test_turn_spans_cover_the_agent_tokens(smol32):
     assert [s is None for s in spans] == [True, True, False, True, False]
 
 
-def test_decay_cli_writes_traces_and_figures(tmp_path, tiny_dir):
+def test_decay_cli_writes_traces_and_figures(tmp_path, tiny_llama):
     from typer.testing import CliRunner
 
     from driftlab.cli import app
 
-    result = CliRunner().invoke(app, ["decay", "--model", str(tiny_dir), "--rounds", "2", "--pairs", "1",
+    result = CliRunner().invoke(app, ["decay", "--model", str(tiny_llama), "--rounds", "2", "--pairs", "1",
                                       "--max-new-tokens", "8", "--dtype", "float32", "--device", backend_device(),
                                       "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output

@@ -57,27 +57,20 @@ def hf(smol_dir, device):
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from tiny_models import make_tiny_model
-
-    return make_tiny_model("llama", tmp_path_factory.mktemp("from_model") / "llama")
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
+def tiny(tiny_llama):
     """driftlab's own backend on the tiny Llama (as smol32 on SmolLM2)."""
     from driftlab.chat.hf import HFChatBackend
 
-    return HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
+    return HFChatBackend(str(tiny_llama), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
 
 
 @pytest.fixture(scope="module")
-def tiny_hf(tiny_dir):
+def tiny_hf(tiny_llama):
     """The tiny Llama as a user loads it (as `hf`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).to(backend_device()).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).to(backend_device()).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     tokenizer.padding_side = "left"
     return model, tokenizer
 

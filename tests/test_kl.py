@@ -54,12 +54,9 @@ def kl_run(smol32, recorded, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> HFChatBackend:
+def tiny(tiny_llama) -> HFChatBackend:
     """A tiny random Llama with SmolLM2's tokenizer, float32, for the tests that are bookkeeping or exact math."""
-    from tiny_models import make_tiny_model
-
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("kl") / "llama")
-    return HFChatBackend(str(path), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
+    return HFChatBackend(str(tiny_llama), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
 
 
 @pytest.fixture(scope="module")

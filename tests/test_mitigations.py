@@ -30,13 +30,11 @@ GREEDY = Sampling(greedy=True, max_new_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_llama):
     """A tiny random Llama with SmolLM2's tokenizer and chat template."""
     from driftlab.chat.hf import HFChatBackend
-    from tiny_models import make_tiny_model
 
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("mitigations") / "llama")
-    return HFChatBackend(str(path), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
+    return HFChatBackend(str(tiny_llama), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
 
 
 def _tokens(backend, specs, convs=CONVS, sampling=GREEDY):

@@ -40,13 +40,11 @@ def served(smol32):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, device):
+def tiny(tiny_llama, device):
     """A tiny random Llama (tests/tiny_models.py) in float32."""
     from driftlab.chat.hf import HFChatBackend
-    from tiny_models import make_tiny_model
 
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
-    return HFChatBackend(str(path), dtype="float32", device=str(device), prefix_cache_bytes=0)
+    return HFChatBackend(str(tiny_llama), dtype="float32", device=str(device), prefix_cache_bytes=0)
 
 
 @pytest.fixture(scope="module")

@@ -236,13 +236,11 @@ def test_a_replay_shows_the_users_turns_verbatim_in_order_with_the_models_own_re
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, device):
+def tiny(tiny_llama, device):
     """A tiny random Llama with SmolLM2's tokenizer, in float32: the gate's bookkeeping needs no language."""
     from driftlab.chat.hf import HFChatBackend
-    from tiny_models import make_tiny_model
 
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
-    return HFChatBackend(str(path), dtype="float32", device=str(device), prefix_cache_bytes=0)
+    return HFChatBackend(str(tiny_llama), dtype="float32", device=str(device), prefix_cache_bytes=0)
 
 
 @pytest.mark.model

@@ -29,14 +29,12 @@ def url(server_backend):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def tiny_url(tmp_path_factory):
+def tiny_url(tiny_llama):
     """A server of a tiny random Llama (under MODEL's name), for what holds for any weights."""
     from devices import backend_device
     from driftlab.chat.hf import HFChatBackend
-    from tiny_models import make_tiny_model
 
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("response_format") / "llama")
-    backend = HFChatBackend(str(path), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
+    backend = HFChatBackend(str(tiny_llama), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
     app = create_app(served_as(backend, MODEL), ServeSettings(max_batch_size=8, max_wait_ms=20, max_tokens_limit=64))
     with serving(app) as base:
         yield base

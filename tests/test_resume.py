@@ -223,12 +223,10 @@ def commands(protocol_commands):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
+def tiny(tiny_llama) -> Path:
     """A tiny random Llama (3 layers of 4 heads, SmolLM2's tokenizer) for every case but REAL_MODEL's, which
     the test links as DATA/model."""
-    from tiny_models import make_tiny_model
-
-    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
+    return tiny_llama
 
 
 @pytest.mark.parametrize("name", list(CASES))

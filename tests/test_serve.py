@@ -17,7 +17,6 @@ import pytest
 from driftlab.chat import Sampling, chat
 from driftlab.serve import ServeSettings, TextStream, create_app
 from driftlab.serve.background import background as serving
-from tiny_models import make_tiny_model
 
 MODEL = "smollm2-135m"
 KEY = "s3cret-key-for-tests"
@@ -33,14 +32,13 @@ def server_backend(smol32):
 
 
 @pytest.fixture(scope="module")
-def tiny_backend(tmp_path_factory):
+def tiny_backend(tiny_llama):
     """A tiny random Llama (tests/tiny_models.py) served as MODEL, as server_backend is (float32, no
     prefix cache), for what the wire format does with a reply rather than what the reply says."""
     from devices import backend_device
     from driftlab.chat.hf import HFChatBackend
 
-    path = make_tiny_model("llama", tmp_path_factory.mktemp("serve") / "llama")
-    return served_as(HFChatBackend(str(path), dtype="float32", device=backend_device(), prefix_cache_bytes=0), MODEL)
+    return served_as(HFChatBackend(str(tiny_llama), dtype="float32", device=backend_device(), prefix_cache_bytes=0), MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,6 @@ each test asserts that the steer changes its replies, so a row steered wrongly s
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -36,16 +34,8 @@ GREEDY = Sampling(greedy=True, max_new_tokens=8)
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama with SmolLM2's tokenizer (tests/tiny_models.py)."""
-    from tiny_models import make_tiny_model
-
-    return make_tiny_model("llama", tmp_path_factory.mktemp("gate") / "llama")
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir) -> HFChatBackend:
-    return HFChatBackend(str(tiny_dir), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
+def tiny(tiny_llama) -> HFChatBackend:
+    return HFChatBackend(str(tiny_llama), dtype="float32", device=backend_device(), prefix_cache_bytes=0)
 
 
 @pytest.mark.parametrize("specs, message", [
@@ -256,12 +246,12 @@ def _drifting_directions(model_dir, device, system: str, convs: list[list[dict]]
 
 
 @pytest.mark.model
-def test_by_projection_each_row_is_steered_only_where_its_persona_projection_fell(tiny, tiny_dir, device) -> None:
+def test_by_projection_each_row_is_steered_only_where_its_persona_projection_fell(tiny, tiny_llama, device) -> None:
     """`when-drifting:by=projection`: the first turn's and the reply's normalised projections equal
     a plain forward hook's (band mean); in one batch the first turn (ratio 1) decodes as plain and
     the drifted conversation as the always-on steer, token for token; r below its ratio keeps it
     plain. Without directions it is a one-line error before any work."""
-    directions, want = _drifting_directions(tiny_dir, device, FRENCH, [FIRST, LATER], tiny)
+    directions, want = _drifting_directions(tiny_llama, device, FRENCH, [FIRST, LATER], tiny)
     gate = Interventions.parse([STEER, "when-drifting:r=1,by=projection"])
     with pytest.raises(DriftlabError, match="no persona directions"):
         tiny.check_steer(LATER, gate)
