@@ -235,8 +235,6 @@ import atexit, json, os, runpy, signal, sys, traceback
 
 for name in json.loads(sys.argv[1]):
     __import__(name)
-from driftlab.cli import main
-from driftlab.records import rundir
 
 
 def child(job):
@@ -250,6 +248,8 @@ def child(job):
     if job["cwd"]:
         os.chdir(job["cwd"])
     if job["kill_after"]:
+        from driftlab.records import rundir
+
         calls, append = [0], rundir.RunDir.append
 
         def append_then_maybe_die(self, records):
@@ -266,6 +266,8 @@ def child(job):
             sys.path.insert(0, os.path.dirname(os.path.abspath(job["script"])))
             runpy.run_path(job["script"], run_name="__main__")
         else:
+            from driftlab.cli import main
+
             main()
     except SystemExit as done:
         if done.code is not None and not isinstance(done.code, int):  # as Python's own exit prints it
@@ -296,9 +298,13 @@ for line in sys.stdin:
 class CommandServer:
     """`driftlab` commands, each in its own process forked from one server (_COMMAND_SERVER)."""
 
-    def __init__(self, workdir: Path, preload: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, workdir: Path, preload: list[str], env: dict[str, str] | None = None, *,
+                 driftlab: bool = True) -> None:
+        """The server imports `preload` and, unless `driftlab` is False (for scripts that must meet
+        driftlab's imports themselves: tests/test_flex_guard.py), driftlab's command line."""
         self.workdir, self.n = workdir, 0
         self._err = (workdir / "server.err").open("w+")
+        preload = [*preload, *(["driftlab.cli", "driftlab.records.rundir"] if driftlab else [])]
         self.server = subprocess.Popen([sys.executable, "-c", _COMMAND_SERVER, json.dumps(preload)],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
                                        env=env, start_new_session=True)

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import CommandServer
 from driftlab.attention import engine
 from driftlab.chat import ChatRequest, Sampling
 from driftlab.chat.hf import HFChatBackend
@@ -41,6 +40,7 @@ CHILD = r"""
 import builtins, json, sys
 
 mode, model_dir = sys.argv[1:3]
+assert not [m for m in sys.modules if m.split(".")[0] == "driftlab"], "driftlab was imported before the guard"
 import types
 
 import torch
@@ -107,38 +107,10 @@ print("RESULT " + json.dumps(out))
 """
 
 
-# Forks the children: imports what they share, never driftlab (torch, transformers and the tiny Qwen2's
-# modules), then runs CHILD once per mode in a forked process, its stdout and stderr in files.
-# argv: JSON [[mode, stdout path, stderr path], ...], CHILD, then CHILD's arguments after the mode.
-SERVER = r"""
-import json, os, sys, traceback
-
-import torch
-import torch.nn.attention.flex_attention
-import transformers
-import transformers.masking_utils
-import transformers.models.qwen2.modeling_qwen2
-
-jobs, code, args = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3:]
-for mode, out, err in jobs:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        for fd, path in ((1, out), (2, err)):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-        sys.argv, status = ["-c", mode, *args], 0
-        try:
-            exec(compile(code, "<child>", "exec"), {"__name__": "__main__"})
-        except BaseException:
-            traceback.print_exc()
-            status = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps([mode, os.waitstatus_to_exitcode(status)]), flush=True)
-"""
+# What the children share, imported once in their server: never driftlab (torch, transformers and the
+# tiny Qwen2's modules).
+SHARED = ["torch", "torch.nn.attention.flex_attention", "transformers", "transformers.masking_utils",
+          "transformers.models.qwen2.modeling_qwen2"]
 
 
 @pytest.fixture(scope="module")
@@ -172,21 +144,22 @@ MISSING = {"no-aux": "FlexAttention without AuxRequest", "no-flex": "has no Flex
 
 @pytest.fixture(scope="module")
 def children(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
-    """Each mode's child run, forked from one SERVER: mode -> (stdout, stderr)."""
+    """Each mode's child run, forked from one server that imported SHARED (tests/conftest.py's
+    CommandServer, without driftlab): mode -> (stdout, stderr)."""
     folder = tmp_path_factory.mktemp("flex_guard_children")
-    jobs = [[mode, str(folder / f"{mode}.out"), str(folder / f"{mode}.err")] for mode in MISSING]
+    script = folder / "child.py"
+    script.write_text(CHILD, encoding="utf-8")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "400"}  # one note = one stderr line
     env.pop(engine.KERNEL_ENV, None)
-    proc = subprocess.run(
-        [sys.executable, "-c", SERVER, json.dumps(jobs), CHILD, str(tiny_dir), json.dumps(CONVERSATION),
-         str(NEW_TOKENS), json.dumps(STEER)],
-        capture_output=True, text=True, env=env, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = {mode: (Path(o).read_text(), Path(e).read_text()) for mode, o, e in jobs}
-    statuses = dict(map(json.loads, proc.stdout.splitlines()))
-    assert statuses == dict.fromkeys(MISSING, 0), {mode: err[-4000:] for mode, (_, err) in out.items()}
-    return out
+    server = CommandServer(folder, SHARED, env, driftlab=False)
+    try:
+        runs = {mode: server.run([mode, str(tiny_dir), json.dumps(CONVERSATION), str(NEW_TOKENS), json.dumps(STEER)],
+                                 script=script) for mode in MISSING}
+    finally:
+        server.close()
+    assert {mode: run.returncode for mode, run in runs.items()} == dict.fromkeys(MISSING, 0), \
+        {mode: run.stderr[-4000:] for mode, run in runs.items()}
+    return {mode: (run.stdout, run.stderr) for mode, run in runs.items()}
 
 
 @pytest.fixture(scope="module", params=list(MISSING))
