@@ -140,7 +140,7 @@ def test_in_one_batch_each_row_gets_the_steer_only_where_it_has_drifted(tiny) ->
     first_plain = one(FIRST, [])
     assert first_plain.token_ids != one(FIRST, [STEER]).token_ids
     both = tiny.generate(ChatRequest([FIRST, LATER], GREEDY,
-                                       interventions=Interventions.parse([STEER, "when-drifting:r=1"])))
+                                     interventions=Interventions.parse([STEER, "when-drifting:r=1"])))
     assert [r.gate["steered"] for r in both] == [False, True]
     assert both[0].gate["pi_ratio"] == 1.0 and both[1].gate["pi_ratio"] < 1
     assert both[0].token_ids == first_plain.token_ids and both[1].token_ids == on.token_ids
@@ -175,7 +175,7 @@ def test_scoring_and_residual_steers_follow_each_row_s_decision(tiny) -> None:
 
     def ll(contexts, specs):
         return [x.logprob for x in tiny.loglikelihood(contexts, [" Bonjour"] * len(contexts),
-                                                        Interventions.parse(specs))]
+                                                      Interventions.parse(specs))]
 
     plain, on = ll([FIRST, LATER], []), ll([FIRST, LATER], [STEER])
     assert all(abs(p - o) > 1e-3 for p, o in zip(plain, on, strict=True))  # the steer moves both scores
